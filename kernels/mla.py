@@ -1,0 +1,18 @@
+"""Attention of NoPE MLA over a selected set of positions, in the absorbed (latent) form: the torch reference.
+
+MLA keys and values are k = W_uk c and v = W_uv c of one shared latent row c per position. Folding W_uk into the
+query (q_lat = W_uk^T q) and W_uv after the weighted sum means attention runs directly over the cached latent rows,
+never expanding the context per head. Softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def latent_attention(q_lat: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q_lat: [n, h, r]; latent: [L, r]; mask: [n, L] bool (True = attend) -> weighted latent [n, h, r] (fp32)."""
+    scores = torch.einsum("nhr,lr->hnl", q_lat.float(), latent.float()) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnl,lr->nhr", probs, latent.float())

@@ -1,0 +1,364 @@
+"""Keyed sampling: exact, batch-independent token choice.
+
+The rule (design card): a row's token is
+
+    argmax_i  filtered(logits / T)_i + gumbel(seed, position, i)      (ties -> lowest id)
+
+and temperature 0 means plain argmax (greedy).  The Gumbel noise for token
+``i`` is keyed by ``hash(seed, absolute position, i)``, so the draw depends on
+nothing but the row's own logits, seed and position: not on which other rows
+share the batch, not on speculative drafts, not on timing.  A retried or
+replayed request gets the same reply, and a draft token can be verified by
+recomputing the target's choice at that position.
+
+Exactness across CPU and CUDA.  Every step uses only operations whose result
+IEEE 754 (or plain integer arithmetic) fixes bit for bit:
+
+* the hash is MurmurHash3_x86_32 computed with integer ops on 32-bit lanes held
+  in int64 tensors (no product ever exceeds 2**63, so nothing relies on how
+  torch wraps an overflow);
+* logarithms and exponentials are computed here from ``+ - * /`` (each one a
+  separate, correctly rounded elementwise kernel), ``frexp`` and bit
+  manipulation, instead of ``torch.log``/``torch.exp``, whose last-bit results
+  differ between CPU (Sleef/glibc) and CUDA (libdevice);
+* the only reductions over the vocabulary whose order could matter (top-p's
+  cumulative sum) run on integers, which are associative;
+* comparisons, max, stable sort and argmax are exact.  ``torch.argmax``
+  documents that it returns the first maximal index, which is the
+  "ties -> lowest id" rule; ``torch.topk`` documents no tie order, so it is
+  only used for *values* and ties are resolved here by id.
+
+Every operation works along the vocabulary dimension of one row, and every row
+runs the same sequence of operations (greedy and sampled rows alike; a filter
+that is off for a row keeps everything), so a row's ids are bit-identical alone
+or inside any batch.  Batch-level shortcuts (skip the sort when no row uses
+top-p, skip top-k when no row uses it) only skip work whose result would be
+"keep everything" for every row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SamplingParams",
+    "keyed_hash32",
+    "gumbel_noise",
+    "filter_logits",
+    "sample",
+    "token_logprobs",
+]
+
+# ---------------------------------------------------------------------------
+# The hash: MurmurHash3_x86_32 on 32-bit lanes held in int64 tensors.
+#
+# The key of token ``t`` at ``position`` for ``seed`` is the 20-byte
+# little-endian message  seed (u64) | position (u64) | t (u32), hashed with
+# MurmurHash3_x86_32 and hash seed 0, i.e. in Python:
+#     mmh3.hash(struct.pack("<QQI", seed % 2**64, position % 2**64, t), 0, signed=False)
+# Changing any of this changes every seeded reply; tests pin golden values.
+# ---------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+_C1 = 0xCC9E2D51
+_C2 = 0x1B873593
+_F1 = 0x85EBCA6B
+_F2 = 0xC2B2AE35
+_KEY_BYTES = 20  # 5 words: seed lo, seed hi, position lo, position hi, token id
+
+
+def _mul32(a: Tensor, c: int) -> Tensor:
+    """(a * c) mod 2**32 for 0 <= a < 2**32, exactly, without int64 overflow.
+
+    Splitting the constant into 16-bit halves keeps each product below 2**48.
+    """
+    lo = a * (c & 0xFFFF)
+    hi = ((a * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _rotl32(a: Tensor, r: int) -> Tensor:
+    return ((a << r) | (a >> (32 - r))) & _MASK32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, _F1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _F2)
+    return h ^ (h >> 16)
+
+
+def _scramble(k: Tensor) -> Tensor:
+    """Murmur3's per-block key scramble (depends on the block only)."""
+    return _mul32(_rotl32(_mul32(k, _C1), 15), _C2)
+
+
+def _absorb(h: Tensor, scrambled_k: Tensor) -> Tensor:
+    """Murmur3's per-block state update with an already scrambled block."""
+    h = _rotl32(h ^ scrambled_k, 13)
+    return (h * 5 + 0xE6546B64) & _MASK32
+
+
+def keyed_hash32(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
+    """MurmurHash3_x86_32(seed | position | token) for every token: int64 [R, V].
+
+    Values lie in [0, 2**32).  The first four blocks depend only on the row, so
+    they are hashed once per row; the token block is scrambled once per token;
+    only the last absorb and the finaliser run on the full [R, V] grid.
+    """
+    seed = seed.to(torch.int64)
+    position = position.to(device=seed.device, dtype=torch.int64)
+    # Two's complement bits: a negative seed is the uint64 with the same bits.
+    words = (
+        seed & _MASK32,
+        (seed >> 32) & _MASK32,
+        position & _MASK32,
+        (position >> 32) & _MASK32,
+    )
+    h = torch.zeros_like(seed)  # murmur hash seed 0
+    for w in words:
+        h = _absorb(h, _scramble(w))
+    tokens = torch.arange(vocab, dtype=torch.int64, device=seed.device)
+    h = _absorb(h[:, None], _scramble(tokens)[None, :])
+    return _fmix32(h ^ _KEY_BYTES)
+
+
+# ---------------------------------------------------------------------------
+# log and exp from correctly rounded basic operations (bit-identical anywhere).
+# Accuracy is ~1e-15 relative, far beyond the float32 the results feed.
+# ---------------------------------------------------------------------------
+
+_LN2 = math.log(2.0)
+_LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that k * _LN2_HI is exact
+_LN2_LO = 1.90821492927058770002e-10
+_SQRT_HALF = math.sqrt(0.5)
+_LOG_COEFFS = [1.0 / (2 * n + 1) for n in range(10)]  # atanh series: 1, 1/3, ... 1/19
+_EXP_COEFFS = [1.0 / math.factorial(n) for n in range(15)]  # Taylor: 1, 1, 1/2, ... 1/14!
+
+
+def _log64(x: Tensor) -> Tensor:
+    """Natural log of positive finite float64 values.
+
+    x = m * 2**e with m in [sqrt(1/2), sqrt(2)); log m = 2 atanh(s) with
+    s = (m - 1) / (m + 1), |s| <= 0.172, summed to s**19 (tail < 1e-16).
+    """
+    m, e = torch.frexp(x)  # m in [0.5, 1)
+    small = m < _SQRT_HALF
+    m = torch.where(small, m * 2.0, m)  # exact
+    e = e.to(torch.float64) - small.to(torch.float64)
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    poly = torch.full_like(s, _LOG_COEFFS[-1])
+    for c in reversed(_LOG_COEFFS[:-1]):
+        poly = poly * s2 + c
+    return (s * 2.0) * poly + e * _LN2
+
+
+def _exp64(x: Tensor) -> Tensor:
+    """exp of float64 values, clamped to [-700, 700] (so -inf gives ~1e-304).
+
+    x = k ln2 + r with |r| <= ln2 / 2 (Cody-Waite), exp r by a degree-14
+    Taylor polynomial, and 2**k built from its exponent bits.
+    """
+    x = x.clamp(-700.0, 700.0)
+    k = torch.round(x * (1.0 / _LN2))
+    r = (x - k * _LN2_HI) - k * _LN2_LO
+    poly = torch.full_like(r, _EXP_COEFFS[-1])
+    for c in reversed(_EXP_COEFFS[:-1]):
+        poly = poly * r + c
+    scale = ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return poly * scale
+
+
+# ---------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingParams:
+    """Per-row sampling settings, as tensors on the logits' device.
+
+    Tensors (not Python lists) so that a batch's settings travel with it and
+    every row is handled by the same vectorised code path.
+    """
+
+    temperature: Tensor  # float32 [R]; 0 => greedy (plain argmax)
+    top_k: Tensor  # int64 [R]; 0 or >= V => off
+    top_p: Tensor  # float32 [R]; 1.0 => off
+    min_p: Tensor  # float32 [R]; 0.0 => off
+    seed: Tensor  # int64 [R]; any 64-bit value, bits read as uint64
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        min_p: Sequence[float],
+        seed: Sequence[int],
+        device: torch.device | str,
+    ) -> "SamplingParams":
+        """Validate plain per-row values and move them to ``device``.
+
+        Seeds may be given as signed int64 or as uint64 (>= 2**63); both are
+        stored as the int64 with the same bits, so ``s`` and ``s - 2**64``
+        sample identically.
+        """
+        rows = len(temperature)
+        if not all(len(v) == rows for v in (top_k, top_p, min_p, seed)):
+            raise ValueError("all sampling parameter lists must have one value per row")
+        if any(not (t >= 0.0 and math.isfinite(t)) for t in temperature):
+            raise ValueError("temperature must be finite and >= 0")
+        if any(k < 0 for k in top_k):
+            raise ValueError("top_k must be >= 0 (0 = off)")
+        if any(not (0.0 <= p <= 1.0) for p in top_p):
+            raise ValueError("top_p must be in [0, 1] (1 = off)")
+        if any(not (0.0 <= p <= 1.0) for p in min_p):
+            raise ValueError("min_p must be in [0, 1] (0 = off)")
+        if any(not (-(2**63) <= s < 2**64) for s in seed):
+            raise ValueError("seed must fit in 64 bits")
+        signed = [s - 2**64 if s >= 2**63 else s for s in seed]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            seed=torch.tensor(signed, dtype=torch.int64, device=device),
+        )
+
+    @classmethod
+    def greedy(cls, rows: int, device: torch.device | str) -> "SamplingParams":
+        """All rows greedy, all filters off."""
+        return cls.from_lists([0.0] * rows, [0] * rows, [1.0] * rows, [0.0] * rows, [0] * rows, device)
+
+
+# ---------------------------------------------------------------------------
+# Noise, filters, sampling
+# ---------------------------------------------------------------------------
+
+
+def gumbel_noise(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
+    """Standard Gumbel noise keyed by (seed, position, token id): float32 [R, V].
+
+    u = (h + 0.5) / 2**32 uses all 32 hash bits and is exact in float64, in
+    (0, 1) strictly; g = -log(-log u) is computed in float64 with ``_log64``
+    (u close to 1 keeps its precision, which is where the largest, deciding
+    noise values come from) and rounded once to float32.  The range is about
+    [-3.1, 22.2], so only tokens ~25 nats below the best can never win.
+    """
+    u = (keyed_hash32(seed, position, vocab).to(torch.float64) + 0.5) * (1.0 / 2**32)
+    g = -_log64(-_log64(u))
+    return g.to(torch.float32)
+
+
+def _keep_top_k(x: Tensor, k: Tensor) -> Tensor:
+    """Mask of the k[r] largest entries of each row, ties broken by lowest id.
+
+    Exactly k[r] entries survive (1 <= k[r] <= V).  ``topk`` supplies only the
+    k-th largest *value* (exact); which of the entries equal to it survive is
+    decided here by id, since topk's tie order is unspecified.
+    """
+    kmax = int(k.max())
+    thr = torch.topk(x, kmax, dim=-1, sorted=True).values.gather(1, (k - 1)[:, None])
+    above = x > thr
+    need = k[:, None] - above.sum(dim=-1, keepdim=True)
+    at = x == thr
+    return above | (at & (at.cumsum(dim=-1) <= need))
+
+
+# top-p weights are fixed point: floor(2**40 * exp(z - zmax)), so sums are
+# exact integers (V * 2**40 < 2**63 for V < 2**23) and order-independent.
+_TOP_P_SCALE = 2.0**40
+
+
+def _keep_top_p(z: Tensor, top_p: Tensor) -> Tensor:
+    """Mask of the smallest prefix (by z descending, ties by lowest id) whose
+    probability mass reaches top_p; always at least one token."""
+    z_sorted, order = torch.sort(z, dim=-1, descending=True, stable=True)
+    w = _exp64(z_sorted.to(torch.float64) - z_sorted[:, :1].to(torch.float64))
+    q = torch.floor(w * _TOP_P_SCALE).to(torch.int64)
+    before = q.cumsum(dim=-1) - q  # mass strictly before each token
+    total = q.sum(dim=-1, keepdim=True)
+    keep_sorted = before.to(torch.float64) < top_p.to(torch.float64)[:, None] * total.to(torch.float64)
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+
+def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """z = logits / T with -inf outside each row's kept set: float32 [R, V].
+
+    Filters run in the order top_k, top_p (on the top-k survivors), min_p.
+    The best token always survives.  Greedy rows (T = 0) are scaled by 1;
+    ``sample`` does not use their filtered values.
+    """
+    logits = logits.to(torch.float32)
+    vocab = logits.shape[-1]
+    temp = params.temperature.to(torch.float32)
+    z = logits / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
+    neg_inf = torch.tensor(float("-inf"), dtype=z.dtype, device=z.device)
+
+    k_off = (params.top_k <= 0) | (params.top_k >= vocab)
+    if not bool(k_off.all()):
+        k = torch.where(k_off, torch.ones_like(params.top_k), params.top_k)
+        z = torch.where(_keep_top_k(z, k) | k_off[:, None], z, neg_inf)
+
+    p_off = params.top_p >= 1.0
+    if not bool(p_off.all()):
+        z = torch.where(_keep_top_p(z, params.top_p) | p_off[:, None], z, neg_inf)
+
+    # prob_i >= min_p * prob_max  <=>  z_i - z_max >= log(min_p)
+    m_off = params.min_p <= 0.0
+    if not bool(m_off.all()):
+        min_p = torch.where(m_off, torch.ones_like(params.min_p), params.min_p).to(torch.float64)
+        zmax = z.max(dim=-1, keepdim=True).values
+        gap = z.to(torch.float64) - zmax.to(torch.float64)
+        keep = (gap >= _log64(min_p)[:, None]) | (z == zmax) | m_off[:, None]
+        z = torch.where(keep, z, neg_inf)
+    return z
+
+
+def sample(logits: Tensor, positions: Tensor, params: SamplingParams) -> Tensor:
+    """Token id per row: int64 [R].
+
+    ``positions`` are the absolute positions of the tokens being chosen (the
+    key of the noise).  Greedy rows take argmax of the raw logits; the others
+    argmax of filtered z plus keyed Gumbel noise.  Both are computed for every
+    row and selected per row, so mixing the two never changes either.
+    """
+    logits = logits.to(torch.float32)
+    greedy_ids = logits.argmax(dim=-1)  # documented: first maximal index
+    sampled = params.temperature > 0
+    if not bool(sampled.any()):
+        return greedy_ids
+    z = filter_logits(logits, params)
+    noise = gumbel_noise(params.seed, positions, logits.shape[-1])
+    sampled_ids = (z + noise).argmax(dim=-1)
+    return torch.where(sampled, sampled_ids, greedy_ids)
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Raw logprobs (log_softmax of the unscaled, unfiltered logits, vLLM's
+    default) of the chosen tokens and of each row's k most likely tokens.
+
+    Returns (chosen [R] float32, top_ids [R, k] int64, top_logprobs [R, k]
+    float32), top entries by logprob descending, ties by lowest id.
+    """
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    chosen = logprobs.gather(1, token_ids.to(torch.int64)[:, None]).squeeze(1)
+    rows, vocab = logprobs.shape
+    if not 0 <= k <= vocab:
+        raise ValueError(f"k must be in [0, {vocab}]")
+    if k == 0:
+        empty = logprobs.new_empty((rows, 0))
+        return chosen, empty.to(torch.int64), empty
+    keep = _keep_top_k(logprobs, torch.full((rows,), k, dtype=torch.int64, device=logprobs.device))
+    ids = keep.nonzero()[:, 1].view(rows, k)  # ascending id within each row
+    top, order = torch.sort(logprobs.gather(1, ids), dim=-1, descending=True, stable=True)
+    return chosen, ids.gather(1, order), top

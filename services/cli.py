@@ -1,0 +1,39 @@
+"""The `twinspark` console script: one entry point, one subcommand per job.
+
+Each subcommand lives beside the code it drives and registers itself through a `register(subparsers)` function,
+so this file only lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, help) — each module defines `register(subparsers) -> None` which adds its subcommand(s) and sets
+# `func` on the parser to a callable taking the parsed namespace and returning an exit code.
+_COMMANDS = (
+    "services.rank_worker.model.tiny.cli",
+    "services.rank_worker.generate_cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="twinspark", description="Serve GLM-5.3-Flash behind an OpenAI-compatible endpoint.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in _COMMANDS:
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The one input shape of every forward: a packed batch of new rows from many sequences.
+
+Prefill chunks, decode rows and verify windows are all the same thing here: sequence s contributes `lengths[s]`
+consecutive new tokens starting at absolute position `starts[s]` (the number of its tokens already in the cache).
+Its cached rows live in the physical blocks listed in `block_tables[s]`, its KDA state in slot `slots[s]`; a
+sequence with start 0 begins from zero KDA/conv state whatever the slot held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Batch:
+    token_ids: torch.Tensor  # [T] int64, rows of all sequences, sequence after sequence
+    starts: list[int]  # per sequence: absolute position of its first new row
+    lengths: list[int]  # per sequence: number of new rows
+    block_tables: torch.Tensor  # [B, max_blocks] int64 physical block ids
+    slots: list[int]  # per sequence: KDA state slot
+    logit_rows: torch.Tensor  # [R] int64 packed-row indices whose logits are wanted
+    hidden: torch.Tensor | None = None  # [T, D] the target's final hidden per row (MTP input only)
+    _positions: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.starts) != len(self.lengths) or len(self.slots) != len(self.lengths):
+            raise ValueError("starts, lengths and slots must have one entry per sequence")
+        if sum(self.lengths) != self.token_ids.numel():
+            raise ValueError(f"lengths sum to {sum(self.lengths)} but there are {self.token_ids.numel()} rows")
+        if any(n < 1 for n in self.lengths) or any(s < 0 for s in self.starts):
+            raise ValueError("every sequence needs at least one new row and a non-negative start")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def offsets(self) -> list[int]:
+        """Packed-row index of each sequence's first row (cu_seqlens without the final entry)."""
+        out, acc = [], 0
+        for n in self.lengths:
+            out.append(acc)
+            acc += n
+        return out
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute position of every packed row."""
+        if self._positions is None:
+            self._positions = torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)]).to(
+                self.token_ids.device)
+        return self._positions
+
+    @property
+    def row_seq(self) -> torch.Tensor:
+        """Sequence index of every packed row."""
+        return torch.repeat_interleave(torch.arange(self.num_seqs), torch.tensor(self.lengths)).to(self.token_ids.device)
+
+    @classmethod
+    def single(cls, token_ids: list[int], start: int, block_table: list[int], slot: int = 0,
+               all_logits: bool = False, device: torch.device | str = "cpu") -> "Batch":
+        """One sequence's chunk (a convenience for offline use and tests)."""
+        n = len(token_ids)
+        rows = torch.arange(n) if all_logits else torch.tensor([n - 1])
+        return cls(token_ids=torch.tensor(token_ids, dtype=torch.long, device=device), starts=[start], lengths=[n],
+                   block_tables=torch.tensor([block_table], dtype=torch.long, device=device), slots=[slot],
+                   logit_rows=rows.to(device))

@@ -1,0 +1,51 @@
+"""The physical caches one rank owns (DESIGN §4).
+
+- MLA layers (and the MTP layer): latent rows (kv_lora_rank per position) in fixed-size blocks, addressed through a
+  sequence's block table; full-indexer layers also keep each position's indexer key and k-pool gate score.
+- KDA layers: one recurrent state (local heads x dk x dv, fp32) and one short-conv history (K-1 inputs) per slot.
+The scheduler decides which blocks and slots a sequence uses; this class only stores and moves rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.rank_worker.model.batch import Batch
+from services.rank_worker.model.config import ModelConfig
+from services.rank_worker.model.parallel import Sharding
+
+
+class PagedCache:
+    def __init__(self, cfg: ModelConfig, sharding: Sharding, *, num_blocks: int, block_size: int, num_slots: int,
+                 dtype: torch.dtype, device: torch.device | str, with_mtp: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_slots = num_slots
+        mla = cfg.mla_layers + ([cfg.mtp_layer_index] if with_mtp and cfg.num_nextn_predict_layers else [])
+        full = [i for i in cfg.mla_layers if cfg.indexer_types[i] == "full"] + mla[len(cfg.mla_layers):]
+        self.latent = {i: torch.zeros(num_blocks, block_size, cfg.kv_lora_rank, dtype=dtype, device=device) for i in mla}
+        self.index_keys = {i: torch.zeros(num_blocks, block_size, 2 * cfg.index_head_dim, dtype=dtype, device=device)
+                           for i in full}
+        heads = cfg.linear_num_heads * len(sharding.local) // sharding.virtual
+        channels = 3 * heads * cfg.linear_head_dim
+        self.kda_state = {i: torch.zeros(num_slots, heads, cfg.linear_head_dim, cfg.linear_head_dim,
+                                         dtype=torch.float32, device=device) for i in cfg.kda_layers}
+        self.conv_state = {i: torch.zeros(num_slots, cfg.linear_conv_kernel_dim - 1, channels, dtype=dtype,
+                                          device=device) for i in cfg.kda_layers}
+
+    def _addresses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block id, offset in block) of every packed row."""
+        pos = batch.positions
+        blocks = batch.block_tables[batch.row_seq, pos // self.block_size]
+        return blocks, pos % self.block_size
+
+    def write_rows(self, store: torch.Tensor, batch: Batch, values: torch.Tensor) -> None:
+        """Write each packed row's value at its sequence's position."""
+        blocks, offsets = self._addresses(batch)
+        store[blocks, offsets] = values.to(store.dtype)
+
+    def read_sequence(self, store: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """Positions 0..length-1 of one sequence, gathered from its blocks -> [length, ...]."""
+        n_blocks = -(-length // self.block_size)
+        rows = store[block_table[:n_blocks]].reshape(n_blocks * self.block_size, *store.shape[2:])
+        return rows[:length]

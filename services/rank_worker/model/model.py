@@ -1,0 +1,87 @@
+"""GLM-5.3-Flash text model on one rank: load this rank's shard, run packed varlen forwards over paged caches.
+
+Entry points:
+- `Glm5Model.load(model_dir, ...)`
+- `model.forward(batch, cache)`      target model: logits for `batch.logit_rows`, final hidden for every row
+- `model.forward_mtp(batch, cache)`  MTP block: draft logits for `batch.logit_rows`
+- `model.new_cache(...)`             the physical caches sized for this rank
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kernels.linear import linear
+from kernels.norms import rms_norm
+from services.rank_worker.model.batch import Batch
+from services.rank_worker.model.cache import PagedCache
+from services.rank_worker.model.config import ModelConfig
+from services.rank_worker.model.decoder_layer import DecoderLayer
+from services.rank_worker.model.mla_attention import Selections
+from services.rank_worker.model.mtp import MtpBlock
+from services.rank_worker.model.parallel import Collective, Sharding
+from services.rank_worker.model.weights import TEXT_PREFIX, WeightReader
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [R, vocab] fp32, full vocabulary on every rank
+    hidden: torch.Tensor  # [T, D] final normed hidden state of every packed row
+
+
+class Glm5Model:
+    def __init__(self, cfg: ModelConfig, reader: WeightReader, coll: Collective, *, load_mtp: bool = True,
+                 progress: bool = True) -> None:
+        self.cfg = cfg
+        self.coll = coll
+        self.dtype = reader.dtype
+        self.device = reader.device
+        self.embed = reader.full(TEXT_PREFIX + "embed_tokens.weight")
+        layers = range(cfg.num_hidden_layers)
+        self.layers = [DecoderLayer(cfg, reader, f"{TEXT_PREFIX}layers.{i}.", i)
+                       for i in tqdm(layers, desc="building layers", disable=not progress, leave=False)]
+        self.norm = reader.full(TEXT_PREFIX + "norm.weight")
+        self.lm_head = reader.split("lm_head.weight", 0)
+        mtp_prefix = f"{TEXT_PREFIX}layers.{cfg.mtp_layer_index}."
+        self.mtp = (MtpBlock(cfg, reader, mtp_prefix)
+                    if load_mtp and cfg.num_nextn_predict_layers and reader.has(mtp_prefix + "eh_proj.weight") else None)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, sharding: Sharding | None = None, group=None,
+             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", load_mtp: bool = True,
+             progress: bool = True) -> "Glm5Model":
+        sharding = sharding or Sharding()
+        cfg = ModelConfig.from_pretrained(model_dir)
+        reader = WeightReader(model_dir, sharding, dtype, torch.device(device), progress=progress)
+        try:
+            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp, progress=progress)
+        finally:
+            reader.close()
+
+    def new_cache(self, *, num_blocks: int, block_size: int = 16, num_slots: int = 8) -> PagedCache:
+        return PagedCache(self.cfg, self.coll.sharding, num_blocks=num_blocks, block_size=block_size,
+                          num_slots=num_slots, dtype=self.dtype, device=self.device, with_mtp=self.mtp is not None)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.coll.gather_columns([linear(hidden, w).float() for w in self.lm_head])
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, cache: PagedCache) -> ForwardOutput:
+        x = self.embed[batch.token_ids]
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        selections: Selections = {}
+        for layer in self.layers:
+            streams = layer.forward(streams, batch, cache, selections, self.coll)
+        hidden = rms_norm(streams.mean(dim=1), self.norm, self.cfg.rms_norm_eps)
+        return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden)
+
+    @torch.inference_mode()
+    def forward_mtp(self, batch: Batch, cache: PagedCache) -> ForwardOutput:
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer (or it was not loaded)")
+        hidden = self.mtp.forward(self.embed[batch.token_ids], batch, cache, self.coll)
+        return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden)

@@ -1,0 +1,117 @@
+"""The shape of a tiny GLM-5.3-Flash: every dimension and per-layer schedule `make-tiny` writes.
+
+One frozen dataclass so the config writer and the weight generator can never disagree about a size. Defaults are
+the real architecture shrunk until a forward pass takes milliseconds on a CPU, while keeping every head count and
+intermediate size divisible by 4 so tensor-parallel splits up to 4 ranks still work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KDA = "linear_attention"
+MLA = "deepseek_sparse_attention"  # release spelling; transformers' save_pretrained writes "indexed_attention"
+TP_MAX = 4  # the widest tensor-parallel split the tiny model must still divide evenly into
+
+
+def default_layer_pattern(layers: int) -> str:
+    """The release's 3:1 layout: every 4th layer (i % 4 == 3) is MLA+DSA, the rest KDA."""
+    return "".join("M" if i % 4 == 3 else "K" for i in range(layers))
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    # text model
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 32
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 4
+    q_lora_rank: int = 32
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 0  # NoPE, as released
+    v_head_dim: int = 16
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-5
+    linear_num_heads: int = 4
+    linear_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
+    linear_lower_bound: float = -5.0
+    index_n_heads: int = 4
+    index_head_dim: int = 16
+    index_kpool: int = 4
+    index_topk: int = 64
+    hc_mult: int = 4
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
+    num_nextn_predict_layers: int = 1
+    max_position_embeddings: int = 1048576
+    layer_pattern: str = ""  # K/M per layer; empty = the release's 3:1 layout
+    indexer_pattern: str = ""  # F/S per layer; empty = all full
+    # vision tower (transformers always builds one, so the checkpoint must carry its weights)
+    vision_depth: int = 1
+    vision_hidden_size: int = 32
+    vision_num_heads: int = 2
+    vision_intermediate_size: int = 64
+    vision_projection_intermediate_size: int = 64
+    vision_patch_size: int = 14
+    vision_image_size: int = 28
+    vision_spatial_merge_size: int = 2
+    vision_temporal_patch_size: int = 2
+    vision_in_channels: int = 3
+    # derived from the tokenizer at build time; 0 until then
+    vocab_size: int = 0
+    layer_types: tuple[str, ...] = field(init=False)
+    indexer_types: tuple[str, ...] = field(init=False)
+    mlp_layer_types: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        if n < 1:
+            raise ValueError(f"need at least 1 layer, got {n}")
+        lp = (self.layer_pattern or default_layer_pattern(n)).upper()
+        ip = (self.indexer_pattern or "F" * n).upper()
+        for name, pat, ok in (("layer pattern", lp, "KM"), ("indexer pattern", ip, "FS")):
+            if len(pat) != n:
+                raise ValueError(f"{name} {pat!r} has {len(pat)} letters for {n} layers")
+            if set(pat) - set(ok):
+                raise ValueError(f"{name} {pat!r} may only use the letters {'/'.join(ok)}")
+        layer_types = tuple(MLA if c == "M" else KDA for c in lp)
+        indexer_types = tuple("full" if c == "F" else "shared" for c in ip)
+        # A shared layer reuses the nearest earlier full MLA layer's selection, so one must exist.
+        seen_full = False
+        for i, (lt, it) in enumerate(zip(layer_types, indexer_types)):
+            if lt == MLA and it == "full":
+                seen_full = True
+            elif lt == MLA and not seen_full:
+                raise ValueError(f"layer {i} shares an indexer selection but no earlier MLA layer runs a full indexer")
+        object.__setattr__(self, "layer_pattern", lp)
+        object.__setattr__(self, "indexer_pattern", ip)
+        object.__setattr__(self, "layer_types", layer_types)
+        object.__setattr__(self, "indexer_types", indexer_types)
+        # Only the first layer is dense: the tiny model then has MoE on every later layer, the path most code takes.
+        object.__setattr__(self, "mlp_layer_types", tuple("dense" if i == 0 else "sparse" for i in range(n)))
+
+        if self.index_topk < 1 or self.index_topk % self.index_kpool:
+            raise ValueError(f"index_topk ({self.index_topk}) must be a positive multiple of index_kpool ({self.index_kpool})")
+        if self.n_routed_experts < self.num_experts_per_tok:
+            raise ValueError(f"need at least {self.num_experts_per_tok} experts, got {self.n_routed_experts}")
+        for name in ("num_attention_heads", "linear_num_heads", "index_n_heads", "intermediate_size",
+                     "moe_intermediate_size", "hidden_size"):
+            if getattr(self, name) % TP_MAX:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be divisible by {TP_MAX} for tensor parallelism")
+        if self.qk_rope_head_dim != 0:
+            raise ValueError("GLM-5.3-Flash MLA is NoPE: qk_rope_head_dim must be 0")
+
+    @property
+    def mtp_layer_index(self) -> int:
+        """The MTP block is stored after the last text layer, as in the release (`layers.45` there)."""
+        return self.num_hidden_layers
