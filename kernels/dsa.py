@@ -18,8 +18,8 @@ import torch
 def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
     """Compressed keys of the complete pools. keys, gates: [L, d] (positions 0..L-1); ape: [kpool, d] -> [P, d]."""
     n_pools = keys.shape[0] // kpool
-    k = keys[: n_pools * kpool].reshape(n_pools, kpool, -1)
-    logits = gates[: n_pools * kpool].reshape(n_pools, kpool, -1).float() + ape.float()
+    k = keys[: n_pools * kpool].reshape(n_pools, kpool, keys.shape[-1])
+    logits = gates[: n_pools * kpool].reshape(n_pools, kpool, gates.shape[-1]).float() + ape.float()
     probs = logits.softmax(dim=1).to(k.dtype)
     return (probs * k).sum(dim=1)
 

@@ -38,12 +38,33 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return o, s
 
 
+def _intra_chunk(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-chunk WY terms for chunks [H, n, C, d]: (u = A v_beta, w = A (k_beta e^g), decay [H, n, C, C, dk]).
+
+    A = (I + L)^-1 with L strictly lower, L_ij = beta_i k_i . (decay_ij * k_j), solved by forward substitution.
+    """
+    c = k.shape[-2]
+    incl = torch.triu(torch.ones(c, c, dtype=torch.bool, device=k.device), diagonal=0)
+    strict = torch.triu(torch.ones(c, c, dtype=torch.bool, device=k.device), diagonal=1)
+    k_beta = k * beta.unsqueeze(-1)
+    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp()
+    a = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(incl, 0)
+    for i in range(1, c):
+        row = a[..., i, :i].clone()
+        sub = a[..., :i, :i].clone()
+        a[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+    a = a + torch.eye(c, dtype=a.dtype, device=a.device)
+    return a @ (v * beta.unsqueeze(-1)), a @ (k_beta * g.exp()), decay
+
+
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+            state: torch.Tensor, chunk: int = 64, group: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill of one sequence in chunks.
 
     q, k, g: [T, H, dk]; v: [T, H, dv]; beta: [T, H]; state: [H, dk, dv] fp32.
-    Returns (o [T, H, dv] fp32, final state [H, dk, dv] fp32).
+    Returns (o [T, H, dv] fp32, final state [H, dk, dv] fp32). The intra-chunk terms are built `group` chunks at a
+    time so memory stays bounded for long prompts (the decay tensor is C x C x dk per chunk and head).
     """
     q, k = _prepare(q, k)
     v, g, beta = v.float(), g.float(), beta.float()
@@ -56,33 +77,21 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     n = q.shape[1] // chunk
     q, k, v, g = (x.reshape(h, n, chunk, x.shape[-1]) for x in (q, k, v, g))
     beta = beta.reshape(h, n, chunk)
-    k_beta = k * beta.unsqueeze(-1)
-    v_beta = v * beta.unsqueeze(-1)
-
     g = g.cumsum(-2)
-    incl = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
     strict = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
-    # decay[i, j] = exp(g_i - g_j) for j <= i, per key channel
-    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp()
-    # Solve (I + L) A = I for the strictly-lower L = beta_i k_i . decay . k_j by forward substitution.
-    a = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(incl, 0)
-    for i in range(1, chunk):
-        row = a[..., i, :i].clone()
-        sub = a[..., :i, :i].clone()
-        a[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
-    a = a + torch.eye(chunk, dtype=a.dtype, device=a.device)
-    u = a @ v_beta
-    w = a @ (k_beta * g.exp())
 
     s = state.float()
-    out = torch.empty_like(u)
-    for c in range(n):
-        q_c, k_c, u_c, g_c = q[:, c], k[:, c], u[:, c], g[:, c]
-        inter = (q_c * g_c.exp()) @ s
-        intra = (q_c.unsqueeze(-2) * k_c.unsqueeze(-3) * decay[:, c]).sum(-1).masked_fill(strict, 0)
-        v_new = u_c - w[:, c] @ s
-        out[:, c] = inter + intra @ v_new
-        s = s * g_c[:, -1].exp().unsqueeze(-1) + (k_c * (g_c[:, -1:] - g_c).exp()).transpose(-1, -2) @ v_new
+    out = torch.empty(h, n, chunk, v.shape[-1], dtype=torch.float32, device=q.device)
+    for g0 in range(0, n, group):
+        grp = slice(g0, min(g0 + group, n))
+        u, w, decay = _intra_chunk(k[:, grp], v[:, grp], g[:, grp], beta[:, grp])
+        for i, c in enumerate(range(grp.start, grp.stop)):
+            q_c, k_c, g_c = q[:, c], k[:, c], g[:, c]
+            inter = (q_c * g_c.exp()) @ s
+            intra = (q_c.unsqueeze(-2) * k_c.unsqueeze(-3) * decay[:, i]).sum(-1).masked_fill(strict, 0)
+            v_new = u[:, i] - w[:, i] @ s
+            out[:, c] = inter + intra @ v_new
+            s = s * g_c[:, -1].exp().unsqueeze(-1) + (k_c * (g_c[:, -1:] - g_c).exp()).transpose(-1, -2) @ v_new
     out = out.reshape(h, n * chunk, -1)[:, :t_len].transpose(0, 1)
     return out, s
 

@@ -19,6 +19,7 @@ from services.rank_worker.model.cache import PagedCache
 from services.rank_worker.model.config import ModelConfig
 from services.rank_worker.model.weights import WeightReader
 
+QUERY_BLOCK = 1024
 Selections = dict[int, list[torch.Tensor]]  # full-indexer layer -> per-sequence [n, context] bool masks
 
 
@@ -98,8 +99,11 @@ class MlaAttention:
             q = linear(q_resid, self.q_b[j]).view(-1, self.heads, self.dn)
             out = torch.empty(x.shape[0], self.heads, self.dv, dtype=x.dtype, device=x.device)
             for s, (off, n) in enumerate(zip(batch.offsets, batch.lengths)):
-                q_lat = torch.einsum("nhd,hdr->nhr", q[off : off + n].float(), self.w_uk[j].float())
-                o_lat = latent_attention(q_lat, latents[s], masks[s], self.scale)
-                out[off : off + n] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[j].float()).to(x.dtype)
+                # Long prefills go QUERY_BLOCK rows at a time so the [heads, rows, context] scores stay bounded.
+                for b in range(0, n, QUERY_BLOCK):
+                    rows = slice(off + b, off + min(b + QUERY_BLOCK, n))
+                    q_lat = torch.einsum("nhd,hdr->nhr", q[rows].float(), self.w_uk[j].float())
+                    o_lat = latent_attention(q_lat, latents[s], masks[s][b : b + QUERY_BLOCK], self.scale)
+                    out[rows] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[j].float()).to(x.dtype)
             partials.append(linear(out.reshape(x.shape[0], -1), self.o_w[j]))
         return partials

@@ -1,0 +1,118 @@
+"""`make-tiny`: a tiny GLM-5.3-Flash checkpoint with the real architecture, key names and file layout.
+
+Tests, CI and local development need a checkpoint that every loader (ours, transformers, exllamav3) reads like the
+real one but that loads in a second on a CPU. This package writes one from scratch, with no transformers import:
+config.json + generation_config.json (release spellings), sharded safetensors + index, a small byte-level BPE
+tokenizer with GLM's special tokens, and a GLM-5 chat template. Everything is deterministic in `seed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config_builder import generation_config, model_config, round_up
+from .shards import INDEX_NAME, plan_shards, write_shards
+from .spec import TinySpec, default_layer_pattern
+from .tensor_spec import TensorSpec, materialize
+from .tokenizer_builder import PAD_TOKEN, STOP_TOKENS, build_tokenizer, token_ids, write_tokenizer
+from .weights import TEXT, all_tensors
+
+__all__ = ["DTYPES", "TinyCheckpoint", "TinySpec", "default_layer_pattern", "make_tiny", "write_tiny"]
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+VOCAB_MULTIPLE = 64  # embedding rows are padded like the release's (154,880 rows > tokens in use)
+SHARDS_TARGET = 3  # default: about 3 shards, so even the default checkpoint takes the multi-shard loading path
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    """What `write_tiny` produced, for the CLI to report and tests to inspect."""
+
+    path: Path
+    spec: TinySpec
+    files: tuple[Path, ...]
+    num_params: int  # every stored tensor, vision tower and MTP block included
+    num_text_params: int  # the text model without MTP and vision (what a forward pass uses)
+    dtype: str
+
+
+def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: int = 8, index_topk: int = 64,
+               layer_pattern: str | None = None, indexer_pattern: str | None = None, dtype: str = "bfloat16",
+               max_shard_bytes: int | None = None, progress: bool = True) -> TinyCheckpoint:
+    """Write a tiny checkpoint into `out_dir` (created if missing) and describe what was written."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    torch_dtype = DTYPES[dtype]
+    # Validate the options (TinySpec raises ValueError) before touching the output folder.
+    spec = TinySpec(num_hidden_layers=layers, n_routed_experts=experts, index_topk=index_topk,
+                    layer_pattern=layer_pattern or "", indexer_pattern=indexer_pattern or "")
+    tok = build_tokenizer()
+    ids = token_ids(tok)
+    spec = dataclasses.replace(spec, vocab_size=round_up(tok.get_vocab_size(), VOCAB_MULTIPLE))
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Remove shards from an earlier run into the same folder: a stale model-0000k-of-0000n would confuse loaders.
+    for old in [*out.glob("model*.safetensors"), out / INDEX_NAME]:
+        if old.exists():
+            old.unlink()
+    pad_id = ids[PAD_TOKEN]
+    eos_ids = [ids[t] for t in STOP_TOKENS]
+
+    files: list[Path] = []
+    cfg = model_config(spec, token_ids=ids, pad_token_id=pad_id, eos_token_ids=eos_ids, dtype=dtype)
+    files.append(_write_json(out / "config.json", cfg))
+    files.append(_write_json(out / "generation_config.json", generation_config(pad_token_id=pad_id, eos_token_ids=eos_ids)))
+    files += write_tokenizer(tok, out)
+
+    specs = all_tensors(spec)
+    total = sum(s.nbytes(torch_dtype) for s in specs)
+    if max_shard_bytes is None:
+        # total/3 plus one largest tensor: greedy packing then fills every shard but the last past total/3,
+        # so there are 2-3 shards and no sliver of a last shard.
+        max_shard_bytes = -(-total // SHARDS_TARGET) + max(s.nbytes(torch_dtype) for s in specs)
+    shards = plan_shards(specs, torch_dtype, max_shard_bytes)
+    files += write_shards(out, shards, torch_dtype, lambda s: materialize(s, seed, torch_dtype), progress=progress)
+
+    return TinyCheckpoint(
+        path=out,
+        spec=spec,
+        files=tuple(files),
+        num_params=sum(s.numel for s in specs),
+        num_text_params=sum(s.numel for s in specs if _is_text(s, spec)),
+        dtype=dtype,
+    )
+
+
+def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: int = 8, index_topk: int = 64,
+              layer_pattern: str | None = None, indexer_pattern: str | None = None, dtype: str = "bfloat16",
+              max_shard_bytes: int | None = None, progress: bool = False) -> Path:
+    """Write a tiny GLM-5.3-Flash checkpoint to `out_dir` and return its path.
+
+    layer_pattern: one letter per layer, K = KDA linear attention, M = MLA with DSA indexer (default: M iff i % 4 == 3).
+    indexer_pattern: one letter per layer, F = full indexer, S = reuse the nearest earlier full layer's selection
+    (default: all F). max_shard_bytes: shard cap (default: about a third of the total, so the default checkpoint
+    has 2-3 shards).
+    """
+    return write_tiny(out_dir, seed=seed, layers=layers, experts=experts, index_topk=index_topk,
+                      layer_pattern=layer_pattern, indexer_pattern=indexer_pattern, dtype=dtype,
+                      max_shard_bytes=max_shard_bytes, progress=progress).path
+
+
+def _is_text(t: TensorSpec, spec: TinySpec) -> bool:
+    """True for the tensors a plain forward pass uses: not the vision tower, not the MTP block(s) after the last layer."""
+    if t.key.startswith("model.visual."):
+        return False
+    if t.key.startswith(f"{TEXT}layers."):
+        return int(t.key[len(f"{TEXT}layers."):].split(".", 1)[0]) < spec.mtp_layer_index
+    return True
+
+
+def _write_json(path: Path, obj: dict) -> Path:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    return path

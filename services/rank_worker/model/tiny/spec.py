@@ -45,7 +45,7 @@ class TinySpec:
     linear_head_dim: int = 16
     linear_conv_kernel_dim: int = 4
     linear_lower_bound: float = -5.0
-    index_n_heads: int = 4
+    index_n_heads: int = 16  # many heads make an all-ReLU-zero (tied) pool score rare: 2^-16 per pool
     index_head_dim: int = 16
     index_kpool: int = 4
     index_topk: int = 64
@@ -101,7 +101,8 @@ class TinySpec:
         object.__setattr__(self, "mlp_layer_types", tuple("dense" if i == 0 else "sparse" for i in range(n)))
 
         if self.index_topk < 1 or self.index_topk % self.index_kpool:
-            raise ValueError(f"index_topk ({self.index_topk}) must be a positive multiple of index_kpool ({self.index_kpool})")
+            raise ValueError(
+                f"index_topk ({self.index_topk}) must be a positive multiple of index_kpool ({self.index_kpool})")
         if self.n_routed_experts < self.num_experts_per_tok:
             raise ValueError(f"need at least {self.num_experts_per_tok} experts, got {self.n_routed_experts}")
         for name in ("num_attention_heads", "linear_num_heads", "index_n_heads", "intermediate_size",

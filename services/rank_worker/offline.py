@@ -1,0 +1,109 @@
+"""Offline generation on one machine: prefill in chunks, then decode with keyed sampling.
+
+Used by `twinspark generate` and by tests as the straightforward reference path that the serving stack must match
+token for token. With TP > 1 every rank runs this same loop on its shard (all ranks hold identical logits, so they
+sample identical tokens); rank 0 reports the result.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kernels.sampling import SamplingParams, sample
+from services.rank_worker.distributed import free_port, join_group, rank_device
+from services.rank_worker.model.batch import Batch
+from services.rank_worker.model.model import Glm5Model
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    ignore_eos: bool = False
+    prefill_chunk: int = 256
+
+
+def generate_on_model(model: Glm5Model, req: GenerateRequest, *, block_size: int = 16) -> list[int]:
+    """Generate for one request on an already loaded (shard of the) model."""
+    if not req.prompt_ids:
+        raise ValueError("the prompt is empty")
+    total = len(req.prompt_ids) + req.max_tokens
+    n_blocks = -(-total // block_size)
+    cache = model.new_cache(num_blocks=n_blocks, block_size=block_size, num_slots=1)
+    table = list(range(n_blocks))
+    params = SamplingParams.from_lists([req.temperature], [req.top_k], [req.top_p], [req.min_p], [req.seed],
+                                       device=model.device)
+    eos = set() if req.ignore_eos else set(model.cfg.eos_token_id)
+    ids = list(req.prompt_ids)
+    pos = 0
+    out: list[int] = []
+    while len(out) < req.max_tokens:
+        chunk = ids[pos : pos + req.prefill_chunk] if pos < len(req.prompt_ids) else ids[pos:]
+        result = model.forward(Batch.single(chunk, pos, table, device=model.device), cache)
+        pos += len(chunk)
+        if pos < len(ids):
+            continue  # more prompt to prefill
+        token = int(sample(result.logits, torch.tensor([pos], device=model.device), params)[0])
+        out.append(token)
+        ids.append(token)
+        if token in eos:
+            break
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, model_dir: str, device: str, dtype: torch.dtype,
+               job: Callable[[Glm5Model], Any], results: "mp.Queue") -> None:
+    try:
+        sharding, group = join_group(rank, world, master_addr="127.0.0.1", master_port=port, device=device)
+        model = Glm5Model.load(model_dir, sharding=sharding, group=group, dtype=dtype,
+                               device=rank_device(device, rank), progress=rank == 0)
+        value = job(model)
+        if rank == 0:
+            results.put(("ok", value))
+    except BaseException as exc:  # report, never leave the parent waiting
+        results.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
+
+
+def run_on_ranks(model_dir: str | Path, job: Callable[[Glm5Model], Any], *, tp: int = 1, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, timeout_s: float = 600.0) -> Any:
+    """Run `job(model)` on every rank of a TP group (spawned processes for TP > 1); return rank 0's result.
+
+    `job` must be picklable (a module-level function or a functools.partial of one).
+    """
+    if tp == 1:
+        return job(Glm5Model.load(model_dir, dtype=dtype, device=rank_device(device, 0)))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, str(model_dir), device, dtype, job, results))
+             for r in range(tp)]
+    for p in procs:
+        p.start()
+    try:
+        status, value = results.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+def generate(model_dir: str | Path, req: GenerateRequest, *, tp: int = 1, device: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> list[int]:
+    """Generate with TP ranks (see `run_on_ranks`)."""
+    return run_on_ranks(model_dir, partial(generate_on_model, req=req), tp=tp, device=device, dtype=dtype)

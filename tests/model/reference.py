@@ -1,0 +1,64 @@
+"""transformers' `glm5_next` as the fp32 reference, plus helpers to drive our runtime the same way."""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from services.rank_worker.model.batch import Batch
+from services.rank_worker.model.cache import PagedCache
+from services.rank_worker.model.model import Glm5Model
+
+BLOCK = 16
+
+
+@lru_cache(maxsize=4)
+def hf_model(path: Path):
+    from transformers import Glm5NextForConditionalGeneration
+
+    model = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@lru_cache(maxsize=4)
+def our_model(path: Path) -> Glm5Model:
+    return Glm5Model.load(path, dtype=torch.float32, progress=False)
+
+
+@torch.no_grad()
+def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    return hf_model(path)(torch.tensor([ids])).logits[0].float()
+
+
+def random_ids(n: int, seed: int, vocab: int = 500) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fresh_cache(model: Glm5Model, tokens: int, slots: int = 4) -> PagedCache:
+    return model.new_cache(num_blocks=slots * (-(-tokens // BLOCK)), block_size=BLOCK, num_slots=slots)
+
+
+def table(slot: int, tokens: int) -> list[int]:
+    """Slot s uses its own contiguous run of blocks (enough for `tokens`)."""
+    n = -(-tokens // BLOCK)
+    return list(range(slot * n, (slot + 1) * n))
+
+
+def run_chunks(model: Glm5Model, cache: PagedCache, ids: list[int], chunks: list[int], *, slot: int = 0,
+               capacity: int = 512) -> torch.Tensor:
+    """Feed `ids` as consecutive chunks of the given sizes (the rest one token at a time); logits of every row."""
+    out, pos = [], 0
+    sizes = chunks + [1] * (len(ids) - sum(chunks))
+    for n in sizes:
+        batch = Batch.single(ids[pos : pos + n], pos, table(slot, capacity), slot=slot, all_logits=True)
+        out.append(model.forward(batch, cache).logits)
+        pos += n
+    return torch.cat(out)
+
+
+def clone_cache(cache: PagedCache) -> PagedCache:
+    """A deep copy, so one cache state can be replayed several ways."""
+    return copy.deepcopy(cache)
