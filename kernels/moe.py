@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import linear
+from kernels.linear import linear, pad_rows
 
 
 def _top(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -55,8 +55,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_w: t
     hit = torch.unique(ids).tolist()  # ascending, so every row sums its experts in index order
     for e in hit:
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
-        xe = x[rows]
+        xe = pad_rows(x[rows])  # a row count that varies with the batch must not change SiLU's code path
         h = swiglu(linear(xe, gate_w[e]), linear(xe, up_w[e]), limit)
-        y = linear(h, down_w[e]) * weights[rows, slot].unsqueeze(-1).to(x.dtype)
+        y = linear(h, down_w[e])[: rows.numel()] * weights[rows, slot].unsqueeze(-1).to(x.dtype)
         out.index_add_(0, rows, y)
     return out

@@ -40,9 +40,9 @@ class PagedCache:
         return blocks, pos % self.block_size
 
     def write_rows(self, store: torch.Tensor, batch: Batch, values: torch.Tensor) -> None:
-        """Write each packed row's value at its sequence's position."""
+        """Write each packed row's value at its sequence's position (padding rows past the batch are ignored)."""
         blocks, offsets = self._addresses(batch)
-        store[blocks, offsets] = values.to(store.dtype)
+        store[blocks, offsets] = values[: blocks.shape[0]].to(store.dtype)
 
     def read_sequence(self, store: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
         """Positions 0..length-1 of one sequence, gathered from its blocks -> [length, ...]."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import kda
-from kernels.linear import linear
+from kernels.linear import linear, pad_rows
 from kernels.norms import gated_rms_norm
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
@@ -69,19 +69,23 @@ class KdaAttention:
             heads = slice(j * self.heads, (j + 1) * self.heads)
             g = self._gate(fa, j)
             beta = torch.sigmoid(linear(x, self.b_w[j]))
-            core = torch.empty(t, self.heads, self.dl, dtype=torch.float32, device=x.device)
+            core = torch.zeros(t, self.heads, self.dl, dtype=torch.float32, device=x.device)
 
             if decode:
+                # One recurrent step for all decode rows at once; the group is padded like every batch-wide tensor
+                # (kernels/linear.py) so a row's bits do not depend on how many decode rows share the step.
+                nd = len(decode)
                 rows = torch.tensor([offsets[s] for s in decode], device=x.device)
                 sl, fr = slots[decode], fresh[decode]
-                hist = torch.where(fr.view(-1, 1, 1), 0, conv_all[sl][:, :, chans])
-                new = mixed[rows].unsqueeze(1)
+                hist = pad_rows(torch.where(fr.view(-1, 1, 1), 0, conv_all[sl][:, :, chans]))
+                new = pad_rows(mixed[rows].unsqueeze(1))
                 conv = kda.causal_conv(new, self.conv_w[j], hist).squeeze(1)
-                conv_all[sl, :, chans] = kda.conv_history(new, hist)
+                conv_all[sl, :, chans] = kda.conv_history(new, hist)[:nd]
                 q, k, v = (c.view(-1, self.heads, self.dl) for c in conv.chunk(3, dim=-1))
-                state = torch.where(fr.view(-1, 1, 1, 1), 0, state_all[sl][:, heads])
-                core[rows], state = kda.recurrent(q, k, v, g[rows], beta[rows], state)
-                state_all[sl, heads] = state
+                state = pad_rows(torch.where(fr.view(-1, 1, 1, 1), 0, state_all[sl][:, heads]))
+                out, state = kda.recurrent(q, k, v, pad_rows(g[rows]), pad_rows(beta[rows]), state)
+                core[rows] = out[:nd]
+                state_all[sl, heads] = state[:nd]
 
             for s in prefill:
                 rows = slice(offsets[s], offsets[s] + batch.lengths[s])

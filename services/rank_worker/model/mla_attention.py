@@ -97,7 +97,7 @@ class MlaAttention:
         partials = []
         for j in range(len(self.q_b)):
             q = linear(q_resid, self.q_b[j]).view(-1, self.heads, self.dn)
-            out = torch.empty(x.shape[0], self.heads, self.dv, dtype=x.dtype, device=x.device)
+            out = torch.zeros(x.shape[0], self.heads, self.dv, dtype=x.dtype, device=x.device)
             for s, (off, n) in enumerate(zip(batch.offsets, batch.lengths)):
                 # Long prefills go QUERY_BLOCK rows at a time so the [heads, rows, context] scores stay bounded.
                 for b in range(0, n, QUERY_BLOCK):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kernels.linear import linear
+from kernels.linear import linear, pad_rows
 from kernels.norms import rms_norm
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
@@ -71,17 +71,19 @@ class Glm5Model:
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: PagedCache) -> ForwardOutput:
-        x = self.embed[batch.token_ids]
+        # Batch-wide tensors carry a multiple of ROW_TILE rows (zero-token padding rows that belong to no sequence)
+        # so every row sees the same elementwise code paths whatever the batch size (kernels/linear.py).
+        x = self.embed[pad_rows(batch.token_ids)]
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         selections: Selections = {}
         for layer in self.layers:
             streams = layer.forward(streams, batch, cache, selections, self.coll)
         hidden = rms_norm(streams.mean(dim=1), self.norm, self.cfg.rms_norm_eps)
-        return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden)
+        return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden[: batch.token_ids.numel()])
 
     @torch.inference_mode()
     def forward_mtp(self, batch: Batch, cache: PagedCache) -> ForwardOutput:
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (or it was not loaded)")
-        hidden = self.mtp.forward(self.embed[batch.token_ids], batch, cache, self.coll)
-        return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden)
+        hidden = self.mtp.forward(self.embed[pad_rows(batch.token_ids)], batch, cache, self.coll)
+        return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden[: batch.token_ids.numel()])

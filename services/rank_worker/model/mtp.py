@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear import linear
+from kernels.linear import linear, pad_rows
 from kernels.norms import rms_norm
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
@@ -34,11 +34,11 @@ class MtpBlock:
         self.ffn_norm = reader.full(prefix + "post_attention_layernorm.weight")
 
     def forward(self, embeds: torch.Tensor, batch: Batch, cache: PagedCache, coll: Collective) -> torch.Tensor:
-        """embeds: [T, D] embeddings of the next tokens; batch.hidden: [T, D] -> normed hidden [T, D]."""
+        """embeds: [T_pad, D] embeddings of the next tokens; batch.hidden: [T, D] -> normed hidden [T_pad, D]."""
         if batch.hidden is None:
             raise ValueError("an MTP forward needs the target's hidden states (batch.hidden)")
         h = linear(torch.cat([rms_norm(embeds, self.enorm, self.eps),
-                              rms_norm(batch.hidden.to(embeds.dtype), self.hnorm, self.eps)], dim=-1), self.eh_proj)
+                              rms_norm(pad_rows(batch.hidden.to(embeds.dtype)), self.hnorm, self.eps)], dim=-1), self.eh_proj)
         a = self.attn.forward(rms_norm(h, self.attn_norm, self.eps), batch, cache, {})
         h = h + coll.sum_partials(a).to(h.dtype)
         f = self.ffn.forward(rms_norm(h, self.ffn_norm, self.eps))
