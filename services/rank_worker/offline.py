@@ -8,6 +8,8 @@ sample identical tokens); rank 0 reports the result.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import pickle
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -65,12 +67,16 @@ def generate_on_model(model: Glm5Model, req: GenerateRequest, *, block_size: int
 def _rank_main(rank: int, world: int, port: int, model_dir: str, device: str, dtype: torch.dtype,
                job: Callable[[Glm5Model], Any], results: "mp.Queue") -> None:
     try:
+        if device == "cpu":  # ranks share the machine's cores; oversubscribed OpenMP threads spin against each other
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         sharding, group = join_group(rank, world, master_addr="127.0.0.1", master_port=port, device=device)
         model = Glm5Model.load(model_dir, sharding=sharding, group=group, dtype=dtype,
                                device=rank_device(device, rank), progress=rank == 0)
         value = job(model)
         if rank == 0:
-            results.put(("ok", value))
+            # Plain pickle copies tensor data into the message; multiprocessing's own pickler would pass a
+            # shared-memory handle that dies with this process before the parent reads it.
+            results.put(("ok", pickle.dumps(value)))
     except BaseException as exc:  # report, never leave the parent waiting
         results.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
         raise
@@ -100,7 +106,7 @@ def run_on_ranks(model_dir: str | Path, job: Callable[[Glm5Model], Any], *, tp: 
                 p.kill()
     if status != "ok":
         raise RuntimeError(value)
-    return value
+    return pickle.loads(value)
 
 
 def generate(model_dir: str | Path, req: GenerateRequest, *, tp: int = 1, device: str = "cpu",

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from kernels.linear import linear, pad_rows
 from kernels.norms import rms_norm
@@ -34,16 +33,13 @@ class ForwardOutput:
 
 
 class Glm5Model:
-    def __init__(self, cfg: ModelConfig, reader: WeightReader, coll: Collective, *, load_mtp: bool = True,
-                 progress: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, reader: WeightReader, coll: Collective, *, load_mtp: bool = True) -> None:
         self.cfg = cfg
         self.coll = coll
         self.dtype = reader.dtype
         self.device = reader.device
         self.embed = reader.full(TEXT_PREFIX + "embed_tokens.weight")
-        layers = range(cfg.num_hidden_layers)
-        self.layers = [DecoderLayer(cfg, reader, f"{TEXT_PREFIX}layers.{i}.", i)
-                       for i in tqdm(layers, desc="building layers", disable=not progress, leave=False)]
+        self.layers = [DecoderLayer(cfg, reader, f"{TEXT_PREFIX}layers.{i}.", i) for i in range(cfg.num_hidden_layers)]
         self.norm = reader.full(TEXT_PREFIX + "norm.weight")
         self.lm_head = reader.split("lm_head.weight", 0)
         mtp_prefix = f"{TEXT_PREFIX}layers.{cfg.mtp_layer_index}."
@@ -58,7 +54,7 @@ class Glm5Model:
         cfg = ModelConfig.from_pretrained(model_dir)
         reader = WeightReader(model_dir, sharding, dtype, torch.device(device), progress=progress)
         try:
-            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp, progress=progress)
+            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp)
         finally:
             reader.close()
 

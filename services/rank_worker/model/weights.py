@@ -38,8 +38,9 @@ class WeightReader:
             with safe_open(single, "pt") as f:
                 self.files = {k: single.name for k in f.keys()}
         self._handles: dict[str, object] = {}
-        self._bar = tqdm(total=None, desc=f"loading weights (rank {sharding.rank})", unit="tensor",
-                         disable=not progress, leave=False)
+        text_keys = sum(1 for k in self.files if not k.startswith("model.visual."))  # the vision tower is not read
+        self._bar = tqdm(total=text_keys, desc=f"loading weights (rank {sharding.rank})", unit="tensor",
+                         disable=not progress)
 
     def _resolve(self, key: str) -> str | None:
         """Text-only checkpoints name text weights `model.layers.*` instead of `model.language_model.layers.*`."""

@@ -1,0 +1,450 @@
+"""Decode-step latency and prefill throughput of our model runtime at real GLM-5.3-Flash layer dimensions.
+
+Random bf16 weights for L layers (default 4: 3 KDA + 1 MLA/DSA, 1 dense + 3 MoE FFNs, plus embeddings and lm_head)
+are drawn directly on the GPU, so nothing is downloaded or read from disk. Measured in one run (REFERENCE.md §5):
+- the two ceilings: HBM copy bandwidth and the bf16 matmul rate;
+- decode: one forward of B single-token rows, each sequence with `--context` tokens already in the cache (the
+  contexts are prefilled once, untimed, as part of the setup); positions advance by one per step;
+- prefill: one sequence, one forward over the whole prompt (chunked only if it runs out of memory, or with
+  `--prefill-chunk`);
+- roofline fractions: decode = ideal bytes / bandwidth / measured time, prefill = FLOPs / matmul rate / time.
+Random-token prompts, greedy logits (no sampling, no drafts). CUDA events, warm-up, median of N.
+
+    python -m bench.decode_prefill --out $OUT             # on a GPU
+    python -m bench.decode_prefill --tiny                 # CPU smoke test with make-tiny dimensions
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench import roofline
+from bench.random_weights import build_model, bench_spec, spec_dims
+from kernels import moe
+from services.rank_worker.model.batch import Batch
+
+BLOCK = 16
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+PEER_NOTE = ("Peer (REFERENCE.md §5, not measured here): transformers 5.17 + fla kernels, same 4-layer random "
+             "model on one H200: 94.6 ms/decode step at batch 1, 894 tok/s prefill at 8k.")
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.decode_prefill", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4, help="text layers (default 4: KKKM)")
+    p.add_argument("--layer-pattern", default=None, help="K/M per layer (default: the release's 3:1 layout)")
+    p.add_argument("--batches", type=_ints, default=[1, 8, 64], help="decode batch sizes (default 1,8,64)")
+    p.add_argument("--prefill", type=_ints, default=[2048, 8192], help="prefill lengths (default 2048,8192)")
+    p.add_argument("--context", type=int, default=512, help="tokens in the cache per decode sequence (default 512)")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations per config (default 5)")
+    p.add_argument("--slow-iters", type=int, default=3,
+                   help="timed iterations when the warm-up call took longer than --slow-s (default 3)")
+    p.add_argument("--slow-s", type=float, default=1.0, help="warm-up seconds above which a config is 'slow'")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing (default 1)")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prefill in chunks of this many tokens (default 0: whole prompt; chunks of 2048 on OOM)")
+    p.add_argument("--budget-s", type=float, default=360.0,
+                   help="skip configs not started after this many seconds (default 360)")
+    p.add_argument("--ceiling-iters", type=int, default=20, help="timed iterations of each ceiling (default 20)")
+    p.add_argument("--copy-gib", type=float, default=4.0, help="bytes per copy in the bandwidth test (default 4 GiB)")
+    p.add_argument("--matmul-n", type=int, default=8192, help="matmul size for the FLOP-rate test (default 8192)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights/activations (default bf16; "
+                   "float32 with --tiny)")
+    p.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
+    p.add_argument("--virtual", type=int, default=1, help="virtual TP shards (default 1: one product per weight)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true",
+                   help="make-tiny dimensions on the CPU, small ceilings: a smoke test of this script")
+    p.add_argument("--out", default=None, help="folder for the results (default bench/results)")
+    p.add_argument("--name", default=None, help="file stem (default decode_prefill-<date>)")
+    return p.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def count_experts(real_rows: int, record: list[dict]):
+    """Record, per MoE call, the distinct routed experts chosen by the batch's real rows (and by all rows: the
+    runtime pads batch-wide tensors to 64 rows, and the padding rows are routed too)."""
+    original = moe.route
+
+    def route(x, *args, **kwargs):
+        ids, w = original(x, *args, **kwargs)
+        record.append({"real": int(torch.unique(ids[:real_rows]).numel()), "all_rows": int(torch.unique(ids).numel())})
+        return ids, w
+
+    moe.route = route
+    try:
+        yield record
+    finally:
+        moe.route = original
+
+
+class Results:
+    """Everything measured so far; written out after every config so a timeout still leaves what was done."""
+
+    def __init__(self, args: argparse.Namespace, meta: dict, out_dir: Path, stem: str) -> None:
+        self.args = args
+        self.data = {"meta": meta, "ceilings": {}, "decode": [], "prefill": [], "notes": []}
+        self.json_path = out_dir / f"{stem}.json"
+        self.md_path = out_dir / f"{stem}.md"
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(self) -> None:
+        self.json_path.write_text(json.dumps(self.data, indent=2) + "\n")
+        self.md_path.write_text(self.markdown())
+
+    def markdown(self) -> str:
+        d, m = self.data, self.data["meta"]
+        c = d["ceilings"]
+        lines = [f"# decode / prefill — {m['date']}", "",
+                 f"- device: {m['device_name']} ({m['device']}), torch {m['torch']}, CUDA {m['cuda']}, "
+                 f"Python {m['python']}",
+                 f"- model: random {m['dtype']} weights at {'make-tiny' if m['tiny'] else 'real GLM-5.3-Flash'} "
+                 f"dims, {m['layers']} layers `{m['layer_pattern']}` (K = KDA, M = MLA+DSA), FFNs "
+                 f"`{m['mlp_pattern']}`, lm_head; {si(m['text_params'])} params stored "
+                 f"({si(m['text_bytes'], 'B')}), built in {m.get('build_s', float('nan')):.1f} s",
+                 f"- dims: hidden {m['dims']['hidden_size']}, inter {m['dims']['intermediate_size']}, moe_inter "
+                 f"{m['dims']['moe_intermediate_size']}, {m['dims']['n_routed_experts']} experts top-"
+                 f"{m['dims']['num_experts_per_tok']} + {m['dims']['n_shared_experts']} shared, MLA "
+                 f"{m['dims']['num_attention_heads']} heads q_lora {m['dims']['q_lora_rank']} kv_lora "
+                 f"{m['dims']['kv_lora_rank']} nope/v {m['dims']['qk_nope_head_dim']}/{m['dims']['v_head_dim']}, "
+                 f"KDA {m['dims']['linear_num_heads']}x{m['dims']['linear_head_dim']}, indexer "
+                 f"{m['dims']['index_n_heads']}x{m['dims']['index_head_dim']} kpool {m['dims']['index_kpool']} "
+                 f"topk {m['dims']['index_topk']}, vocab {m['dims']['vocab_size']}; virtual shards {m['virtual']}",
+                 "- prompts: random tokens; logits only (no sampling, no drafts); timing: "
+                 f"{m['timer']}, {self.args.warmup} warm-up call(s), median of the timed iterations", ""]
+        if c:
+            bw, mm = c.get("hbm_copy"), c.get("matmul")
+            lines += ["## Ceilings (measured in this run)", "", "| ceiling | value | median ms |", "|---|---:|---:|"]
+            if bw:
+                lines.append(f"| HBM copy ({si(bw['bytes_per_copy'], 'B')}, read+write) | "
+                             f"{si(bw['bytes_per_s'], 'B/s', 4)} | {bw['median_ms']:.3f} |")
+            if mm:
+                lines.append(f"| {mm['dtype']} matmul {mm['n']}^3 | {si(mm['flops_per_s'], 'FLOP/s', 4)} | "
+                             f"{mm['median_ms']:.3f} |")
+            lines.append("")
+        if d["decode"]:
+            lines += [f"## Decode (one step of B single-token rows; each sequence has ~{self.args.context} tokens "
+                      "in the cache, prefilled once during setup)", "",
+                      "| batch | context | median ms | tok/s | iters | experts hit / MoE layer (real rows; all rows) "
+                      "| weight params read | ideal bytes | ideal ms | roofline |",
+                      "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+            for r in d["decode"]:
+                if r.get("status") != "ok":
+                    lines.append(f"| {r['batch']} | | {r.get('status')} | | | | | | | |")
+                    continue
+                hit = "/".join(str(x) for x in r["experts_hit"]) + "; " + "/".join(str(x) for x in r["experts_hit_all_rows"])
+                lines.append(f"| {r['batch']} | {r['context']} | {r['median_ms']:.2f} | {r['tok_per_s']:.1f} | "
+                             f"{r['iters']} | {hit} | {si(r['weight_params'], '', 4)} | "
+                             f"{si(r['ideal_bytes'], 'B')} | {r['ideal_ms']:.3f} | {r['roofline_fraction']:.2%} |")
+            lines.append("")
+        if d["prefill"]:
+            lines += ["## Prefill (one sequence, one forward over the prompt unless chunked)", "",
+                      "| tokens | chunk | median ms | tok/s | iters | FLOPs | ideal ms | roofline |",
+                      "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for r in d["prefill"]:
+                if r.get("status") != "ok":
+                    lines.append(f"| {r['tokens']} | | {r.get('status')} | | | | | |")
+                    continue
+                lines.append(f"| {r['tokens']} | {r['chunk'] or 'whole'} | {r['median_ms']:.1f} | "
+                             f"{r['tok_per_s']:.0f} | {r['iters']} | {si(r['flops'])} | "
+                             f"{r['ideal_ms']:.2f} | {r['roofline_fraction']:.2%} |")
+            lines.append("")
+        lines += [f"- {n}" for n in d["notes"]]
+        return "\n".join(lines) + "\n"
+
+
+def si(x: float, unit: str = "", digits: int = 3) -> str:
+    """1.23 G / 45.6 M / 789 k style numbers, so tiny and real runs both print readably."""
+    for div, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.{digits}g} {prefix}{unit}"
+    return f"{x:.{digits}g} {unit}".rstrip()
+
+
+def random_tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+def measure_ceilings(res: Results, device: torch.device, args: argparse.Namespace) -> None:
+    nbytes = int((64 << 20) if args.tiny else args.copy_gib * (1 << 30))
+    n = 256 if args.tiny else args.matmul_n
+    iters = 3 if args.tiny else args.ceiling_iters
+    log(f"ceiling: HBM copy of {si(nbytes, 'B')} x {iters}")
+    res.data["ceilings"]["hbm_copy"] = bw = roofline.hbm_copy_bandwidth(device, nbytes=nbytes, iters=iters)
+    log(f"  {si(bw['bytes_per_s'], 'B/s', 4)}")
+    log(f"ceiling: bf16 matmul {n}^3 x {iters}")
+    res.data["ceilings"]["matmul"] = mm = roofline.matmul_rate(device, n=n, iters=iters)
+    log(f"  {si(mm['flops_per_s'], 'FLOP/s', 4)}")
+    free(device)
+    res.write()
+
+
+def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
+                 t_start: float) -> None:
+    batches = sorted(set(args.batches))
+    if not batches:
+        return
+    nmax = max(batches)
+    steps_max = len(batches) * (args.warmup + max(args.iters, args.slow_iters) + 2)
+    cap = args.context + steps_max
+    nb = -(-cap // BLOCK)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    log(f"decode setup: cache for {nmax} sequences x {cap} positions; prefilling {nmax} x {args.context} tokens "
+        "(untimed)")
+    try:
+        cache = model.new_cache(num_blocks=nmax * nb, block_size=BLOCK, num_slots=nmax)
+        tables = torch.arange(nmax * nb, dtype=torch.long, device=device).view(nmax, nb)
+        per = max(1, 8192 // max(args.context, 1))
+        t0 = time.perf_counter()
+        for first in range(0, nmax, per):
+            seqs = list(range(first, min(first + per, nmax)))
+            ids = [t for _ in seqs for t in random_tokens(args.context, spec.vocab_size, gen)]
+            batch = Batch(token_ids=torch.tensor(ids, dtype=torch.long, device=device), starts=[0] * len(seqs),
+                          lengths=[args.context] * len(seqs), block_tables=tables[seqs], slots=seqs,
+                          logit_rows=torch.tensor([(i + 1) * args.context - 1 for i in range(len(seqs))],
+                                                  device=device))
+            model.forward(batch, cache)
+            roofline.sync(device)
+            log(f"  prefilled sequences {seqs[0]}..{seqs[-1]} ({time.perf_counter() - t0:.1f} s)")
+    except Exception as e:  # noqa: BLE001 - OOM in the setup: record it for every batch size
+        if not is_oom(e):
+            raise
+        log(f"  OOM in decode setup: {e}")
+        res.data["decode"] += [{"batch": b, "status": "OOM (setup)"} for b in batches]
+        free(device)
+        res.write()
+        return
+    pos = [args.context] * nmax
+
+    for b in batches:
+        if time.perf_counter() - t_start > args.budget_s:
+            log(f"decode batch {b}: skipped (time budget {args.budget_s:.0f} s spent)")
+            res.data["decode"].append({"batch": b, "status": "skipped (time budget)"})
+            res.write()
+            continue
+        log(f"decode batch {b}: warm-up")
+        seqs = list(range(b))
+        row = {"batch": b}
+        try:
+            def make(offset: int) -> Batch:
+                """The decode batch `offset` steps after the sequences' current positions."""
+                ids = random_tokens(b, spec.vocab_size, gen)
+                return Batch(token_ids=torch.tensor(ids, dtype=torch.long, device=device),
+                             starts=[pos[s] + offset for s in seqs], lengths=[1] * b, block_tables=tables[:b],
+                             slots=seqs, logit_rows=torch.arange(b, device=device))
+
+            def advance(steps: int) -> None:
+                for s in seqs:
+                    pos[s] += steps
+
+            hits: list[dict] = []
+            warmup = max(args.warmup, 1)  # the warm-up calls also count the experts the router picks
+            t0 = time.perf_counter()
+            with count_experts(b, hits):
+                for _ in range(warmup):
+                    model.forward(make(0), cache)
+                    advance(1)
+                roofline.sync(device)
+            warm_s = (time.perf_counter() - t0) / warmup
+            iters = args.iters if warm_s <= args.slow_s else min(args.iters, args.slow_iters)
+            contexts = [pos[s] for s in seqs]
+            batches_timed = [make(i) for i in range(iters)]  # built before timing, positions already advanced
+            log(f"decode batch {b}: warm-up {warm_s:.2f} s/step; timing {iters} steps")
+            times = roofline.time_calls(lambda i: model.forward(batches_timed[i], cache), warmup=0, iters=iters,
+                                        device=device)
+            advance(iters)
+            med = roofline.median(times)
+            moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
+            last = hits[-moe_layers:] if moe_layers else []
+            experts_hit = [h["real"] for h in last]
+            need = roofline.decode_bytes(spec, dtype, contexts, experts_hit)
+            bw = res.data["ceilings"]["hbm_copy"]["bytes_per_s"]
+            ideal_ms = need["total_bytes"] / bw * 1e3
+            row.update(status="ok", context=contexts[0], median_ms=med, times_ms=times, iters=iters,
+                       tok_per_s=b / (med / 1e3), experts_hit=experts_hit,
+                       experts_hit_all_rows=[h["all_rows"] for h in last], weight_params=need["weight_params"],
+                       weight_bytes=need["weight_bytes"], state_bytes=need["state_bytes"],
+                       cache_bytes=need["cache_bytes"], ideal_bytes=need["total_bytes"], ideal_ms=ideal_ms,
+                       roofline_fraction=ideal_ms / med,
+                       weights_only_fraction=need["weight_bytes"] / bw * 1e3 / med)
+            log(f"decode batch {b}: median {med:.2f} ms ({b / (med / 1e3):.1f} tok/s), ideal {ideal_ms:.3f} ms -> "
+                f"{ideal_ms / med:.2%} of roofline; experts hit {experts_hit}")
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            log(f"decode batch {b}: OOM ({e})")
+            row["status"] = "OOM"
+            free(device)
+        res.data["decode"].append(row)
+        res.write()
+    del cache
+    free(device)
+
+
+def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
+                  t_start: float) -> None:
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    for n in args.prefill:
+        if time.perf_counter() - t_start > args.budget_s:
+            log(f"prefill {n}: skipped (time budget {args.budget_s:.0f} s spent)")
+            res.data["prefill"].append({"tokens": n, "status": "skipped (time budget)"})
+            res.write()
+            continue
+        row = {"tokens": n}
+        ids = random_tokens(n, spec.vocab_size, gen)
+        chunks = [args.prefill_chunk] if args.prefill_chunk else [0, 2048]
+        for chunk in chunks:
+            size = chunk or n
+            cache = None
+            try:
+                nb = -(-n // BLOCK)
+                cache = model.new_cache(num_blocks=nb, block_size=BLOCK, num_slots=1)
+                table = list(range(nb))
+
+                def step(i: int) -> None:
+                    for s in range(0, n, size):
+                        model.forward(Batch.single(ids[s : s + size], s, table, slot=0, device=device), cache)
+
+                log(f"prefill {n}: warm-up ({'whole prompt' if not chunk else f'chunks of {chunk}'})")
+                t0 = time.perf_counter()
+                for i in range(args.warmup):
+                    step(i)
+                roofline.sync(device)
+                warm_s = (time.perf_counter() - t0) / max(args.warmup, 1)
+                iters = args.iters if warm_s <= args.slow_s else min(args.iters, args.slow_iters)
+                log(f"prefill {n}: warm-up {warm_s:.2f} s; timing {iters}")
+                times = roofline.time_calls(step, warmup=0, iters=iters, device=device)
+                med = roofline.median(times)
+                fl = roofline.prefill_flops(spec, dtype, n)
+                ideal_ms = fl["total_flops"] / res.data["ceilings"]["matmul"]["flops_per_s"] * 1e3
+                row.update(status="ok", chunk=chunk, median_ms=med, times_ms=times, iters=iters,
+                           tok_per_s=n / (med / 1e3), flops=fl["total_flops"], linear_flops=fl["linear_flops"],
+                           attention_flops=fl["attention_flops"],
+                           active_params_per_token=fl["active_params_per_token"], ideal_ms=ideal_ms,
+                           roofline_fraction=ideal_ms / med)
+                log(f"prefill {n}: median {med:.1f} ms = {n / (med / 1e3):.0f} tok/s, ideal {ideal_ms:.2f} ms -> "
+                    f"{ideal_ms / med:.2%} of roofline")
+                break
+            except Exception as e:  # noqa: BLE001
+                if not is_oom(e):
+                    raise
+                log(f"prefill {n} ({'whole' if not chunk else chunk}): OOM ({str(e).splitlines()[0][:200]})")
+                row["status"] = "OOM"
+                cache = None
+                free(device)
+        res.data["prefill"].append(row)
+        res.write()
+        free(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    device = torch.device(args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda"))
+    if device.type == "cpu" and not args.tiny:
+        print("refusing to build real-dimension weights on the CPU (tens of GB); use --tiny or a GPU",
+              file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype or ("float32" if args.tiny else "bfloat16")]
+    torch.manual_seed(args.seed)
+    spec = bench_spec(layers=args.layers, layer_pattern=args.layer_pattern, tiny=args.tiny)
+    now = dt.datetime.now()
+    pc = roofline.param_counts(spec, dtype)
+    meta = {
+        "date": now.isoformat(timespec="seconds"),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "tiny": args.tiny,
+        "dtype": str(dtype).removeprefix("torch."),
+        "layers": spec.num_hidden_layers,
+        "layer_pattern": spec.layer_pattern,
+        "mlp_pattern": "".join("D" if m == "dense" else "E" for m in spec.mlp_layer_types),
+        "virtual": args.virtual,
+        "seed": args.seed,
+        "dims": spec_dims(spec),
+        "text_params": pc.total,
+        "text_bytes": pc.total_bytes,
+        "timer": "CUDA events" if device.type == "cuda" else "perf_counter",
+        "args": {k: v for k, v in vars(args).items()},
+    }
+    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
+    stem = args.name or f"decode_prefill-{now.strftime('%Y%m%d-%H%M%S')}"
+    res = Results(args, meta, out_dir, stem)
+    res.data["notes"] += [
+        "decode: each sequence's context is prefilled once before timing (setup); every timed step advances "
+        "positions by one; the row's context is the cached length at the first timed step.",
+        "decode ideal bytes = weights the step touches (all non-expert weights + lm_head + the distinct routed "
+        "experts the real rows chose, per MoE layer + one embedding row per sequence) + KDA fp32 state and conv "
+        "history read+written + MLA latent / indexer-key rows read; ideal ms = ideal bytes / measured HBM copy "
+        "bandwidth; roofline = ideal ms / measured ms.",
+        "experts hit 'all rows' includes the zero-token padding rows the runtime adds to reach a multiple of 64 rows "
+        "(they are routed too; the ideal counts only real rows).",
+        "prefill FLOPs = 2 x active params x tokens (top-k + shared experts; lm_head for the last row) + MLA "
+        "2·h·(dn+dv) per attended (query, key) pair under the DSA selection + indexer 2·h·d per scored pool + KDA "
+        "6·dk·dv per head and token; ideal ms = FLOPs / measured matmul rate.",
+        PEER_NOTE,
+    ]
+    log(f"device {meta['device_name']} ({device}), torch {torch.__version__}; results -> {res.json_path}")
+    log(f"spec: {spec.num_hidden_layers} layers {spec.layer_pattern}, hidden {spec.hidden_size}, "
+        f"{spec.n_routed_experts} experts; {si(pc.total)} params ({si(pc.total_bytes, 'B')} {meta['dtype']})")
+
+    measure_ceilings(res, device, args)
+
+    log("building the model from random weights on the device")
+    t0 = time.perf_counter()
+    model, reader = build_model(spec, device=device, dtype=dtype, seed=args.seed, virtual=args.virtual, log=log)
+    roofline.sync(device)
+    meta["build_s"] = time.perf_counter() - t0
+    meta["bytes_drawn"] = reader.bytes_made
+    if device.type == "cuda":
+        meta["gpu_mem_after_build_gib"] = torch.cuda.memory_allocated(device) / 2**30
+    log(f"built in {meta['build_s']:.1f} s ({si(reader.bytes_made, 'B')} drawn)")
+    res.write()
+
+    bench_decode(res, model, spec, device, dtype, args, t_start)
+    bench_prefill(res, model, spec, device, dtype, args, t_start)
+    meta["total_s"] = time.perf_counter() - t_start
+    if device.type == "cuda":
+        meta["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    res.write()
+    print()
+    print(res.markdown())
+    log(f"wrote {res.json_path} and {res.md_path} ({meta['total_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""TP = 2 and TP = 4 (gloo processes on loopback) against TP = 1: same greedy tokens and bit-identical logits.
+
+Bit identity is by construction (DESIGN §5.3): every sharded dimension is cut into 4 virtual shards whatever the
+rank count, each shard's product is computed separately, and row-parallel partials are all-gathered and summed in
+shard order on every rank.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from services.rank_worker.offline import run_on_ranks
+from tests.model.reference import random_ids
+from tests.model.tp_jobs import logits_and_greedy
+
+IDS = random_ids(96, seed=21)
+JOB = partial(logits_and_greedy, ids=IDS, prompt_len=64, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_shared):
+    return run_on_ranks(tiny_shared, JOB, tp=1)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_equals_tp1(tiny_shared, tp1, tp):
+    result = run_on_ranks(tiny_shared, JOB, tp=tp)
+    assert result["tokens"] == tp1["tokens"]
+    delta = (result["logits"] - tp1["logits"]).abs().max().item()
+    print(f"TP={tp}: max |dlogits| vs TP=1 = {delta:.1e}, bit-identical = {torch.equal(result['logits'], tp1['logits'])}")
+    assert torch.equal(result["logits"], tp1["logits"])
