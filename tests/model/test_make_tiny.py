@@ -93,7 +93,7 @@ def test_model_config_reads_it(ckpt: Path) -> None:
     assert cfg.eos_token_id == (ids["<|endoftext|>"], ids["<|user|>"], ids["<|observation|>"])
     assert cfg.pad_token_id == ids["<|endoftext|>"]
     assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim, cfg.linear_lower_bound) == (4, 16, 4, -5.0)
-    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool, cfg.index_topk) == (4, 16, 4, 64)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool, cfg.index_topk) == (16, 16, 4, 64)
     assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (8, 2, 1)
     assert cfg.mtp_layer_index == 8 and cfg.num_nextn_predict_layers == 1
     assert cfg.vocab_size % 64 == 0 and cfg.vocab_size >= len(tok["model"]["vocab"]) + len(tok["added_tokens"])
