@@ -15,6 +15,7 @@ import sys
 _COMMANDS = (
     "services.rank_worker.model.tiny.cli",
     "services.rank_worker.generate_cli",
+    "services.rank_worker.cli",
 )
 
 

@@ -1,0 +1,83 @@
+"""`twinspark serve-rank`: one rank worker — join the TP group, load this rank's shard, serve StepPlans."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("twinspark.rank")
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"TWINSPARK_{name}", default)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve-rank", help="run one rank worker (one per GPU / machine)",
+                       description="Join the tensor-parallel group, load this rank's shard and serve StepPlans over "
+                                   "gRPC. Flags default from TWINSPARK_* environment variables.")
+    p.add_argument("--model", default=_env("MODEL"), required=_env("MODEL") is None, help="checkpoint dir (TWINSPARK_MODEL)")
+    p.add_argument("--rank", type=int, default=int(_env("RANK", "0")), help="this rank (TWINSPARK_RANK)")
+    p.add_argument("--world", type=int, default=int(_env("TP", "1")), help="number of ranks (TWINSPARK_TP)")
+    p.add_argument("--master-addr", default=_env("MASTER_ADDR", "127.0.0.1"), help="rank 0's address for the collective")
+    p.add_argument("--master-port", type=int, default=int(_env("MASTER_PORT", "29500")))
+    p.add_argument("--host", default=_env("RANK_HOST", "0.0.0.0"), help="gRPC listen address")
+    p.add_argument("--port", type=int, default=int(_env("RANK_PORT", "50061")), help="gRPC port")
+    p.add_argument("--device", default=_env("DEVICE", "cpu"), choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=_env("DTYPE"), choices=sorted(_DTYPES),
+                   help="compute dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--num-blocks", type=int, default=int(_env("NUM_BLOCKS", "1024")), help="KV cache blocks")
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")), help="positions per block")
+    p.add_argument("--num-slots", type=int, default=int(_env("NUM_SLOTS", "32")), help="KDA state slots")
+    p.add_argument("--virtual-shards", type=int, default=int(_env("VIRTUAL_SHARDS", "4")),
+                   help="virtual shards per sharded dim (a multiple of --world; the same on every rank)")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.rank_worker import fingerprint as fp
+    from services.rank_worker.distributed import join_group, rank_device
+    from services.rank_worker.executor import Executor
+    from services.rank_worker.model.model import Glm5Model
+    from services.rank_worker.server import RankService, serve
+    from twinspark.v1 import rank_pb2
+
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
+    dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    if args.device == "cpu" and args.world > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
+    log.info("joining group as rank %d of %d via %s:%d", args.rank, args.world, args.master_addr, args.master_port)
+    sharding, group = join_group(args.rank, args.world, master_addr=args.master_addr, master_port=args.master_port,
+                                 device=args.device, virtual=args.virtual_shards)
+    settings = fp.settings(model_dir=args.model, world=args.world, dtype=dtype, device=args.device,
+                           virtual_shards=args.virtual_shards, num_blocks=args.num_blocks,
+                           block_size=args.block_size, num_slots=args.num_slots)
+    try:
+        fp.check_group(settings, args.rank, args.world)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 4
+    log.info("loading %s (%s, %s)", args.model, dtype, args.device)
+    model = Glm5Model.load(args.model, sharding=sharding, group=group, dtype=dtype,
+                           device=rank_device(args.device, args.rank), progress=True)
+    cache = model.new_cache(num_blocks=args.num_blocks, block_size=args.block_size, num_slots=args.num_slots)
+    cfg = model.cfg
+    describe = rank_pb2.DescribeReply(
+        rank=args.rank, world=args.world, fingerprint=fp.fingerprint(settings), settings=settings,
+        num_blocks=args.num_blocks, block_size=args.block_size, num_slots=args.num_slots, vocab_size=cfg.vocab_size,
+        eos_token_ids=list(cfg.eos_token_id),
+        max_model_len=min(cfg.max_position_embeddings, args.num_blocks * args.block_size),
+        model=os.path.basename(os.path.normpath(args.model)))
+    server = serve(RankService(Executor(model, cache), describe), args.host, args.port)
+    log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", args.rank, args.host, args.port,
+             args.num_blocks, args.block_size, args.num_slots)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=1))
+    server.wait_for_termination()
+    return 0
+

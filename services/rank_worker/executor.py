@@ -1,0 +1,98 @@
+"""StepPlan -> one forward of this rank's shard -> the sampled token of every sample row.
+
+Every rank runs the same plan on its shard and ends in the same state. A plan is checked before anything runs;
+since every rank checks the same plan the same way, they all refuse it together instead of one entering the
+collective alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.sampling import SamplingParams, sample
+from services.common.tensors import from_proto
+from services.rank_worker.model.batch import Batch
+from services.rank_worker.model.cache import PagedCache
+from services.rank_worker.model.model import Glm5Model
+from twinspark.v1.rank_pb2 import StepPlan
+
+
+class PlanError(ValueError):
+    """The plan is malformed or addresses memory this rank does not have."""
+
+
+@dataclass
+class StepOutput:
+    sampled: list[int]
+    forward_ms: float
+    sample_ms: float
+
+
+def _vec(msg, name: str, dtype: torch.dtype, length: int | None = None) -> torch.Tensor:
+    try:
+        t = from_proto(msg)
+    except ValueError as exc:
+        raise PlanError(f"{name}: {exc}") from exc
+    if t.dim() != 1 or (length is not None and t.numel() != length):
+        raise PlanError(f"{name}: expected a vector of {length if length is not None else 'n'} values, got {list(t.shape)}")
+    return t.to(dtype)
+
+
+class Executor:
+    def __init__(self, model: Glm5Model, cache: PagedCache) -> None:
+        self.model = model
+        self.cache = cache
+
+    def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, torch.Tensor]:
+        dev = self.model.device
+        tokens = _vec(plan.token_ids, "token_ids", torch.int64)
+        lengths = _vec(plan.lengths, "lengths", torch.int64)
+        b = lengths.numel()
+        starts = _vec(plan.starts, "starts", torch.int64, b)
+        slots = _vec(plan.slots, "slots", torch.int64, b)
+        try:
+            tables = from_proto(plan.block_tables).to(torch.int64)
+        except ValueError as exc:
+            raise PlanError(f"block_tables: {exc}") from exc
+        if b == 0 or tables.dim() != 2 or tables.shape[0] != b:
+            raise PlanError(f"block_tables must be [{b}, W] for {b} sequences, got {list(tables.shape)}")
+        if int(lengths.sum()) != tokens.numel() or bool((lengths < 1).any()) or bool((starts < 0).any()):
+            raise PlanError("lengths must be >= 1 and sum to the number of token ids; starts must be >= 0")
+        if bool((tokens < 0).any()) or bool((tokens >= self.model.cfg.vocab_size).any()):
+            raise PlanError("a token id is outside the vocabulary")
+        if bool((slots < 0).any()) or bool((slots >= self.cache.num_slots).any()) or len(set(slots.tolist())) != b:
+            raise PlanError(f"slots must be distinct and in [0, {self.cache.num_slots})")
+        if bool((tables < 0).any()) or bool((tables >= self.cache.num_blocks).any()):
+            raise PlanError(f"block ids must be in [0, {self.cache.num_blocks})")
+        if bool(((starts + lengths) > tables.shape[1] * self.cache.block_size).any()):
+            raise PlanError("a sequence runs past the end of its block table")
+        rows = _vec(plan.sample_rows, "sample_rows", torch.int64)
+        r = rows.numel()
+        if bool((rows < 0).any()) or bool((rows >= tokens.numel()).any()):
+            raise PlanError("a sample row is outside the batch")
+        params = SamplingParams(
+            temperature=_vec(plan.temperature, "temperature", torch.float32, r).to(dev),
+            top_k=_vec(plan.top_k, "top_k", torch.int64, r).to(dev),
+            top_p=_vec(plan.top_p, "top_p", torch.float32, r).to(dev),
+            min_p=_vec(plan.min_p, "min_p", torch.float32, r).to(dev),
+            seed=_vec(plan.seed, "seed", torch.int64, r).to(dev),
+        )
+        batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
+                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows.to(dev))
+        return batch, params, rows
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        batch, params, rows = self.to_batch(plan)
+        t0 = time.perf_counter()
+        out = self.model.forward(batch, self.cache)
+        t1 = time.perf_counter()
+        sampled: list[int] = []
+        if rows.numel():
+            # The token sampled from the row at absolute position p sits at position p + 1: that is its key.
+            positions = batch.positions[rows.to(batch.positions.device)] + 1
+            sampled = sample(out.logits, positions, params).tolist()
+        t2 = time.perf_counter()
+        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3)

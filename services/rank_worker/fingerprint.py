@@ -1,0 +1,57 @@
+"""What changes bits, hashed: ranks compare it at start and refuse to run a group whose members differ."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else "missing"
+
+
+def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: str, virtual_shards: int,
+             num_blocks: int, block_size: int, num_slots: int) -> dict[str, str]:
+    """Every setting that changes a rank's arithmetic or memory layout, by name."""
+    d = Path(model_dir)
+    try:
+        ours = version("twinspark")
+    except PackageNotFoundError:
+        ours = "source"
+    return {
+        "config.json": _file_hash(d / "config.json"),
+        "weights index": _file_hash(d / "model.safetensors.index.json"),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.split(":")[0],
+        "tp world": str(world),
+        "virtual shards": str(virtual_shards),
+        "cache blocks": str(num_blocks),
+        "block size": str(block_size),
+        "state slots": str(num_slots),
+        "twinspark": ours,
+        "torch": torch.__version__,
+    }
+
+
+def fingerprint(values: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+
+
+def check_group(values: dict[str, str], rank: int, world: int) -> None:
+    """All-gather every rank's settings; raise naming each setting that differs (on every rank alike)."""
+    if world == 1:
+        return
+    gathered: list[dict[str, str] | None] = [None] * world
+    dist.all_gather_object(gathered, values)
+    diffs = []
+    for key in sorted(values):
+        seen = {r: g.get(key) for r, g in enumerate(gathered) if g is not None}
+        if len(set(seen.values())) > 1:
+            diffs.append(f"{key}: " + ", ".join(f"rank {r}={v}" for r, v in seen.items()))
+    if diffs:
+        raise RuntimeError("ranks disagree on settings that change results; refusing to start:\n  " + "\n  ".join(diffs))

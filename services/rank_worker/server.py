@@ -1,0 +1,81 @@
+"""The rank worker's gRPC service: Describe, and the Step stream that executes one StepPlan per round.
+
+A rank refuses a plan whose round is not the next one or whose checksum does not match, answers with the error
+and then stops the process (exit code 3): its peers cannot safely continue without it, and a supervisor restarts
+the group. Only one Step stream runs at a time (one scheduler drives a rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+
+from services.common.plan_checksum import plan_checksum
+from services.common.tensors import to_proto
+from services.rank_worker.executor import Executor, PlanError
+from twinspark.v1 import rank_pb2, rank_pb2_grpc
+
+log = logging.getLogger("twinspark.rank")
+EXIT_BAD_PLAN = 3
+
+
+class RankService(rank_pb2_grpc.RankWorkerServicer):
+    def __init__(self, executor: Executor, describe: rank_pb2.DescribeReply) -> None:
+        self.executor = executor
+        self.describe = describe
+        self.rank = describe.rank
+        self._stream_lock = threading.Lock()
+
+    def Describe(self, request: rank_pb2.DescribeRequest, context: grpc.ServicerContext) -> rank_pb2.DescribeReply:
+        return self.describe
+
+    def _stop(self, reason: str) -> None:
+        """Leave the group: the reply with the error goes out first, then the process ends."""
+        log.error("rank %d stopping: %s", self.rank, reason)
+        threading.Timer(0.5, os._exit, args=(EXIT_BAD_PLAN,)).start()
+
+    def Step(self, plans: Iterator[rank_pb2.StepPlan], context: grpc.ServicerContext) -> Iterator[rank_pb2.StepResult]:
+        if not self._stream_lock.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Step stream is already driving this rank")
+        try:
+            expected = 1
+            log.info("rank %d: step stream opened by %s", self.rank, context.peer())
+            for plan in plans:
+                error = ""
+                if plan.round != expected:
+                    error = f"round {plan.round} arrived, expected {expected}"
+                elif plan.checksum != plan_checksum(plan):
+                    error = f"round {plan.round}: checksum mismatch"
+                if error:
+                    yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=error)
+                    self._stop(error)
+                    return
+                expected += 1
+                try:
+                    out = self.executor.execute(plan)
+                except PlanError as exc:
+                    error = f"round {plan.round}: bad plan: {exc}"
+                    yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=error)
+                    self._stop(error)
+                    return
+                yield rank_pb2.StepResult(round=plan.round, rank=self.rank, sampled=to_proto(out.sampled),
+                                          forward_ms=out.forward_ms, sample_ms=out.sample_ms)
+            log.info("rank %d: step stream closed after %d rounds", self.rank, expected - 1)
+        finally:
+            self._stream_lock.release()
+
+
+def serve(service: RankService, host: str, port: int) -> grpc.Server:
+    opts = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=opts)
+    rank_pb2_grpc.add_RankWorkerServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise RuntimeError(f"cannot listen on {host}:{port}")
+    server.start()
+    return server
