@@ -9,6 +9,7 @@ requested tensor on the device with a per-key generator and keeps no copy of its
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -161,6 +162,7 @@ def build_model(spec: TinySpec, *, device: torch.device | str, dtype: torch.dtyp
     """A one-rank `Glm5Model` over random weights (no MTP). `virtual=1`: one product per weight, for speed."""
     sharding = Sharding(virtual=virtual)
     reader = RandomWeightReader(spec, sharding, dtype, device, seed=seed, log=log)
-    model = Glm5Model(bench_config(spec), reader, Collective(sharding), load_mtp=False, progress=False)
+    quiet = {"progress": False} if "progress" in inspect.signature(Glm5Model.__init__).parameters else {}
+    model = Glm5Model(bench_config(spec), reader, Collective(sharding), load_mtp=False, **quiet)
     reader.close()
     return model, reader

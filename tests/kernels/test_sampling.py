@@ -398,25 +398,3 @@ def test_token_logprobs_match_log_softmax():
     assert bool((top_lp[:, :-1] >= top_lp[:, 1:]).all())
     c0, i0, l0 = token_logprobs(logits, ids, 0)
     assert i0.shape == (5, 0) and l0.shape == (5, 0)
-
-
-# ---------------------------------------------------------------------------
-# CPU vs CUDA (runs where a GPU is present)
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_matches_cpu_bit_for_bit():
-    gen = torch.Generator().manual_seed(8)
-    vocab = 154_880
-    rows = [_random_row(gen, vocab) for _ in range(32)]
-    logits = torch.randn(32, vocab, generator=gen) * 4
-    logits[:, :64] = logits[:, :64].round()  # plenty of ties
-    pos = torch.randint(0, 2**40, (32,), generator=gen)
-    pc, pg = _params(rows), _params(rows, "cuda")
-    assert torch.equal(gumbel_noise(pc.seed, pos, vocab), gumbel_noise(pg.seed, pos.cuda(), vocab).cpu())
-    assert torch.equal(filter_logits(logits, pc), filter_logits(logits.cuda(), pg).cpu())
-    assert torch.equal(sample(logits, pos, pc), sample(logits.cuda(), pos.cuda(), pg).cpu())
-    golden = sample(_exact_logits(len(GOLDEN_ROWS), 5000).cuda(),
-                    (torch.arange(len(GOLDEN_ROWS)) * 1000 + 17).cuda(), _params(GOLDEN_ROWS, "cuda"))
-    assert golden.tolist() == GOLDEN_IDS
