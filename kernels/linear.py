@@ -41,3 +41,14 @@ def pad_rows(x: torch.Tensor, multiple: int = ROW_TILE) -> torch.Tensor:
     """x with zero rows appended so its row count is a multiple of `multiple` (see the module note)."""
     pad = (-x.shape[0]) % multiple
     return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` returned in fp32. On CUDA with bf16/fp16 operands the GEMM writes its fp32 accumulator
+    directly (no rounding of the result to 16 bits): row-parallel partials and logits are summed and compared in
+    fp32, so rounding them first would throw away bits for nothing."""
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+        lead = x.shape[:-1]
+        out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        return out.reshape(*lead, weight.shape[0])
+    return linear(x, weight).float()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import linear, pad_rows
+from kernels.linear import linear, linear_fp32, pad_rows
 
 
 def _top(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -49,14 +49,14 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_w: t
             down_w: torch.Tensor, limit: float) -> torch.Tensor:
     """Routed experts over one slice of their intermediate dim.
 
-    x: [T, D]; ids, weights: [T, k]; gate_w, up_w: [E, I, D]; down_w: [E, D, I] -> [T, D] (this slice's share).
+    x: [T, D]; ids, weights: [T, k]; gate_w, up_w: [E, I, D]; down_w: [E, D, I] -> [T, D] fp32 (this slice's share).
     """
-    out = torch.zeros(x.shape[0], down_w.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.zeros(x.shape[0], down_w.shape[1], dtype=torch.float32, device=x.device)  # fp32 partial sums
     hit = torch.unique(ids).tolist()  # ascending, so every row sums its experts in index order
     for e in hit:
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
         xe = pad_rows(x[rows])  # a row count that varies with the batch must not change SiLU's code path
         h = swiglu(linear(xe, gate_w[e]), linear(xe, up_w[e]), limit)
-        y = linear(h, down_w[e])[: rows.numel()] * weights[rows, slot].unsqueeze(-1).to(x.dtype)
+        y = linear_fp32(h, down_w[e])[: rows.numel()] * weights[rows, slot].unsqueeze(-1).float()
         out.index_add_(0, rows, y)
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels import moe
-from kernels.linear import linear
+from kernels.linear import linear, linear_fp32
 from services.rank_worker.model.config import ModelConfig
 from services.rank_worker.model.weights import WeightReader
 
@@ -22,7 +22,7 @@ class DenseMlp:
         self.down = reader.split(prefix + "down_proj.weight", 1)
 
     def partial(self, x: torch.Tensor, j: int) -> torch.Tensor:
-        return linear(moe.swiglu(linear(x, self.gate[j]), linear(x, self.up[j]), self.limit), self.down[j])
+        return linear_fp32(moe.swiglu(linear(x, self.gate[j]), linear(x, self.up[j]), self.limit), self.down[j])
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [self.partial(x, j) for j in range(len(self.gate))]

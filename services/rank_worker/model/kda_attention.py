@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import kda
-from kernels.linear import linear, pad_rows
+from kernels.linear import linear, linear_fp32, pad_rows
 from kernels.norms import gated_rms_norm
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
@@ -99,5 +99,5 @@ class KdaAttention:
 
             gate = linear(ga, self.g_b[j]).view(t, self.heads, self.dl)
             out = gated_rms_norm(core.to(x.dtype), gate, self.o_norm, self.eps).reshape(t, -1)
-            partials.append(linear(out, self.o_w[j]))
+            partials.append(linear_fp32(out, self.o_w[j]))
         return partials

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import dsa
-from kernels.linear import linear
+from kernels.linear import linear, linear_fp32
 from kernels.mla import latent_attention
 from kernels.norms import layer_norm, rms_norm
 from services.rank_worker.model.batch import Batch
@@ -105,5 +105,5 @@ class MlaAttention:
                     q_lat = torch.einsum("nhd,hdr->nhr", q[rows].float(), self.w_uk[j].float())
                     o_lat = latent_attention(q_lat, latents[s], masks[s][b : b + QUERY_BLOCK], self.scale)
                     out[rows] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[j].float()).to(x.dtype)
-            partials.append(linear(out.reshape(x.shape[0], -1), self.o_w[j]))
+            partials.append(linear_fp32(out.reshape(x.shape[0], -1), self.o_w[j]))
         return partials

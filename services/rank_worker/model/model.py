@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.linear import linear, pad_rows
+from kernels.linear import linear_fp32, pad_rows
 from kernels.norms import rms_norm
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
@@ -63,7 +63,7 @@ class Glm5Model:
                           num_slots=num_slots, dtype=self.dtype, device=self.device, with_mtp=self.mtp is not None)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.coll.gather_columns([linear(hidden, w).float() for w in self.lm_head])
+        return self.coll.gather_columns([linear_fp32(hidden, w) for w in self.lm_head])
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: PagedCache) -> ForwardOutput:
