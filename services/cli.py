@@ -16,6 +16,7 @@ _COMMANDS = (
     "services.rank_worker.model.tiny.cli",
     "services.rank_worker.generate_cli",
     "services.rank_worker.cli",
+    "services.scheduler.cli",
 )
 
 

@@ -1,0 +1,91 @@
+"""One round's plan: which rows of which running requests go into the next forward, under a token budget.
+
+Policy (continuous batching with chunked prefill):
+1. Decode rows first, one per decoding request — each stream gets a token every round, whatever is prefilling.
+   Normal priority before background; when the budget is smaller than the number of decoders, the ones served
+   least recently go first, so nobody starves.
+2. The rest of the budget goes to prefill chunks, FCFS (normal before background). A prompt longer than what is
+   left is cut into chunks over several rounds; several short prompts can share a round.
+
+A sequence's `start` is the number of its tokens already in the cache; the rows to sample are the last row of each
+sequence whose prompt is completely in the cache after this round (so every decode row, and the final chunk of a
+prompt). The token sampled at row position p is the token at position p + 1; ranks derive positions from
+starts/lengths, so nothing else travels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.tensors import to_proto
+from services.scheduler.request import Request
+from twinspark.v1 import generate_pb2, rank_pb2
+
+
+@dataclass
+class PlannedSeq:
+    req: Request
+    start: int
+    token_ids: list[int]
+    sample: bool
+
+
+def plan_round(running: list[Request], budget: int) -> list[PlannedSeq]:
+    """The sequences of the next round (decodes, then prefill chunks); empty when there is nothing to run."""
+    bg = generate_pb2.PRIORITY_BACKGROUND
+    decoders = sorted((r for r in running if not r.prefilling),
+                      key=lambda r: (r.priority == bg, r.last_round, r.order))
+    prefillers = sorted((r for r in running if r.prefilling), key=lambda r: (r.priority == bg, r.order))
+    out: list[PlannedSeq] = []
+    left = budget
+    for r in decoders:
+        if left < 1:
+            break
+        start, toks = r.next_rows(1)
+        out.append(PlannedSeq(r, start, toks, sample=True))
+        left -= 1
+    for r in prefillers:
+        if left < 1:
+            break
+        start, toks = r.next_rows(left)
+        out.append(PlannedSeq(r, start, toks, sample=start + len(toks) >= r.prompt_len))
+        left -= len(toks)
+    return out
+
+
+def build_step_plan(seqs: list[PlannedSeq], block_size: int) -> rank_pb2.StepPlan:
+    """The packed StepPlan for `seqs` (round and checksum are set by the sender)."""
+    token_ids: list[int] = []
+    starts, lengths, slots, tables, sample_rows = [], [], [], [], []
+    temperature, top_p, top_k, min_p, seed = [], [], [], [], []
+    for s in seqs:
+        res = s.req.reservation
+        assert res is not None, f"request {s.req.id} is planned without a reservation"
+        if s.sample:
+            sp = s.req.sampling
+            sample_rows.append(len(token_ids) + len(s.token_ids) - 1)
+            temperature.append(sp.temperature)
+            top_p.append(sp.top_p)
+            top_k.append(sp.top_k)
+            min_p.append(sp.min_p)
+            seed.append(sp.seed_i64)
+        token_ids.extend(s.token_ids)
+        starts.append(s.start)
+        lengths.append(len(s.token_ids))
+        slots.append(res.slot)
+        # Only the blocks that cover positions this round touches (a full window's table would be ~8k ids per row).
+        need = -(-(s.start + len(s.token_ids)) // block_size)
+        tables.append(res.blocks[:need])
+    width = max(len(t) for t in tables)
+    padded = torch.zeros(len(tables), width, dtype=torch.int32)  # padded with 0, never read past a sequence's end
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return rank_pb2.StepPlan(
+        token_ids=to_proto(token_ids), starts=to_proto(starts), lengths=to_proto(lengths), slots=to_proto(slots),
+        block_tables=to_proto(padded), sample_rows=to_proto(sample_rows),
+        temperature=to_proto(temperature, "float32"), top_p=to_proto(top_p, "float32"), top_k=to_proto(top_k),
+        min_p=to_proto(min_p, "float32"), seed=to_proto(seed, "int64"),
+        request_ids=[s.req.id for s in seqs],
+    )

@@ -1,0 +1,78 @@
+"""`twinspark serve-scheduler`: the scheduler in front of a group of rank workers.
+
+Every flag defaults from a TWINSPARK_* environment variable, so a compose file / .env can configure it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"TWINSPARK_{name}", default)
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve-scheduler", help="run the scheduler (queue, batching, KV pool) in front of the rank workers",
+        description="Describe every rank, check they form one group, then serve the Generator gRPC service "
+                    "(Generate / Abort / Health) to the gateway. Flags default from TWINSPARK_* variables.")
+    ranks = _env("RANKS")
+    p.add_argument("--ranks", default=ranks, required=ranks is None,
+                   help="rank worker addresses host:port,host:port in rank order (TWINSPARK_RANKS)")
+    p.add_argument("--host", default=_env("SCHEDULER_HOST", "0.0.0.0"), help="listen address (TWINSPARK_SCHEDULER_HOST)")
+    p.add_argument("--port", type=int, default=int(_env("SCHEDULER_PORT", "50051")),
+                   help="listen port (TWINSPARK_SCHEDULER_PORT, default 50051)")
+    p.add_argument("--max-waiting", type=int, default=int(_env("MAX_WAITING", "64")),
+                   help="waiting-queue bound; beyond it Generate answers RESOURCE_EXHAUSTED + retry-after "
+                        "(TWINSPARK_MAX_WAITING, default 64)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=int(_env("MAX_NUM_SEQS", "16")),
+                   help="running requests at most (also capped by the ranks' KDA slots) (TWINSPARK_MAX_NUM_SEQS, "
+                        "default 16)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int,
+                   default=int(_env("MAX_NUM_BATCHED_TOKENS", "256")),
+                   help="token budget of one round: decode rows first, then prefill chunks "
+                        "(TWINSPARK_MAX_NUM_BATCHED_TOKENS, default 256)")
+    p.add_argument("--startup-timeout", type=float, default=float(_env("STARTUP_TIMEOUT", "300")),
+                   help="seconds to wait for every rank to answer Describe (TWINSPARK_STARTUP_TIMEOUT, default 300)")
+    p.add_argument("--rank-timeout", type=float, default=float(_env("RANK_TIMEOUT", "300")),
+                   help="seconds one round may take before the rank is declared hung; 0 = never "
+                        "(TWINSPARK_RANK_TIMEOUT, default 300)")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="TWINSPARK_LOG_LEVEL, default INFO")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.scheduler.engine import EngineConfig
+    from services.scheduler.ranks import StartupError
+    from services.scheduler.server import SchedulerConfig, serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
+    addresses = [a.strip() for a in args.ranks.split(",") if a.strip()]
+    if not addresses:
+        logging.getLogger("twinspark.scheduler").error("--ranks lists no addresses")
+        return 2
+    cfg = SchedulerConfig(
+        ranks=addresses, host=args.host, port=args.port,
+        engine=EngineConfig(max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens),
+        startup_timeout_s=args.startup_timeout, rank_timeout_s=args.rank_timeout or None)
+    try:
+        asyncio.run(serve(cfg))
+    except StartupError as exc:
+        logging.getLogger("twinspark.scheduler").error("refusing to start: %s", exc)
+        return 3
+    except OSError as exc:
+        logging.getLogger("twinspark.scheduler").error("%s", exc)
+        return 2
+    return 0

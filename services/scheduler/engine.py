@@ -1,0 +1,292 @@
+"""The scheduler's loop: admit → plan a round → send it to every rank → commit the sampled tokens → stop rules → events.
+
+Everything runs on one asyncio loop, so the engine's structures need no locks: Generate / Abort handlers call
+`submit` / `abort` between the loop's awaits, and the loop acts on them at the next round boundary. One round is in
+flight at a time; an abort or a cancelled call therefore frees its blocks and slot within one round.
+
+Failure rules: a rank failure fails every request (running and waiting) with FINISH_ERROR and makes the engine
+unavailable (new Generate calls get UNAVAILABLE) until the scheduler is restarted with a healthy group. Any other
+exception inside the loop fails only the requests that were running — the ranks are still in lock-step, and a new
+request starts at position 0 with a fresh slot state — and the loop goes on: exceptions never kill the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from services.common.tensors import ids
+from services.scheduler.admission import AdmissionQueue, QueueFull
+from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
+from services.scheduler.pool import BlockPool
+from services.scheduler.ranks import ModelInfo, RankError, RankSet
+from services.scheduler.request import Request, SamplingSpec, State, derive_seed
+from twinspark.v1 import generate_pb2
+
+log = logging.getLogger("twinspark.scheduler")
+
+__all__ = ["Engine", "EngineConfig", "InvalidRequest", "QueueFull", "Unavailable"]
+
+
+class InvalidRequest(ValueError):
+    """A request the scheduler will never run; `str()` is the INVALID_ARGUMENT details, "<code>: <message>"."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class Unavailable(RuntimeError):
+    """The engine cannot serve (a rank is down, or it is shutting down)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_waiting: int = 64
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+
+
+_REASON = {generate_pb2.FINISH_STOP: "stop", generate_pb2.FINISH_LENGTH: "length",
+           generate_pb2.FINISH_ABORTED: "aborted", generate_pb2.FINISH_ERROR: "error"}
+
+
+class Engine:
+    def __init__(self, ranks: RankSet, info: ModelInfo, cfg: EngineConfig) -> None:
+        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.ranks = ranks
+        self.info = info
+        self.cfg = cfg
+        self.pool = BlockPool(info.num_blocks, info.block_size, info.num_slots)
+        self.queue = AdmissionQueue(cfg.max_waiting)
+        self.running: list[Request] = []
+        self.live: dict[str, Request] = {}  # waiting + running, by request id
+        # A running request holds a KDA slot, so the ranks' slot count caps concurrency too.
+        self.max_running = min(cfg.max_num_seqs, info.num_slots)
+        if cfg.max_num_batched_tokens < self.max_running:
+            log.warning("--max-num-batched-tokens %d < %d running sequences: some decode rows will wait a round",
+                        cfg.max_num_batched_tokens, self.max_running)
+        self.rounds = 0
+        self.loop_error: str | None = None  # last unexpected loop exception, for Health
+        self._eos = frozenset(info.eos_ids)
+        self._order = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        ranks.on_failure = self._on_rank_failure
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="scheduler-engine")
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def stop(self, reason: str = "the scheduler is shutting down") -> None:
+        self._stopping = True
+        self._fail_all(reason)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # -- requests in ----------------------------------------------------------------------------------------------
+    def submit(self, msg: generate_pb2.GenerateRequest) -> Request:
+        """Validate and queue; raises Unavailable, InvalidRequest or QueueFull (nothing is queued then)."""
+        if self.ranks.failure is not None:
+            raise Unavailable(f"{self.ranks.failure.public}; restart the scheduler once the ranks are back")
+        if self._stopping or not self.alive:
+            raise Unavailable("the scheduler is not running")
+        req = self._validate(msg)
+        self._admit()  # let older waiters in first, so the bound below counts only requests that must wait
+        runs_now = not len(self.queue) and len(self.running) < self.max_running and \
+            self.pool.can_reserve(req.reserve_tokens)
+        self.queue.push(req, capacity=self.max_running, force=runs_now)
+        self.live[req.id] = req
+        req.emit_progress()  # PHASE_QUEUED at acceptance: the gateway can answer headers / keepalives now
+        # Admitting here (not only at the loop's next turn) is safe: the round in flight was planned already and
+        # new running requests only join the next plan.
+        self._admit()
+        self._wake.set()
+        return req
+
+    def _validate(self, msg: generate_pb2.GenerateRequest) -> Request:
+        info = self.info
+        try:
+            prompt = ids(msg.prompt_ids)
+        except ValueError as exc:
+            raise InvalidRequest("invalid_prompt", f"prompt_ids: {exc}") from exc
+        if not prompt:
+            raise InvalidRequest("invalid_prompt", "the prompt is empty")
+        for i, t in enumerate(prompt):
+            if not 0 <= t < info.vocab_size:
+                raise InvalidRequest("invalid_token_id",
+                                     f"prompt token {i} is {t}, outside the vocabulary [0, {info.vocab_size})")
+        if msg.max_tokens < 1:
+            raise InvalidRequest("invalid_max_tokens", f"max_tokens must be >= 1, got {msg.max_tokens}")
+        total = len(prompt) + msg.max_tokens
+        if total > info.max_model_len:
+            raise InvalidRequest(
+                "context_length_exceeded",
+                f"this model's maximum context length is {info.max_model_len} tokens; the request needs {total} "
+                f"({len(prompt)} in the prompt, {msg.max_tokens} max_tokens)")
+        if not self.pool.fits_ever(total):
+            raise InvalidRequest(
+                "context_length_exceeded",
+                f"the request needs {total} tokens of KV cache but the ranks' cache holds only "
+                f"{info.num_blocks * info.block_size}")
+        sp = msg.sampling
+        # proto3 cannot tell "unset" from 0: top_p 0 means off (1), like top_k 0 and min_p 0.
+        top_p = 1.0 if sp.top_p == 0 else sp.top_p
+        if not (sp.temperature >= 0 and math.isfinite(sp.temperature)):
+            raise InvalidRequest("invalid_sampling", f"temperature must be >= 0, got {sp.temperature}")
+        if not 0 < top_p <= 1:
+            raise InvalidRequest("invalid_sampling", f"top_p must be in (0, 1], got {sp.top_p}")
+        if sp.top_k < 0:
+            raise InvalidRequest("invalid_sampling", f"top_k must be >= 0, got {sp.top_k}")
+        if not 0 <= sp.min_p <= 1:
+            raise InvalidRequest("invalid_sampling", f"min_p must be in [0, 1], got {sp.min_p}")
+        if msg.priority not in (generate_pb2.PRIORITY_NORMAL, generate_pb2.PRIORITY_BACKGROUND):
+            raise InvalidRequest("invalid_priority", f"unknown priority {msg.priority}")
+        rid = msg.request_id or f"sched-{uuid.uuid4().hex}"
+        if rid in self.live:
+            raise InvalidRequest("duplicate_request_id", f"request {rid!r} is already in flight")
+        seed = sp.seed if sp.HasField("seed") else derive_seed(prompt)
+        return Request(
+            request_id=rid, prompt=prompt, max_tokens=msg.max_tokens,
+            sampling=SamplingSpec(temperature=sp.temperature, top_p=top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed),
+            stop_ids=frozenset(msg.stop_token_ids), eos_ids=frozenset() if msg.ignore_eos else self._eos,
+            priority=msg.priority, order=next(self._order), max_model_len=info.max_model_len)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Abort a live request; False when no such request is waiting or running."""
+        req = self.live.get(request_id)
+        if req is None or req.state is State.FINISHED:
+            return False
+        if req.state is State.WAITING:
+            self.queue.remove(req)
+            self._finish(req, generate_pb2.FINISH_ABORTED, note=reason)
+        elif req.abort_reason is None:
+            # It may have rows in the round now in flight: it is finished and freed when that round is back.
+            req.abort_reason = reason
+            self._wake.set()
+        return True
+
+    # -- figures --------------------------------------------------------------------------------------------------
+    def pool_stats(self) -> generate_pb2.PoolStats:
+        p = self.pool
+        return generate_pb2.PoolStats(block_size=p.block_size, total_blocks=p.num_blocks, free_blocks=p.free_blocks,
+                                      total_slots=p.num_slots, free_slots=p.free_slots)
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._reap_aborted()
+                if self.ranks.failure is None:
+                    self._admit()
+                seqs = plan_round(self.running, self.cfg.max_num_batched_tokens) if self.ranks.failure is None else []
+                if not seqs:
+                    self._wake.clear()  # no await since the checks above, so no wake-up is lost
+                    await self._wake.wait()
+                    continue
+                plan = build_step_plan(seqs, self.pool.block_size)
+                self.rounds += 1
+                now = time.monotonic()
+                for s in seqs:
+                    s.req.last_round = self.rounds
+                    if s.req.t_scheduled is None:
+                        s.req.t_scheduled = now
+                t0 = time.monotonic()
+                sampled = await self.ranks.step(plan)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", self.rounds, len(seqs),
+                              sum(len(s.token_ids) for s in seqs), len(sampled), (time.monotonic() - t0) * 1e3)
+                self._commit(seqs, sampled)
+            except asyncio.CancelledError:
+                raise
+            except RankError as err:
+                self._on_rank_failure(err)  # idempotent: the rank set usually called it already
+            except Exception as exc:  # noqa: BLE001 — the loop must survive its own bugs
+                log.exception("scheduler loop error; failing the running requests")
+                self.loop_error = f"{type(exc).__name__}: {exc}"
+                for req in list(self.running):
+                    self._finish(req, generate_pb2.FINISH_ERROR, error=f"scheduler error: {self.loop_error}")
+                await asyncio.sleep(0.05)  # never spin hot on a repeating failure
+
+    def _admit(self) -> None:
+        """Move waiting requests to running, in queue order, while a slot and their full reservation fit."""
+        while len(self.running) < self.max_running:
+            head = self.queue.head()
+            if head is None or not self.pool.can_reserve(head.reserve_tokens):
+                return  # strict order: nobody overtakes a head that does not fit yet
+            self.queue.pop_head()
+            head.reservation = self.pool.reserve(head.reserve_tokens)
+            head.state = State.RUNNING
+            self.running.append(head)
+            log.info("admitted %s: prompt %d, max_tokens %d, %d blocks, slot %d, waited %.3f s (running %d, "
+                     "waiting %d, free blocks %d)", head.id, head.prompt_len, head.max_tokens,
+                     len(head.reservation.blocks), head.reservation.slot, time.monotonic() - head.t_accepted,
+                     len(self.running), len(self.queue), self.pool.free_blocks)
+
+    def _commit(self, seqs: list[PlannedSeq], sampled: list[int]) -> None:
+        it = iter(sampled)
+        for s in seqs:
+            token = next(it) if s.sample else None
+            req = s.req
+            if req.state is not State.RUNNING or req.abort_reason is not None:
+                continue  # aborted meanwhile: its rows are dropped, it is reaped below
+            req.commit(len(s.token_ids), token)
+            if token is None:
+                req.emit_progress()  # one more prefill chunk is in
+                continue
+            req.emit_tokens([token])
+            stop = req.stop_reason()
+            if stop is not None:
+                self._finish(req, stop[0], stop_token_id=stop[1])
+        self._reap_aborted()
+
+    def _reap_aborted(self) -> None:
+        for req in [r for r in self.running if r.abort_reason is not None]:
+            self._finish(req, generate_pb2.FINISH_ABORTED, note=req.abort_reason or "")
+
+    def _finish(self, req: Request, reason: int, *, stop_token_id: int = -1, error: str = "", note: str = "") -> None:
+        """Finish a live request: free its blocks and slot, drop it from every list, send the final event.
+
+        `error` goes to the client (FINISH_ERROR only); `note` only to the log (why it was aborted)."""
+        if req.state is State.FINISHED:
+            return
+        was_running = req.state is State.RUNNING
+        if req.reservation is not None:
+            self.pool.release(req.reservation)
+        if was_running:
+            self.running.remove(req)
+        else:
+            self.queue.remove(req)
+        self.live.pop(req.id, None)
+        f = req.finish(reason, stop_token_id=stop_token_id, error=error)
+        if was_running and req.t_scheduled is not None and req.t_finished is not None:
+            self.queue.record_service(req.t_finished - req.t_scheduled)
+        level = logging.WARNING if reason == generate_pb2.FINISH_ERROR else logging.INFO
+        log.log(level, "finished %s: %s%s, prompt %d, completion %d, queue %.3f s, prefill %.3f s, decode %.3f s%s",
+                req.id, _REASON.get(reason, reason), f" (id {stop_token_id})" if stop_token_id >= 0 else "",
+                f.prompt_tokens, f.completion_tokens, f.queue_s, f.prefill_s, f.decode_s,
+                f" — {error or note}" if error or note else "")
+        self._wake.set()  # blocks or a slot came free: admission may proceed
+
+    def _fail_all(self, error: str) -> None:
+        for req in list(self.running) + list(self.queue):
+            self._finish(req, generate_pb2.FINISH_ERROR, error=error)
+
+    def _on_rank_failure(self, err: RankError) -> None:
+        self._fail_all(err.public)
+        self._wake.set()

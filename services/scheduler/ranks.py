@@ -1,0 +1,268 @@
+"""gRPC clients to every rank worker: Describe at start, one bidirectional Step stream per rank, lock-step rounds.
+
+Every round the same sealed StepPlan goes to every rank (they meet in the collective, so a rank left out would hang
+its peers); every rank must answer that round without error. Rank 0's sampled ids are the result. The first rank
+that fails (stream broken, error answer, wrong round, timeout) is recorded and the whole set is dead from then on:
+the ranks' caches can no longer be trusted to agree, and a restarted group must begin from round 1 anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from services.common.plan_checksum import seal
+from services.common.tensors import ids
+from twinspark.v1 import rank_pb2, rank_pb2_grpc
+
+log = logging.getLogger("twinspark.scheduler.ranks")
+
+_CHANNEL_OPTS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+
+
+class StartupError(RuntimeError):
+    """The ranks cannot be served together (unreachable, mismatched fingerprints, wrong order)."""
+
+
+class RankError(RuntimeError):
+    def __init__(self, index: int, address: str, reason: str) -> None:
+        super().__init__(f"rank{index} ({address}): {reason}")
+        self.index = index
+        self.address = address
+        self.reason = reason
+
+    @property
+    def public(self) -> str:
+        """The failure without internal addresses (it reaches HTTP clients through the gateway)."""
+        return f"rank{self.index} failed: {self.reason}"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the scheduler takes from rank 0's Describe (all ranks agree, the fingerprint says so)."""
+
+    model: str
+    fingerprint: str
+    world: int
+    num_blocks: int
+    block_size: int
+    num_slots: int
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    max_model_len: int
+
+    @classmethod
+    def from_describe(cls, d: rank_pb2.DescribeReply) -> "ModelInfo":
+        return cls(model=d.model, fingerprint=d.fingerprint, world=d.world, num_blocks=d.num_blocks,
+                   block_size=d.block_size, num_slots=d.num_slots, vocab_size=d.vocab_size,
+                   eos_ids=tuple(d.eos_token_ids), max_model_len=d.max_model_len)
+
+
+def _rpc_error_text(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class RankClient:
+    def __init__(self, index: int, address: str) -> None:
+        self.index = index
+        self.address = address
+        self.name = f"rank{index}"
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTS)
+        self.stub = rank_pb2_grpc.RankWorkerStub(self.channel)
+        self.call: grpc.aio.StreamStreamCall | None = None
+
+    async def describe(self, timeout: float) -> rank_pb2.DescribeReply:
+        return await self.stub.Describe(rank_pb2.DescribeRequest(), timeout=timeout)
+
+
+class RankSet:
+    def __init__(self, addresses: list[str], *, rank_timeout_s: float | None = 300.0) -> None:
+        if not addresses:
+            raise ValueError("at least one rank address is needed")
+        self.clients = [RankClient(i, a.strip()) for i, a in enumerate(addresses)]
+        self.rank_timeout_s = rank_timeout_s
+        self.info: ModelInfo | None = None
+        self.failure: RankError | None = None  # the first failure; once set the set is dead
+        self.on_failure: Callable[[RankError], None] | None = None  # the engine's wake-up hook
+        self._round = 0
+        self._closing = False
+        self._in_step = False
+
+    # -- startup --------------------------------------------------------------------------------------------------
+    async def connect(self, startup_timeout_s: float = 120.0) -> ModelInfo:
+        """Describe every rank until all answer (or the timeout), check they form one group, open Step streams."""
+        deadline = time.monotonic() + startup_timeout_s
+        replies: list[rank_pb2.DescribeReply | None] = [None] * len(self.clients)
+        last_error: dict[int, str] = {}
+        next_log = 0.0
+        while True:
+            for c in self.clients:
+                if replies[c.index] is not None:
+                    continue
+                try:
+                    replies[c.index] = await c.describe(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+                    log.info("%s at %s answered: model %s, rank %d of %d, fingerprint %s…", c.name, c.address,
+                             replies[c.index].model, replies[c.index].rank, replies[c.index].world,
+                             replies[c.index].fingerprint[:12])
+                except grpc.aio.AioRpcError as exc:
+                    last_error[c.index] = _rpc_error_text(exc)
+            missing = [c for c in self.clients if replies[c.index] is None]
+            if not missing:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                raise StartupError("ranks did not answer Describe within %.0f s: %s" % (startup_timeout_s, "; ".join(
+                    f"{c.name} at {c.address} ({last_error.get(c.index, 'no answer')})" for c in missing)))
+            if now >= next_log:
+                log.info("waiting for %s", ", ".join(f"{c.name} at {c.address}" for c in missing))
+                next_log = now + 5.0
+            await asyncio.sleep(0.5)
+        got = [r for r in replies if r is not None]
+        self._check_group(got)
+        self.info = ModelInfo.from_describe(got[0])
+        for c in self.clients:
+            self._open_stream(c)
+        log.info("serving %s with %d rank(s): %d blocks x %d tokens, %d slots, vocab %d, window %d, eos %s",
+                 self.info.model, len(self.clients), self.info.num_blocks, self.info.block_size, self.info.num_slots,
+                 self.info.vocab_size, self.info.max_model_len, list(self.info.eos_ids))
+        return self.info
+
+    def _check_group(self, replies: list[rank_pb2.DescribeReply]) -> None:
+        n = len(self.clients)
+        wrong = [f"{c.name} at {c.address} says it is rank {r.rank} of {r.world}"
+                 for c, r in zip(self.clients, replies) if r.rank != c.index or r.world != n]
+        if wrong:
+            raise StartupError(f"--ranks must list the {n} ranks of one group in rank order: " + "; ".join(wrong))
+        base = replies[0]
+        differ = [(c, r) for c, r in zip(self.clients, replies) if r.fingerprint != base.fingerprint]
+        if differ:
+            lines = []
+            for c, r in differ:
+                keys = sorted(k for k in set(base.settings) | set(r.settings) if base.settings.get(k) != r.settings.get(k))
+                what = ", ".join(f"{k}: rank0={base.settings.get(k)!r} {c.name}={r.settings.get(k)!r}" for k in keys)
+                lines.append(f"{c.name} at {c.address} (fingerprint {r.fingerprint[:12]}… vs rank0 "
+                             f"{base.fingerprint[:12]}…{'; ' + what if what else ''})")
+            raise StartupError("rank fingerprints differ, refusing to start: " + "; ".join(lines))
+        if base.num_blocks < 1 or base.block_size < 1 or base.num_slots < 1 or base.vocab_size < 1 \
+                or base.max_model_len < 1:
+            raise StartupError(f"rank0 describes an unusable cache/model: {base}")
+
+    def _open_stream(self, c: RankClient) -> None:
+        c.call = c.stub.Step()
+
+        def ended(call: grpc.aio.StreamStreamCall, c: RankClient = c) -> None:
+            # A stream that ends between rounds means the rank went away; during a round the exchange itself sees
+            # the end and reports the rank's own error text, which is the better message.
+            if not self._closing and not self._in_step:
+                asyncio.ensure_future(self._note_stream_end(c, call))
+
+        c.call.add_done_callback(ended)
+
+    async def _note_stream_end(self, c: RankClient, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            reason = f"Step stream ended ({(await call.code()).name}: {await call.details()})"
+        except Exception as exc:  # noqa: BLE001 — only for the message
+            reason = f"Step stream ended ({exc})"
+        self._fail(RankError(c.index, c.address, reason))
+
+    def _fail(self, err: RankError) -> None:
+        if self.failure is not None or self._closing:
+            return
+        self.failure = err
+        log.error("rank failure: %s — failing in-flight requests; the scheduler is unavailable until restarted", err)
+        if self.on_failure is not None:
+            self.on_failure(err)
+
+    # -- rounds ---------------------------------------------------------------------------------------------------
+    async def step(self, plan: rank_pb2.StepPlan) -> list[int]:
+        """Run one round on every rank; rank 0's sampled ids. Raises RankError (and the set is dead) on failure."""
+        if self.failure is not None:
+            raise self.failure
+        self._round += 1
+        plan.round = self._round
+        seal(plan)
+        n_sample = plan.sample_rows.shape[0] if plan.sample_rows.shape else 0
+        tasks = [asyncio.ensure_future(self._exchange(c, plan, n_sample)) for c in self.clients]
+        self._in_step = True
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=self.rank_timeout_s,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            raise
+        finally:
+            self._in_step = False
+        for t in tasks:  # the first error wins; a rank that never answered is named too
+            if t in done and t.exception() is not None:
+                for p in pending:
+                    p.cancel()
+                err = t.exception()
+                if not isinstance(err, RankError):
+                    c = self.clients[tasks.index(t)]
+                    err = RankError(c.index, c.address, _rpc_error_text(err))
+                self._fail(err)
+                raise self.failure or err
+        if pending:
+            for p in pending:
+                p.cancel()
+            c = self.clients[tasks.index(next(iter(pending)))]
+            self._fail(RankError(c.index, c.address, f"no answer to round {plan.round} within {self.rank_timeout_s} s"))
+            raise self.failure  # type: ignore[misc]
+        results = [t.result() for t in tasks]
+        first = results[0]
+        for c, r in zip(self.clients[1:], results[1:]):
+            if r and r != first:  # ranks must hold the same bits (DESIGN §5.3); rank 0 decides, but say so
+                log.error("round %d: %s sampled %s but rank0 sampled %s (rank invariance broken)", plan.round,
+                          c.name, r, first)
+        return first
+
+    async def _exchange(self, c: RankClient, plan: rank_pb2.StepPlan, n_sample: int) -> list[int]:
+        assert c.call is not None
+        try:
+            await c.call.write(plan)
+            res = await c.call.read()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise RankError(c.index, c.address, f"round {plan.round}: {_rpc_error_text(exc)}") from exc
+        if res is grpc.aio.EOF:
+            raise RankError(c.index, c.address, f"round {plan.round}: the Step stream closed without an answer")
+        if res.error:
+            raise RankError(c.index, c.address, f"round {plan.round}: {res.error}")
+        if res.round != plan.round:
+            raise RankError(c.index, c.address, f"answered round {res.round} to round {plan.round}")
+        try:
+            sampled = ids(res.sampled) if res.HasField("sampled") else []
+        except ValueError as exc:
+            raise RankError(c.index, c.address, f"round {plan.round}: bad sampled tensor: {exc}") from exc
+        if c.index == 0 and len(sampled) != n_sample:
+            raise RankError(c.index, c.address, f"round {plan.round}: {len(sampled)} sampled ids for {n_sample} rows")
+        return sampled
+
+    # -- liveness -------------------------------------------------------------------------------------------------
+    async def ping(self, timeout_s: float = 1.0) -> list[tuple[str, bool, str]]:
+        """(name, alive, detail) per rank: not failed and answering Describe within `timeout_s`."""
+        async def one(c: RankClient) -> tuple[str, bool, str]:
+            if self.failure is not None and self.failure.index == c.index:
+                return c.name, False, f"failed: {self.failure.reason}"
+            try:
+                d = await c.describe(timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                return c.name, False, f"{c.address}: Describe: {_rpc_error_text(exc)}"
+            if self.info is not None and d.fingerprint != self.info.fingerprint:
+                return c.name, False, f"{c.address}: fingerprint changed (restarted with other settings?)"
+            return c.name, True, c.address
+        return list(await asyncio.gather(*(one(c) for c in self.clients)))
+
+    async def close(self) -> None:
+        self._closing = True
+        for c in self.clients:
+            if c.call is not None:
+                c.call.cancel()
+            await c.channel.close()

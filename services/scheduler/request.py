@@ -1,0 +1,160 @@
+"""One request's state inside the scheduler, and the events it streams back to the gateway.
+
+Positions: `tokens` is prompt + generated ids; `num_cached` is how many of them the ranks hold in the cache. While
+prefilling, the next rows are prompt[num_cached : num_cached + chunk]. Once the prompt is in, the invariant is
+`num_cached == len(tokens) - 1`: the last sampled token is the only one not yet fed back, and the next decode row
+is that token at position `num_cached`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import struct
+import time
+from dataclasses import dataclass
+
+from services.common.tensors import to_proto
+from services.scheduler.pool import Reservation
+from twinspark.v1 import generate_pb2
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(prompt: list[int]) -> int:
+    """The seed of a request that did not give one: the first 8 bytes (little-endian u64) of sha256 over the prompt
+    as little-endian int32 — so the same request always gets the same reply (DESIGN §5.1)."""
+    digest = hashlib.sha256(struct.pack(f"<{len(prompt)}i", *prompt)).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int  # u64
+
+    @property
+    def seed_i64(self) -> int:
+        """The seed's u64 bits as a signed int64 (how StepPlan.seed carries them)."""
+        s = self.seed & _MASK64
+        return s - (1 << 64) if s >= 1 << 63 else s
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, *, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingSpec,
+                 stop_ids: frozenset[int], eos_ids: frozenset[int], priority: int, order: int,
+                 max_model_len: int) -> None:
+        self.id = request_id
+        self.prompt_len = len(prompt)
+        self.tokens: list[int] = list(prompt)
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.eos_ids = eos_ids  # already empty when the request asked for ignore_eos
+        self.priority = priority
+        self.order = order  # arrival number: FCFS tie-breaker everywhere
+        self.max_model_len = max_model_len
+        self.num_cached = 0
+        self.reservation: Reservation | None = None
+        self.state = State.WAITING
+        self.abort_reason: str | None = None  # set by Abort / cancellation; acted on at the next round boundary
+        self.last_round = 0  # last round this request had rows in (fair order when the budget is short)
+        # One queue per request: the engine puts events, the Generate handler streams them. Unbounded on purpose:
+        # the engine must never block on a slow client (one slow reader would stall every stream).
+        self.events: asyncio.Queue[generate_pb2.GenerateEvent] = asyncio.Queue()
+        self.t_accepted = time.monotonic()
+        self.t_scheduled: float | None = None
+        self.t_first_token: float | None = None
+        self.t_finished: float | None = None
+        self.finished: generate_pb2.Finished | None = None
+
+    # -- where it stands ------------------------------------------------------------------------------------------
+    @property
+    def prefilling(self) -> bool:
+        return self.num_cached < self.prompt_len
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Positions reserved at admission. The last sampled token is never written, so prompt + max_tokens - 1
+        would do; one spare position keeps room for a verify window's bonus row later."""
+        return self.prompt_len + self.max_tokens
+
+    def next_rows(self, budget: int) -> tuple[int, list[int]]:
+        """(start, token ids) of this request's rows for a round with `budget` tokens left for it."""
+        if self.prefilling:
+            return self.num_cached, self.tokens[self.num_cached : self.num_cached + budget]
+        return self.num_cached, self.tokens[-1:]
+
+    # -- commit ---------------------------------------------------------------------------------------------------
+    def commit(self, n_rows: int, sampled: int | None) -> None:
+        """The ranks wrote `n_rows` rows; `sampled` is the next token when this round sampled for us."""
+        self.num_cached += n_rows
+        if sampled is not None:
+            if self.t_first_token is None:
+                self.t_first_token = time.monotonic()
+            self.tokens.append(sampled)
+
+    def stop_reason(self) -> tuple[int, int] | None:
+        """(FinishReason, stopping id or -1) when the last committed token ends the request.
+
+        A stop id beats the length limit when both hit on the same token (the reply really did stop there)."""
+        if not self.generated:
+            return None
+        last = self.tokens[-1]
+        if last in self.eos_ids or last in self.stop_ids:
+            return generate_pb2.FINISH_STOP, last
+        if len(self.generated) >= self.max_tokens or len(self.tokens) >= self.max_model_len:
+            return generate_pb2.FINISH_LENGTH, -1
+        return None
+
+    # -- events ---------------------------------------------------------------------------------------------------
+    def emit_tokens(self, new: list[int]) -> None:
+        # A stopping EOS / stop id is streamed like any other token (the gateway hides it from text; it still
+        # counts in completion_tokens and shows in return_token_ids, as vLLM does).
+        self.events.put_nowait(generate_pb2.GenerateEvent(tokens=generate_pb2.TokenChunk(ids=to_proto(new))))
+
+    def progress_event(self) -> generate_pb2.GenerateEvent | None:
+        """A keepalive while nothing else is streaming: queued or prefilling; None once tokens flow."""
+        if self.state is State.WAITING:
+            phase = generate_pb2.PHASE_QUEUED
+        elif self.state is State.RUNNING and self.prefilling:
+            phase = generate_pb2.PHASE_PREFILLING
+        else:
+            return None
+        return generate_pb2.GenerateEvent(progress=generate_pb2.Progress(phase=phase, prefilled=self.num_cached))
+
+    def emit_progress(self) -> None:
+        ev = self.progress_event()
+        if ev is not None:
+            self.events.put_nowait(ev)
+
+    def finish(self, reason: int, *, stop_token_id: int = -1, error: str = "") -> generate_pb2.Finished:
+        """Close the request: state, timings and the final event. The caller releases the reservation."""
+        now = time.monotonic()
+        self.t_finished = now
+        self.state = State.FINISHED
+        scheduled = self.t_scheduled if self.t_scheduled is not None else now
+        first = self.t_first_token if self.t_first_token is not None else now
+        self.finished = generate_pb2.Finished(
+            reason=reason, prompt_tokens=self.prompt_len, completion_tokens=len(self.generated), cached_tokens=0,
+            stop_token_id=stop_token_id, error=error,
+            queue_s=scheduled - self.t_accepted,
+            prefill_s=max(0.0, first - scheduled) if self.t_scheduled is not None else 0.0,
+            decode_s=max(0.0, now - first) if self.t_first_token is not None else 0.0,
+        )
+        self.events.put_nowait(generate_pb2.GenerateEvent(finished=self.finished))
+        return self.finished

@@ -1,0 +1,149 @@
+"""The scheduler's gRPC face: the `Generator` service (Generate / Abort / Health) on grpc.aio, and `serve()`.
+
+Generate streams one request's events from its queue. While nothing else is sent, a Progress event goes out about
+every `progress_interval_s` (queued / prefilling) so the gateway can keep its SSE stream alive. Leaving the handler
+before the Finished event (the client cancelled, the deadline passed) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.scheduler.admission import QueueFull
+from services.scheduler.engine import Engine, EngineConfig, InvalidRequest, Unavailable
+from services.scheduler.ranks import RankSet
+from services.scheduler.request import State
+from twinspark.v1 import generate_pb2, generate_pb2_grpc
+
+log = logging.getLogger("twinspark.scheduler.server")
+
+_SERVER_OPTS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class GeneratorService(generate_pb2_grpc.GeneratorServicer):
+    def __init__(self, engine: Engine, ranks: RankSet, *, progress_interval_s: float = 0.5,
+                 ping_timeout_s: float = 1.0) -> None:
+        self.engine = engine
+        self.ranks = ranks
+        self.progress_interval_s = progress_interval_s
+        self.ping_timeout_s = ping_timeout_s
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            req = self.engine.submit(request)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        except QueueFull as exc:
+            log.info("refused %s: queue full (%d waiting), retry after %d s", request.request_id or "(no id)",
+                     len(self.engine.queue), exc.retry_after_s)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                                trailing_metadata=(("retry-after", str(exc.retry_after_s)),))
+            return
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            return
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(req.events.get(), timeout=self.progress_interval_s)
+                except asyncio.TimeoutError:
+                    event = req.progress_event()  # keepalive; None once tokens are flowing
+                    if event is None:
+                        continue
+                yield event
+                if event.HasField("finished"):
+                    return
+        finally:
+            # Cancellation (client gone, deadline) lands here as CancelledError / GeneratorExit.
+            if req.state is not State.FINISHED:
+                self.engine.abort(req.id, "the client went away")
+
+    async def Abort(self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> generate_pb2.AbortReply:
+        found = self.engine.abort(request.request_id, "aborted by request")
+        log.info("abort %s: %s", request.request_id, "found" if found else "not found")
+        return generate_pb2.AbortReply(found=found)
+
+    async def Health(self, request: generate_pb2.HealthRequest, context: grpc.aio.ServicerContext
+                     ) -> generate_pb2.HealthReply:
+        e = self.engine
+        ranks = await self.ranks.ping(self.ping_timeout_s)  # real liveness, not just "no error seen yet"
+        sched_alive = e.alive
+        detail = f"round {e.rounds}" if sched_alive else "engine loop stopped"
+        if e.loop_error:
+            detail += f"; last loop error: {e.loop_error}"
+        components = [generate_pb2.ComponentHealth(name="scheduler", alive=sched_alive, detail=detail)]
+        components += [generate_pb2.ComponentHealth(name=n, alive=a, detail=d) for n, a, d in ranks]
+        return generate_pb2.HealthReply(
+            healthy=all(c.alive for c in components), components=components, pool=e.pool_stats(),
+            running=len(e.running), waiting=len(e.queue), max_model_len=e.info.max_model_len, model=e.info.model,
+            prefix_cache_queries=0, prefix_cache_hits=0)
+
+
+@dataclass
+class SchedulerConfig:
+    ranks: list[str]
+    host: str = "0.0.0.0"
+    port: int = 50051
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    startup_timeout_s: float = 120.0
+    rank_timeout_s: float | None = 300.0
+    progress_interval_s: float = 0.5  # keepalive Progress cadence while queued / prefilling
+
+
+class Scheduler:
+    """Ranks + engine + gRPC server, started and stopped together (also how tests run it in-process)."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.ranks = RankSet(cfg.ranks, rank_timeout_s=cfg.rank_timeout_s)
+        self.engine: Engine | None = None
+        self.server: grpc.aio.Server | None = None
+        self.port: int = 0
+
+    async def start(self) -> int:
+        """Connect to every rank (raises StartupError), start the engine and listen; returns the bound port."""
+        try:
+            info = await self.ranks.connect(self.cfg.startup_timeout_s)
+        except BaseException:
+            await self.ranks.close()
+            raise
+        self.engine = Engine(self.ranks, info, self.cfg.engine)
+        self.engine.start()
+        self.server = grpc.aio.server(options=_SERVER_OPTS)
+        generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(
+            self.engine, self.ranks, progress_interval_s=self.cfg.progress_interval_s), self.server)
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if not self.port:
+            raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
+        await self.server.start()
+        e = self.cfg.engine
+        log.info("scheduler listening on %s:%d (max waiting %d, max seqs %d, %d tokens per round)", self.cfg.host,
+                 self.port, e.max_waiting, self.engine.max_running, e.max_num_batched_tokens)
+        return self.port
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        if self.engine is not None:
+            await self.engine.stop()
+        await self.ranks.close()
+
+
+async def serve(cfg: SchedulerConfig) -> None:
+    """Run until SIGINT / SIGTERM."""
+    sched = Scheduler(cfg)
+    await sched.start()
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    log.info("shutting down")
+    await sched.stop()

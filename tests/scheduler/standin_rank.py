@@ -1,0 +1,198 @@
+"""A STAND-IN rank worker for scheduler tests — a real gRPC `RankWorker` server with a fake, deterministic forward.
+
+Not the model. It keeps what a real rank keeps, in the shape a real rank keeps it:
+- a paged token store `[num_blocks, block_size]` written through each sequence's block table (the "KV cache");
+- one "KDA state" per slot: (position, running sha256 of every token fed to that slot), reset when start == 0.
+
+and samples, for a row at position p:  token = standin_token(tokens 0..p read back through the block table, seed)
+(`temperature == 0` ignores the seed). So a wrong block table, a wrong start, a chunking or reordering bug, two
+requests sharing a block or a slot, or a stale block all change the output (or make the stand-in refuse the round,
+which fails the test loudly). It checks round numbers and checksums like a real rank, and can be told to slow down
+or to fail at a given round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from services.common.plan_checksum import plan_checksum
+from services.common.tensors import from_proto, to_proto
+from twinspark.v1 import rank_pb2, rank_pb2_grpc
+
+
+def _i32(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def standin_token(prefix: Sequence[int], seed: int, temperature: float, vocab: int) -> int:
+    """The stand-in's "forward + sample": the token at position len(prefix), given every token before it."""
+    h = hashlib.sha256(_i32(prefix))
+    h.update(struct.pack("<Q", len(prefix)))  # the position of the token being drawn
+    if temperature > 0:
+        h.update(struct.pack("<Q", seed & (2**64 - 1)))
+    return int.from_bytes(h.digest()[:8], "little") % vocab
+
+
+def standin_generate(prompt: Sequence[int], max_tokens: int, *, vocab: int, seed: int = 0, temperature: float = 0.0,
+                     eos: Sequence[int] = (), stop_ids: Sequence[int] = ()) -> tuple[list[int], str, int]:
+    """What one request alone must produce: (tokens, "stop" | "length", stopping id or -1)."""
+    seq, out = list(prompt), []
+    while len(out) < max_tokens:
+        t = standin_token(seq, seed, temperature, vocab)
+        seq.append(t)
+        out.append(t)
+        if t in eos or t in stop_ids:
+            return out, "stop", t
+    return out, "length", -1
+
+
+class StandinError(RuntimeError):
+    pass
+
+
+@dataclass
+class RoundLog:
+    round: int
+    seqs: list[tuple[str, int, int, bool]]  # (request id, start, length, sampled)
+
+
+@dataclass
+class StandinRank(rank_pb2_grpc.RankWorkerServicer):
+    rank: int = 0
+    world: int = 1
+    num_blocks: int = 64
+    block_size: int = 4
+    num_slots: int = 8
+    vocab: int = 1000
+    eos: tuple[int, ...] = ()
+    max_model_len: int = 256
+    fingerprint: str = "standin-fingerprint"
+    step_delay_s: float = 0.0
+    fail_at_round: int | None = None
+    port: int = 0  # 0: any free port
+    fail_mode: str = "stop"  # "stop": the server dies; "error": answers StepResult.error; "raise": stream breaks
+    rounds: list[RoundLog] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.store = np.full((self.num_blocks, self.block_size), -1, dtype=np.int64)
+        self.slot_pos = [0] * self.num_slots
+        self.slot_hash = [hashlib.sha256() for _ in range(self.num_slots)]
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        self.server = grpc.aio.server()
+        rank_pb2_grpc.add_RankWorkerServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+
+    # -- RPCs -----------------------------------------------------------------------------------------------------
+    async def Describe(self, request, context) -> rank_pb2.DescribeReply:
+        return rank_pb2.DescribeReply(
+            rank=self.rank, world=self.world, fingerprint=self.fingerprint, settings={"standin": self.fingerprint},
+            num_blocks=self.num_blocks, block_size=self.block_size, num_slots=self.num_slots, vocab_size=self.vocab,
+            eos_token_ids=list(self.eos), max_model_len=self.max_model_len, model="standin")
+
+    async def Step(self, request_iterator, context):
+        expected = 1
+        async for plan in request_iterator:
+            if plan.round == self.fail_at_round:
+                if self.fail_mode == "error":
+                    yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error="stand-in: injected failure")
+                    return
+                if self.fail_mode == "raise":
+                    raise RuntimeError("stand-in: injected stream failure")
+                asyncio.ensure_future(self.stop())  # "stop": the whole rank goes away mid-round
+                await asyncio.sleep(30)
+                return
+            try:
+                if plan.round != expected:
+                    raise StandinError(f"round {plan.round} arrived, expected {expected}")
+                if plan.checksum != plan_checksum(plan):
+                    raise StandinError(f"round {plan.round}: checksum mismatch")
+                sampled = self._execute(plan)
+            except StandinError as exc:
+                self.errors.append(str(exc))
+                yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=str(exc))
+                return
+            expected += 1
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)
+            yield rank_pb2.StepResult(round=plan.round, rank=self.rank, sampled=to_proto(sampled))
+
+    # -- the fake forward -----------------------------------------------------------------------------------------
+    def _execute(self, plan: rank_pb2.StepPlan) -> list[int]:
+        tokens = from_proto(plan.token_ids).tolist()
+        starts = from_proto(plan.starts).tolist()
+        lengths = from_proto(plan.lengths).tolist()
+        slots = from_proto(plan.slots).tolist()
+        tables = from_proto(plan.block_tables).tolist()
+        rows = from_proto(plan.sample_rows).tolist()
+        temps = from_proto(plan.temperature).tolist()
+        seeds = from_proto(plan.seed).tolist()
+        b = len(lengths)
+        if not (b and len(starts) == b == len(slots) == len(tables) == len(plan.request_ids)):
+            raise StandinError(f"round {plan.round}: per-sequence tensors disagree on the number of sequences")
+        if sum(lengths) != len(tokens) or min(lengths) < 1 or len(set(slots)) != b:
+            raise StandinError(f"round {plan.round}: bad lengths or repeated slots")
+        if not (len(rows) == len(temps) == len(seeds) == len(from_proto(plan.top_p).tolist())):
+            raise StandinError(f"round {plan.round}: sampling tensors disagree with sample_rows")
+        row_at: list[tuple[int, int]] = []  # packed row -> (sequence, position)
+        self.rounds.append(RoundLog(plan.round, []))
+        for s in range(b):
+            start, n, slot, table = starts[s], lengths[s], slots[s], tables[s]
+            offset = len(row_at)
+            if not 0 <= slot < self.num_slots:
+                raise StandinError(f"slot {slot} out of range")
+            if start == 0:
+                self.slot_pos[slot], self.slot_hash[slot] = 0, hashlib.sha256()
+            elif self.slot_pos[slot] != start:
+                raise StandinError(f"{plan.request_ids[s]}: slot {slot} holds position {self.slot_pos[slot]}, "
+                                   f"the plan starts at {start}")
+            new = tokens[offset : offset + n]
+            for i, tok in enumerate(new):
+                pos = start + i
+                blk = self._block(table, pos, plan.request_ids[s])
+                self.store[blk, pos % self.block_size] = tok
+                row_at.append((s, pos))
+            self.slot_pos[slot] += n
+            self.slot_hash[slot].update(_i32(new))
+            self.rounds[-1].seqs.append((plan.request_ids[s], start, n, offset + n - 1 in rows))
+        out = []
+        for r, row in enumerate(rows):
+            if not 0 <= row < len(row_at):
+                raise StandinError(f"sample row {row} outside the batch")
+            s, pos = row_at[row]
+            prefix = [int(self.store[self._block(tables[s], p, plan.request_ids[s]), p % self.block_size])
+                      for p in range(pos + 1)]
+            if -1 in prefix:
+                raise StandinError(f"{plan.request_ids[s]}: position {prefix.index(-1)} was never written")
+            if pos == starts[s] + lengths[s] - 1 and \
+                    hashlib.sha256(_i32(prefix)).digest() != self.slot_hash[slots[s]].digest():
+                raise StandinError(f"{plan.request_ids[s]}: cache read back through the block table disagrees with "
+                                   f"slot {slots[s]}'s state")
+            out.append(standin_token(prefix, seeds[r], temps[r], self.vocab))
+        return out
+
+    def _block(self, table: list[int], pos: int, rid: str) -> int:
+        i = pos // self.block_size
+        if i >= len(table):
+            raise StandinError(f"{rid}: position {pos} is past its block table ({len(table)} blocks)")
+        blk = table[i]
+        if not 0 <= blk < self.num_blocks:
+            raise StandinError(f"{rid}: block {blk} out of range")
+        return blk
