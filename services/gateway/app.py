@@ -1,0 +1,335 @@
+"""The HTTP surface: routes, auth, and the glue from a validated request to a reply.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize,
+GET /health, GET /metrics. Every error leaves in OpenAI's shape (`errors.py`); no exception escapes a handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from twinspark.v1 import generate_pb2
+
+from .checkpoint import CheckpointInfo
+from .errors import GatewayError, bad_request, internal
+from .generation import Final, GenerationStream
+from .metrics import GatewayMetrics
+from .output import OutputAssembler
+from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, render_chat
+from .responses import ChunkWriter, full_response
+from .scheduler_client import SchedulerClient
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
+from .streaming import SSEResponse, sse_events
+from .template import ChatTemplate
+from .tokenizer import TextTokenizer
+
+log = logging.getLogger("twinspark.gateway")
+
+# Reachable without the API key: probes and scrapers carry no credentials (vLLM guards /v1/* the same way).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+# W3C trace context headers forwarded to the scheduler as gRPC metadata, so one trace spans both.
+_TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+@dataclass
+class GatewaySettings:
+    model_dir: str
+    scheduler: str = "127.0.0.1:50051"
+    served_model_name: str | None = None
+    api_key: str | None = None
+    keepalive_s: float = 1.0
+    max_model_len: int | None = None
+    generation_config: str = "auto"  # "auto": checkpoint sampling defaults; "vllm": OpenAI defaults only
+    health_timeout_s: float = 2.0
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        model_dir = Path(settings.model_dir)
+        checkpoint = CheckpointInfo.load(model_dir, settings.max_model_len)
+        self.ctx = ModelContext(checkpoint=checkpoint, tokenizer=TextTokenizer(model_dir),
+                                template=ChatTemplate.load(model_dir, checkpoint.tokenizer_config),
+                                use_generation_config=settings.generation_config == "auto")
+        self.model_name = settings.served_model_name or model_dir.resolve().name
+        # The served name, and the checkpoint as vLLM would name it without --served-model-name (its path).
+        self.accepted_names = {self.model_name, model_dir.resolve().name, str(settings.model_dir),
+                               str(model_dir.resolve())}
+        self.client = SchedulerClient(settings.scheduler)
+        self.metrics = GatewayMetrics(self.model_name)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.client.start()
+        probe = asyncio.create_task(self._probe())
+        log.info("gateway serving %r from %s, scheduler at %s, window %d", self.model_name, self.settings.model_dir,
+                 self.settings.scheduler, self.ctx.max_model_len)
+        try:
+            yield
+        finally:
+            probe.cancel()
+            await self.client.close()
+
+    async def _probe(self) -> None:
+        """Learn the scheduler's window at start when it is already up (best effort; /health refreshes it)."""
+        with contextlib.suppress(Exception):
+            self._adopt(await self.client.health(self.settings.health_timeout_s))
+
+    def _adopt(self, reply: generate_pb2.HealthReply) -> None:
+        # The scheduler may serve a shorter window than the checkpoint's (pool size, --max-model-len): check
+        # against its figure in the gateway so the client gets the 400 without a scheduler round trip.
+        configured = self.ctx.checkpoint.max_model_len
+        if reply.max_model_len > 0:
+            self.ctx.max_model_len = min(configured, reply.max_model_len)
+
+    # ------------------------------------------------------------------------------------------------ glue
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.accepted_names:
+            raise GatewayError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+
+    def _metadata(self, request: Request) -> tuple[tuple[str, str], ...]:
+        return tuple((h, request.headers[h]) for h in _TRACE_HEADERS if h in request.headers)
+
+    def _log(self, prep: Prepared, status: int, outcome: str, stream: GenerationStream, started: float) -> None:
+        """The one log line of a generation request."""
+        final = stream.final
+        log.info("%s %s status=%d finish=%s prompt=%d completion=%d cached=%d latency=%.3fs%s",
+                 prep.request.request_id, prep.kind, status, outcome,
+                 final.prompt_tokens if final else len(prep.prompt_ids),
+                 final.completion_tokens if final else stream.assembler.generated,
+                 final.cached_tokens if final else 0, time.monotonic() - started, " stream" if prep.stream else "")
+        if stream.error is not None:
+            stream.error.logged = True
+
+    async def _generate(self, request: Request, prep: Prepared, started: float) -> Response:
+        assembler = OutputAssembler(self.ctx.tokenizer, stops=prep.stops, include_stop_str=prep.include_stop_str,
+                                    skip_special_tokens=prep.skip_special_tokens, final_ids=prep.final_ids)
+        stream = GenerationStream(self.client, prep, assembler, self.metrics, keepalive_s=self.settings.keepalive_s,
+                                  metadata=self._metadata(request))
+        headers = {"x-request-id": prep.response_id}
+        if prep.stream:
+            try:
+                # Wait for the scheduler's first answer so that 429 / 400 / 503 still come before the 200.
+                await stream.start(self.settings.keepalive_s)
+            except GatewayError as err:
+                self._log(prep, err.status, stream.close(), stream, started)
+                raise
+            except BaseException:
+                stream.close()
+                raise
+
+            def on_close(disconnected: bool) -> None:
+                outcome = stream.close()
+                self._log(prep, 200, "client_gone" if disconnected and stream.final is None else outcome,
+                          stream, started)
+
+            return SSEResponse(sse_events(stream, ChunkWriter(prep, self.model_name)), headers=headers,
+                               on_close=on_close)
+        return await self._complete(request, prep, stream, headers, started)
+
+    async def _complete(self, request: Request, prep: Prepared, stream: GenerationStream, headers: dict[str, str],
+                        started: float) -> Response:
+        """A non-streamed reply; a client that hangs up meanwhile cancels the generation."""
+
+        async def collect() -> Final:
+            await stream.start(0.0)
+            async for event in stream.events():
+                if isinstance(event, Final):
+                    return event
+            raise internal("the generation ended without a result")
+
+        work = asyncio.create_task(collect())
+        gone = asyncio.create_task(_wait_disconnect(request.receive))
+        try:
+            try:
+                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (work, gone):
+                    if not task.done():
+                        task.cancel()
+                await asyncio.gather(work, gone, return_exceptions=True)
+            if work.cancelled():
+                outcome = stream.close()
+                self._log(prep, 499, "client_gone" if outcome == "abort" else outcome, stream, started)
+                return Response(status_code=499)  # nobody is listening; this only ends the ASGI cycle
+            exc = work.exception()
+            if isinstance(exc, GatewayError):
+                stream.error = exc
+                self._log(prep, exc.status, stream.close(), stream, started)
+                return exc.response()
+            if exc is not None:
+                raise exc
+            final = work.result()
+        finally:
+            stream.close()  # idempotent; also covers this handler itself being cancelled (server shutdown)
+        self._log(prep, 200, final.finish_reason, stream, started)
+        body = full_response(prep, self.model_name, stream.assembler.text, final, int(time.time()))
+        return JSONResponse(body, headers=headers)
+
+    # ---------------------------------------------------------------------------------------------- routes
+    async def chat_completions(self, request: Request) -> Response:
+        started = time.monotonic()
+        req = parse(ChatCompletionRequest, await request.body())
+        self.check_model(req.model)
+        return await self._generate(request, await prepare_chat(self.ctx, req), started)
+
+    async def completions(self, request: Request) -> Response:
+        started = time.monotonic()
+        req = parse(CompletionRequest, await request.body())
+        self.check_model(req.model)
+        return await self._generate(request, await prepare_completion(self.ctx, req), started)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "twinspark",
+            "root": str(self.settings.model_dir), "parent": None, "max_model_len": self.ctx.max_model_len,
+            "permission": []}]})
+
+    async def tokenize(self, request: Request) -> Response:
+        req = parse(TokenizeRequest, await request.body())
+        self.check_model(req.model)
+        if req.messages is not None:
+            text = render_chat(self.ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            add_special = bool(req.add_special_tokens)  # the template writes the special tokens itself
+        else:
+            text = req.prompt or ""
+            add_special = req.add_special_tokens is not False
+        ids = await self.ctx.tokenizer.encode_async(text, add_special_tokens=add_special)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.ctx.max_model_len, "tokens": ids,
+                                "token_strs": None}
+        if req.return_token_strs:
+            body["token_strs"] = [self.ctx.tokenizer.id_to_token(t) for t in ids]
+        return JSONResponse(body)
+
+    async def detokenize(self, request: Request) -> Response:
+        req = parse(DetokenizeRequest, await request.body())
+        self.check_model(req.model)
+        vocab = self.ctx.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise bad_request(f"token id {t} is out of vocabulary (0..{vocab - 1})", param=f"tokens[{i}]")
+        # Special tokens included, as vLLM does: /detokenize(/tokenize(x)) gives x back.
+        return JSONResponse({"prompt": self.ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    async def _health_reply(self) -> generate_pb2.HealthReply | None:
+        try:
+            reply = await self.client.health(self.settings.health_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            log.warning("scheduler Health failed: %s", exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
+            return None
+        self._adopt(reply)
+        return reply
+
+    async def health(self, request: Request) -> Response:
+        reply = await self._health_reply()
+        self.metrics.set_health(reply)
+        if reply is None:
+            return JSONResponse({"status": "unavailable", "model": self.model_name, "down": ["scheduler"],
+                                 "detail": f"scheduler at {self.settings.scheduler} is unreachable"},
+                                status_code=503)
+        pool = reply.pool
+        body = {
+            "status": "ok" if reply.healthy else "unhealthy",
+            "model": reply.model or self.model_name,
+            "down": [c.name for c in reply.components if not c.alive],
+            "components": [{"name": c.name, "alive": c.alive, "detail": c.detail} for c in reply.components],
+            "pool": {"block_size": pool.block_size, "total_blocks": pool.total_blocks,
+                     "free_blocks": pool.free_blocks, "total_slots": pool.total_slots, "free_slots": pool.free_slots},
+            "kv_cache_usage_perc": 1.0 - pool.free_blocks / pool.total_blocks if pool.total_blocks > 0 else 0.0,
+            "running": reply.running, "waiting": reply.waiting, "max_model_len": self.ctx.max_model_len,
+            "prefix_cache_queries": reply.prefix_cache_queries, "prefix_cache_hits": reply.prefix_cache_hits,
+        }
+        return JSONResponse(body, status_code=200 if reply.healthy else 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        self.metrics.set_health(await self._health_reply())
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _handled(fn: Handler) -> Handler:
+    """Every error becomes an OpenAI-shaped response; a bug is a 500, never a dropped connection."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except GatewayError as err:
+            if not err.logged:  # refused before reaching the scheduler (validation, model name, ...)
+                log.info("%s %s status=%d %s", request.method, request.url.path, err.status, err.message)
+            return err.response()
+        except Exception:
+            log.exception("%s %s failed", request.method, request.url.path)
+            return internal().response()
+
+    endpoint.__name__ = fn.__name__
+    return endpoint
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route but the probes (OPEN_PATHS)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                err = GatewayError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
+                                   type="invalid_request_error", code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return GatewayError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code).response()
+
+
+def create_app(settings: GatewaySettings) -> Starlette:
+    gw = Gateway(settings)
+    routes = [
+        Route("/v1/chat/completions", _handled(gw.chat_completions), methods=["POST"]),
+        Route("/v1/completions", _handled(gw.completions), methods=["POST"]),
+        Route("/v1/models", _handled(gw.models), methods=["GET"]),
+        Route("/tokenize", _handled(gw.tokenize), methods=["POST"]),
+        Route("/detokenize", _handled(gw.detokenize), methods=["POST"]),
+        Route("/health", _handled(gw.health), methods=["GET"]),
+        Route("/metrics", _handled(gw.metrics_endpoint), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.state.gateway = gw
+    return app
+
+
+__all__ = ["Gateway", "GatewaySettings", "create_app"]

@@ -1,0 +1,107 @@
+"""Completion ids -> the text and ids a client sees: detokenization, the stopping token, stop strings.
+
+The scheduler streams every token it committed, the one that stopped it included (its id comes back in
+`Finished.stop_token_id`). That last token is hidden from both text and `token_ids` (its id is reported as
+`stop_reason`), so a token that ends generation is held back as soon as it arrives if it is one of the ids that can
+end generation, until `Finished` says whether it did. Every other id is processed as soon as it arrives: no
+latency is added for the common case.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+from .detokenizer import IncrementalDetokenizer
+from .stop_strings import StopStringMatcher
+from .tokenizer import TextTokenizer
+
+
+def token_sha(ids: list[int]) -> str:
+    """sha256 hex of the ids as int32 little-endian: compares two runs' outputs without shipping the ids."""
+    return hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()
+
+
+@dataclass
+class Delta:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.token_ids)
+
+
+class OutputAssembler:
+    def __init__(self, tokenizer: TextTokenizer, *, stops: list[str], include_stop_str: bool = False,
+                 skip_special_tokens: bool = True, final_ids: frozenset[int] = frozenset()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._stops = StopStringMatcher(stops, include_stop_str)
+        self._final_ids = final_ids  # ids after which the scheduler stops (EOS unless ignore_eos, stop_token_ids)
+        self._held: int | None = None
+        self.token_ids: list[int] = []   # the completion as reported (stopping token excluded)
+        self.text = ""                   # all text released so far
+        self.stop_reason: str | int | None = None
+        self.dropped_stop_token = False
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self._stops.hit is not None
+
+    @property
+    def generated(self) -> int:
+        """Tokens the model produced that count for this reply (the hidden stopping token included)."""
+        return len(self.token_ids) + int(self.dropped_stop_token)
+
+    def add(self, ids: list[int]) -> Delta:
+        """New ids from the scheduler; returns what the client may see now. Stops consuming at a stop string."""
+        delta = Delta()
+        for tid in ids:
+            if self._stops.hit is not None:
+                break
+            if self._held is not None:  # more output followed: the held id did not end generation after all
+                held, self._held = self._held, None
+                self._process(held, delta)
+                if self._stops.hit is not None:
+                    break
+            if tid in self._final_ids:
+                self._held = tid
+                continue
+            self._process(tid, delta)
+        return delta
+
+    def finish(self, stop_token_id: int | None) -> Delta:
+        """The scheduler finished; `stop_token_id` is the id that stopped it (FINISH_STOP), else None."""
+        delta = Delta()
+        if self._stops.hit is not None:
+            return delta
+        if self._held is not None:
+            held, self._held = self._held, None
+            if held == stop_token_id:
+                self.dropped_stop_token = True
+                self.stop_reason = held
+            else:
+                self._process(held, delta)
+        elif stop_token_id is not None:
+            self.stop_reason = stop_token_id  # an id we did not know could stop; already shown (usually as "")
+        if self._stops.hit is None:
+            tail = self._detok.flush()
+            if tail:
+                self._emit_text(self._stops.feed(tail), delta)
+            if self._stops.hit is None:
+                self._emit_text(self._stops.flush(), delta)
+        return delta
+
+    def _process(self, tid: int, delta: Delta) -> None:
+        self.token_ids.append(tid)
+        delta.token_ids.append(tid)
+        piece = self._detok.push(tid)
+        if piece:
+            self._emit_text(self._stops.feed(piece), delta)
+
+    def _emit_text(self, text: str, delta: Delta) -> None:
+        if self._stops.hit is not None and self.stop_reason is None:
+            self.stop_reason = self._stops.hit.stop
+        if text:
+            delta.text += text
+            self.text += text

@@ -1,0 +1,166 @@
+"""A validated request -> what goes to the scheduler: prompt ids, sampling, limits, and how to post-process output.
+
+All the choices where OpenAI, vLLM and twinspark differ are made here, in one place:
+- sampling defaults: a field the request omits takes the checkpoint's generation_config.json value (vLLM's
+  `--generation-config auto`), else OpenAI's default (temperature 1, top_p 1); `--generation-config vllm` skips
+  the checkpoint's values.
+- max_tokens (and max_completion_tokens, which wins when both are given): default the rest of the window, for
+  completions too (OpenAI's completions default is 16; vLLM's is also the rest of the window).
+- `reasoning_effort`: "none" turns thinking off; any other level turns it on and is passed to the template as
+  `reasoning_effort` (medium -> high, xhigh -> max, minimal -> low); `chat_template_kwargs` wins over it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.tensors import to_proto
+from twinspark.v1 import generate_pb2
+
+from .checkpoint import CheckpointInfo
+from .errors import bad_request, context_length_exceeded
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .template import ChatTemplate
+from .tokenizer import TextTokenizer
+
+_EFFORT = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "max": "max", "xhigh": "max"}
+
+
+@dataclass
+class ModelContext:
+    """Everything request preparation reads; built once at startup."""
+
+    checkpoint: CheckpointInfo
+    tokenizer: TextTokenizer
+    template: ChatTemplate
+    use_generation_config: bool = True
+    max_model_len: int = 0  # the window in force (checkpoint / flag, narrowed by the scheduler's figure)
+
+    def __post_init__(self) -> None:
+        if not self.max_model_len:
+            self.max_model_len = self.checkpoint.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the model accepts (its embedding rows; may exceed the tokenizer's vocabulary, which is padded)."""
+        return self.checkpoint.vocab_size or self.tokenizer.size
+
+
+@dataclass
+class Prepared:
+    kind: str                     # "chat" | "completion"
+    response_id: str              # what the client sees as `id`
+    prompt_ids: list[int]
+    request: generate_pb2.GenerateRequest
+    prompt_param: str             # "messages" | "prompt": where context-length errors point
+    stops: list[str] = field(default_factory=list)
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    final_ids: frozenset[int] = frozenset()
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+
+
+def _new_ids(kind: str, client_id: str | None) -> tuple[str, str]:
+    """(response id, scheduler request id). A client-chosen id (vLLM's `request_id`) is echoed back, but the
+    scheduler gets a unique id even when clients reuse theirs, since Abort finds requests by it."""
+    suffix = uuid.uuid4().hex
+    if client_id:
+        return client_id, f"{client_id}-{suffix[:8]}"
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{suffix}"
+    return rid, rid
+
+
+def _check_ids(ids: list[int], vocab: int, param: str) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            raise bad_request(f"token id {t} is out of vocabulary (0..{vocab - 1})", param=f"{param}[{i}]")
+
+
+def render_chat(ctx: ModelContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None = None) -> str:
+    kwargs: dict[str, Any] = {}
+    if reasoning_effort == "none":
+        kwargs["enable_thinking"] = False
+    elif reasoning_effort is not None:
+        kwargs["enable_thinking"] = True
+        kwargs["reasoning_effort"] = _EFFORT[reasoning_effort]
+    kwargs.update(chat_template_kwargs or {})
+    dicts = [m.model_dump(exclude_none=True) for m in messages]
+    return ctx.template.render(dicts, add_generation_prompt=add_generation_prompt, kwargs=kwargs)
+
+
+def _sampling(ctx: ModelContext, req: ChatCompletionRequest | CompletionRequest) -> generate_pb2.Sampling:
+    defaults = ctx.checkpoint.default_sampling if ctx.use_generation_config else {}
+
+    def pick(name: str, fallback: float) -> float:
+        value = getattr(req, name)
+        return float(value if value is not None else defaults.get(name, fallback))
+
+    top_k = int(pick("top_k", 0))
+    sampling = generate_pb2.Sampling(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+                                     top_k=max(0, top_k),  # vLLM's -1 and 0 both mean off; the contract says 0
+                                     min_p=pick("min_p", 0.0))
+    if req.seed is not None:
+        sampling.seed = req.seed & 0xFFFF_FFFF_FFFF_FFFF  # OpenAI seeds are signed 64-bit; ours are unsigned
+    return sampling
+
+
+def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
+           max_tokens: int | None, prompt_param: str) -> Prepared:
+    window = ctx.max_model_len
+    n = len(prompt_ids)
+    if n == 0:
+        raise bad_request("the prompt is empty", param=prompt_param)
+    what = "messages" if prompt_param == "messages" else "prompt"
+    if n >= window:
+        raise context_length_exceeded(
+            f"This model's maximum context length is {window} tokens. However, your {what} resulted in {n} tokens, "
+            "leaving no room for a completion. Please reduce the length of the " + what + ".", prompt_param)
+    if max_tokens is None:
+        max_tokens = window - n
+    elif n + max_tokens > window:
+        raise context_length_exceeded(
+            f"This model's maximum context length is {window} tokens. However, you requested {n + max_tokens} tokens "
+            f"({n} in the {what}, {max_tokens} in the completion). Please reduce the length of the {what} or "
+            "completion.", prompt_param)
+    stop_ids = list(req.stop_token_ids or [])
+    _check_ids(stop_ids, ctx.vocab_size, "stop_token_ids")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    final = set(stop_ids) | (set() if req.ignore_eos else set(ctx.checkpoint.eos_token_ids))
+    response_id, request_id = _new_ids(kind, req.request_id)
+    grpc_req = generate_pb2.GenerateRequest(
+        request_id=request_id, prompt_ids=to_proto(prompt_ids), sampling=_sampling(ctx, req), max_tokens=max_tokens,
+        stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+        priority=generate_pb2.PRIORITY_BACKGROUND if req.background else generate_pb2.PRIORITY_NORMAL,
+        no_draft=not req.draft)
+    return Prepared(kind=kind, response_id=response_id, prompt_ids=prompt_ids, request=grpc_req,
+                    prompt_param=prompt_param, stops=stops, include_stop_str=req.include_stop_str_in_output,
+                    skip_special_tokens=req.skip_special_tokens, final_ids=frozenset(final), stream=req.stream,
+                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    return_token_ids=req.return_token_ids)
+
+
+async def prepare_chat(ctx: ModelContext, req: ChatCompletionRequest) -> Prepared:
+    text = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.reasoning_effort)
+    ids = await ctx.tokenizer.encode_async(text, add_special_tokens=req.add_special_tokens)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return _build(ctx, "chat", req, ids, max_tokens, "messages")
+
+
+async def prepare_completion(ctx: ModelContext, req: CompletionRequest) -> Prepared:
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("only one prompt per request is supported (a list must hold exactly one prompt)",
+                              param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = await ctx.tokenizer.encode_async(prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        ids = list(prompt)
+        _check_ids(ids, ctx.vocab_size, "prompt")
+    return _build(ctx, "completion", req, ids, req.max_tokens, "prompt")

@@ -1,0 +1,331 @@
+"""Request schemas: OpenAI chat/completions plus vLLM's extra fields and twinspark's own (`background`, `draft`).
+
+Validation is strict (no "1.5" -> 1.5 coercion, no true -> 1) and closed (`extra="forbid"`): an unknown field is a
+400 naming it, so a client never believes a setting took effect when it did not. Fields we recognise but do not
+implement are declared too, accepted at their neutral value (n=1, logprobs=false, tools=[], penalties 0/1, ...)
+and refused otherwise by `check_unsupported`, again naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import GatewayError, bad_request, unsupported
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------- chat messages
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        # Say plainly that images/audio are not served, instead of pydantic's "extra inputs" complaint.
+        if isinstance(data, dict) and data.get("type") != "text":
+            raise ValueError(f"content part type {data.get('type')!r} is not supported; only 'text' parts are")
+        return data
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    # Earlier turns' reasoning goes back into the prompt (the template renders it) so the prefix cache holds.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: Any = None
+
+
+# ------------------------------------------------------------------------------------------ generation requests
+
+class _Generation(_Strict):
+    """Fields shared by chat and completions."""
+
+    model: str | None = None  # optional as in vLLM: the one served model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 (or 0) = off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    background: bool = False  # twinspark: PRIORITY_BACKGROUND, served after every normal request
+    draft: bool = True        # twinspark: false turns speculative drafts off for this request
+    request_id: str | None = Field(None, min_length=1, max_length=200)  # vLLM
+    # Accepted and ignored: identifiers and cache hints that change nothing in the output.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Recognised, not implemented: only their neutral value is accepted (see _NEUTRAL).
+    n: Any = None
+    best_of: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    length_penalty: Any = None
+    logit_bias: Any = None
+    min_tokens: Any = None
+    priority: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    service_tier: Any = None
+    store: Any = None
+    echo: Any = None
+    logprobs: Any = None
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template already writes [gMASK]<sop>
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max", "xhigh"] | None = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools; accepted as clients send it by default
+    functions: Any = None
+    function_call: Any = None
+    chat_template: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+
+class CompletionRequest(_Generation):
+    # vLLM: a string, a token-id list, or a list holding one of either (batches of more than one are refused).
+    prompt: str | list[int] | list[str] | list[list[int]]
+    add_special_tokens: bool = True
+    suffix: Any = None
+    prompt_embeds: Any = None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: true for `prompt`, false for `messages` (vLLM)
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ------------------------------------------------------------------------------------------- neutral values
+
+def _is(*values: Any) -> Any:
+    return lambda v: any(v is x or (type(v) is type(x) and v == x) for x in values)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == [] or v == {} or v is False
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or v == {"type": "text"}
+
+
+# field -> accepted-value predicate, and why the rest is refused
+_NEUTRAL: dict[str, Any] = {
+    "n": _is(None, 1),
+    "best_of": _is(None, 1),
+    "presence_penalty": _is(None, 0, 0.0),
+    "frequency_penalty": _is(None, 0, 0.0),
+    "repetition_penalty": _is(None, 1, 1.0),
+    "length_penalty": _is(None, 1, 1.0),
+    "logit_bias": _empty,
+    "min_tokens": _is(None, 0),
+    "priority": _is(None, 0),
+    "response_format": _text_format,
+    "structured_outputs": _empty,
+    "guided_json": _empty,
+    "guided_regex": _empty,
+    "guided_choice": _empty,
+    "guided_grammar": _empty,
+    "guided_decoding_backend": _empty,
+    "guided_whitespace_pattern": _empty,
+    "use_beam_search": _is(None, False),
+    "prompt_logprobs": _is(None),
+    "truncate_prompt_tokens": _is(None),
+    "bad_words": _empty,
+    "allowed_token_ids": _is(None),
+    "logits_processors": _empty,
+    "return_tokens_as_token_ids": _is(None, False),
+    "spaces_between_special_tokens": _is(None, True),
+    "cache_salt": _is(None),
+    "kv_transfer_params": _is(None),
+    "vllm_xargs": _is(None),
+    "service_tier": _is(None, "auto", "default"),
+    "store": _is(None, False),
+    "echo": _is(None, False),
+    "logprobs": _is(None, False),
+    "top_logprobs": _is(None, 0),
+    "tools": _empty,
+    "tool_choice": _is(None, "none"),
+    "functions": _empty,
+    "function_call": _is(None, "none"),
+    "chat_template": _is(None),
+    "continue_final_message": _is(None, False),
+    "documents": _is(None),
+    "mm_processor_kwargs": _is(None),
+    "audio": _is(None),
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _is(None),
+    "web_search_options": _is(None),
+    "verbosity": _is(None),
+    "suffix": _is(None, ""),
+    "prompt_embeds": _is(None),
+}
+
+_WHY: dict[str, str] = {
+    "n": "must be 1: one choice per request is served",
+    "best_of": "must be 1: one choice per request is served",
+    "priority": "is not supported; send \"background\": true for background priority",
+    "logprobs": "is not supported by this server (no logprobs are returned)",
+    "top_logprobs": "is not supported by this server (no logprobs are returned)",
+    "min_tokens": "is not supported by this server (min_tokens must be 0)",
+}
+
+
+def check_unsupported(req: BaseModel) -> None:
+    """Raise a 400 naming the first recognised-but-unimplemented field set to a non-neutral value."""
+    for name in type(req).model_fields:
+        accepts = _NEUTRAL.get(name)
+        if accepts is not None and not accepts(getattr(req, name)):
+            raise unsupported(name, _WHY.get(name, "is not supported by this server"))
+    options = getattr(req, "stream_options", None)
+    if options is not None and options.continuous_usage_stats not in (None, False):
+        raise unsupported("stream_options.continuous_usage_stats")
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+# pydantic adds union-member tags ("str", "list[int]", "function-after[...]") to error locations; a client's
+# `param` should only name the path in its own JSON.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "nullable", "union"}
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def _first_error(exc: ValidationError) -> GatewayError:
+    errors = exc.errors(include_url=False)
+    head = _param_of(errors[0]["loc"]) if errors else None
+    # Of the errors about the first bad field, the one deepest inside it is usually the real cause: for a union
+    # (content: str | list[parts]) pydantic reports every member's failure.
+    same = [e for e in errors if (_param_of(e["loc"]) or "").startswith(head or "")] or errors
+    err = max(same, key=lambda e: len(_param_of(e["loc"]) or ""))
+    param = _param_of(err["loc"])
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = f"Unrecognized request argument supplied: {param}"
+    elif param:
+        msg = f"{param}: {msg}"
+    return bad_request(msg, param=param)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying why not."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def parse(model: type[_Strict], raw: bytes) -> Any:
+    """Validate a JSON body into `model`; any problem becomes a 400 with `param` naming the field."""
+    data = parse_json(raw)
+    try:
+        req = model.model_validate(data)
+    except ValidationError as exc:
+        raise _first_error(exc) from None
+    if isinstance(req, _Generation):
+        check_unsupported(req)
+    return req
+
+
+__all__ = [
+    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "GatewayError",
+    "TokenizeRequest", "check_unsupported", "parse", "parse_json",
+]

@@ -1,0 +1,105 @@
+"""Unit tests: request validation (400 naming the field in `param`) and the OpenAI error shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.errors import GatewayError, unsupported
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest, parse
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return parse(ChatCompletionRequest, json.dumps({"messages": MSG, **fields}).encode())
+
+
+def _param_of_error(model, body: bytes | dict) -> GatewayError:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(GatewayError) as exc:
+        parse(model, raw)
+    assert exc.value.status == 400
+    return exc.value
+
+
+def test_accepts_supported_and_neutral_fields() -> None:
+    req = _chat(model="m", temperature=0, top_p=0.5, top_k=-1, min_p=0.1, seed=-5, max_completion_tokens=3,
+                stop="x", stop_token_ids=[5], ignore_eos=True, return_token_ids=True, stream=True,
+                stream_options={"include_usage": True}, background=True, draft=False, user="u",
+                chat_template_kwargs={"enable_thinking": False}, reasoning_effort="none",
+                n=1, logprobs=False, top_logprobs=0, tools=[], tool_choice="none", presence_penalty=0,
+                frequency_penalty=0.0, repetition_penalty=1, response_format={"type": "text"},
+                parallel_tool_calls=True, logit_bias={}, echo=False)
+    assert req.temperature == 0.0 and req.stream_options.include_usage and not req.draft
+    comp = parse(CompletionRequest, b'{"prompt": [[1, 2, 3]], "max_tokens": 4}')
+    assert comp.prompt == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"n": 2}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"priority": 1}, "priority"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"audio": {"voice": "x"}}, "audio"),
+    ({"best_of": 2}, "best_of"),
+])
+def test_unsupported_fields_are_named(fields: dict, param: str) -> None:
+    err = _param_of_error(ChatCompletionRequest, {"messages": MSG, **fields})
+    assert err.param == param and err.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": MSG, "temperature": "hot"}, "temperature"),
+    ({"messages": MSG, "temperature": -1}, "temperature"),
+    ({"messages": MSG, "max_tokens": "5"}, "max_tokens"),
+    ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MSG, "stream": "yes"}, "stream"),
+    ({"messages": MSG, "seed": 1.5}, "seed"),
+    ({"messages": MSG, "stop_token_ids": [True]}, "stop_token_ids[0]"),
+    ({"messages": MSG, "wat": 1}, "wat"),
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
+    ({"messages": MSG, "reasoning_effort": "huge"}, "reasoning_effort"),
+])
+def test_wrong_types_name_the_field(body: dict, param: str) -> None:
+    err = _param_of_error(ChatCompletionRequest, body)
+    assert err.param == param and err.type == "invalid_request_error", err.message
+    if param == "wat":
+        assert err.message == "Unrecognized request argument supplied: wat"
+
+
+def test_completion_prompt_shapes() -> None:
+    assert _param_of_error(CompletionRequest, {"prompt": [1, "a"]}).param == "prompt[1]"
+    assert _param_of_error(CompletionRequest, {"prompt": "x", "suffix": "y"}).param == "suffix"
+    assert _param_of_error(CompletionRequest, {"prompt": "x", "echo": True}).param == "echo"
+    assert _param_of_error(TokenizeRequest, {"prompt": "x", "messages": MSG}).status == 400
+
+
+def test_malformed_json() -> None:
+    err = _param_of_error(ChatCompletionRequest, b'{"messages": [')
+    assert err.code == "invalid_json" and "malformed JSON" in err.message
+    assert _param_of_error(ChatCompletionRequest, b"[1, 2]").code == "invalid_json"
+
+
+def test_error_shape() -> None:
+    err = unsupported("n", "must be 1")
+    assert err.body() == {"error": {"message": "'n' must be 1", "type": "invalid_request_error", "param": "n",
+                                    "code": "unsupported_parameter"}}
+    assert GatewayError(429, "busy", headers={"Retry-After": "3"}).response().headers["retry-after"] == "3"
+    assert GatewayError(503, "down").body()["error"]["type"] == "server_error"
