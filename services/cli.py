@@ -18,6 +18,7 @@ _COMMANDS = (
     "services.rank_worker.cli",
     "services.scheduler.cli",
     "services.gateway.cli",
+    "services.launcher.cli",
 )
 
 

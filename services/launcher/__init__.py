@@ -1,0 +1,12 @@
+"""`twinspark up` / `twinspark down`: run every role of one replica as its own child process on this machine.
+
+- `plan.py`        the launch plan (which processes, which argv, which ports): a pure function, unit-tested.
+- `ports.py`       free-port picking and "is this port taken" checks.
+- `procs.py`       process and process-group probes (Linux /proc where it helps, plain signals otherwise).
+- `state.py`       the state dir: `up.json`, the supervisor lock, default locations.
+- `tiny_cache.py`  the tiny checkpoint served when no `--model` is given, made once and cached atomically.
+- `supervisor.py`  starts the children, waits for health, supervises, stops them (process groups, SIGTERM → SIGKILL).
+- `cli.py`         `register(subparsers)` adding `up` and `down` (also runnable as `python -m services.launcher`).
+
+Nothing here imports torch: `up` must start (and `down` answer) in a blink.
+"""

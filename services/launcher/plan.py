@@ -1,0 +1,181 @@
+"""The launch plan: which processes `twinspark up` starts, in which order, with which argv and ports.
+
+A pure function of its inputs (`LaunchConfig` + a list of free internal ports): no sockets, no processes, no
+environment reads, so it is unit-tested directly. `ports.free_ports` picks the ports; `supervisor.py` runs the plan.
+
+Adding a role is one entry in `ROLES` (plus, where a peer must learn its address, one line in that peer's argv
+builder: e.g. a drafter entry with `replicas=lambda c: 1 if c.drafter else 0`, and `--drafter` added to the
+scheduler's argv when `addrs.get("drafter")` is set).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+# How a role's subcommand is run: `<python> -m services.cli serve-rank ...`. The console script
+# (`.../bin/twinspark`) works too; tests put a stand-in script here.
+DEFAULT_COMMAND: tuple[str, ...] = (sys.executable, "-m", "services.cli")
+INTERNAL_HOST = "127.0.0.1"  # every internal gRPC server and the torch.distributed rendezvous listen on loopback
+SHARED_PORTS: tuple[str, ...] = ("master",)  # ports that belong to no single child: the torch.distributed master
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What the user asked for (already resolved: absolute model dir, concrete public port)."""
+
+    model: str
+    state_dir: str
+    tp: int = 1
+    host: str = "127.0.0.1"  # where the gateway listens (the only public listener)
+    port: int = 8888
+    device: str = "cpu"
+    command: tuple[str, ...] = DEFAULT_COMMAND
+
+
+# addrs: role name -> ["host:port", ...] for every replica of every role (known before any argv is built).
+ArgvBuilder = Callable[[LaunchConfig, Mapping[str, Sequence[str]], Mapping[str, int], int, str, int], list[str]]
+
+
+@dataclass(frozen=True)
+class Role:
+    """One kind of process. `args(config, addrs, shared_ports, index, host, port)` returns the argv after the
+    command prefix (subcommand first)."""
+
+    name: str
+    args: ArgvBuilder
+    replicas: Callable[[LaunchConfig], int] = lambda c: 1
+    public: bool = False  # listens on config.host:config.port (its health URL is the readiness gate of the whole run)
+    indexed: bool = False  # name children `<role><i>` even when there is one replica (rank0)
+
+
+def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
+    return ["serve-rank", "--model", c.model, "--rank", str(i), "--world", str(c.tp),
+            "--master-addr", INTERNAL_HOST, "--master-port", str(shared["master"]),
+            "--host", host, "--port", str(port), "--device", c.device]
+
+
+def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
+    return ["serve-scheduler", "--ranks", ",".join(addrs["rank"]), "--host", host, "--port", str(port)]
+
+
+def _gateway_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
+    return ["serve-gateway", "--model", c.model, "--scheduler", addrs["scheduler"][0], "--host", host,
+            "--port", str(port)]
+
+
+# Start order. Each role is one stage: all its replicas start together (ranks must, to meet at the master port),
+# then the launcher waits for their ports to listen before the next stage.
+ROLES: tuple[Role, ...] = (
+    Role("rank", _rank_args, replicas=lambda c: c.tp, indexed=True),
+    Role("scheduler", _scheduler_args),
+    Role("gateway", _gateway_args, public=True),
+)
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One process to start."""
+
+    name: str  # rank0, rank1, scheduler, gateway — also its log file name
+    role: str
+    index: int
+    argv: tuple[str, ...]
+    host: str
+    port: int  # the port it listens on
+    log: str  # <state-dir>/logs/<name>.log
+    public: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)  # extra environment on top of the launcher's
+
+    @property
+    def address(self) -> str:
+        return f"{_bracket(self.host)}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    config: LaunchConfig
+    stages: tuple[tuple[ChildSpec, ...], ...]  # start order; one stage per role
+    shared_ports: Mapping[str, int]  # master -> port
+
+    @property
+    def children(self) -> tuple[ChildSpec, ...]:
+        return tuple(c for stage in self.stages for c in stage)
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Every port in the plan by owner: rank0, ..., scheduler, gateway, master."""
+        return {**{c.name: c.port for c in self.children}, **self.shared_ports}
+
+    @property
+    def endpoint(self) -> str:
+        """The OpenAI base URL a client uses (loopback when the gateway listens on every interface)."""
+        return f"http://{_bracket(client_host(self.config.host))}:{self.config.port}/v1"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{_bracket(client_host(self.config.host))}:{self.config.port}/health"
+
+
+def client_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host`."""
+    if host in WILDCARD_HOSTS:
+        return "::1" if ":" in host else "127.0.0.1"
+    return host.strip("[]")
+
+
+def _bracket(host: str) -> str:
+    host = host.strip("[]")
+    return f"[{host}]" if ":" in host else host
+
+
+def internal_ports_needed(config: LaunchConfig, roles: Sequence[Role] = ROLES) -> int:
+    """How many free loopback ports `make_plan` needs: one per non-public child plus the shared ones."""
+    return sum(r.replicas(config) for r in roles if not r.public) + len(SHARED_PORTS)
+
+
+def make_plan(config: LaunchConfig, internal_ports: Sequence[int], roles: Sequence[Role] = ROLES) -> LaunchPlan:
+    """Lay out every child: names, listening addresses, argv and log paths.
+
+    internal_ports: distinct free ports on 127.0.0.1, `internal_ports_needed(config)` of them, used in order
+    (shared ports first, then each non-public child in start order).
+    """
+    if config.tp < 1:
+        raise ValueError(f"tp must be >= 1, got {config.tp}")
+    if not config.command:
+        raise ValueError("the role command prefix is empty")
+    if not 0 < config.port < 65536:
+        raise ValueError(f"public port must be in 1..65535, got {config.port}")
+    need = internal_ports_needed(config, roles)
+    ports = list(internal_ports)
+    if len(ports) != need:
+        raise ValueError(f"need {need} internal ports, got {len(ports)}")
+    if len(set(ports)) != len(ports) or config.port in ports:
+        raise ValueError(f"internal ports must be distinct and differ from the public port {config.port}: {ports}")
+
+    it = iter(ports)
+    shared = {name: next(it) for name in SHARED_PORTS}
+    # First pass: every child's name and address, so argv builders can point at any peer.
+    slots: list[tuple[Role, int, str, str, int]] = []  # role, index, name, host, port
+    addrs: dict[str, list[str]] = {}
+    for role in roles:
+        n = role.replicas(config)
+        for i in range(n):
+            name = f"{role.name}{i}" if (role.indexed or n > 1) else role.name
+            host, port = (config.host, config.port) if role.public else (INTERNAL_HOST, next(it))
+            slots.append((role, i, name, host, port))
+            addrs.setdefault(role.name, []).append(f"{_bracket(client_host(host))}:{port}")
+    logs = Path(config.state_dir) / "logs"
+    stages: list[tuple[ChildSpec, ...]] = []
+    for role in roles:
+        stage = tuple(
+            ChildSpec(name=name, role=role.name, index=i, host=host, port=port, public=role.public,
+                      argv=(*config.command, *role.args(config, addrs, shared, i, host, port)),
+                      log=str(logs / f"{name}.log"))
+            for (r, i, name, host, port) in slots if r is role)
+        if stage:
+            stages.append(stage)
+    return LaunchPlan(config=config, stages=tuple(stages), shared_ports=shared)

@@ -1,0 +1,99 @@
+"""The launch plan is a pure function: argv per role, ports, order, names, log paths."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from services.launcher.plan import (DEFAULT_COMMAND, ROLES, LaunchConfig, Role, internal_ports_needed, make_plan)
+from services.launcher.ports import free_ports, port_free
+
+PREFIX = ("/venv/bin/twinspark",)
+
+
+def _cfg(tp: int, **kw) -> LaunchConfig:
+    return LaunchConfig(model="/models/glm", state_dir="/state", tp=tp, port=8888, command=PREFIX, **kw)
+
+
+def test_tp1_argv_per_role():
+    cfg = _cfg(1)
+    assert internal_ports_needed(cfg) == 3  # master, rank0, scheduler
+    plan = make_plan(cfg, [5000, 5001, 5002])
+    assert [[c.name for c in stage] for stage in plan.stages] == [["rank0"], ["scheduler"], ["gateway"]]
+    rank0, sched, gw = plan.children
+    assert rank0.argv == (*PREFIX, "serve-rank", "--model", "/models/glm", "--rank", "0", "--world", "1",
+                          "--master-addr", "127.0.0.1", "--master-port", "5000", "--host", "127.0.0.1",
+                          "--port", "5001", "--device", "cpu")
+    assert sched.argv == (*PREFIX, "serve-scheduler", "--ranks", "127.0.0.1:5001", "--host", "127.0.0.1",
+                          "--port", "5002")
+    assert gw.argv == (*PREFIX, "serve-gateway", "--model", "/models/glm", "--scheduler", "127.0.0.1:5002",
+                       "--host", "127.0.0.1", "--port", "8888")
+    assert gw.public and not rank0.public
+    assert [c.log for c in plan.children] == ["/state/logs/rank0.log", "/state/logs/scheduler.log",
+                                              "/state/logs/gateway.log"]
+    assert plan.endpoint == "http://127.0.0.1:8888/v1" and plan.health_url == "http://127.0.0.1:8888/health"
+    assert plan.ports == {"rank0": 5001, "scheduler": 5002, "gateway": 8888, "master": 5000}
+
+
+def test_tp2_ranks_share_master_and_scheduler_sees_both():
+    plan = make_plan(_cfg(2, device="cuda"), [6000, 6001, 6002, 6003])
+    assert [[c.name for c in stage] for stage in plan.stages] == [["rank0", "rank1"], ["scheduler"], ["gateway"]]
+    r0, r1, sched, gw = plan.children
+    for i, r in enumerate((r0, r1)):
+        a = list(r.argv)
+        assert a[a.index("--rank") + 1] == str(i) and a[a.index("--world") + 1] == "2"
+        assert a[a.index("--master-port") + 1] == "6000" and a[a.index("--device") + 1] == "cuda"
+        assert a[a.index("--model") + 1] == "/models/glm"
+    assert (r0.port, r1.port, sched.port) == (6001, 6002, 6003)
+    assert list(sched.argv)[list(sched.argv).index("--ranks") + 1] == "127.0.0.1:6001,127.0.0.1:6002"
+    assert list(gw.argv)[list(gw.argv).index("--model") + 1] == "/models/glm"
+    ports = list(plan.ports.values())
+    assert len(set(ports)) == len(ports)
+
+
+def test_wildcard_host_gateway_binds_it_and_clients_use_loopback():
+    plan = make_plan(_cfg(1, host="0.0.0.0"), [1, 2, 3])
+    gw = plan.children[-1]
+    assert list(gw.argv)[list(gw.argv).index("--host") + 1] == "0.0.0.0"
+    assert plan.health_url == "http://127.0.0.1:8888/health"
+    assert all(c.host == "127.0.0.1" for c in plan.children[:-1])  # internal listeners stay on loopback
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="tp"):
+        make_plan(_cfg(0), [])
+    with pytest.raises(ValueError, match="need 4"):
+        make_plan(_cfg(2), [1, 2, 3])
+    with pytest.raises(ValueError, match="distinct"):
+        make_plan(_cfg(2), [1, 2, 2, 3])
+    with pytest.raises(ValueError, match="distinct"):
+        make_plan(_cfg(1), [1, 2, 8888])
+
+
+def test_default_command_is_this_python_running_the_cli():
+    assert DEFAULT_COMMAND == (sys.executable, "-m", "services.cli")
+    plan = make_plan(LaunchConfig(model="/m", state_dir="/s"), [1, 2, 3])
+    assert plan.children[0].argv[:4] == (sys.executable, "-m", "services.cli", "serve-rank")
+
+
+def test_adding_a_role_is_one_entry():
+    drafter = Role("drafter", lambda c, addrs, shared, i, host, port: ["serve-drafter", "--host", host,
+                                                                       "--port", str(port)])
+    roles = (ROLES[0], drafter, *ROLES[1:])
+    cfg = _cfg(2)
+    assert internal_ports_needed(cfg, roles) == 5
+    plan = make_plan(cfg, [10, 11, 12, 13, 14], roles)
+    assert [c.name for c in plan.children] == ["rank0", "rank1", "drafter", "scheduler", "gateway"]
+    assert plan.children[2].argv == (*PREFIX, "serve-drafter", "--host", "127.0.0.1", "--port", "13")
+
+
+def test_free_ports_distinct_and_bindable():
+    ports = free_ports(6, exclude=(8888,))
+    assert len(set(ports)) == 6 and 8888 not in ports
+    assert all(port_free("127.0.0.1", p) for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert not port_free("127.0.0.1", s.getsockname()[1])
