@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"TWINSPARK_{name}", default)
+from services.common.env import env
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,35 +17,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve-gateway", help="serve the OpenAI-compatible HTTP API (gateway -> scheduler)",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health and "
                     "/metrics; generation is forwarded to the scheduler over gRPC as token ids.")
-    model = _env("MODEL")
+    model = env("MODEL")
     p.add_argument("--model", default=model, required=model is None,
                    help="checkpoint directory: config, tokenizer and chat template are read from it "
                         "(env TWINSPARK_MODEL)")
-    p.add_argument("--scheduler", default=_env("SCHEDULER", "127.0.0.1:50051"),
+    p.add_argument("--scheduler", default=env("SCHEDULER", "127.0.0.1:50051"),
                    help="scheduler gRPC address host:port (env TWINSPARK_SCHEDULER; default %(default)s)")
-    p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="listen address (env TWINSPARK_HOST; "
+    p.add_argument("--host", default=env("HOST", "0.0.0.0"), help="listen address (env TWINSPARK_HOST; "
                                                                    "default %(default)s)")
-    p.add_argument("--port", type=int, default=int(_env("PORT", "8888") or 8888),
+    p.add_argument("--port", type=int, default=int(env("PORT", "8888") or 8888),
                    help="listen port (env TWINSPARK_PORT; default %(default)s)")
-    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
+    p.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME"),
                    help="model name clients send and see (env TWINSPARK_SERVED_MODEL_NAME; default the checkpoint "
                         "directory's name)")
-    p.add_argument("--api-key", default=_env("API_KEY"),
+    p.add_argument("--api-key", default=env("API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
                         "(env TWINSPARK_API_KEY)")
-    p.add_argument("--keepalive-s", type=float, default=float(_env("KEEPALIVE_S", "1.0") or 1.0),
+    p.add_argument("--keepalive-s", type=float, default=float(env("KEEPALIVE_S", "1.0") or 1.0),
                    help="SSE keepalive comment interval while nothing else is sent; also how long a stream waits "
                         "for the scheduler's first answer before sending its 200 (env TWINSPARK_KEEPALIVE_S; "
                         "default %(default)s)")
-    max_len = _env("MAX_MODEL_LEN")
+    max_len = env("MAX_MODEL_LEN")
     p.add_argument("--max-model-len", type=int, default=int(max_len) if max_len else None,
                    help="cap the context window below the checkpoint's (env TWINSPARK_MAX_MODEL_LEN; the "
                         "scheduler's smaller figure, from Health, applies anyway)")
-    p.add_argument("--generation-config", choices=["auto", "vllm"], default=_env("GENERATION_CONFIG", "auto"),
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default=env("GENERATION_CONFIG", "auto"),
                    help="'auto': sampling fields a request omits take the checkpoint's generation_config.json "
                         "values (vLLM's default); 'vllm': OpenAI defaults (temperature 1, top_p 1) "
                         "(env TWINSPARK_GENERATION_CONFIG; default %(default)s)")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "info"),
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(env TWINSPARK_LOG_LEVEL; default %(default)s)")
     p.set_defaults(func=run)

@@ -9,34 +9,32 @@ import signal
 
 import torch
 
+from services.common.env import env
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("twinspark.rank")
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"TWINSPARK_{name}", default)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-rank", help="run one rank worker (one per GPU / machine)",
                        description="Join the tensor-parallel group, load this rank's shard and serve StepPlans over "
                                    "gRPC. Flags default from TWINSPARK_* environment variables.")
-    p.add_argument("--model", default=_env("MODEL"), required=_env("MODEL") is None, help="checkpoint dir (TWINSPARK_MODEL)")
-    p.add_argument("--rank", type=int, default=int(_env("RANK", "0")), help="this rank (TWINSPARK_RANK)")
-    p.add_argument("--world", type=int, default=int(_env("TP", "1")), help="number of ranks (TWINSPARK_TP)")
-    p.add_argument("--master-addr", default=_env("MASTER_ADDR", "127.0.0.1"), help="rank 0's address for the collective")
-    p.add_argument("--master-port", type=int, default=int(_env("MASTER_PORT", "29500")))
-    p.add_argument("--host", default=_env("RANK_HOST", "0.0.0.0"), help="gRPC listen address")
-    p.add_argument("--port", type=int, default=int(_env("RANK_PORT", "50061")), help="gRPC port")
-    p.add_argument("--device", default=_env("DEVICE", "cpu"), choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=_env("DTYPE"), choices=sorted(_DTYPES),
+    p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None, help="checkpoint dir (TWINSPARK_MODEL)")
+    p.add_argument("--rank", type=int, default=int(env("RANK", "0")), help="this rank (TWINSPARK_RANK)")
+    p.add_argument("--world", type=int, default=int(env("TP", "1")), help="number of ranks (TWINSPARK_TP)")
+    p.add_argument("--master-addr", default=env("MASTER_ADDR", "127.0.0.1"), help="rank 0's address for the collective")
+    p.add_argument("--master-port", type=int, default=int(env("MASTER_PORT", "29500")))
+    p.add_argument("--host", default=env("RANK_HOST", "0.0.0.0"), help="gRPC listen address")
+    p.add_argument("--port", type=int, default=int(env("RANK_PORT", "50061")), help="gRPC port")
+    p.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=env("DTYPE"), choices=sorted(_DTYPES),
                    help="compute dtype (default float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--num-blocks", type=int, default=int(_env("NUM_BLOCKS", "1024")), help="KV cache blocks")
-    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")), help="positions per block")
-    p.add_argument("--num-slots", type=int, default=int(_env("NUM_SLOTS", "32")), help="KDA state slots")
-    p.add_argument("--virtual-shards", type=int, default=int(_env("VIRTUAL_SHARDS", "4")),
+    p.add_argument("--num-blocks", type=int, default=int(env("NUM_BLOCKS", "1024")), help="KV cache blocks")
+    p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")), help="positions per block")
+    p.add_argument("--num-slots", type=int, default=int(env("NUM_SLOTS", "32")), help="KDA state slots")
+    p.add_argument("--virtual-shards", type=int, default=int(env("VIRTUAL_SHARDS", "4")),
                    help="virtual shards per sharded dim (a multiple of --world; the same on every rank)")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
     p.set_defaults(func=run)
 
 

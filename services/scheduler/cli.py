@@ -8,11 +8,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"TWINSPARK_{name}", default)
+from services.common.env import env
 
 
 def _positive_int(text: str) -> int:
@@ -27,28 +24,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve-scheduler", help="run the scheduler (queue, batching, KV pool) in front of the rank workers",
         description="Describe every rank, check they form one group, then serve the Generator gRPC service "
                     "(Generate / Abort / Health) to the gateway. Flags default from TWINSPARK_* variables.")
-    ranks = _env("RANKS")
+    ranks = env("RANKS")
     p.add_argument("--ranks", default=ranks, required=ranks is None,
                    help="rank worker addresses host:port,host:port in rank order (TWINSPARK_RANKS)")
-    p.add_argument("--host", default=_env("SCHEDULER_HOST", "0.0.0.0"), help="listen address (TWINSPARK_SCHEDULER_HOST)")
-    p.add_argument("--port", type=int, default=int(_env("SCHEDULER_PORT", "50051")),
+    p.add_argument("--host", default=env("SCHEDULER_HOST", "0.0.0.0"), help="listen address (TWINSPARK_SCHEDULER_HOST)")
+    p.add_argument("--port", type=int, default=int(env("SCHEDULER_PORT", "50051")),
                    help="listen port (TWINSPARK_SCHEDULER_PORT, default 50051)")
-    p.add_argument("--max-waiting", type=int, default=int(_env("MAX_WAITING", "64")),
+    p.add_argument("--max-waiting", type=int, default=int(env("MAX_WAITING", "64")),
                    help="waiting-queue bound; beyond it Generate answers RESOURCE_EXHAUSTED + retry-after "
                         "(TWINSPARK_MAX_WAITING, default 64)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=int(_env("MAX_NUM_SEQS", "16")),
+    p.add_argument("--max-num-seqs", type=_positive_int, default=int(env("MAX_NUM_SEQS", "16")),
                    help="running requests at most (also capped by the ranks' KDA slots) (TWINSPARK_MAX_NUM_SEQS, "
                         "default 16)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int,
-                   default=int(_env("MAX_NUM_BATCHED_TOKENS", "256")),
+                   default=int(env("MAX_NUM_BATCHED_TOKENS", "256")),
                    help="token budget of one round: decode rows first, then prefill chunks "
                         "(TWINSPARK_MAX_NUM_BATCHED_TOKENS, default 256)")
-    p.add_argument("--startup-timeout", type=float, default=float(_env("STARTUP_TIMEOUT", "300")),
+    p.add_argument("--startup-timeout", type=float, default=float(env("STARTUP_TIMEOUT", "300")),
                    help="seconds to wait for every rank to answer Describe (TWINSPARK_STARTUP_TIMEOUT, default 300)")
-    p.add_argument("--rank-timeout", type=float, default=float(_env("RANK_TIMEOUT", "300")),
+    p.add_argument("--rank-timeout", type=float, default=float(env("RANK_TIMEOUT", "300")),
                    help="seconds one round may take before the rank is declared hung; 0 = never "
                         "(TWINSPARK_RANK_TIMEOUT, default 300)")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="TWINSPARK_LOG_LEVEL, default INFO")
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="TWINSPARK_LOG_LEVEL, default INFO")
     p.set_defaults(func=run)
 
 
