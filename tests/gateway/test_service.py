@@ -134,7 +134,7 @@ def test_keepalive_while_scheduler_is_silent(http: httpx.Client, standin: Standi
     t0 = time.monotonic()
     with http.stream("POST", "/v1/chat/completions", json={"messages": MSG, "stream": True, "max_tokens": 1}) as r:
         assert r.status_code == 200
-        assert time.monotonic() - t0 < 0.9  # headers did not wait for the silent scheduler
+        assert time.monotonic() - t0 < 1.4  # headers went out before the first token (due at 1.5 s)
         data, lines = _sse(r)
     keepalives = [line for line in lines if line == ": keepalive"]
     assert 2 <= len(keepalives) <= 6, lines  # ~1.2 s of silence after the 200, at one per 0.3 s
