@@ -57,12 +57,11 @@ def plan_round(running: list[Request], budget: int, align: int = KDA_CHUNK) -> l
             break
         start = r.num_cached
         end = start + min(left, r.prompt_len - start)
-        if end < r.prompt_len:
-            stop = next((p for p, _ in r.snap_points if p > start), None)
-            if stop is not None and stop < end:
-                end = stop
-            elif align > 0 and end // align * align > start:
-                end = end // align * align
+        stop = next((p for p, _ in r.snap_points if p > start), None)
+        if stop is not None and stop < end:
+            end = stop
+        elif end < r.prompt_len and align > 0 and end // align * align > start:
+            end = end // align * align
         start, toks = r.next_rows(end - start)
         out.append(PlannedSeq(r, start, toks, sample=start + len(toks) >= r.prompt_len))
         left -= len(toks)
