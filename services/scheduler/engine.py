@@ -254,6 +254,9 @@ class Engine:
                 self.loop_error = f"{type(exc).__name__}: {exc}"
                 for req in list(self.running):
                     self._finish(req, generate_pb2.FINISH_ERROR, error=f"scheduler error: {self.loop_error}")
+                if self.prefix is not None:  # a state copy planned this round may never have run: trust no snapshot
+                    self.prefix.clear()
+                    self._takes_next = []
                 await asyncio.sleep(0.05)  # never spin hot on a repeating failure
 
     # -- prefix cache ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ Every snapshot holds the cached blocks of its chain; a block stays in the index 
   prefixes, so one lookup walks the chain from position 0.
 - Reuse points are multiples of 64 positions (KDA's chunk size, rounded up to whole blocks): the chunked KDA kernel
   chunks relative to each call's start, so a call that starts at a multiple of 64 reproduces a fresh prefill's
-  chunk grid, and a resumed request computes the same bits as a fresh one (see `Engine` for what is bit-identical).
+  chunk grid, and a resumed request computes the same bits as a fresh one (below: what is bit-identical).
 - Ref counts: the index holds one pool reference on each cached block; a request reading it holds another (so a
   cached block goes back to the free list only when it is evicted *and* no request reads it). A finishing request
   frees its cached blocks to the index, not to the free list.
@@ -20,6 +20,18 @@ Every snapshot holds the cached blocks of its chain; a block stays in the index 
 - Eviction (only when free blocks fall short at admission, or snapshot slots when a new snapshot is wanted):
   superseded conversation states first (a prompt-end snapshot on the path of a later, longer one: the conversation
   moved on), then least recently used. Shared-prefix (fork) snapshots are never marked superseded.
+
+Exactness of a resumed reply (tested in tests/rank_worker/test_state_copies.py, tests/e2e/test_prefix_cache.py):
+- Bit-identical: the KDA states, MLA latent rows and logits of a request resumed at p (a multiple of 64) equal those
+  of a fresh prefill whose chunk boundaries are multiples of 64 — the scheduler cuts prefill chunks there whenever a
+  chunk crosses one (batcher.plan_round) — because the chunked KDA kernel chunks relative to each call's start and
+  every other op is row-invariant with absolute positions (DESIGN §5.2). Same bits -> same sampled tokens, greedy
+  or keyed-seeded.
+- Not guaranteed bit-identical, token-identical in practice: a fresh prefill that had to cut a chunk off the 64 grid
+  (less than 64 tokens of round budget left after decode rows) runs the same maths on a different chunk grid, so its
+  fp32 rounding — and the last bits of its logits — may differ from the resumed run's. Likewise a fork snapshot
+  taken by a request that recomputed already cached blocks is paired with the index's (first) copy of those blocks:
+  same bits when both prefills ran on the 64 grid, else the same caveat.
 """
 
 from __future__ import annotations
@@ -205,9 +217,20 @@ class PrefixIndex:
                 pinned.update(s.chain)
         return sum(1 for h, c in self.blocks.items() if h not in pinned and self.pool.refcount(c.block) == 1)
 
+    def _frees(self, snap: Snapshot) -> bool:
+        """Whether evicting `snap` returns a block to the free list (not when other snapshots or requests hold
+        every block of its chain: then it is kept, it costs no blocks)."""
+        return any(self.blocks[h].covers == 1 and self.pool.refcount(self.blocks[h].block) == 1 for h in snap.chain)
+
     def make_room(self, need_blocks: int) -> None:
         """Evict (superseded first, then least recently used) until the free list holds `need_blocks`."""
         for snap in self._order():
             if self.pool.free_blocks >= need_blocks:
                 return
+            if self._frees(snap):
+                self._evict(snap)
+
+    def clear(self) -> None:
+        """Forget every snapshot (after a loop error a planned state copy may never have run on the ranks)."""
+        for snap in list(self.snaps.values()):
             self._evict(snap)
