@@ -37,9 +37,11 @@ def plan_round(running: list[Request], budget: int, align: int = KDA_CHUNK) -> l
     """The sequences of the next round (decodes, then prefill chunks); empty when there is nothing to run.
 
     A prefill chunk that does not finish its prompt ends at the request's next snapshot point when it reaches one
-    (the prefix index takes the KDA state there), else at a multiple of `align` when it crosses one: the chunked KDA
-    kernel chunks relative to each call's start, so 64-aligned chunk boundaries give every prefill of a prompt the
-    same chunk grid, whatever the budget left (a resumed prefill starts at a multiple of 64 too)."""
+    (the prefix index takes the KDA state there), else at a multiple of `align` when it crosses one and that keeps at
+    least half the chunk: the chunked KDA kernel chunks relative to each call's start, so 64-aligned chunk boundaries
+    give every prefill of a prompt the same chunk grid (a resumed prefill starts at a multiple of 64 too), which
+    makes resumed and fresh prefills bit-identical. A budget too small to keep the grid (less than 64 left, say)
+    gives up on it rather than on throughput: such a prefill is token-identical, not bit-identical."""
     bg = generate_pb2.PRIORITY_BACKGROUND
     decoders = sorted((r for r in running if not r.prefilling),
                       key=lambda r: (r.priority == bg, r.last_round, r.order))
@@ -60,8 +62,9 @@ def plan_round(running: list[Request], budget: int, align: int = KDA_CHUNK) -> l
         stop = next((p for p, _ in r.snap_points if p > start), None)
         if stop is not None and stop < end:
             end = stop
-        elif end < r.prompt_len and align > 0 and end // align * align > start:
-            end = end // align * align
+        elif end < r.prompt_len and align > 0 and end // align * align > start and \
+                2 * (end // align * align - start) >= end - start:
+            end = end // align * align  # not when it would cost more than half the chunk (e.g. 63 -> 1 token)
         start, toks = r.next_rows(end - start)
         out.append(PlannedSeq(r, start, toks, sample=start + len(toks) >= r.prompt_len))
         left -= len(toks)

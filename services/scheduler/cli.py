@@ -85,4 +85,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         logging.getLogger("twinspark.scheduler").error("%s", exc)
         return 2
+    except ValueError as exc:  # settings the ranks cannot honour, e.g. --max-snapshots >= their KDA slots
+        logging.getLogger("twinspark.scheduler").error("refusing to start: %s", exc)
+        return 2
     return 0
