@@ -84,9 +84,29 @@ class Executor:
                       block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows.to(dev))
         return batch, params, rows
 
+    def state_copies(self, plan: StepPlan) -> list[tuple[int, int]]:
+        """The plan's (source slot, target slot) KDA state copies, validated; an empty tensor means none."""
+        if not plan.HasField("state_copies") or not plan.state_copies.dtype:
+            return []
+        try:
+            t = from_proto(plan.state_copies).to(torch.int64)
+        except ValueError as exc:
+            raise PlanError(f"state_copies: {exc}") from exc
+        if t.numel() == 0:
+            return []
+        if t.dim() != 2 or t.shape[1] != 2:
+            raise PlanError(f"state_copies must be [K, 2] (source slot, target slot), got {list(t.shape)}")
+        if bool((t < 0).any()) or bool((t >= self.cache.num_slots).any()):
+            raise PlanError(f"state_copies: slots must be in [0, {self.cache.num_slots})")
+        return [(int(a), int(b)) for a, b in t.tolist()]
+
     def execute(self, plan: StepPlan) -> StepOutput:
         batch, params, rows = self.to_batch(plan)
+        copies = self.state_copies(plan)  # validated with the rest before anything changes
         t0 = time.perf_counter()
+        # Copies run before the forward: a snapshot is taken from a slot as the previous round left it, and a
+        # resumed sequence starts this round's rows from the copied state.
+        self.cache.copy_states(copies)
         out = self.model.forward(batch, self.cache)
         t1 = time.perf_counter()
         sampled: list[int] = []

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.tensors import to_proto
+from services.scheduler.prefix import KDA_CHUNK
 from services.scheduler.request import Request
 from twinspark.v1 import generate_pb2, rank_pb2
 
@@ -32,8 +33,15 @@ class PlannedSeq:
     sample: bool
 
 
-def plan_round(running: list[Request], budget: int) -> list[PlannedSeq]:
-    """The sequences of the next round (decodes, then prefill chunks); empty when there is nothing to run."""
+def plan_round(running: list[Request], budget: int, align: int = KDA_CHUNK) -> list[PlannedSeq]:
+    """The sequences of the next round (decodes, then prefill chunks); empty when there is nothing to run.
+
+    A prefill chunk that does not finish its prompt ends at the request's next snapshot point when it reaches one
+    (the prefix index takes the KDA state there), else at a multiple of `align` when it crosses one and that keeps at
+    least half the chunk: the chunked KDA kernel chunks relative to each call's start, so 64-aligned chunk boundaries
+    give every prefill of a prompt the same chunk grid (a resumed prefill starts at a multiple of 64 too), which
+    makes resumed and fresh prefills bit-identical. A budget too small to keep the grid (less than 64 left, say)
+    gives up on it rather than on throughput: such a prefill is token-identical, not bit-identical."""
     bg = generate_pb2.PRIORITY_BACKGROUND
     decoders = sorted((r for r in running if not r.prefilling),
                       key=lambda r: (r.priority == bg, r.last_round, r.order))
@@ -49,14 +57,24 @@ def plan_round(running: list[Request], budget: int) -> list[PlannedSeq]:
     for r in prefillers:
         if left < 1:
             break
-        start, toks = r.next_rows(left)
+        start = r.num_cached
+        end = start + min(left, r.prompt_len - start)
+        stop = next((p for p, _ in r.snap_points if p > start), None)
+        if stop is not None and stop < end:
+            end = stop
+        elif end < r.prompt_len and align > 0 and end // align * align > start and \
+                2 * (end // align * align - start) >= end - start:
+            end = end // align * align  # not when it would cost more than half the chunk (e.g. 63 -> 1 token)
+        start, toks = r.next_rows(end - start)
         out.append(PlannedSeq(r, start, toks, sample=start + len(toks) >= r.prompt_len))
         left -= len(toks)
     return out
 
 
-def build_step_plan(seqs: list[PlannedSeq], block_size: int) -> rank_pb2.StepPlan:
-    """The packed StepPlan for `seqs` (round and checksum are set by the sender)."""
+def build_step_plan(seqs: list[PlannedSeq], block_size: int,
+                    state_copies: list[tuple[int, int]] | None = None) -> rank_pb2.StepPlan:
+    """The packed StepPlan for `seqs` (round and checksum are set by the sender); `state_copies` are the
+    (source slot, target slot) KDA state copies the ranks do before the forward, in order."""
     token_ids: list[int] = []
     starts, lengths, slots, tables, sample_rows = [], [], [], [], []
     temperature, top_p, top_k, min_p, seed = [], [], [], [], []
@@ -82,10 +100,13 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int) -> rank_pb2.StepPla
     padded = torch.zeros(len(tables), width, dtype=torch.int32)  # padded with 0, never read past a sequence's end
     for i, t in enumerate(tables):
         padded[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return rank_pb2.StepPlan(
+    plan = rank_pb2.StepPlan(
         token_ids=to_proto(token_ids), starts=to_proto(starts), lengths=to_proto(lengths), slots=to_proto(slots),
         block_tables=to_proto(padded), sample_rows=to_proto(sample_rows),
         temperature=to_proto(temperature, "float32"), top_p=to_proto(top_p, "float32"), top_k=to_proto(top_k),
         min_p=to_proto(min_p, "float32"), seed=to_proto(seed, "int64"),
         request_ids=[s.req.id for s in seqs],
     )
+    if state_copies:
+        plan.state_copies.CopyFrom(to_proto(torch.tensor(state_copies, dtype=torch.int32).view(-1, 2)))
+    return plan

@@ -40,6 +40,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=int(env("MAX_NUM_BATCHED_TOKENS", "256")),
                    help="token budget of one round: decode rows first, then prefill chunks "
                         "(TWINSPARK_MAX_NUM_BATCHED_TOKENS, default 256)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=env("ENABLE_PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
+                   help="reuse cached prompt prefixes (full blocks + KDA state snapshots) across requests "
+                        "(TWINSPARK_ENABLE_PREFIX_CACHING, default on)")
+    snaps = env("MAX_SNAPSHOTS")
+    p.add_argument("--max-snapshots", type=int, default=int(snaps) if snaps else None,
+                   help="KDA state snapshot slots for the prefix cache, reserved from the ranks' --num-slots "
+                        "(~142 MB each per rank at full size) (TWINSPARK_MAX_SNAPSHOTS, default: the slots left "
+                        "after --max-num-seqs, at most 16)")
     p.add_argument("--startup-timeout", type=float, default=float(env("STARTUP_TIMEOUT", "300")),
                    help="seconds to wait for every rank to answer Describe (TWINSPARK_STARTUP_TIMEOUT, default 300)")
     p.add_argument("--rank-timeout", type=float, default=float(env("RANK_TIMEOUT", "300")),
@@ -62,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = SchedulerConfig(
         ranks=addresses, host=args.host, port=args.port,
         engine=EngineConfig(max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens),
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            enable_prefix_caching=args.enable_prefix_caching, max_snapshots=args.max_snapshots),
         startup_timeout_s=args.startup_timeout, rank_timeout_s=args.rank_timeout or None)
     try:
         asyncio.run(serve(cfg))
@@ -71,5 +81,8 @@ def run(args: argparse.Namespace) -> int:
         return 3
     except OSError as exc:
         logging.getLogger("twinspark.scheduler").error("%s", exc)
+        return 2
+    except ValueError as exc:  # settings the ranks cannot honour, e.g. --max-snapshots >= their KDA slots
+        logging.getLogger("twinspark.scheduler").error("refusing to start: %s", exc)
         return 2
     return 0

@@ -24,6 +24,7 @@ from services.common.tensors import ids
 from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.pool import BlockPool
+from services.scheduler.prefix import Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
 from services.scheduler.ranks import ModelInfo, RankError, RankSet
 from services.scheduler.request import Request, SamplingSpec, State, derive_seed
 from twinspark.v1 import generate_pb2
@@ -50,6 +51,10 @@ class EngineConfig:
     max_waiting: int = 64
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
+    enable_prefix_caching: bool = True
+    # KDA snapshot slots for the prefix index, reserved from the ranks' slot count (~142 MB each at full size on
+    # every rank, see prefix.py). None: the slots left over after max_num_seqs, at most 16.
+    max_snapshots: int | None = None
 
 
 _REASON = {generate_pb2.FINISH_STOP: "stop", generate_pb2.FINISH_LENGTH: "length",
@@ -63,12 +68,29 @@ class Engine:
         self.ranks = ranks
         self.info = info
         self.cfg = cfg
-        self.pool = BlockPool(info.num_blocks, info.block_size, info.num_slots)
+        snaps = 0
+        if cfg.enable_prefix_caching:
+            snaps = cfg.max_snapshots if cfg.max_snapshots is not None else \
+                max(0, min(16, info.num_slots - cfg.max_num_seqs))
+            if not 0 <= snaps < info.num_slots:
+                raise ValueError(f"--max-snapshots must be in [0, {info.num_slots}) (the ranks have {info.num_slots} "
+                                 f"KDA slots and running requests need at least one), got {snaps}")
+        # Slots [0, n) hold running requests' KDA states, [n, num_slots) the prefix index's snapshots.
+        req_slots = info.num_slots - snaps
+        self.pool = BlockPool(info.num_blocks, info.block_size, req_slots)
+        self.prefix: PrefixIndex | None = None
+        if snaps:
+            self.prefix = PrefixIndex(self.pool, list(range(req_slots, info.num_slots)),
+                                      granule=reuse_granule(info.block_size))
+        elif cfg.enable_prefix_caching:
+            log.warning("prefix caching is on but no KDA slot is left for snapshots (%d slots, max_num_seqs %d): "
+                        "raise the ranks' --num-slots or set --max-snapshots", info.num_slots, cfg.max_num_seqs)
+        self._takes_next: list[tuple[Request, Snapshot]] = []  # snapshot copies that go out in the next plan
         self.queue = AdmissionQueue(cfg.max_waiting)
         self.running: list[Request] = []
         self.live: dict[str, Request] = {}  # waiting + running, by request id
         # A running request holds a KDA slot, so the ranks' slot count caps concurrency too.
-        self.max_running = min(cfg.max_num_seqs, info.num_slots)
+        self.max_running = min(cfg.max_num_seqs, req_slots)
         if cfg.max_num_batched_tokens < self.max_running:
             log.warning("--max-num-batched-tokens %d < %d running sequences: some decode rows will wait a round",
                         cfg.max_num_batched_tokens, self.max_running)
@@ -108,8 +130,7 @@ class Engine:
             raise Unavailable("the scheduler is not running")
         req = self._validate(msg)
         self._admit()  # let older waiters in first, so the bound below counts only requests that must wait
-        runs_now = not len(self.queue) and len(self.running) < self.max_running and \
-            self.pool.can_reserve(req.reserve_tokens)
+        runs_now = not len(self.queue) and len(self.running) < self.max_running and self._fits(req)
         self.queue.push(req, capacity=self.max_running, force=runs_now)
         self.live[req.id] = req
         req.emit_progress()  # PHASE_QUEUED at acceptance: the gateway can answer headers / keepalives now
@@ -183,9 +204,21 @@ class Engine:
 
     # -- figures --------------------------------------------------------------------------------------------------
     def pool_stats(self) -> generate_pb2.PoolStats:
+        """Cached blocks that no request reads count as free (they are evicted as soon as admission needs them),
+        as in vLLM; slots are the running requests' slots (snapshot slots are the prefix index's)."""
         p = self.pool
-        return generate_pb2.PoolStats(block_size=p.block_size, total_blocks=p.num_blocks, free_blocks=p.free_blocks,
-                                      total_slots=p.num_slots, free_slots=p.free_slots)
+        idle = self.prefix.idle_blocks if self.prefix is not None else 0
+        return generate_pb2.PoolStats(block_size=p.block_size, total_blocks=p.num_blocks,
+                                      free_blocks=p.free_blocks + idle, total_slots=p.num_slots,
+                                      free_slots=p.free_slots)
+
+    @property
+    def prefix_queries(self) -> int:
+        return self.prefix.queries if self.prefix is not None else 0
+
+    @property
+    def prefix_hits(self) -> int:
+        return self.prefix.hits if self.prefix is not None else 0
 
     # -- the loop -------------------------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -199,7 +232,7 @@ class Engine:
                     self._wake.clear()  # no await since the checks above, so no wake-up is lost
                     await self._wake.wait()
                     continue
-                plan = build_step_plan(seqs, self.pool.block_size)
+                plan = build_step_plan(seqs, self.pool.block_size, self._state_copies(seqs))
                 self.rounds += 1
                 now = time.monotonic()
                 for s in seqs:
@@ -221,22 +254,103 @@ class Engine:
                 self.loop_error = f"{type(exc).__name__}: {exc}"
                 for req in list(self.running):
                     self._finish(req, generate_pb2.FINISH_ERROR, error=f"scheduler error: {self.loop_error}")
+                if self.prefix is not None:  # a state copy planned this round may never have run: trust no snapshot
+                    self.prefix.clear()
+                    self._takes_next = []
                 await asyncio.sleep(0.05)  # never spin hot on a repeating failure
+
+    # -- prefix cache ---------------------------------------------------------------------------------------------
+    def _match(self, req: Request) -> Match | None:
+        if self.prefix is None:
+            return None
+        if req.block_hashes is None:  # full blocks of [0, prompt_len - 1): the last prompt token is always computed
+            req.block_hashes = block_hashes(req.tokens, self.pool.block_size, req.prompt_len - 1)
+        return self.prefix.match(req.block_hashes, req.prompt_len)
+
+    def _fits(self, req: Request, m: Match | None = None) -> bool:
+        """Whether `req` can be admitted now: a slot, and its blocks from the free list plus what evicting idle
+        cached prefixes would free (a reused prefix's blocks are not needed again)."""
+        if self.pool.free_slots < 1:
+            return False
+        if self.prefix is None:
+            return self.pool.can_reserve(req.reserve_tokens)
+        m = m if m is not None else self._match(req)
+        need = self.pool.blocks_for(req.reserve_tokens) - m.pos // self.pool.block_size
+        if need <= self.pool.free_blocks:
+            return True
+        return need <= self.pool.free_blocks + self.prefix.reclaimable(keep=m.snapshot)
+
+    def _reserve(self, req: Request) -> None:
+        m = self._match(req)
+        if m is None:
+            req.reservation = self.pool.reserve(req.reserve_tokens)
+            return
+        prefix, g = self.prefix, self.prefix.granule
+        shared: list[int] = []
+        if m.snapshot is not None:
+            shared = prefix.acquire(m.snapshot)
+            req.resume = m.snapshot
+            req.num_cached = req.cached_tokens = m.pos
+        prefix.make_room(self.pool.blocks_for(req.reserve_tokens) - len(shared))
+        req.reservation = self.pool.reserve(req.reserve_tokens, shared)
+        prefix.queries += req.prompt_len
+        prefix.hits += m.pos
+        # Snapshots to take during this prefill: at the fork point (the prompt shares more of a cached prefix than
+        # any snapshot covers: the next request with this prefix resumes there) and at the prompt end (the largest
+        # reuse point below it: a resend or a longer next turn of this conversation resumes there).
+        fork = min(m.matched, req.prompt_len - 1) // g * g
+        end = (req.prompt_len - 1) // g * g
+        if fork > m.pos:
+            req.snap_points.append((fork, True))
+        if end > max(m.pos, fork):
+            req.snap_points.append((end, False))
+
+    def _state_copies(self, seqs: list[PlannedSeq]) -> list[tuple[int, int]]:
+        """This plan's KDA state copies, in order: snapshots taken when the previous plan's chunks ended at a
+        snapshot point (request slot -> snapshot slot; the slot still holds the state at that position), then
+        resumes of requests whose first chunk is in this plan (snapshot slot -> request slot). Also registers the
+        snapshots this plan's chunks reach, to be copied in the next plan."""
+        if self.prefix is None:
+            return []
+        copies: list[tuple[int, int]] = []
+        for req, snap in self._takes_next:
+            assert req.reservation is not None
+            copies.append((req.reservation.slot, snap.slot))
+            self.prefix.sent(snap)
+        self._takes_next = []
+        for s in seqs:
+            req, res = s.req, s.req.reservation
+            assert res is not None
+            if req.resume is not None:
+                copies.append((req.resume.slot, res.slot))
+                self.prefix.copied_out(req.resume)
+                req.resume = None
+            end = s.start + len(s.token_ids)
+            while req.snap_points and req.snap_points[0][0] <= end:
+                pos, shared = req.snap_points.pop(0)
+                if pos != end:
+                    continue  # not reached exactly (cannot happen: chunks end at snapshot points)
+                assert req.block_hashes is not None
+                snap = self.prefix.take(req.block_hashes[: pos // self.pool.block_size], res.blocks, shared=shared)
+                if snap is not None:
+                    self._takes_next.append((req, snap))
+        return copies
 
     def _admit(self) -> None:
         """Move waiting requests to running, in queue order, while a slot and their full reservation fit."""
         while len(self.running) < self.max_running:
             head = self.queue.head()
-            if head is None or not self.pool.can_reserve(head.reserve_tokens):
+            if head is None or not self._fits(head):
                 return  # strict order: nobody overtakes a head that does not fit yet
             self.queue.pop_head()
-            head.reservation = self.pool.reserve(head.reserve_tokens)
+            self._reserve(head)
             head.state = State.RUNNING
             self.running.append(head)
-            log.info("admitted %s: prompt %d, max_tokens %d, %d blocks, slot %d, waited %.3f s (running %d, "
-                     "waiting %d, free blocks %d)", head.id, head.prompt_len, head.max_tokens,
-                     len(head.reservation.blocks), head.reservation.slot, time.monotonic() - head.t_accepted,
-                     len(self.running), len(self.queue), self.pool.free_blocks)
+            assert head.reservation is not None
+            log.info("admitted %s: prompt %d (%d cached), max_tokens %d, %d blocks, slot %d, waited %.3f s "
+                     "(running %d, waiting %d, free blocks %d)", head.id, head.prompt_len, head.cached_tokens,
+                     head.max_tokens, len(head.reservation.blocks), head.reservation.slot,
+                     time.monotonic() - head.t_accepted, len(self.running), len(self.queue), self.pool.free_blocks)
 
     def _commit(self, seqs: list[PlannedSeq], sampled: list[int]) -> None:
         it = iter(sampled)
@@ -266,6 +380,9 @@ class Engine:
         if req.state is State.FINISHED:
             return
         was_running = req.state is State.RUNNING
+        if req.resume is not None and self.prefix is not None:  # admitted but never planned
+            self.prefix.copied_out(req.resume)
+            req.resume = None
         if req.reservation is not None:
             self.pool.release(req.reservation)
         if was_running:
@@ -277,9 +394,9 @@ class Engine:
         if was_running and req.t_scheduled is not None and req.t_finished is not None:
             self.queue.record_service(req.t_finished - req.t_scheduled)
         level = logging.WARNING if reason == generate_pb2.FINISH_ERROR else logging.INFO
-        log.log(level, "finished %s: %s%s, prompt %d, completion %d, queue %.3f s, prefill %.3f s, decode %.3f s%s",
+        log.log(level, "finished %s: %s%s, prompt %d (%d cached), completion %d, queue %.3f s, prefill %.3f s, decode %.3f s%s",
                 req.id, _REASON.get(reason, reason), f" (id {stop_token_id})" if stop_token_id >= 0 else "",
-                f.prompt_tokens, f.completion_tokens, f.queue_s, f.prefill_s, f.decode_s,
+                f.prompt_tokens, f.cached_tokens, f.completion_tokens, f.queue_s, f.prefill_s, f.decode_s,
                 f" — {error or note}" if error or note else "")
         self._wake.set()  # blocks or a slot came free: admission may proceed
 

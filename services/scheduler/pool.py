@@ -60,16 +60,18 @@ class BlockPool:
         return self.blocks_for(n_tokens) <= self.num_blocks
 
     # -- ownership ------------------------------------------------------------------------------------------------
-    def reserve(self, n_tokens: int) -> Reservation:
-        """Blocks for `n_tokens` positions plus one slot, all or nothing."""
-        need = self.blocks_for(n_tokens)
+    def reserve(self, n_tokens: int, shared: list[int] | None = None) -> Reservation:
+        """Blocks for `n_tokens` positions plus one slot, all or nothing. `shared`: the first blocks of the table,
+        already referenced for this sequence (a cached prefix, see `share`); only the rest come from the free list."""
+        shared = shared or []
+        need = self.blocks_for(n_tokens) - len(shared)
         if not self._free_slots or need > len(self._free_blocks):
             raise PoolExhausted(f"need {need} blocks and a slot; {len(self._free_blocks)} blocks, "
                                 f"{len(self._free_slots)} slots free")
         blocks = [self._free_blocks.popleft() for _ in range(need)]
         for b in blocks:
             self._refs[b] = 1
-        return Reservation(blocks=blocks, slot=self._free_slots.popleft())
+        return Reservation(blocks=list(shared) + blocks, slot=self._free_slots.popleft())
 
     def share(self, block: int) -> int:
         """Take another reference on a block that is already owned (prefix sharing); returns the block."""
@@ -77,6 +79,14 @@ class BlockPool:
             raise ValueError(f"block {block} is free; only owned blocks can be shared")
         self._refs[block] += 1
         return block
+
+    def drop(self, block: int) -> None:
+        """Drop one reference taken with `share` (the prefix index evicting a cached block)."""
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free_blocks.append(block)
+        elif self._refs[block] < 0:
+            raise AssertionError(f"block {block} dropped more often than it was taken")
 
     def release(self, res: Reservation) -> None:
         """Drop the sequence's references and its slot; idempotent, so abort and finish may race safely."""

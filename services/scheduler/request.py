@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from services.common.tensors import to_proto
 from services.scheduler.pool import Reservation
+from services.scheduler.prefix import Snapshot
 from twinspark.v1 import generate_pb2
 
 _MASK64 = (1 << 64) - 1
@@ -66,6 +67,13 @@ class Request:
         self.max_model_len = max_model_len
         self.num_cached = 0
         self.reservation: Reservation | None = None
+        # Prefix cache (services/scheduler/prefix.py): prompt tokens served from it, the prompt's block hash chain
+        # (computed once), the snapshot this request resumes from until its state copy goes out, and the positions
+        # (ascending, with "shared prefix?") where a prefill chunk must end so a snapshot can be taken there.
+        self.cached_tokens = 0
+        self.block_hashes: list[bytes] | None = None
+        self.resume: Snapshot | None = None
+        self.snap_points: list[tuple[int, bool]] = []
         self.state = State.WAITING
         self.abort_reason: str | None = None  # set by Abort / cancellation; acted on at the next round boundary
         self.last_round = 0  # last round this request had rows in (fair order when the budget is short)
@@ -150,7 +158,8 @@ class Request:
         scheduled = self.t_scheduled if self.t_scheduled is not None else now
         first = self.t_first_token if self.t_first_token is not None else now
         self.finished = generate_pb2.Finished(
-            reason=reason, prompt_tokens=self.prompt_len, completion_tokens=len(self.generated), cached_tokens=0,
+            reason=reason, prompt_tokens=self.prompt_len, completion_tokens=len(self.generated),
+            cached_tokens=self.cached_tokens,
             stop_token_id=stop_token_id, error=error,
             queue_s=scheduled - self.t_accepted,
             prefill_s=max(0.0, first - scheduled) if self.t_scheduled is not None else 0.0,

@@ -76,6 +76,8 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         ranks = await self.ranks.ping(self.ping_timeout_s)  # real liveness, not just "no error seen yet"
         sched_alive = e.alive
         detail = f"round {e.rounds}" if sched_alive else "engine loop stopped"
+        if e.prefix is not None:
+            detail += f"; {e.prefix.describe()}"
         if e.loop_error:
             detail += f"; last loop error: {e.loop_error}"
         components = [generate_pb2.ComponentHealth(name="scheduler", alive=sched_alive, detail=detail)]
@@ -83,7 +85,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         return generate_pb2.HealthReply(
             healthy=all(c.alive for c in components), components=components, pool=e.pool_stats(),
             running=len(e.running), waiting=len(e.queue), max_model_len=e.info.max_model_len, model=e.info.model,
-            prefix_cache_queries=0, prefix_cache_hits=0)
+            prefix_cache_queries=e.prefix_queries, prefix_cache_hits=e.prefix_hits)
 
 
 @dataclass
@@ -124,8 +126,10 @@ class Scheduler:
             raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
         await self.server.start()
         e = self.cfg.engine
-        log.info("scheduler listening on %s:%d (max waiting %d, max seqs %d, %d tokens per round)", self.cfg.host,
-                 self.port, e.max_waiting, self.engine.max_running, e.max_num_batched_tokens)
+        px = self.engine.prefix
+        log.info("scheduler listening on %s:%d (max waiting %d, max seqs %d, %d tokens per round, prefix caching %s)",
+                 self.cfg.host, self.port, e.max_waiting, self.engine.max_running, e.max_num_batched_tokens,
+                 f"on, {len(px.slots)} snapshot slots" if px is not None else "off")
         return self.port
 
     async def stop(self, grace_s: float = 2.0) -> None:

@@ -2,7 +2,9 @@
 
 Not the model. It keeps what a real rank keeps, in the shape a real rank keeps it:
 - a paged token store `[num_blocks, block_size]` written through each sequence's block table (the "KV cache");
-- one "KDA state" per slot: (position, running sha256 of every token fed to that slot), reset when start == 0.
+- one "KDA state" per slot: (position, running sha256 of every token fed to that slot), reset when start == 0,
+  and copied slot to slot by the plan's `state_copies` before the round (prefix snapshots: a wrong or stale
+  snapshot makes the state disagree with the tokens read back through the block table, and the stand-in refuses);
 
 and samples, for a row at position p:  token = standin_token(tokens 0..p read back through the block table, seed)
 (`temperature == 0` ignores the seed). So a wrong block table, a wrong start, a chunking or reordering bug, two
@@ -80,6 +82,7 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
     fail_mode: str = "stop"  # "stop": the server dies; "error": answers StepResult.error; "raise": stream breaks
     rounds: list[RoundLog] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    copies: list[list[tuple[int, int]]] = field(default_factory=list)  # state copies per round
 
     def __post_init__(self) -> None:
         self.store = np.full((self.num_blocks, self.block_size), -1, dtype=np.int64)
@@ -151,6 +154,17 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
             raise StandinError(f"round {plan.round}: bad lengths or repeated slots")
         if not (len(rows) == len(temps) == len(seeds) == len(from_proto(plan.top_p).tolist())):
             raise StandinError(f"round {plan.round}: sampling tensors disagree with sample_rows")
+        copies: list[tuple[int, int]] = []
+        if plan.HasField("state_copies") and plan.state_copies.dtype:
+            t = from_proto(plan.state_copies)
+            if t.numel() and (t.dim() != 2 or t.shape[1] != 2):
+                raise StandinError(f"round {plan.round}: state_copies must be [K, 2], got {list(t.shape)}")
+            copies = [(int(a), int(b)) for a, b in t.reshape(-1, 2).tolist()]
+        for src, dst in copies:  # before the forward, in order
+            if not (0 <= src < self.num_slots and 0 <= dst < self.num_slots):
+                raise StandinError(f"round {plan.round}: state copy {src} -> {dst} outside the slots")
+            self.slot_pos[dst], self.slot_hash[dst] = self.slot_pos[src], self.slot_hash[src].copy()
+        self.copies.append(copies)
         row_at: list[tuple[int, int]] = []  # packed row -> (sequence, position)
         self.rounds.append(RoundLog(plan.round, []))
         for s in range(b):

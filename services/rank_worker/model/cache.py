@@ -33,6 +33,16 @@ class PagedCache:
         self.conv_state = {i: torch.zeros(num_slots, cfg.linear_conv_kernel_dim - 1, channels, dtype=dtype,
                                           device=device) for i in cfg.kda_layers}
 
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the KDA recurrent + conv state of slot src to slot dst for every KDA layer, pair by pair in order
+        (prefix snapshots are taken and resumed this way; a state is valid only at the position it was taken)."""
+        for src, dst in copies:
+            if src == dst:
+                continue
+            for layer in self.kda_state:
+                self.kda_state[layer][dst].copy_(self.kda_state[layer][src])
+                self.conv_state[layer][dst].copy_(self.conv_state[layer][src])
+
     def _addresses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(block id, offset in block) of every packed row."""
         pos = batch.positions
