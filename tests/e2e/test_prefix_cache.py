@@ -18,8 +18,9 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def stack(tiny_default, tmp_path_factory) -> Stack:
-    # A 128-token round budget: a 1000-token prompt takes 8 prefill rounds when computed fresh.
-    s = start(tiny_default, tmp_path_factory.mktemp("stack_prefix"), tp=1,
+    # TP = 2 like the rest of the exactness suite; a 128-token round budget: a 1000-token prompt takes 8 prefill
+    # rounds when computed fresh.
+    s = start(tiny_default, tmp_path_factory.mktemp("stack_prefix"), tp=2,
               env={"TWINSPARK_MAX_NUM_BATCHED_TOKENS": "128"})
     yield s
     s.down()
