@@ -4,6 +4,8 @@ Entry points:
 - `Glm5Model.load(model_dir, ...)`
 - `model.forward(batch, cache)`      target model: logits for `batch.logit_rows`, final hidden for every row
 - `model.forward_mtp(batch, cache)`  MTP block: draft logits for `batch.logit_rows`
+- `model.commit_verify(batch, cache, accepted)`  after sampling a batch with verify windows: keep each window's KDA
+  state of its last accepted row (`accept_drafts` computes `accepted` from the window's tokens and samples)
 - `model.new_cache(...)`             the physical caches sized for this rank
 """
 
@@ -78,8 +80,24 @@ class Glm5Model:
         return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden[: batch.token_ids.numel()])
 
     @torch.inference_mode()
+    def commit_verify(self, batch: Batch, cache: PagedCache, accepted: dict[int, int]) -> None:
+        """accepted: verify sequence index -> drafts accepted. Must follow every forward with verify windows."""
+        for layer in self.layers:
+            if layer.is_kda:
+                layer.attn.commit(batch, cache, accepted)
+
+    @torch.inference_mode()
     def forward_mtp(self, batch: Batch, cache: PagedCache) -> ForwardOutput:
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (or it was not loaded)")
         hidden = self.mtp.forward(self.embed[pad_rows(batch.token_ids)], batch, cache, self.coll)
         return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden[: batch.token_ids.numel()])
+
+
+def accept_drafts(window: list[int], samples: list[int]) -> int:
+    """Drafts accepted in one verify window: window = [last committed token, d_1, .., d_k], samples = the token
+    sampled at each of its rows. d_i is accepted while every d_1..d_i equals the sample of the row before it."""
+    a = 0
+    while a + 1 < len(window) and window[a + 1] == samples[a]:
+        a += 1
+    return a
