@@ -35,13 +35,16 @@ class ForwardOutput:
 
 
 class Glm5Model:
-    def __init__(self, cfg: ModelConfig, reader: WeightReader, coll: Collective, *, load_mtp: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, reader: WeightReader, coll: Collective, *, load_mtp: bool = True,
+                 load_target: bool = True) -> None:
         self.cfg = cfg
         self.coll = coll
         self.dtype = reader.dtype
         self.device = reader.device
         self.embed = reader.full(TEXT_PREFIX + "embed_tokens.weight")
-        self.layers = [DecoderLayer(cfg, reader, f"{TEXT_PREFIX}layers.{i}.", i) for i in range(cfg.num_hidden_layers)]
+        # load_target=False: embeddings, lm_head and the MTP block only (the MTP drafter's model; no `forward`).
+        self.layers = [DecoderLayer(cfg, reader, f"{TEXT_PREFIX}layers.{i}.", i)
+                       for i in range(cfg.num_hidden_layers)] if load_target else []
         self.norm = reader.full(TEXT_PREFIX + "norm.weight")
         self.lm_head = reader.split("lm_head.weight", 0)
         mtp_prefix = f"{TEXT_PREFIX}layers.{cfg.mtp_layer_index}."
@@ -51,12 +54,12 @@ class Glm5Model:
     @classmethod
     def load(cls, model_dir: str | Path, *, sharding: Sharding | None = None, group=None,
              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", load_mtp: bool = True,
-             progress: bool = True) -> "Glm5Model":
+             progress: bool = True, load_target: bool = True) -> "Glm5Model":
         sharding = sharding or Sharding()
         cfg = ModelConfig.from_pretrained(model_dir)
         reader = WeightReader(model_dir, sharding, dtype, torch.device(device), progress=progress)
         try:
-            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp)
+            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp, load_target=load_target)
         finally:
             reader.close()
 
