@@ -3,8 +3,8 @@ and returns up to `k` draft token ids. Drafts only propose: the ranks verify the
 never correctness.
 
 - `CopyDrafter` (n-gram prompt lookup): when the last n tokens (n = 3, 2, 1) occurred earlier in the sequence,
-  propose what followed their most recent earlier occurrence that has k tokens after it (else the earliest one),
-  up to k tokens.
+  propose what followed their most recent earlier occurrence, up to k tokens (continued periodically over the drafts
+  when it runs into the end of the sequence).
 - `MtpDrafter`: the checkpoint's MTP layer (`Glm5Model.forward_mtp`). Row i of the MTP block combines the target's
   final hidden state at position i with the embedding of token i+1 and predicts token i+2. The scheduler sends the
   hidden state of the row that sampled the last committed token, so row 0 = (that hidden, last token) predicts the
@@ -43,16 +43,14 @@ class CopyDrafter:
         n_tok = len(tokens)
         for n in range(min(self.max_ngram, n_tok - 1), 0, -1):
             tail = tokens[n_tok - n :]
-            # The most recent earlier occurrence with k tokens after it; failing that the earliest one (the longest
-            # continuation: in a run like "a a a a" the most recent match is followed by one token only).
-            best = None
+            # The most recent earlier occurrence; what followed it is copied, and when that runs into the end of
+            # the sequence the copy goes on over the drafts themselves (a periodic continuation: "a b a b" -> a b).
             for start in range(n_tok - n - 1, -1, -1):
                 if tokens[start : start + n] == tail:
-                    best = start
-                    if start + n + k <= n_tok:
-                        break
-            if best is not None:
-                return tokens[best + n : best + n + k]
+                    ext = list(tokens)
+                    for i in range(k):
+                        ext.append(ext[start + n + i])
+                    return ext[n_tok:]
         return []
 
 
