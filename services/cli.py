@@ -17,6 +17,7 @@ _COMMANDS = (
     "services.rank_worker.generate_cli",
     "services.rank_worker.cli",
     "services.scheduler.cli",
+    "services.drafter.cli",
     "services.gateway.cli",
     "services.launcher.cli",
 )

@@ -250,7 +250,9 @@ class Gateway:
                                 status_code=503)
         pool = reply.pool
         body = {
-            "status": "ok" if reply.healthy else "unhealthy",
+            # "degraded": serving goes on, but an optional component (the drafter) is down and named in "down".
+            "status": ("ok" if all(c.alive for c in reply.components) else "degraded") if reply.healthy
+            else "unhealthy",
             "model": reply.model or self.model_name,
             "down": [c.name for c in reply.components if not c.alive],
             "components": [{"name": c.name, "alive": c.alive, "detail": c.detail} for c in reply.components],

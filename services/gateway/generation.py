@@ -53,11 +53,14 @@ class Final:
     cached_tokens: int
     token_ids: list[int]
     token_sha: str
+    drafted_tokens: int = 0   # draft tokens the ranks verified for this request
+    accepted_tokens: int = 0  # of which accepted
 
     def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "twinspark": {"drafted": self.drafted_tokens, "accepted": self.accepted_tokens}}
 
 
 Event = Keepalive | Delta | Final
@@ -219,7 +222,9 @@ class GenerationStream:
         prompt_tokens = f.prompt_tokens if f is not None and f.prompt_tokens > 0 else len(self.prep.prompt_ids)
         self.final = Final(finish_reason=finish_reason, stop_reason=a.stop_reason, prompt_tokens=prompt_tokens,
                            completion_tokens=a.generated, cached_tokens=f.cached_tokens if f is not None else 0,
-                           token_ids=list(a.token_ids), token_sha=token_sha(a.token_ids))
+                           token_ids=list(a.token_ids), token_sha=token_sha(a.token_ids),
+                           drafted_tokens=f.drafted_tokens if f is not None else 0,
+                           accepted_tokens=f.accepted_tokens if f is not None else 0)
         return self.final
 
     # ---------------------------------------------------------------------------------------------- closing

@@ -44,6 +44,9 @@ def register(subparsers: Any) -> None:
                     help="gateway HTTP port (env TWINSPARK_PORT; 0 = pick a free one)")
     up.add_argument("--device", choices=("cpu", "cuda"), default=env("TWINSPARK_DEVICE", "cpu"),
                     help="device of the rank workers (env TWINSPARK_DEVICE)")
+    up.add_argument("--drafter", choices=("copy", "mtp", "none"), default=env("TWINSPARK_DRAFTER", "copy"),
+                    help="draft method of the drafter process (copy: n-gram prompt lookup; mtp: the checkpoint's "
+                         "MTP layer; none: no drafter, no drafts) (env TWINSPARK_DRAFTER)")
     up.add_argument("--detach", action="store_true",
                     help="run the supervisor in the background; return once healthy (stop with `twinspark down`)")
     up.add_argument("--state-dir", default=None, metavar="DIR",
@@ -127,7 +130,7 @@ def run_up(args: argparse.Namespace) -> int:
     if args.detach:
         return _up_detached(args, sd, model, port, command)
     cfg = LaunchConfig(model=str(model), state_dir=str(sd), tp=args.tp, host=args.host, port=port,
-                       device=args.device, command=command)
+                       device=args.device, command=command, drafter=args.drafter)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if args.background else None
@@ -139,7 +142,8 @@ def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, com
     logs.mkdir(parents=True, exist_ok=True)
     sup_log = logs / "supervisor.log"
     argv = [sys.executable, "-m", "services.launcher", "up", "--model", str(model), "--tp", str(args.tp),
-            "--host", args.host, "--port", str(port), "--device", args.device, "--state-dir", str(sd),
+            "--host", args.host, "--port", str(port), "--device", args.device, "--drafter", args.drafter,
+            "--state-dir", str(sd),
             "--startup-timeout", str(args.startup_timeout), "--stop-grace", str(args.stop_grace),
             "--role-command", shlex.join(command), "--background"]
     with open(sup_log, "wb") as f:

@@ -34,6 +34,7 @@ class LaunchConfig:
     port: int = 8888
     device: str = "cpu"
     command: tuple[str, ...] = DEFAULT_COMMAND
+    drafter: str = "copy"  # draft method of the drafter role: copy | mtp | none (no drafter, no drafts)
 
 
 # addrs: role name -> ["host:port", ...] for every replica of every role (known before any argv is built).
@@ -50,6 +51,7 @@ class Role:
     replicas: Callable[[LaunchConfig], int] = lambda c: 1
     public: bool = False  # listens on config.host:config.port (its health URL is the readiness gate of the whole run)
     indexed: bool = False  # name children `<role><i>` even when there is one replica (rank0)
+    optional: bool = False  # serving goes on without it: its exit does not stop the stack (the drafter)
 
 
 def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
@@ -59,7 +61,17 @@ def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> 
 
 
 def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
-    return ["serve-scheduler", "--ranks", ",".join(addrs["rank"]), "--host", host, "--port", str(port)]
+    argv = ["serve-scheduler", "--ranks", ",".join(addrs["rank"]), "--host", host, "--port", str(port)]
+    if addrs.get("drafter"):
+        argv += ["--drafter", addrs["drafter"][0]]
+        if c.drafter == "mtp":
+            argv.append("--draft-hidden")  # MTP drafts are fed the target's hidden states
+    return argv
+
+
+def _drafter_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
+    return ["serve-drafter", "--method", c.drafter, "--model", c.model, "--host", host, "--port", str(port),
+            "--device", c.device]
 
 
 def _gateway_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
@@ -71,6 +83,7 @@ def _gateway_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) 
 # then the launcher waits for their ports to listen before the next stage.
 ROLES: tuple[Role, ...] = (
     Role("rank", _rank_args, replicas=lambda c: c.tp, indexed=True),
+    Role("drafter", _drafter_args, replicas=lambda c: 0 if c.drafter == "none" else 1, optional=True),
     Role("scheduler", _scheduler_args),
     Role("gateway", _gateway_args, public=True),
 )
@@ -88,7 +101,8 @@ class ChildSpec:
     port: int  # the port it listens on
     log: str  # <state-dir>/logs/<name>.log
     public: bool = False
-    env: Mapping[str, str] = field(default_factory=dict)  # extra environment on top of the launcher's
+    env: Mapping[str, str] = field(default_factory=dict)
+    optional: bool = False  # see Role.optional  # extra environment on top of the launcher's
 
     @property
     def address(self) -> str:
@@ -173,6 +187,7 @@ def make_plan(config: LaunchConfig, internal_ports: Sequence[int], roles: Sequen
     for role in roles:
         stage = tuple(
             ChildSpec(name=name, role=role.name, index=i, host=host, port=port, public=role.public,
+                      optional=role.optional,
                       argv=(*config.command, *role.args(config, addrs, shared, i, host, port)),
                       log=str(logs / f"{name}.log"))
             for (r, i, name, host, port) in slots if r is role)

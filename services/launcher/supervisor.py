@@ -6,7 +6,8 @@ Lifecycle of `Supervisor.run`:
 2. start the plan stage by stage (all ranks together, then the scheduler, then the gateway), waiting after each
    stage for its ports to listen, then for `GET /health` = 200 — failing fast, with the tail of the child's log, if
    a child exits or the startup timeout passes;
-3. supervise: a child that exits stops everything and `run` returns 1 (no restart policy yet);
+3. supervise: a child that exits stops everything and `run` returns 1 (no restart policy yet), except an optional
+   one (the drafter): serving goes on without it and its exit is only logged;
    SIGINT / SIGTERM / SIGHUP stop everything and `run` returns 0.
 `up.json` in the state dir records the supervisor, the children (pid, process group, start time, port, log) and
 the endpoint while the run lives; `down` reads it.
@@ -262,12 +263,19 @@ class Supervisor:
 
     # ---- steady state ----------------------------------------------------------------------------------------
     def supervise(self) -> int:
+        self._gone: set[str] = set()  # optional children that exited
         while True:
             if self.pending_signal is not None:
                 self.stop_all(f"got {procs.signal_name(self.pending_signal)}")
                 return 0
             for c in self.children:
                 rc = c.proc.poll()
+                if rc is not None and c.spec.optional:
+                    if c.name not in self._gone:
+                        self._gone.add(c.name)
+                        log(f"optional child {c.name} (pid {c.pid}) exited with {describe_exit(rc)}; serving goes "
+                            f"on without it; last lines of {c.spec.log}:\n{tail(c.spec.log)}")
+                    continue
                 if rc is not None:
                     log(f"child {c.name} (pid {c.pid}) exited with {describe_exit(rc)}; last lines of {c.spec.log}:\n"
                         f"{tail(c.spec.log)}")

@@ -16,7 +16,7 @@ from kernels.sampling import SamplingParams, sample
 from services.common.tensors import from_proto
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.model import Glm5Model
+from services.rank_worker.model.model import Glm5Model, accept_drafts
 from twinspark.v1.rank_pb2 import StepPlan
 
 
@@ -29,6 +29,8 @@ class StepOutput:
     sampled: list[int]
     forward_ms: float
     sample_ms: float
+    accepted: list[int] | None = None  # per sequence, when the plan has verify windows
+    hidden: torch.Tensor | None = None  # [R, D] fp32, when the plan wants hidden states
 
 
 def _vec(msg, name: str, dtype: torch.dtype, length: int | None = None) -> torch.Tensor:
@@ -80,8 +82,17 @@ class Executor:
             min_p=_vec(plan.min_p, "min_p", torch.float32, r).to(dev),
             seed=_vec(plan.seed, "seed", torch.int64, r).to(dev),
         )
+        verify = None
+        if plan.HasField("verify") and plan.verify.shape and plan.verify.shape[0]:
+            flags = _vec(plan.verify, "verify", torch.int64, b)
+            verify = [bool(f) for f in flags.tolist()]
+            wanted = set(rows.tolist())
+            offs = torch.cumsum(lengths, 0) - lengths
+            for s, (o, n) in enumerate(zip(offs.tolist(), lengths.tolist())):
+                if verify[s] and not all(o + i in wanted for i in range(n)):
+                    raise PlanError(f"sequence {s} is a verify window but not all its rows are sample rows")
         batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
-                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows.to(dev))
+                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows.to(dev), verify=verify)
         return batch, params, rows
 
     def state_copies(self, plan: StepPlan) -> list[tuple[int, int]]:
@@ -114,5 +125,16 @@ class Executor:
             # The token sampled from the row at absolute position p sits at position p + 1: that is its key.
             positions = batch.positions[rows.to(batch.positions.device)] + 1
             sampled = sample(out.logits, positions, params).tolist()
+        accepted = None
+        if batch.verify is not None:
+            # Accept the longest draft prefix equal to our own samples, then keep the KDA state of that row only.
+            by_row = dict(zip(rows.tolist(), sampled))
+            accepted = [0] * batch.num_seqs
+            for s, (o, n) in enumerate(zip(batch.offsets, batch.lengths)):
+                if batch.verify[s]:
+                    window = batch.token_ids[o : o + n].tolist()
+                    accepted[s] = accept_drafts(window, [by_row[o + i] for i in range(n)])
+            self.model.commit_verify(batch, self.cache, {s: a for s, a in enumerate(accepted) if batch.verify[s]})
+        hidden = out.hidden[rows.to(out.hidden.device)].float() if plan.want_hidden and rows.numel() else None
         t2 = time.perf_counter()
-        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden)

@@ -63,8 +63,13 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                     yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=error)
                     self._stop(error)
                     return
-                yield rank_pb2.StepResult(round=plan.round, rank=self.rank, sampled=to_proto(out.sampled),
+                res = rank_pb2.StepResult(round=plan.round, rank=self.rank, sampled=to_proto(out.sampled),
                                           forward_ms=out.forward_ms, sample_ms=out.sample_ms)
+                if out.accepted is not None:
+                    res.accepted.CopyFrom(to_proto(out.accepted))
+                if out.hidden is not None:
+                    res.hidden.CopyFrom(to_proto(out.hidden, "float32"))
+                yield res
             log.info("rank %d: step stream closed after %d rounds", self.rank, expected - 1)
         finally:
             self._stream_lock.release()

@@ -9,7 +9,11 @@ Policy (continuous batching with chunked prefill):
 
 A sequence's `start` is the number of its tokens already in the cache; the rows to sample are the last row of each
 sequence whose prompt is completely in the cache after this round (so every decode row, and the final chunk of a
-prompt). The token sampled at row position p is the token at position p + 1; ranks derive positions from
+prompt).
+
+Drafts: a decoder with drafts gets a verify window, rows [last token, d_1..d_k], every row a sample row, after every
+decoder got its one row and while the budget lasts (drafts are cut to fit, never a decoder's own row). The rows
+fit the request's reservation: k <= tokens still allowed - 1 (see `Engine._draft_budget`). The token sampled at row position p is the token at position p + 1; ranks derive positions from
 starts/lengths, so nothing else travels.
 """
 
@@ -31,10 +35,17 @@ class PlannedSeq:
     start: int
     token_ids: list[int]
     sample: bool
+    verify: bool = False  # token_ids = [last committed token, drafts...]; every row is sampled
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.token_ids) - 1 if self.verify else 0
 
 
-def plan_round(running: list[Request], budget: int, align: int = KDA_CHUNK) -> list[PlannedSeq]:
+def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]] | None = None,
+               align: int = KDA_CHUNK) -> list[PlannedSeq]:
     """The sequences of the next round (decodes, then prefill chunks); empty when there is nothing to run.
+    `drafts`: request id -> proposed drafts for its decode row (turns it into a verify window).
 
     A prefill chunk that does not finish its prompt ends at the request's next snapshot point when it reaches one
     (the prefix index takes the KDA state there), else at a multiple of `align` when it crosses one and that keeps at
@@ -54,6 +65,13 @@ def plan_round(running: list[Request], budget: int, align: int = KDA_CHUNK) -> l
         start, toks = r.next_rows(1)
         out.append(PlannedSeq(r, start, toks, sample=True))
         left -= 1
+    for s in out:
+        d = (drafts or {}).get(s.req.id) or []
+        d = d[: max(0, left)]
+        if d:
+            s.token_ids = s.token_ids + list(d)
+            s.verify = True
+            left -= len(d)
     for r in prefillers:
         if left < 1:
             break
@@ -76,19 +94,22 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
     """The packed StepPlan for `seqs` (round and checksum are set by the sender); `state_copies` are the
     (source slot, target slot) KDA state copies the ranks do before the forward, in order."""
     token_ids: list[int] = []
-    starts, lengths, slots, tables, sample_rows = [], [], [], [], []
+    starts, lengths, slots, tables, sample_rows, verify = [], [], [], [], [], []
     temperature, top_p, top_k, min_p, seed = [], [], [], [], []
     for s in seqs:
         res = s.req.reservation
         assert res is not None, f"request {s.req.id} is planned without a reservation"
         if s.sample:
             sp = s.req.sampling
-            sample_rows.append(len(token_ids) + len(s.token_ids) - 1)
-            temperature.append(sp.temperature)
-            top_p.append(sp.top_p)
-            top_k.append(sp.top_k)
-            min_p.append(sp.min_p)
-            seed.append(sp.seed_i64)
+            rows = range(len(s.token_ids)) if s.verify else [len(s.token_ids) - 1]
+            for r in rows:
+                sample_rows.append(len(token_ids) + r)
+                temperature.append(sp.temperature)
+                top_p.append(sp.top_p)
+                top_k.append(sp.top_k)
+                min_p.append(sp.min_p)
+                seed.append(sp.seed_i64)
+        verify.append(1 if s.verify else 0)
         token_ids.extend(s.token_ids)
         starts.append(s.start)
         lengths.append(len(s.token_ids))
@@ -109,4 +130,6 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
     )
     if state_copies:
         plan.state_copies.CopyFrom(to_proto(torch.tensor(state_copies, dtype=torch.int32).view(-1, 2)))
+    if any(verify):
+        plan.verify.CopyFrom(to_proto(verify))
     return plan

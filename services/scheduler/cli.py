@@ -54,6 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank-timeout", type=float, default=float(env("RANK_TIMEOUT", "300")),
                    help="seconds one round may take before the rank is declared hung; 0 = never "
                         "(TWINSPARK_RANK_TIMEOUT, default 300)")
+    p.add_argument("--drafter", default=env("DRAFTER") or None,
+                   help="drafter address host:port; unset = no drafts (TWINSPARK_DRAFTER)")
+    p.add_argument("--num-draft-tokens", type=int, default=int(env("NUM_DRAFT_TOKENS", "4")),
+                   help="drafts asked per decoding request and round (TWINSPARK_NUM_DRAFT_TOKENS, default 4)")
+    p.add_argument("--draft-timeout", type=float, default=float(env("DRAFT_TIMEOUT", "0.5")),
+                   help="seconds a Propose may take; slower rounds go on without drafts (default 0.5)")
+    p.add_argument("--draft-hidden", action="store_true", default=env("DRAFT_HIDDEN", "") in ("1", "true"),
+                   help="ask the ranks for hidden states and pass them to the drafter (MTP drafts)")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="TWINSPARK_LOG_LEVEL, default INFO")
     p.set_defaults(func=run)
 
@@ -72,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
         ranks=addresses, host=args.host, port=args.port,
         engine=EngineConfig(max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            enable_prefix_caching=args.enable_prefix_caching, max_snapshots=args.max_snapshots),
+                            enable_prefix_caching=args.enable_prefix_caching, max_snapshots=args.max_snapshots,
+                            num_draft_tokens=max(0, args.num_draft_tokens), draft_hidden=args.draft_hidden),
+        drafter=args.drafter, draft_timeout_s=args.draft_timeout,
         startup_timeout_s=args.startup_timeout, rank_timeout_s=args.rank_timeout or None)
     try:
         asyncio.run(serve(cfg))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from services.common.tensors import ids
 from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
+from services.scheduler.drafts import DrafterClient
 from services.scheduler.pool import BlockPool
 from services.scheduler.prefix import Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
 from services.scheduler.ranks import ModelInfo, RankError, RankSet
@@ -55,6 +56,8 @@ class EngineConfig:
     # KDA snapshot slots for the prefix index, reserved from the ranks' slot count (~142 MB each at full size on
     # every rank, see prefix.py). None: the slots left over after max_num_seqs, at most 16.
     max_snapshots: int | None = None
+    num_draft_tokens: int = 4  # K: drafts asked per decoding request and round (with a drafter)
+    draft_hidden: bool = False  # ask the ranks for hidden states and pass them to the drafter (MTP drafts)
 
 
 _REASON = {generate_pb2.FINISH_STOP: "stop", generate_pb2.FINISH_LENGTH: "length",
@@ -62,7 +65,8 @@ _REASON = {generate_pb2.FINISH_STOP: "stop", generate_pb2.FINISH_LENGTH: "length
 
 
 class Engine:
-    def __init__(self, ranks: RankSet, info: ModelInfo, cfg: EngineConfig) -> None:
+    def __init__(self, ranks: RankSet, info: ModelInfo, cfg: EngineConfig, drafter: DrafterClient | None = None
+                 ) -> None:
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.ranks = ranks
@@ -95,6 +99,10 @@ class Engine:
             log.warning("--max-num-batched-tokens %d < %d running sequences: some decode rows will wait a round",
                         cfg.max_num_batched_tokens, self.max_running)
         self.rounds = 0
+        self.drafter = drafter
+        self.drafted_total = 0  # drafts verified, all requests
+        self.accepted_total = 0  # of which accepted
+        self.windows_total = 0  # verify windows run
         self.loop_error: str | None = None  # last unexpected loop exception, for Health
         self._eos = frozenset(info.eos_ids)
         self._order = itertools.count()
@@ -186,7 +194,8 @@ class Engine:
             request_id=rid, prompt=prompt, max_tokens=msg.max_tokens,
             sampling=SamplingSpec(temperature=sp.temperature, top_p=top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed),
             stop_ids=frozenset(msg.stop_token_ids), eos_ids=frozenset() if msg.ignore_eos else self._eos,
-            priority=msg.priority, order=next(self._order), max_model_len=info.max_model_len)
+            priority=msg.priority, order=next(self._order), max_model_len=info.max_model_len,
+            no_draft=msg.no_draft)
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Abort a live request; False when no such request is waiting or running."""
@@ -227,12 +236,17 @@ class Engine:
                 self._reap_aborted()
                 if self.ranks.failure is None:
                     self._admit()
-                seqs = plan_round(self.running, self.cfg.max_num_batched_tokens) if self.ranks.failure is None else []
+                drafts = await self._propose() if self.ranks.failure is None else {}
+                if drafts:
+                    self._reap_aborted()  # the Propose call awaited: an abort may have come in meanwhile
+                seqs = plan_round(self.running, self.cfg.max_num_batched_tokens, drafts) \
+                    if self.ranks.failure is None else []
                 if not seqs:
                     self._wake.clear()  # no await since the checks above, so no wake-up is lost
                     await self._wake.wait()
                     continue
                 plan = build_step_plan(seqs, self.pool.block_size, self._state_copies(seqs))
+                plan.want_hidden = self.drafter is not None and self.cfg.draft_hidden
                 self.rounds += 1
                 now = time.monotonic()
                 for s in seqs:
@@ -244,7 +258,7 @@ class Engine:
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", self.rounds, len(seqs),
                               sum(len(s.token_ids) for s in seqs), len(sampled), (time.monotonic() - t0) * 1e3)
-                self._commit(seqs, sampled)
+                self._commit(seqs, sampled, self.ranks.last_accepted, self.ranks.last_hidden)
             except asyncio.CancelledError:
                 raise
             except RankError as err:
@@ -352,19 +366,64 @@ class Engine:
                      head.max_tokens, len(head.reservation.blocks), head.reservation.slot,
                      time.monotonic() - head.t_accepted, len(self.running), len(self.queue), self.pool.free_blocks)
 
-    def _commit(self, seqs: list[PlannedSeq], sampled: list[int]) -> None:
-        it = iter(sampled)
-        for s in seqs:
-            token = next(it) if s.sample else None
+    def _draft_budget(self, req: Request) -> int:
+        """Drafts worth asking for: a window yields up to k + 1 tokens, so k < tokens still allowed. That also
+        keeps the window's rows (positions num_cached .. num_cached + k) inside the request's reservation, which
+        covers prompt + max_tokens positions."""
+        left = min(req.max_tokens - len(req.generated), req.max_model_len - len(req.tokens))
+        return max(0, min(self.cfg.num_draft_tokens, left - 1))
+
+    async def _propose(self) -> dict[str, list[int]]:
+        """Drafts for this round's decoders from the drafter; {} without one, or when it is down or slow."""
+        if self.drafter is None or self.cfg.num_draft_tokens < 1:
+            return {}
+        want = [(r, self._draft_budget(r)) for r in self.running
+                if not r.prefilling and not r.no_draft and r.abort_reason is None]
+        want = [(r, k) for r, k in want if k > 0]
+        if not want:
+            return {}
+        drafts = await self.drafter.propose([(r.id, r.tokens, k, r.last_hidden) for r, k in want])
+        if drafts is None:
+            return {}
+        return {r.id: d for (r, _), d in zip(want, drafts) if d}
+
+    def _commit(self, seqs: list[PlannedSeq], sampled: list[int], accepted: list[int] | None = None,
+                hidden=None) -> None:
+        pos = 0  # index of the sequence's first sample in `sampled` (and `hidden`)
+        for i, s in enumerate(seqs):
+            n_samples = len(s.token_ids) if s.verify else (1 if s.sample else 0)
+            samples = sampled[pos : pos + n_samples]
+            first = pos
+            pos += n_samples
             req = s.req
             if req.state is not State.RUNNING or req.abort_reason is not None:
                 continue  # aborted meanwhile: its rows are dropped, it is reaped below
-            req.commit(len(s.token_ids), token)
-            if token is None:
+            if not s.sample:
+                req.commit(len(s.token_ids), None)
                 req.emit_progress()  # one more prefill chunk is in
                 continue
-            req.emit_tokens([token])
-            stop = req.stop_reason()
+            if s.verify:
+                a = accepted[i] if accepted and i < len(accepted) else 0
+                req.drafted_tokens += s.num_drafts
+                req.accepted_tokens += a
+                self.drafted_total += s.num_drafts
+                self.accepted_total += a
+                self.windows_total += 1
+                new = samples[: a + 1]  # the accepted drafts (equal to our samples) and the bonus sample
+                rows = [1] * len(new)
+            else:
+                new, rows = samples, [len(s.token_ids)]
+            out: list[int] = []
+            stop = None
+            for n_rows, token in zip(rows, new):
+                req.commit(n_rows, token)
+                out.append(token)
+                stop = req.stop_reason()
+                if stop is not None:
+                    break
+            if hidden is not None:
+                req.last_hidden = hidden[first + len(out) - 1]
+            req.emit_tokens(out)
             if stop is not None:
                 self._finish(req, stop[0], stop_token_id=stop[1])
         self._reap_aborted()
@@ -394,9 +453,11 @@ class Engine:
         if was_running and req.t_scheduled is not None and req.t_finished is not None:
             self.queue.record_service(req.t_finished - req.t_scheduled)
         level = logging.WARNING if reason == generate_pb2.FINISH_ERROR else logging.INFO
-        log.log(level, "finished %s: %s%s, prompt %d (%d cached), completion %d, queue %.3f s, prefill %.3f s, decode %.3f s%s",
+        log.log(level, "finished %s: %s%s, prompt %d (%d cached), completion %d, drafts %d/%d accepted, queue %.3f s, "
+                "prefill %.3f s, decode %.3f s%s",
                 req.id, _REASON.get(reason, reason), f" (id {stop_token_id})" if stop_token_id >= 0 else "",
-                f.prompt_tokens, f.cached_tokens, f.completion_tokens, f.queue_s, f.prefill_s, f.decode_s,
+                f.prompt_tokens, f.cached_tokens, f.completion_tokens, f.accepted_tokens, f.drafted_tokens, f.queue_s,
+                f.prefill_s, f.decode_s,
                 f" — {error or note}" if error or note else "")
         self._wake.set()  # blocks or a slot came free: admission may proceed
 

@@ -17,7 +17,7 @@ from typing import Callable
 import grpc
 
 from services.common.plan_checksum import seal
-from services.common.tensors import ids
+from services.common.tensors import from_proto, ids
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("twinspark.scheduler.ranks")
@@ -92,6 +92,8 @@ class RankSet:
         self.failure: RankError | None = None  # the first failure; once set the set is dead
         self.on_failure: Callable[[RankError], None] | None = None  # the engine's wake-up hook
         self._round = 0
+        self.last_accepted: list[int] = []  # rank 0's accepted drafts per sequence of the last round
+        self.last_hidden = None  # rank 0's [R, D] hidden states of the last round (when the plan wanted them)
         self._closing = False
         self._in_step = False
 
@@ -188,6 +190,7 @@ class RankSet:
         self._round += 1
         plan.round = self._round
         seal(plan)
+        self.last_accepted, self.last_hidden = [], None
         n_sample = plan.sample_rows.shape[0] if plan.sample_rows.shape else 0
         tasks = [asyncio.ensure_future(self._exchange(c, plan, n_sample)) for c in self.clients]
         self._in_step = True
@@ -243,6 +246,17 @@ class RankSet:
             raise RankError(c.index, c.address, f"round {plan.round}: bad sampled tensor: {exc}") from exc
         if c.index == 0 and len(sampled) != n_sample:
             raise RankError(c.index, c.address, f"round {plan.round}: {len(sampled)} sampled ids for {n_sample} rows")
+        if c.index == 0:
+            # Verify windows and MTP drafts: rank 0's accepted counts and hidden states (every rank agrees).
+            n_seqs = plan.lengths.shape[0] if plan.lengths.shape else 0
+            try:
+                self.last_accepted = ids(res.accepted) if res.HasField("accepted") else []
+                self.last_hidden = from_proto(res.hidden) if plan.want_hidden and res.HasField("hidden") else None
+            except ValueError as exc:
+                raise RankError(c.index, c.address, f"round {plan.round}: bad accepted/hidden: {exc}") from exc
+            if plan.HasField("verify") and len(self.last_accepted) != n_seqs:
+                raise RankError(c.index, c.address,
+                                f"round {plan.round}: {len(self.last_accepted)} accepted counts for {n_seqs} sequences")
         return sampled
 
     # -- liveness -------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ class State(enum.Enum):
 class Request:
     def __init__(self, *, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingSpec,
                  stop_ids: frozenset[int], eos_ids: frozenset[int], priority: int, order: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, no_draft: bool = False) -> None:
         self.id = request_id
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
@@ -66,6 +66,10 @@ class Request:
         self.order = order  # arrival number: FCFS tie-breaker everywhere
         self.max_model_len = max_model_len
         self.num_cached = 0
+        self.no_draft = no_draft
+        self.drafted_tokens = 0  # drafts verified for this request
+        self.accepted_tokens = 0  # of which the ranks accepted
+        self.last_hidden = None  # the target's hidden state at the row that sampled the last token (MTP drafts)
         self.reservation: Reservation | None = None
         # Prefix cache (services/scheduler/prefix.py): prompt tokens served from it, the prompt's block hash chain
         # (computed once), the snapshot this request resumes from until its state copy goes out, and the positions
@@ -161,6 +165,7 @@ class Request:
             reason=reason, prompt_tokens=self.prompt_len, completion_tokens=len(self.generated),
             cached_tokens=self.cached_tokens,
             stop_token_id=stop_token_id, error=error,
+            drafted_tokens=self.drafted_tokens, accepted_tokens=self.accepted_tokens,
             queue_s=scheduled - self.t_accepted,
             prefill_s=max(0.0, first - scheduled) if self.t_scheduled is not None else 0.0,
             decode_s=max(0.0, now - first) if self.t_first_token is not None else 0.0,

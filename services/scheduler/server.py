@@ -16,6 +16,7 @@ import grpc
 
 from services.scheduler.admission import QueueFull
 from services.scheduler.engine import Engine, EngineConfig, InvalidRequest, Unavailable
+from services.scheduler.drafts import DrafterClient
 from services.scheduler.ranks import RankSet
 from services.scheduler.request import State
 from twinspark.v1 import generate_pb2, generate_pb2_grpc
@@ -82,8 +83,16 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             detail += f"; last loop error: {e.loop_error}"
         components = [generate_pb2.ComponentHealth(name="scheduler", alive=sched_alive, detail=detail)]
         components += [generate_pb2.ComponentHealth(name=n, alive=a, detail=d) for n, a, d in ranks]
+        healthy = all(c.alive for c in components)
+        d = e.drafter
+        if d is not None:
+            # Optional: without the drafter serving goes on (no drafts), so it does not make the reply unhealthy.
+            components.append(generate_pb2.ComponentHealth(
+                name="drafter", alive=d.alive,
+                detail=f"{d.detail}; accepted {e.accepted_total} of {e.drafted_total} drafts in "
+                       f"{e.windows_total} windows"))
         return generate_pb2.HealthReply(
-            healthy=all(c.alive for c in components), components=components, pool=e.pool_stats(),
+            healthy=healthy, components=components, pool=e.pool_stats(),
             running=len(e.running), waiting=len(e.queue), max_model_len=e.info.max_model_len, model=e.info.model,
             prefix_cache_queries=e.prefix_queries, prefix_cache_hits=e.prefix_hits)
 
@@ -97,6 +106,8 @@ class SchedulerConfig:
     startup_timeout_s: float = 120.0
     rank_timeout_s: float | None = 300.0
     progress_interval_s: float = 0.5  # keepalive Progress cadence while queued / prefilling
+    drafter: str | None = None  # host:port of the drafter; None = no drafts
+    draft_timeout_s: float = 0.5  # a Propose slower than this runs the round without drafts
 
 
 class Scheduler:
@@ -107,6 +118,7 @@ class Scheduler:
         self.ranks = RankSet(cfg.ranks, rank_timeout_s=cfg.rank_timeout_s)
         self.engine: Engine | None = None
         self.server: grpc.aio.Server | None = None
+        self.drafter: DrafterClient | None = None
         self.port: int = 0
 
     async def start(self) -> int:
@@ -116,7 +128,9 @@ class Scheduler:
         except BaseException:
             await self.ranks.close()
             raise
-        self.engine = Engine(self.ranks, info, self.cfg.engine)
+        self.drafter = DrafterClient(self.cfg.drafter, timeout_s=self.cfg.draft_timeout_s) \
+            if self.cfg.drafter else None
+        self.engine = Engine(self.ranks, info, self.cfg.engine, self.drafter)
         self.engine.start()
         self.server = grpc.aio.server(options=_SERVER_OPTS)
         generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(
@@ -137,6 +151,8 @@ class Scheduler:
             await self.server.stop(grace_s)
         if self.engine is not None:
             await self.engine.stop()
+        if self.drafter is not None:
+            await self.drafter.close()
         await self.ranks.close()
 
 

@@ -81,7 +81,7 @@ def test_completion_token_prompt_and_sampling_fields(http: httpx.Client, standin
     assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["stop_reason"] is None
     assert body["choices"][0]["prompt_token_ids"] == [5, 6, 7] == body["prompt_token_ids"]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0}, "twinspark": {"drafted": 4, "accepted": 3}}
     rec = standin.generator.last()
     req = rec.request
     assert tensor_ids(req.prompt_ids) == [5, 6, 7] and req.max_tokens == 2

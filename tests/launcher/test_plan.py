@@ -14,6 +14,7 @@ PREFIX = ("/venv/bin/twinspark",)
 
 
 def _cfg(tp: int, **kw) -> LaunchConfig:
+    kw.setdefault("drafter", "none")  # the plain three-role plan; the drafter role is tested below
     return LaunchConfig(model="/models/glm", state_dir="/state", tp=tp, port=8888, command=PREFIX, **kw)
 
 
@@ -74,19 +75,33 @@ def test_bad_inputs_are_refused():
 
 def test_default_command_is_this_python_running_the_cli():
     assert DEFAULT_COMMAND == (sys.executable, "-m", "services.cli")
-    plan = make_plan(LaunchConfig(model="/m", state_dir="/s"), [1, 2, 3])
+    plan = make_plan(LaunchConfig(model="/m", state_dir="/s"), [1, 2, 3, 4])  # default: with a copy drafter
     assert plan.children[0].argv[:4] == (sys.executable, "-m", "services.cli", "serve-rank")
 
 
 def test_adding_a_role_is_one_entry():
-    drafter = Role("drafter", lambda c, addrs, shared, i, host, port: ["serve-drafter", "--host", host,
-                                                                       "--port", str(port)])
-    roles = (ROLES[0], drafter, *ROLES[1:])
+    extra = Role("extra", lambda c, addrs, shared, i, host, port: ["serve-extra", "--host", host,
+                                                                   "--port", str(port)])
+    roles = (ROLES[0], extra, *ROLES[1:])
     cfg = _cfg(2)
     assert internal_ports_needed(cfg, roles) == 5
     plan = make_plan(cfg, [10, 11, 12, 13, 14], roles)
-    assert [c.name for c in plan.children] == ["rank0", "rank1", "drafter", "scheduler", "gateway"]
-    assert plan.children[2].argv == (*PREFIX, "serve-drafter", "--host", "127.0.0.1", "--port", "13")
+    assert [c.name for c in plan.children] == ["rank0", "rank1", "extra", "scheduler", "gateway"]
+    assert plan.children[2].argv == (*PREFIX, "serve-extra", "--host", "127.0.0.1", "--port", "13")
+
+
+@pytest.mark.parametrize("method", ["copy", "mtp"])
+def test_drafter_role_and_scheduler_flag(method):
+    cfg = _cfg(1, drafter=method)
+    assert internal_ports_needed(cfg) == 4
+    plan = make_plan(cfg, [20, 21, 22, 23])
+    assert [c.name for c in plan.children] == ["rank0", "drafter", "scheduler", "gateway"]
+    drafter, sched = plan.children[1], plan.children[2]
+    assert drafter.argv == (*PREFIX, "serve-drafter", "--method", method, "--model", "/models/glm", "--host",
+                            "127.0.0.1", "--port", "22", "--device", "cpu")
+    hidden = ("--draft-hidden",) if method == "mtp" else ()
+    assert sched.argv == (*PREFIX, "serve-scheduler", "--ranks", "127.0.0.1:21", "--host", "127.0.0.1", "--port",
+                          "23", "--drafter", "127.0.0.1:22", *hidden)
 
 
 def test_free_ports_distinct_and_bindable():

@@ -106,15 +106,15 @@ def test_foreground_healthy_then_sigterm_stops_everything(tmp_path):
     try:
         info = _wait_up(proc, state)
         assert _get(info["health_url"]) == 200
-        assert [c["name"] for c in info["children"]] == ["rank0", "rank1", "scheduler", "gateway"]
+        assert [c["name"] for c in info["children"]] == ["rank0", "rank1", "drafter", "scheduler", "gateway"]
         assert info["supervisor_pid"] == proc.pid and info["tp"] == 2
         ports = list(info["ports"].values())
-        assert len(set(ports)) == len(ports) == 5 and info["port"] == info["ports"]["gateway"]
+        assert len(set(ports)) == len(ports) == 6 and info["port"] == info["ports"]["gateway"]
         assert info["endpoint"] == f"http://127.0.0.1:{info['port']}/v1"
         for c in info["children"]:
             assert Path(c["log"]) == state / "logs" / f"{c['name']}.log" and Path(c["log"]).is_file()
         pids = _pids(piddir)
-        assert len(pids) == 8 and all(_alive(p) for p in pids.values())  # 4 stand-ins + 4 sleep grandchildren
+        assert len(pids) == 10 and all(_alive(p) for p in pids.values())  # 5 stand-ins + 5 sleep grandchildren
         assert {pids[f"{c['name']}.pid"] for c in info["children"]} == {c["pid"] for c in info["children"]}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
@@ -188,7 +188,7 @@ def test_detach_then_down_leaves_nothing(tmp_path):
     assert _get(info["health_url"]) == 200
     sup = info["supervisor_pid"]
     pids = {**_pids(piddir), "supervisor": sup}
-    assert len(pids) == 9 and all(_alive(p) for p in pids.values())
+    assert len(pids) == 11 and all(_alive(p) for p in pids.values())
 
     again = run("up", "--detach", "--role-command", ROLE_CMD)
     assert again.returncode == 1 and "already running" in again.stderr

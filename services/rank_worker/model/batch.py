@@ -22,6 +22,10 @@ class Batch:
     slots: list[int]  # per sequence: KDA state slot
     logit_rows: torch.Tensor  # [R] int64 packed-row indices whose logits are wanted
     hidden: torch.Tensor | None = None  # [T, D] the target's final hidden per row (MTP input only)
+    # Per sequence: True = its rows are a verify window (row 0 the last committed token, rows 1.. drafts). Such a
+    # sequence runs every row with one-row-decode arithmetic, the KDA layers keep each row's state, and nothing is
+    # committed to its slot until `PagedCache`'s owner calls `commit_verify` with how many rows were accepted.
+    verify: list[bool] | None = None
     _positions: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -31,6 +35,11 @@ class Batch:
             raise ValueError(f"lengths sum to {sum(self.lengths)} but there are {self.token_ids.numel()} rows")
         if any(n < 1 for n in self.lengths) or any(s < 0 for s in self.starts):
             raise ValueError("every sequence needs at least one new row and a non-negative start")
+        if self.verify is not None and len(self.verify) != len(self.lengths):
+            raise ValueError("verify must have one entry per sequence")
+
+    def is_verify(self, s: int) -> bool:
+        return bool(self.verify[s]) if self.verify is not None else False
 
     @property
     def num_seqs(self) -> int:

@@ -32,6 +32,8 @@ class PagedCache:
                                          dtype=torch.float32, device=device) for i in cfg.kda_layers}
         self.conv_state = {i: torch.zeros(num_slots, cfg.linear_conv_kernel_dim - 1, channels, dtype=dtype,
                                           device=device) for i in cfg.kda_layers}
+        # KDA layer -> per-row states of the verify windows of the forward just run, until the layer's commit.
+        self.pending: dict[int, tuple] = {}
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy the KDA recurrent + conv state of slot src to slot dst for every KDA layer, pair by pair in order

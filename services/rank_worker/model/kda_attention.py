@@ -51,6 +51,22 @@ class KdaAttention:
             return self.lower_bound * torch.sigmoid(rate * g)
         return -rate * torch.nn.functional.softplus(g, threshold=20.0)
 
+    def _decode_rows(self, rows: list[int], hist: torch.Tensor, state: torch.Tensor, mixed: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One recurrent step for a group of rows, one row per sequence: the arithmetic of every decode row.
+
+        hist: [n, K-1, C] conv history, state: [n, heads, dk, dv] of each row's sequence before the row. The group
+        is padded like every batch-wide tensor (kernels/linear.py) so a row's bits do not depend on how many rows
+        share the step. Returns (core out [n, heads, dv], new conv history, new state)."""
+        n = len(rows)
+        idx = torch.tensor(rows, device=mixed.device)
+        hist = pad_rows(hist)
+        new = pad_rows(mixed[idx].unsqueeze(1))
+        conv = kda.causal_conv(new, self.conv_w[j], hist).squeeze(1)
+        q, k, v = (c.view(-1, self.heads, self.dl) for c in conv.chunk(3, dim=-1))
+        out, state = kda.recurrent(q, k, v, pad_rows(g[idx]), pad_rows(beta[idx]), pad_rows(state))
+        return out[:n], kda.conv_history(new, hist)[:n], state[:n]
+
     def forward(self, x: torch.Tensor, batch: Batch, cache: PagedCache) -> list[torch.Tensor]:
         t = x.shape[0]
         fa = linear(x, self.f_a)
@@ -60,8 +76,17 @@ class KdaAttention:
         slots = torch.tensor(batch.slots, device=x.device)
         fresh = torch.tensor([s == 0 for s in batch.starts], device=x.device)
         offsets = batch.offsets
-        decode = [s for s, n in enumerate(batch.lengths) if n == 1]
-        prefill = [s for s, n in enumerate(batch.lengths) if n > 1]
+        verify = [s for s in range(batch.num_seqs) if batch.is_verify(s)]
+        decode = [s for s, n in enumerate(batch.lengths) if n == 1 and s not in verify]
+        prefill = [s for s, n in enumerate(batch.lengths) if n > 1 and s not in verify]
+        if verify:
+            # Verify windows: every row is a one-row decode step; each row's state (and conv history) is kept in
+            # `cache.pending` until `commit` picks the last accepted row's. The slot itself is not touched here.
+            longest = max(batch.lengths[s] for s in verify)
+            pend_state = torch.zeros(len(verify), longest, *state_all.shape[1:], dtype=state_all.dtype,
+                                     device=x.device)
+            pend_conv = torch.zeros(len(verify), longest, *conv_all.shape[1:], dtype=conv_all.dtype, device=x.device)
+            cache.pending[self.layer] = (verify, pend_state, pend_conv)
         partials = []
         for j in range(len(self.q_w)):
             mixed = torch.cat([linear(x, self.q_w[j]), linear(x, self.k_w[j]), linear(x, self.v_w[j])], dim=-1)
@@ -72,20 +97,27 @@ class KdaAttention:
             core = torch.zeros(t, self.heads, self.dl, dtype=torch.float32, device=x.device)
 
             if decode:
-                # One recurrent step for all decode rows at once; the group is padded like every batch-wide tensor
-                # (kernels/linear.py) so a row's bits do not depend on how many decode rows share the step.
-                nd = len(decode)
-                rows = torch.tensor([offsets[s] for s in decode], device=x.device)
                 sl, fr = slots[decode], fresh[decode]
-                hist = pad_rows(torch.where(fr.view(-1, 1, 1), 0, conv_all[sl][:, :, chans]))
-                new = pad_rows(mixed[rows].unsqueeze(1))
-                conv = kda.causal_conv(new, self.conv_w[j], hist).squeeze(1)
-                conv_all[sl, :, chans] = kda.conv_history(new, hist)[:nd]
-                q, k, v = (c.view(-1, self.heads, self.dl) for c in conv.chunk(3, dim=-1))
-                state = pad_rows(torch.where(fr.view(-1, 1, 1, 1), 0, state_all[sl][:, heads]))
-                out, state = kda.recurrent(q, k, v, pad_rows(g[rows]), pad_rows(beta[rows]), state)
-                core[rows] = out[:nd]
-                state_all[sl, heads] = state[:nd]
+                hist = torch.where(fr.view(-1, 1, 1), 0, conv_all[sl][:, :, chans])
+                state = torch.where(fr.view(-1, 1, 1, 1), 0, state_all[sl][:, heads])
+                rows = [offsets[s] for s in decode]
+                core[rows], conv_all[sl, :, chans], state_all[sl, heads] = self._decode_rows(
+                    rows, hist, state, mixed, g, beta, j)
+
+            # Verify windows, step r: row r of every window that has one, as one decode group.
+            for r in range(max((batch.lengths[s] for s in verify), default=0)):
+                group = [i for i, s in enumerate(verify) if batch.lengths[s] > r]
+                if r == 0:
+                    seqs = [verify[i] for i in group]
+                    sl, fr = slots[seqs], fresh[seqs]
+                    hist = torch.where(fr.view(-1, 1, 1), 0, conv_all[sl][:, :, chans])
+                    state = torch.where(fr.view(-1, 1, 1, 1), 0, state_all[sl][:, heads])
+                else:
+                    hist = pend_conv[group, r - 1][:, :, chans]
+                    state = pend_state[group, r - 1][:, heads]
+                rows = [offsets[verify[i]] + r for i in group]
+                core[rows], pend_conv[group, r, :, chans], pend_state[group, r, heads] = self._decode_rows(
+                    rows, hist, state, mixed, g, beta, j)
 
             for s in prefill:
                 rows = slice(offsets[s], offsets[s] + batch.lengths[s])
@@ -101,3 +133,18 @@ class KdaAttention:
             out = gated_rms_norm(core.to(x.dtype), gate, self.o_norm, self.eps).reshape(t, -1)
             partials.append(linear_fp32(out, self.o_w[j]))
         return partials
+
+    def commit(self, batch: Batch, cache: PagedCache, accepted: dict[int, int]) -> None:
+        """After sampling: each verify sequence s keeps the state of its last accepted row (row accepted[s]; row 0
+        is the last committed token, so accepting a drafts keeps row a). Rows after it are dropped."""
+        pending = cache.pending.pop(self.layer, None)
+        if pending is None:
+            return
+        verify, pend_state, pend_conv = pending
+        for i, s in enumerate(verify):
+            a = accepted.get(s, 0)
+            if not 0 <= a < batch.lengths[s]:
+                raise ValueError(f"sequence {s}: {a} accepted drafts in a window of {batch.lengths[s]} rows")
+            slot = batch.slots[s]
+            cache.kda_state[self.layer][slot] = pend_state[i, a]
+            cache.conv_state[self.layer][slot] = pend_conv[i, a]

@@ -51,12 +51,18 @@ class Indexer:
         positions = batch.positions
         masks = []
         for s, (off, n, start) in enumerate(zip(batch.offsets, batch.lengths, batch.starts)):
-            ctx = start + n
-            rows = cache.read_sequence(store, batch.block_tables[s], ctx)
-            keys, gates = rows.split(self.dim, dim=-1)
-            pooled = dsa.pool_keys(keys, gates, self.ape, self.kpool)
-            scores = dsa.index_scores(q[off : off + n], w[off : off + n], pooled)
-            masks.append(dsa.select(scores, positions[off : off + n], ctx, self.kpool, self.topk, self.tail))
+            # A verify window is n one-row decodes: each row sees exactly the context a decode at its position sees.
+            parts = [(off + r, 1, start + r) for r in range(n)] if batch.is_verify(s) else [(off, n, start)]
+            per_row = []
+            for o, m, st in parts:
+                ctx = st + m
+                rows = cache.read_sequence(store, batch.block_tables[s], ctx)
+                keys, gates = rows.split(self.dim, dim=-1)
+                pooled = dsa.pool_keys(keys, gates, self.ape, self.kpool)
+                scores = dsa.index_scores(q[o : o + m], w[o : o + m], pooled)
+                per_row.append(dsa.select(scores, positions[o : o + m], ctx, self.kpool, self.topk, self.tail))
+            # Verify sequences keep a list of [1, ctx_r] masks (one per row), others one [n, ctx] mask.
+            masks.append(per_row if batch.is_verify(s) else per_row[0])
         return masks
 
 
@@ -98,7 +104,15 @@ class MlaAttention:
         for j in range(len(self.q_b)):
             q = linear(q_resid, self.q_b[j]).view(-1, self.heads, self.dn)
             out = torch.zeros(x.shape[0], self.heads, self.dv, dtype=x.dtype, device=x.device)
-            for s, (off, n) in enumerate(zip(batch.offsets, batch.lengths)):
+            for s, (off, n, st) in enumerate(zip(batch.offsets, batch.lengths, batch.starts)):
+                if batch.is_verify(s):
+                    # One query row at a time over exactly its own context: the arithmetic of a one-row decode.
+                    for r in range(n):
+                        row = slice(off + r, off + r + 1)
+                        q_lat = torch.einsum("nhd,hdr->nhr", q[row].float(), self.w_uk[j].float())
+                        o_lat = latent_attention(q_lat, latents[s][: st + r + 1], masks[s][r], self.scale)
+                        out[row] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[j].float()).to(x.dtype)
+                    continue
                 # Long prefills go QUERY_BLOCK rows at a time so the [heads, rows, context] scores stay bounded.
                 for b in range(0, n, QUERY_BLOCK):
                     rows = slice(off + b, off + min(b + QUERY_BLOCK, n))

@@ -4,6 +4,8 @@ Entry points:
 - `Glm5Model.load(model_dir, ...)`
 - `model.forward(batch, cache)`      target model: logits for `batch.logit_rows`, final hidden for every row
 - `model.forward_mtp(batch, cache)`  MTP block: draft logits for `batch.logit_rows`
+- `model.commit_verify(batch, cache, accepted)`  after sampling a batch with verify windows: keep each window's KDA
+  state of its last accepted row (`accept_drafts` computes `accepted` from the window's tokens and samples)
 - `model.new_cache(...)`             the physical caches sized for this rank
 """
 
@@ -33,13 +35,16 @@ class ForwardOutput:
 
 
 class Glm5Model:
-    def __init__(self, cfg: ModelConfig, reader: WeightReader, coll: Collective, *, load_mtp: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, reader: WeightReader, coll: Collective, *, load_mtp: bool = True,
+                 load_target: bool = True) -> None:
         self.cfg = cfg
         self.coll = coll
         self.dtype = reader.dtype
         self.device = reader.device
         self.embed = reader.full(TEXT_PREFIX + "embed_tokens.weight")
-        self.layers = [DecoderLayer(cfg, reader, f"{TEXT_PREFIX}layers.{i}.", i) for i in range(cfg.num_hidden_layers)]
+        # load_target=False: embeddings, lm_head and the MTP block only (the MTP drafter's model; no `forward`).
+        self.layers = [DecoderLayer(cfg, reader, f"{TEXT_PREFIX}layers.{i}.", i)
+                       for i in range(cfg.num_hidden_layers)] if load_target else []
         self.norm = reader.full(TEXT_PREFIX + "norm.weight")
         self.lm_head = reader.split("lm_head.weight", 0)
         mtp_prefix = f"{TEXT_PREFIX}layers.{cfg.mtp_layer_index}."
@@ -49,12 +54,12 @@ class Glm5Model:
     @classmethod
     def load(cls, model_dir: str | Path, *, sharding: Sharding | None = None, group=None,
              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", load_mtp: bool = True,
-             progress: bool = True) -> "Glm5Model":
+             progress: bool = True, load_target: bool = True) -> "Glm5Model":
         sharding = sharding or Sharding()
         cfg = ModelConfig.from_pretrained(model_dir)
         reader = WeightReader(model_dir, sharding, dtype, torch.device(device), progress=progress)
         try:
-            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp)
+            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp, load_target=load_target)
         finally:
             reader.close()
 
@@ -78,8 +83,24 @@ class Glm5Model:
         return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden[: batch.token_ids.numel()])
 
     @torch.inference_mode()
+    def commit_verify(self, batch: Batch, cache: PagedCache, accepted: dict[int, int]) -> None:
+        """accepted: verify sequence index -> drafts accepted. Must follow every forward with verify windows."""
+        for layer in self.layers:
+            if layer.is_kda:
+                layer.attn.commit(batch, cache, accepted)
+
+    @torch.inference_mode()
     def forward_mtp(self, batch: Batch, cache: PagedCache) -> ForwardOutput:
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (or it was not loaded)")
         hidden = self.mtp.forward(self.embed[pad_rows(batch.token_ids)], batch, cache, self.coll)
         return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden[: batch.token_ids.numel()])
+
+
+def accept_drafts(window: list[int], samples: list[int]) -> int:
+    """Drafts accepted in one verify window: window = [last committed token, d_1, .., d_k], samples = the token
+    sampled at each of its rows. d_i is accepted while every d_1..d_i equals the sample of the row before it."""
+    a = 0
+    while a + 1 < len(window) and window[a + 1] == samples[a]:
+        a += 1
+    return a

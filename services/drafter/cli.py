@@ -1,0 +1,55 @@
+"""`twinspark serve-drafter`: propose draft tokens to the scheduler (copy / mtp / dflash2)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"TWINSPARK_{name}", default)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve-drafter", help="run the drafter (speculative draft tokens for the scheduler)",
+        description="Serve the Drafter gRPC service. copy: n-gram prompt lookup over each request's own tokens "
+                    "(CPU, no model); mtp: the checkpoint's MTP layer fed the target's last hidden state; dflash2: "
+                    "needs user-supplied weights (not shipped).")
+    p.add_argument("--host", default=_env("DRAFTER_HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(_env("DRAFTER_PORT", "50061")))
+    p.add_argument("--method", default=_env("DRAFT_METHOD", "copy"), choices=["copy", "mtp", "dflash2"])
+    p.add_argument("--model", default=_env("MODEL"), help="checkpoint directory (mtp)")
+    p.add_argument("--device", default=_env("DEVICE", "cpu"), choices=["cpu", "cuda"])
+    p.add_argument("--mtp-threshold", type=float, default=float(_env("MTP_THRESHOLD", "0.0")),
+                   help="mtp: keep chaining drafts while the top probability is >= this (default 0: up to K)")
+    p.add_argument("--mtp-history", type=int, default=int(_env("MTP_HISTORY", "64")),
+                   help="mtp: (hidden, token) pairs kept per request and recomputed each call (default 64)")
+    p.add_argument("--dflash2-weights", default=None, help="dflash2: user-supplied weights (not shipped)")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.drafter.methods import DraftMethodUnavailable, build
+    from services.drafter.server import serve_forever
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s drafter %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("twinspark.drafter")
+    kw = {}
+    if args.method == "mtp":
+        kw = dict(threshold=args.mtp_threshold, history=args.mtp_history, device=args.device)
+    elif args.method == "dflash2":
+        kw = dict(weights=args.dflash2_weights)
+    try:
+        method = build(args.method, args.model, **kw)
+    except DraftMethodUnavailable as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        serve_forever(method, args.host, args.port)
+    except OSError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0

@@ -1,0 +1,72 @@
+"""The scheduler's client to the drafter: one Propose per decode round, never allowed to hold serving up.
+
+A Propose that fails or takes longer than `timeout_s` marks the drafter down: that round (and every round until
+`retry_s` has passed) runs without drafts, and Health names the drafter as down (serving itself stays healthy —
+drafts are an optimisation). The next attempt after `retry_s` brings it back when it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import torch
+
+from services.common.tensors import ids, to_proto
+from twinspark.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("twinspark.scheduler.drafts")
+
+
+class DrafterClient:
+    def __init__(self, address: str, *, timeout_s: float = 0.5, retry_s: float = 2.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 256 << 20)])
+        self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+        self.alive = True  # until a call says otherwise
+        self.detail = address
+        self._retry_at = 0.0
+        self.calls = 0
+        self.failures = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.alive or time.monotonic() >= self._retry_at
+
+    async def propose(self, seqs: list[tuple[str, list[int], int, torch.Tensor | None]]) -> list[list[int]] | None:
+        """seqs: (request id, tokens, max drafts, last hidden or None). Drafts per sequence, or None when the
+        drafter is down / slow (the round then runs without drafts)."""
+        if not seqs or not self.usable:
+            return None
+        msg = drafter_pb2.ProposeRequest(sequences=[
+            drafter_pb2.DraftSequence(request_id=rid, tokens=to_proto(toks), max_draft=k,
+                                      hidden=to_proto(h, "float32") if h is not None else None)
+            for rid, toks, k, h in seqs])
+        self.calls += 1
+        try:
+            reply = await self.stub.Propose(msg, timeout=self.timeout_s)
+            drafts = [ids(d) for d in reply.drafts]
+            if len(drafts) != len(seqs):
+                raise ValueError(f"{len(drafts)} draft lists for {len(seqs)} sequences")
+        except (grpc.aio.AioRpcError, ValueError, asyncio.TimeoutError) as exc:
+            self.failures += 1
+            text = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            if self.alive:
+                log.warning("drafter at %s failed (%s): going on without drafts, retrying every %.1f s",
+                            self.address, text, self.retry_s)
+            self.alive = False
+            self.detail = f"{self.address}: {text}"
+            self._retry_at = time.monotonic() + self.retry_s
+            return None
+        if not self.alive:
+            log.info("drafter at %s is back", self.address)
+        self.alive = True
+        self.detail = self.address
+        return [d[:k] for d, (_, _, k, _) in zip(drafts, seqs)]
+
+    async def close(self) -> None:
+        await self.channel.close()
