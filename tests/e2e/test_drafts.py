@@ -49,14 +49,14 @@ def _echo_checkpoint(src: Path, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def copy_stack(tiny_default, tmp_path_factory):
     base = tmp_path_factory.mktemp("drafts_copy")
-    stack = start(_echo_checkpoint(tiny_default, base / "echo"), base / "state", tp=1)
+    stack = start(_echo_checkpoint(tiny_default, base / "echo"), base / "state", tp=2)
     yield stack
     stack.down()
 
 
 @pytest.fixture(scope="module")
 def mtp_stack(tiny_default, tmp_path_factory):
-    stack = start(tiny_default, tmp_path_factory.mktemp("drafts_mtp"), tp=1, env={"TWINSPARK_DRAFTER": "mtp"})
+    stack = start(tiny_default, tmp_path_factory.mktemp("drafts_mtp"), tp=2, env={"TWINSPARK_DRAFTER": "mtp"})
     yield stack
     stack.down()
 
