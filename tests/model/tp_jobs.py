@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from services.rank_worker.model.model import Glm5Model
 from services.rank_worker.offline import GenerateRequest, generate_on_model
 from tests.model.reference import fresh_cache, run_chunks
