@@ -101,8 +101,8 @@ class ChildSpec:
     port: int  # the port it listens on
     log: str  # <state-dir>/logs/<name>.log
     public: bool = False
-    env: Mapping[str, str] = field(default_factory=dict)
-    optional: bool = False  # see Role.optional  # extra environment on top of the launcher's
+    env: Mapping[str, str] = field(default_factory=dict)  # extra environment on top of the launcher's
+    optional: bool = False  # see Role.optional
 
     @property
     def address(self) -> str:

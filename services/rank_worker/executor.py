@@ -84,15 +84,14 @@ class Executor:
         )
         verify = None
         if plan.HasField("verify") and plan.verify.shape and plan.verify.shape[0]:
-            flags = _vec(plan.verify, "verify", torch.int64, b)
-            verify = [bool(f) for f in flags.tolist()]
-            wanted = set(rows.tolist())
-            offs = torch.cumsum(lengths, 0) - lengths
-            for s, (o, n) in enumerate(zip(offs.tolist(), lengths.tolist())):
-                if verify[s] and not all(o + i in wanted for i in range(n)):
-                    raise PlanError(f"sequence {s} is a verify window but not all its rows are sample rows")
+            verify = [bool(f) for f in _vec(plan.verify, "verify", torch.int64, b).tolist()]
         batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
                       block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows.to(dev), verify=verify)
+        if verify is not None:
+            wanted = set(rows.tolist())
+            for s, (o, n) in enumerate(zip(batch.offsets, batch.lengths)):
+                if verify[s] and not all(o + i in wanted for i in range(n)):
+                    raise PlanError(f"sequence {s} is a verify window but not all its rows are sample rows")
         return batch, params, rows
 
     def state_copies(self, plan: StepPlan) -> list[tuple[int, int]]:
