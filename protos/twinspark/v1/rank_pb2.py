@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from twinspark.v1 import tensor_pb2 as twinspark_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17twinspark/v1/rank.proto\x12\x0ctwinspark.v1\x1a\x19twinspark/v1/tensor.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xbb\x02\n\rDescribeReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05world\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12;\n\x08settings\x18\x04 \x03(\x0b\x32).twinspark.v1.DescribeReply.SettingsEntry\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x11\n\tnum_slots\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\r\n\x05model\x18\x0b \x01(\t\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd7\x04\n\x08StepPlan\x12\r\n\x05round\x18\x01 \x01(\x04\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12$\n\x06starts\x18\x03 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12%\n\x07lengths\x18\x04 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12#\n\x05slots\x18\x05 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12*\n\x0c\x62lock_tables\x18\x06 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12)\n\x0bsample_rows\x18\x07 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12)\n\x0btemperature\x18\x08 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12#\n\x05top_p\x18\t \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12#\n\x05top_k\x18\n \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12#\n\x05min_p\x18\x0b \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\"\n\x04seed\x18\x0c \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x13\n\x0brequest_ids\x18\r \x03(\t\x12\x10\n\x08\x63hecksum\x18\x0f \x01(\t\x12*\n\x0cstate_copies\x18\x10 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12$\n\x06verify\x18\x11 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x13\n\x0bwant_hidden\x18\x12 \x01(\x08\"\xd4\x01\n\nStepResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12%\n\x07sampled\x18\x03 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x12\n\nforward_ms\x18\x04 \x01(\x01\x12\x11\n\tsample_ms\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12&\n\x08\x61\x63\x63\x65pted\x18\x07 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12$\n\x06hidden\x18\x08 \x01(\x0b\x32\x14.twinspark.v1.Tensor2\x92\x01\n\nRankWorker\x12\x46\n\x08\x44\x65scribe\x12\x1d.twinspark.v1.DescribeRequest\x1a\x1b.twinspark.v1.DescribeReply\x12<\n\x04Step\x12\x16.twinspark.v1.StepPlan\x1a\x18.twinspark.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17twinspark/v1/rank.proto\x12\x0ctwinspark.v1\x1a\x19twinspark/v1/tensor.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xd0\x02\n\rDescribeReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05world\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12;\n\x08settings\x18\x04 \x03(\x0b\x32).twinspark.v1.DescribeReply.SettingsEntry\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x11\n\tnum_slots\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\r\n\x05model\x18\x0b \x01(\t\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcd\x05\n\x08StepPlan\x12\r\n\x05round\x18\x01 \x01(\x04\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12$\n\x06starts\x18\x03 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12%\n\x07lengths\x18\x04 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12#\n\x05slots\x18\x05 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12*\n\x0c\x62lock_tables\x18\x06 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12)\n\x0bsample_rows\x18\x07 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12)\n\x0btemperature\x18\x08 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12#\n\x05top_p\x18\t \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12#\n\x05top_k\x18\n \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12#\n\x05min_p\x18\x0b \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\"\n\x04seed\x18\x0c \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x13\n\x0brequest_ids\x18\r \x03(\t\x12\x10\n\x08\x63hecksum\x18\x0f \x01(\t\x12*\n\x0cstate_copies\x18\x10 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12$\n\x06verify\x18\x11 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x13\n\x0bwant_hidden\x18\x12 \x01(\x08\x12?\n\rtrace_context\x18\x13 \x03(\x0b\x32(.twinspark.v1.StepPlan.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd4\x01\n\nStepResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12%\n\x07sampled\x18\x03 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x12\n\nforward_ms\x18\x04 \x01(\x01\x12\x11\n\tsample_ms\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12&\n\x08\x61\x63\x63\x65pted\x18\x07 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12$\n\x06hidden\x18\x08 \x01(\x0b\x32\x14.twinspark.v1.Tensor2\x92\x01\n\nRankWorker\x12\x46\n\x08\x44\x65scribe\x12\x1d.twinspark.v1.DescribeRequest\x1a\x1b.twinspark.v1.DescribeReply\x12<\n\x04Step\x12\x16.twinspark.v1.StepPlan\x1a\x18.twinspark.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,16 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DESCRIBEREPLY_SETTINGSENTRY']._loaded_options = None
   _globals['_DESCRIBEREPLY_SETTINGSENTRY']._serialized_options = b'8\001'
+  _globals['_STEPPLAN_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_STEPPLAN_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_DESCRIBEREQUEST']._serialized_start=68
   _globals['_DESCRIBEREQUEST']._serialized_end=85
   _globals['_DESCRIBEREPLY']._serialized_start=88
-  _globals['_DESCRIBEREPLY']._serialized_end=403
-  _globals['_DESCRIBEREPLY_SETTINGSENTRY']._serialized_start=356
-  _globals['_DESCRIBEREPLY_SETTINGSENTRY']._serialized_end=403
-  _globals['_STEPPLAN']._serialized_start=406
-  _globals['_STEPPLAN']._serialized_end=1005
-  _globals['_STEPRESULT']._serialized_start=1008
-  _globals['_STEPRESULT']._serialized_end=1220
-  _globals['_RANKWORKER']._serialized_start=1223
-  _globals['_RANKWORKER']._serialized_end=1369
+  _globals['_DESCRIBEREPLY']._serialized_end=424
+  _globals['_DESCRIBEREPLY_SETTINGSENTRY']._serialized_start=377
+  _globals['_DESCRIBEREPLY_SETTINGSENTRY']._serialized_end=424
+  _globals['_STEPPLAN']._serialized_start=427
+  _globals['_STEPPLAN']._serialized_end=1144
+  _globals['_STEPPLAN_TRACECONTEXTENTRY']._serialized_start=1093
+  _globals['_STEPPLAN_TRACECONTEXTENTRY']._serialized_end=1144
+  _globals['_STEPRESULT']._serialized_start=1147
+  _globals['_STEPRESULT']._serialized_end=1359
+  _globals['_RANKWORKER']._serialized_start=1362
+  _globals['_RANKWORKER']._serialized_end=1508
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("rank", "world", "fingerprint", "settings", "num_blocks", "block_size", "num_slots", "vocab_size", "eos_token_ids", "max_model_len", "model")
+    __slots__ = ("rank", "world", "fingerprint", "settings", "num_blocks", "block_size", "num_slots", "vocab_size", "eos_token_ids", "max_model_len", "model", "instance_id")
     class SettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class DescribeReply(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world: int
     fingerprint: str
@@ -42,10 +43,18 @@ class DescribeReply(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_model_len: int
     model: str
-    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., fingerprint: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., fingerprint: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden")
+    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +72,7 @@ class StepPlan(_message.Message):
     STATE_COPIES_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     WANT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _tensor_pb2.Tensor
     starts: _tensor_pb2.Tensor
@@ -80,7 +90,8 @@ class StepPlan(_message.Message):
     state_copies: _tensor_pb2.Tensor
     verify: _tensor_pb2.Tensor
     want_hidden: bool
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden")
