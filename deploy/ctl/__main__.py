@@ -1,0 +1,136 @@
+"""`python3 -m deploy.ctl start|stop [--dry-run] [--env-file F]` — what ./start.sh and ./stop.sh run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from deploy.ctl import checks, plan
+from deploy.ctl.settings import Settings, SettingsError, load
+
+RECORD = "deploy.json"  # what start did, under STATE_DIR: stop reads it
+
+
+def resolve_launcher(s: Settings) -> str:
+    """auto: docker for two machines (the only way there), else docker when it works here, else native."""
+    if s["LAUNCHER"] != "auto":
+        return s["LAUNCHER"]
+    return "docker" if s.workers or checks.docker_usable() else "native"
+
+
+def _run(step: plan.Step, s: Settings, compose_env: dict[str, str]) -> None:
+    assert step.argv is not None and step.machine is not None
+    env = {**compose_env, **step.env}
+    if step.machine.ssh is None:
+        r = subprocess.run(step.argv, env={**os.environ, **env}, cwd=plan.REPO)
+    else:
+        remote = "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(step.argv)
+        if step.cwd:
+            remote = f"cd {shlex.quote(step.cwd)} && {remote}"
+        r = subprocess.run([*checks.SSH, step.machine.ssh, remote])
+    if r.returncode != 0:
+        raise RuntimeError(f"{step.title}: exit code {r.returncode}")
+
+
+def execute(steps: list[plan.Step], s: Settings, compose_env: dict[str, str], dry_run: bool) -> None:
+    """Checks first, all of them (every problem is reported at once); then the rest in order, stopping at the
+    first failure."""
+    n = len(steps)
+    problems: list[str] = []
+    for i, step in enumerate(steps, 1):
+        print(f"[{i}/{n}] {step.show()}", flush=True)
+        if dry_run:
+            continue
+        is_check = step.title.startswith("check ")
+        if problems and not is_check:
+            raise RuntimeError("checks failed:\n  " + "\n  ".join(problems))
+        if step.action is not None:
+            found = step.action()
+            if is_check and found:
+                for p in found:
+                    print(f"  PROBLEM: {p}", flush=True)
+                problems += found
+        else:
+            _run(step, s, compose_env)
+    if problems:
+        raise RuntimeError("checks failed:\n  " + "\n  ".join(problems))
+
+
+def start(s: Settings, dry_run: bool) -> None:
+    launcher = resolve_launcher(s)
+    if launcher == "docker" and not s["MODEL"]:
+        s.values["MODEL"] = plan.tiny_model_path(s)
+    print(f"twinspark start: {launcher} launcher, {len(s.machines)} machine(s) "
+          f"({', '.join(f'{m.name}: ranks {list(m.ranks)}' for m in s.machines)}), TP {s['TP']}, "
+          f"model {s['MODEL'] or '(tiny demo checkpoint)'}, device {s['DEVICE']}, drafter {s['DRAFTER']}"
+          f"{', env file ' + str(s.env_file) if s.env_file else ''}")
+    if launcher == "native" and s["OTEL_EXPORTER_OTLP_ENDPOINT"] and not dry_run \
+            and not checks.collector_reachable(s["OTEL_EXPORTER_OTLP_ENDPOINT"]):
+        print(f"  nothing listens at OTEL_EXPORTER_OTLP_ENDPOINT={s['OTEL_EXPORTER_OTLP_ENDPOINT']} (native mode "
+              "starts no Jaeger): tracing off for this run")
+        s.values["OTEL_EXPORTER_OTLP_ENDPOINT"] = ""
+    steps = plan.start_docker(s) if launcher == "docker" else plan.start_native(s)
+    compose_env = plan.compose_env(s)
+    if dry_run and launcher == "docker":
+        print("settings passed to every compose command: " +
+              " ".join(f"{k}={shlex.quote(v)}" for k, v in compose_env.items()))
+    execute(steps, s, compose_env, dry_run)
+    if dry_run:
+        return
+    s.state_dir.mkdir(parents=True, exist_ok=True)
+    record = {"launcher": launcher, "workers": [m.ssh for m in s.workers], "tp": s["TP"],
+              "endpoint": plan.endpoint(s), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (s.state_dir / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    base = plan.endpoint(s)
+    print(f"\ntwinspark is up: {base}/v1  (OpenAI-compatible; model list at {base}/v1/models)")
+    print(f"  health {base}/health   metrics {base}/metrics")
+    if launcher == "docker" and s["OTEL_EXPORTER_OTLP_ENDPOINT"]:
+        print(f"  traces: Jaeger UI at http://{base.split('://')[1].rsplit(':', 1)[0]}:16686")
+    print("  stop with ./stop.sh")
+
+
+def stop(s: Settings, dry_run: bool) -> None:
+    rec_path = s.state_dir / RECORD
+    record = json.loads(rec_path.read_text()) if rec_path.is_file() else {}
+    launcher = record.get("launcher") or resolve_launcher(s)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    print(f"twinspark stop: {launcher} launcher, {len(s.machines)} machine(s)"
+          f"{' (as recorded by start.sh)' if record else ''}")
+    steps = plan.stop_docker(s, stamp) if launcher == "docker" else plan.stop_native(s, stamp)
+    execute(steps, s, plan.compose_env(s), dry_run)
+    if not dry_run:
+        rec_path.unlink(missing_ok=True)
+        print(f"twinspark stopped; logs kept under {s.state_dir / 'logs' / stamp}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="start.sh / stop.sh",
+                                 description="Start or stop twinspark on this machine and the WORKER machines, "
+                                             "as deploy/.env says (defaults and every setting: deploy/.env.example).")
+    ap.add_argument("command", choices=["start", "stop"])
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (checks, commands, probes) and exit")
+    ap.add_argument("--env-file", type=Path, default=None, help="settings file (default deploy/.env when present)")
+    args = ap.parse_args(argv)
+    try:
+        s = load(args.env_file)
+        (start if args.command == "start" else stop)(s, args.dry_run)
+    except (SettingsError, ValueError) as e:
+        print(f"{args.command}: settings: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"{args.command} failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

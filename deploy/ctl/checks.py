@@ -1,0 +1,147 @@
+"""Checks before anything starts: ports free, memory enough, workers reachable. Each returns a list of problems
+(empty = fine) so start.sh can report them all at once, and runs the same on this machine or, through ssh, on a
+worker."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+from deploy.ctl.settings import Machine, Settings
+
+SSH = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5")
+GIB = 1 << 30
+HEADROOM = 2 * GIB  # runtime, caches and the services beside the weights
+
+# Run on a worker with `python3 -c`: which of the given ports cannot be bound (in use).
+_BUSY_PORTS_PY = ("import socket,sys\nfor p in map(int,sys.argv[1:]):\n s=socket.socket()\n"
+                  " s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n try: s.bind(('',p))\n"
+                  " except OSError: print(p)\n finally: s.close()")
+
+
+def on(machine: Machine, argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+    """Run argv on `machine` (here, or through ssh) and capture its output."""
+    if machine.ssh is not None:
+        argv = [*SSH, machine.ssh, shlex.join(argv)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def busy_ports(machine: Machine, ports: list[int]) -> list[int]:
+    if machine.ssh is None:
+        busy = []
+        for p in ports:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("", p))
+                except OSError:
+                    busy.append(p)
+        return busy
+    out = on(machine, ["python3", "-c", _BUSY_PORTS_PY, *map(str, ports)])
+    return [int(x) for x in out.stdout.split()]
+
+
+def ports_problems(machine: Machine, ports: dict[str, int]) -> list[str]:
+    busy = set(busy_ports(machine, sorted(set(ports.values()))))
+    return [f"{machine.name}: port {p} ({name}) is in use" for name, p in ports.items() if p in busy]
+
+
+def checkpoint_bytes(model: str) -> int:
+    return sum(f.stat().st_size for f in Path(model).expanduser().glob("*.safetensors")) if model else 0
+
+
+def _meminfo_available(text: str) -> int | None:
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _gpu_free(machine: Machine) -> list[int] | None:
+    """Free bytes per GPU from nvidia-smi; None where it has no figure (no GPU, or unified memory like GB10)."""
+    if machine.ssh is None and shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = on(machine, ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    try:
+        return [int(x) * (1 << 20) for x in out.stdout.split()] if out.returncode == 0 else None
+    except ValueError:
+        return None  # "[N/A]" on unified-memory machines: host memory is the GPU's
+
+
+def memory_problems(s: Settings, machine: Machine) -> list[str]:
+    """Each rank holds 1/TP of the weights; on unified memory (Spark) or CPU that comes out of host memory."""
+    share = checkpoint_bytes(s["MODEL"]) // s.int("TP")
+    gpus = _gpu_free(machine) if s["DEVICE"] == "cuda" else None
+    if gpus:
+        short = [i for i, free in enumerate(gpus[: len(machine.ranks)]) if free < share + HEADROOM]
+        return [f"{machine.name}: GPU {i} has {gpus[i] / GIB:.1f} GiB free, a rank needs about "
+                f"{(share + HEADROOM) / GIB:.1f} GiB" for i in short]
+    text = Path("/proc/meminfo").read_text() if machine.ssh is None else on(machine, ["cat", "/proc/meminfo"]).stdout
+    avail = _meminfo_available(text)
+    need = share * len(machine.ranks) + HEADROOM
+    if avail is None:
+        return [f"{machine.name}: cannot read MemAvailable from /proc/meminfo"]
+    if avail < need:
+        return [f"{machine.name}: {avail / GIB:.1f} GiB of memory available, its {len(machine.ranks)} rank(s) need "
+                f"about {need / GIB:.1f} GiB"]
+    return []
+
+
+def worker_problems(s: Settings, machine: Machine) -> list[str]:
+    """Reachable by ssh without a password, docker compose there, the model there, MASTER_ADDR reachable from it."""
+    try:
+        r = on(machine, ["true"], timeout=15)
+    except subprocess.TimeoutExpired:
+        return [f"{machine.name}: ssh timed out"]
+    if r.returncode != 0:
+        return [f"{machine.name}: ssh {machine.ssh} failed ({r.stderr.strip() or r.returncode}); set up key login "
+                "(ssh-copy-id) first"]
+    problems = []
+    if on(machine, ["docker", "compose", "version"]).returncode != 0:
+        problems.append(f"{machine.name}: `docker compose` does not work there")
+    if s["MODEL"] and on(machine, ["test", "-f", f"{s['MODEL']}/config.json"]).returncode != 0:
+        problems.append(f"{machine.name}: no checkpoint at {s['MODEL']} (copy it to the same path)")
+    if on(machine, ["ping", "-c", "1", "-W", "2", s["MASTER_ADDR"]]).returncode != 0:
+        problems.append(f"{machine.name}: cannot reach MASTER_ADDR {s['MASTER_ADDR']} (the head's RoCE address)")
+    return problems
+
+
+def collector_reachable(endpoint: str) -> bool:
+    """Whether something listens at the OTLP endpoint (host:port of an http(s) URL)."""
+    hostport = endpoint.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port or 4317)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def docker_problems() -> list[str]:
+    return [] if docker_usable() else ["head: `docker compose version` or `docker info` fails here (install the "
+                                       "compose plugin and start the engine, or use LAUNCHER=native)"]
+
+
+def docker_usable() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    ok = lambda *a: subprocess.run(["docker", *a], capture_output=True, timeout=20).returncode == 0  # noqa: E731
+    return ok("compose", "version") and ok("info")
+
+
+def python_problems(python: str) -> list[str]:
+    """The native launcher's Python must import twinspark (this checkout, installed with pip install -e .)."""
+    try:
+        r = subprocess.run([python, "-c", "import services.cli"], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        return [f"head: cannot run {python}: {e}"]
+    if r.returncode != 0:
+        return [f"head: {python} cannot import twinspark ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}); "
+                "install it: python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . (or set PYTHON)"]
+    return []

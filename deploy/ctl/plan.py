@@ -1,0 +1,253 @@
+"""What start.sh and stop.sh do, as a list of steps: printed by --dry-run, run in order otherwise.
+
+A step is a check (Python, may report several problems), a command on a machine (here or through ssh), or a
+probe of the running stack. Docker mode runs deploy/compose/worker.yml once per rank that is not on the head, on
+the machine that holds it, then head.yml here; native mode runs `twinspark up` here (one machine only).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from deploy.ctl import checks, probe
+from deploy.ctl.settings import DEPLOY, REPO, Machine, Settings
+
+COMPOSE_DIR = DEPLOY / "compose"
+HEAD = COMPOSE_DIR / "head.yml"
+WORKER = COMPOSE_DIR / "worker.yml"
+HEAD_PROJECT = "twinspark"
+JAEGER_PORTS = {"jaeger otlp grpc": 4317, "jaeger otlp http": 4318, "jaeger ui": 16686}
+_VAR = re.compile(r"\$\{(\w+)")
+
+
+def compose_variables(*files: Path) -> list[str]:
+    """Every variable the compose files interpolate, in first-use order."""
+    seen: dict[str, None] = {}
+    for f in files:
+        for name in _VAR.findall(f.read_text()):
+            seen.setdefault(name)
+    return list(seen)
+
+
+def rank_project(rank: int) -> str:
+    return f"twinspark-rank{rank}"
+
+
+@dataclass
+class Step:
+    title: str
+    machine: Machine | None = None  # where `argv` runs
+    argv: list[str] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # step-specific variables on top of the settings
+    cwd: str = ""  # remote working directory (a worker's checkout)
+    action: Callable[[], list[str] | None] | None = None  # a check (returns problems) or a probe
+
+    def show(self) -> str:
+        if self.argv is None:
+            return self.title
+        cmd = shlex.join(self.argv)
+        if self.env:
+            cmd = "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items()) + " " + cmd
+        where = self.machine.name if self.machine is not None else "head"
+        if self.cwd:
+            cmd = f"cd {shlex.quote(self.cwd)} && {cmd}"
+        return f"{self.title}\n      [{where}] $ {cmd}"
+
+
+def endpoint(s: Settings) -> str:
+    host = s["HOST"]
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{s['PORT']}"
+
+
+def _compose(s: Settings, project: str, file: Path, m: Machine, *args: str) -> list[str]:
+    rel = file.relative_to(REPO)
+    path = str(rel) if m.ssh is not None else str(file)
+    profiles = []
+    if file == HEAD:
+        if s["DRAFTER"] != "none":
+            profiles += ["--profile", "drafter"]
+        if s["OTEL_EXPORTER_OTLP_ENDPOINT"]:
+            profiles += ["--profile", "jaeger"]
+    return ["docker", "compose", "-p", project, "-f", path, *profiles, *args]
+
+
+def _rank_env(s: Settings, m: Machine, rank: int) -> dict[str, str]:
+    env = {"RANK": str(rank), "RANK_PORT_OF_RANK": str(s.rank_port(rank))}
+    otel = s["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    if m.ssh is not None and any(f"//{h}" in otel for h in ("127.0.0.1", "localhost", "[::1]")):
+        # Jaeger runs on the head: a worker's loopback is the wrong machine; MASTER_ADDR reaches the head.
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = re.sub(r"//(127\.0\.0\.1|localhost|\[::1\])", f"//{s['MASTER_ADDR']}", otel)
+    return env
+
+
+def _rank_units(s: Settings) -> list[tuple[Machine, int]]:
+    """worker.yml instances: every rank but 0, workers first (they wait for rank 0 at the rendezvous)."""
+    units = [(m, r) for m in s.workers for r in m.ranks]
+    return units + [(s.machines[0], r) for r in s.machines[0].ranks if r != 0]
+
+
+def _head_ports(s: Settings, docker: bool) -> dict[str, int]:
+    ports = {"PORT (gateway)": s.int("PORT")}
+    if docker:
+        ports |= {"SCHEDULER_PORT": s.int("SCHEDULER_PORT"), "MASTER_PORT": s.int("MASTER_PORT"),
+                  "PEER_PORT": s.int("PEER_PORT")}
+        ports |= {f"rank {r}": s.rank_port(r) for r in s.machines[0].ranks}
+        if s["DRAFTER"] != "none":
+            ports["DRAFTER_PORT"] = s.int("DRAFTER_PORT")
+        if s["OTEL_EXPORTER_OTLP_ENDPOINT"]:
+            ports |= JAEGER_PORTS
+    return ports
+
+
+def _checks(s: Settings, docker: bool) -> list[Step]:
+    head = s.machines[0]
+    steps = [Step("check docker compose and the engine on head", action=checks.docker_problems)] if docker else [
+        Step(f"check that {native_python(s)} can run twinspark", action=lambda: checks.python_problems(native_python(s)))]
+    steps += [Step(f"check ports on head: {', '.join(map(str, _head_ports(s, docker).values()))}",
+                  action=lambda: checks.ports_problems(head, _head_ports(s, docker)))]
+    for m in s.workers:
+        steps.append(Step(f"check {m.name}: ssh, docker compose, the checkpoint, MASTER_ADDR {s['MASTER_ADDR']}",
+                          action=lambda m=m: checks.worker_problems(s, m)))
+        ports = {f"rank {r}": s.rank_port(r) for r in m.ranks}
+        steps.append(Step(f"check ports on {m.name}: {', '.join(map(str, ports.values()))}",
+                          action=lambda m=m, ports=ports: checks.ports_problems(m, ports)))
+    for m in s.machines:
+        steps.append(Step(f"check memory on {m.name} for ranks {list(m.ranks)}",
+                          action=lambda m=m: checks.memory_problems(s, m)))
+    return steps
+
+
+def _finish(s: Settings) -> list[Step]:
+    base = endpoint(s)
+    return [
+        Step(f"wait for {base}/health (up to {s['HEALTH_TIMEOUT']} s)",
+             action=lambda: probe.wait_healthy(base, float(s["HEALTH_TIMEOUT"]))),
+        Step(f"smoke test: greedy {probe.SMOKE_PROMPT!r} through every rank (fails on an empty or one-character reply)",
+             action=lambda: print(f"  reply: {probe.smoke_test(base, s['API_KEY'])!r}")),
+    ]
+
+
+def tiny_model_path(s: Settings) -> str:
+    return str(s.state_dir / "tiny-default")
+
+
+def start_docker(s: Settings) -> list[Step]:
+    steps = _checks(s, docker=True)
+    dockerfile = "deploy/Dockerfile" if s["DEVICE"] == "cuda" else "deploy/Dockerfile.cpu"
+    for m in s.workers:
+        steps.append(Step(f"copy this checkout to {m.name}:{s['WORKER_DIR']}",
+                          argv=["rsync", "-a", "--delete", "--exclude=.git", f"--exclude=/{s['STATE_DIR']}",
+                                f"{REPO}/", f"{m.ssh}:{s['WORKER_DIR']}/"]))
+    for m in s.machines:
+        cwd = s["WORKER_DIR"] if m.ssh else ""
+        steps.append(Step(f"build the image {s['IMAGE']} on {m.name} unless it is there", machine=m, cwd=cwd,
+                          argv=["sh", "-c", f"docker image inspect {shlex.quote(s['IMAGE'])} >/dev/null 2>&1 || "
+                                f"docker build -f {dockerfile} -t {shlex.quote(s['IMAGE'])} ."]))
+    if not s["MODEL"]:
+        model = tiny_model_path(s)
+        for m in s.machines:
+            steps.append(Step(f"make the tiny demo checkpoint on {m.name} unless it is there", machine=m,
+                              argv=["sh", "-c", f"test -f {model}/config.json || docker run --rm -v "
+                                    f"{s.state_dir}:{s.state_dir} {shlex.quote(s['IMAGE'])} twinspark make-tiny "
+                                    f"--out {model}"]))
+    for m, r in _rank_units(s):
+        steps.append(Step(f"start rank {r} on {m.name}", machine=m, cwd=s["WORKER_DIR"] if m.ssh else "",
+                          env=_rank_env(s, m, r), argv=_compose(s, rank_project(r), WORKER, m, "up", "-d")))
+    steps.append(Step("start the head: gateway, scheduler, rank 0, drafter, Jaeger", machine=s.machines[0],
+                      argv=_compose(s, HEAD_PROJECT, HEAD, s.machines[0], "up", "-d")))
+    return steps + _finish(s)
+
+
+def native_python(s: Settings) -> str:
+    """The Python that runs `twinspark up`: PYTHON, else this checkout's .venv, else the one running start.sh."""
+    if s["PYTHON"]:
+        return s["PYTHON"]
+    venv = REPO / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def native_state_dir(s: Settings) -> Path:
+    return s.state_dir / "native"
+
+
+def native_env(s: Settings) -> dict[str, str]:
+    """Scheduler and rank settings for `twinspark up`'s children (their flags default from TWINSPARK_*)."""
+    keys = ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "MAX_WAITING", "NUM_DRAFT_TOKENS", "NUM_BLOCKS", "BLOCK_SIZE",
+            "NUM_SLOTS", "DTYPE", "SERVED_MODEL_NAME", "API_KEY", "PEER_TIMEOUT", "LOG_LEVEL")
+    env = {f"TWINSPARK_{k}": s[k] for k in keys if s[k]}
+    if s["OTEL_EXPORTER_OTLP_ENDPOINT"]:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = s["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    return env
+
+
+def start_native(s: Settings) -> list[Step]:
+    if s.workers:
+        raise ValueError("two machines need LAUNCHER=docker (native mode runs every role on this machine)")
+    argv = [native_python(s), "-m", "services.cli", "up", "--detach", "--tp", s["TP"], "--host", s["HOST"],
+            "--port", s["PORT"], "--device", s["DEVICE"], "--drafter", s["DRAFTER"],
+            "--kv-cache-dtype", s["KV_CACHE_DTYPE"], "--state-dir", str(native_state_dir(s))]
+    if s["MODEL"]:
+        argv[4:4] = ["--model", s["MODEL"]]
+    steps = _checks(s, docker=False)
+    steps.append(Step("start every role here with `twinspark up` (the tiny checkpoint when MODEL is empty)",
+                      machine=s.machines[0], env=native_env(s), argv=argv))
+    return steps + _finish(s)
+
+
+def compose_env(s: Settings) -> dict[str, str]:
+    """The settings the compose files read, passed in the environment of every compose command."""
+    names = compose_variables(HEAD, WORKER)
+    return {k: s.values[k] for k in names if k in s.values}
+
+
+def stop_docker(s: Settings, stamp: str) -> list[Step]:
+    """Keep each project's logs (compose `down` deletes them with the containers), then take it down: the head
+    first, so no new request reaches ranks that are going away."""
+    units = [(s.machines[0], HEAD_PROJECT, HEAD, {})] + [
+        (m, rank_project(r), WORKER, _rank_env(s, m, r)) for m, r in _rank_units(s)]
+    steps = [Step(f"warn if requests are running ({endpoint(s)}/metrics)",
+                  action=lambda: _warn_running(endpoint(s)))]
+    for m, project, file, env in units:
+        cwd = s["WORKER_DIR"] if m.ssh else ""
+        logs = f"{s['STATE_DIR']}/logs/{stamp}" if m.ssh else str(s.state_dir / "logs" / stamp)
+        logs_cmd = shlex.join(_compose(s, project, file, m, "logs", "--no-color", "--timestamps"))
+        steps.append(Step(f"keep the logs of {project} on {m.name} in {logs}/{project}.log", machine=m, cwd=cwd,
+                          env=env, argv=["sh", "-c", f"mkdir -p {shlex.quote(logs)} && {logs_cmd} > "
+                                         f"{shlex.quote(logs + '/' + project + '.log')}"]))
+        steps.append(Step(f"stop {project} on {m.name}", machine=m, cwd=cwd, env=env,
+                          argv=_compose(s, project, file, m, "down")))
+    return steps
+
+
+def stop_native(s: Settings, stamp: str) -> list[Step]:
+    state = native_state_dir(s)
+    kept = s.state_dir / "logs" / stamp
+    return [
+        Step(f"warn if requests are running ({endpoint(s)}/metrics)", action=lambda: _warn_running(endpoint(s))),
+        Step("stop every role with `twinspark down`", machine=s.machines[0],
+             argv=[native_python(s), "-m", "services.cli", "down", "--state-dir", str(state)]),
+        Step(f"keep the logs in {kept}", action=lambda: _keep(state / "logs", kept)),
+    ]
+
+
+def _warn_running(base: str) -> None:
+    n = probe.running_requests(base)
+    if n is None:
+        print(f"  {base}/metrics does not answer (already stopped?)")
+    elif n:
+        print(f"  WARNING: {n} request(s) are running; their clients get an error now")
+    else:
+        print("  no request is running")
+
+
+def _keep(logs: Path, kept: Path) -> None:
+    if not logs.is_dir():
+        print(f"  no logs at {logs}")
+        return
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    logs.rename(kept)

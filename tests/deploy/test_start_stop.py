@@ -1,0 +1,107 @@
+"""./start.sh and ./stop.sh: the plan they print (one and two machines), the settings they refuse, and a real
+single-machine run (native launcher: no docker engine here) with its smoke test, then a stop that keeps the logs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+from deploy.ctl import probe
+from services.rank_worker.distributed import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TWO = {"WORKER": "me@spark2", "MASTER_ADDR": "192.168.100.10", "TP": "2", "DEVICE": "cuda"}
+
+
+def sh(script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    # A clean settings environment: only what the test sets reaches deploy.ctl (plus what the OS needs).
+    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "TMPDIR")}
+    return subprocess.run([str(REPO / script), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**base, "PYTHON3": sys.executable, **(env or {})})
+
+
+def steps(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("[")]
+
+
+def test_dry_run_single_machine(tmp_path):
+    r = sh("start.sh", "--dry-run", env={"STATE_DIR": str(tmp_path), "LAUNCHER": "native"})
+    assert r.returncode == 0, r.stderr
+    assert "1 machine(s)" in r.stdout
+    titles = steps(r.stdout)
+    assert [t.split("] ", 1)[1].split(" ")[0] for t in titles] == ["check", "check", "check", "start", "wait", "smoke"]
+    assert "-m services.cli up --detach" in r.stdout and "--tp 1" in r.stdout
+    assert "Reply with OK." in r.stdout
+
+
+def test_dry_run_two_machines(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    r = sh("start.sh", "--dry-run", env={**TWO, "MODEL": str(model), "STATE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "docker launcher, 2 machine(s) (head: ranks [0], me@spark2: ranks [1])" in out
+    assert "RANK_ADDRESSES=127.0.0.1:50061,spark2:50062" in out
+    assert "check me@spark2: ssh, docker compose, the checkpoint, MASTER_ADDR 192.168.100.10" in out
+    assert "rsync -a --delete" in out and "docker build -f deploy/Dockerfile -t twinspark:gpu" in out
+    # The worker's rank first (it waits for rank 0 at the rendezvous), then the head; traces go to the head.
+    worker_up = out.index("docker compose -p twinspark-rank1 -f deploy/compose/worker.yml up -d")
+    head_up = out.index("docker compose -p twinspark -f")
+    assert worker_up < head_up < out.index("/health") < out.index("smoke test")
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://192.168.100.10:4317 docker compose -p twinspark-rank1" in out
+    stop = sh("stop.sh", "--dry-run", env={**TWO, "MODEL": str(model), "STATE_DIR": str(tmp_path)})
+    assert stop.returncode == 0, stop.stderr
+    assert stop.stdout.index("-p twinspark -f") < stop.stdout.index("-p twinspark-rank1")
+    assert "logs --no-color" in stop.stdout and " down" in stop.stdout
+
+
+def test_bad_settings_are_refused_by_name(tmp_path):
+    for env, word in [({**TWO, "TP": "3"}, "TP=3"), ({**TWO, "MASTER_ADDR": "127.0.0.1"}, "MASTER_ADDR"),
+                      ({"DRAFTER": "eagle"}, "DRAFTER"), ({"PORT": "http"}, "PORT"),
+                      ({"MODEL": str(tmp_path)}, "config.json")]:
+        r = sh("start.sh", "--dry-run", env={"STATE_DIR": str(tmp_path), **env})
+        assert r.returncode == 2 and word in r.stderr, (env, r.stderr)
+    bad = tmp_path / "bad.env"
+    bad.write_text("PORTT=9000\n")
+    r = sh("start.sh", "--dry-run", "--env-file", str(bad))
+    assert r.returncode == 2 and "PORTT" in r.stderr
+
+
+def test_smoke_test_rejects_degenerate_replies():
+    assert probe.degenerate("") == "the reply is empty"
+    assert probe.degenerate(" \n") == "the reply is empty"
+    assert "repeated" in probe.degenerate("!!!!!!!!")
+    assert probe.degenerate("OK") is None and probe.degenerate("O") is None
+
+
+def test_start_smoke_and_stop_on_this_machine(tmp_path, tiny_default):
+    port = free_port()
+    env = {"STATE_DIR": str(tmp_path), "LAUNCHER": "native", "PYTHON": sys.executable, "PORT": str(port),
+           "HOST": "127.0.0.1", "MODEL": str(tiny_default), "TP": "2", "OTEL_EXPORTER_OTLP_ENDPOINT": "",
+           "HEALTH_TIMEOUT": "300"}
+    r = sh("start.sh", env=env, timeout=600)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "smoke test" in r.stdout and "reply: " in r.stdout
+        assert f"twinspark is up: http://127.0.0.1:{port}/v1" in r.stdout
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content
+    finally:
+        stop = sh("stop.sh", env=env, timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert "no request is running" in stop.stdout
+    kept = [p for p in (tmp_path / "logs").iterdir() if p.is_dir()]
+    assert len(kept) == 1 and (kept[0] / "gateway.log").stat().st_size > 0 and (kept[0] / "rank1.log").exists()
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        raise AssertionError("the gateway still answers after ./stop.sh")
+    except httpx.TransportError:
+        pass
