@@ -4,6 +4,7 @@ single-machine run (native launcher: no docker engine here) with its smoke test,
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,18 @@ def test_bad_settings_are_refused_by_name(tmp_path):
     bad.write_text("PORTT=9000\n")
     r = sh("start.sh", "--dry-run", "--env-file", str(bad))
     assert r.returncode == 2 and "PORTT" in r.stderr
+
+
+def test_checks_stop_the_start_before_anything_runs(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = sh("start.sh", env={"STATE_DIR": str(tmp_path), "LAUNCHER": "native", "PYTHON": sys.executable,
+                                "PORT": str(port), "OTEL_EXPORTER_OTLP_ENDPOINT": ""})
+    assert r.returncode == 1
+    assert f"port {port} (PORT (gateway)) is in use" in r.stdout + r.stderr
+    assert "start every role" in r.stdout and not (tmp_path / "native").exists()  # listed, never run
 
 
 def test_smoke_test_rejects_degenerate_replies():
