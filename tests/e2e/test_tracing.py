@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
@@ -22,9 +23,19 @@ def _one(spans: list[Span], service: str, name: str) -> Span:
     return found[0]
 
 
+def _chat(client: openai.OpenAI, model: str, trace_id: str, parent_span: str, prompt: str) -> int:
+    """One greedy chat request of 12 tokens inside the client's trace; its prompt tokens."""
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True}, extra_headers={"traceparent": f"00-{trace_id}-{parent_span}-01"})
+    assert chat.usage.completion_tokens == 12
+    return chat.usage.prompt_tokens
+
+
 def test_one_trace_across_every_service(tiny_default, tmp_path) -> None:
     receiver, server, port = otlp_receiver.start()
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    pair = [secrets.token_hex(16) for _ in range(2)]  # two requests sent together: they share rounds
     # A batch delay far beyond the test: every span reaches the receiver only through the flush each process does
     # at exit, so this also proves `twinspark down` loses none.
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_BSP_SCHEDULE_DELAY": "600000"}
@@ -32,16 +43,15 @@ def test_one_trace_across_every_service(tiny_default, tmp_path) -> None:
     try:
         stack = start(tiny_default, tmp_path, tp=2, env=env)
         client = openai.OpenAI(base_url=stack.v1, api_key="unused", max_retries=0, timeout=120)
-        chat = client.chat.completions.create(
-            model=stack.model_name, messages=[{"role": "user", "content": "Tell me a story about the sea."}],
-            max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
-            extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
-        assert chat.usage.completion_tokens == 12
+        model = stack.model_name
+        prompt_tokens = _chat(client, model, trace_id, client_span, "Tell me a story about the sea.")
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda t: _chat(client, model, t, secrets.token_hex(8), f"Count to ten {t}."), pair))
         down = stack.down()
         stack = None
         assert down.returncode == 0, down.stderr
-        spans = [s for s in receiver.wait_for(lambda got: SERVICES <= {s.service for s in got}, timeout_s=30)
-                 if s.trace_id == trace_id]
+        received = receiver.wait_for(lambda got: SERVICES <= {s.service for s in got}, timeout_s=30)
+        spans = [s for s in received if s.trace_id == trace_id]
     finally:
         if stack is not None:
             stack.down()
@@ -61,12 +71,12 @@ def test_one_trace_across_every_service(tiny_default, tmp_path) -> None:
     assert gen.kind == SERVER and gen.parent_id == http.span_id
     assert gen.attributes["twinspark.request_id"] == http.attributes["twinspark.request_id"]
     assert gen.attributes["twinspark.completion_tokens"] == 12
-    assert gen.attributes["twinspark.prompt_tokens"] == chat.usage.prompt_tokens
+    assert gen.attributes["twinspark.prompt_tokens"] == prompt_tokens
     phases = {name: _one(sched, "twinspark-scheduler", name) for name in ("queue", "prefill", "decode")}
     assert all(p.parent_id == gen.span_id for p in phases.values())
     chunks = [s for s in sched if s.name == "prefill chunk"]
     assert chunks and all(c.parent_id == phases["prefill"].span_id for c in chunks)
-    assert sum(c.attributes["twinspark.length"] for c in chunks) == chat.usage.prompt_tokens
+    assert sum(c.attributes["twinspark.length"] for c in chunks) == prompt_tokens
 
     # rounds: under one of the request's phase spans; every rank ran a step for every round, under that round
     rounds = {s.span_id: s for s in sched if s.name == "round"}
@@ -85,3 +95,14 @@ def test_one_trace_across_every_service(tiny_default, tmp_path) -> None:
     served = [s for s in spans if s.service == "twinspark-drafter"]
     assert all(s.name == "Propose" and s.kind == SERVER for s in served)
     assert sorted(s.parent_id for s in served) == sorted(proposes)
+
+    # a round of both concurrent requests: a child of one's phase span, linked to the other's
+    phase_of = {t: {s.span_id for s in received if s.trace_id == t and s.name in ("prefill", "decode")} for t in pair}
+    ids = [_one([s for s in received if s.trace_id == t], "twinspark-scheduler", "Generate")
+           .attributes["twinspark.request_id"] for t in pair]
+    shared = [s for s in received if s.name == "round" and set(ids) <= set(s.attributes["twinspark.request_ids"])]
+    assert shared, "the two concurrent requests never shared a round"
+    for r in shared:
+        first = 0 if r.parent_id in phase_of[pair[0]] else 1
+        assert r.parent_id in phase_of[pair[first]] and r.trace_id == pair[first]
+        assert set(r.links) & phase_of[pair[1 - first]], r
