@@ -32,10 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.common.telemetry import setup_tracing
     from services.drafter.methods import DraftMethodUnavailable, build
     from services.drafter.server import serve_forever
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s drafter %(levelname)s %(name)s: %(message)s")
+    setup_tracing("twinspark-drafter")
     log = logging.getLogger("twinspark.drafter")
     kw = {}
     if args.method == "mtp":

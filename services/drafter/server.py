@@ -8,11 +8,14 @@ import threading
 from concurrent import futures
 
 import grpc
+from opentelemetry import trace
 
+from services.common import telemetry
 from services.common.tensors import from_proto, ids, to_proto
 from twinspark.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("twinspark.drafter")
+_tracer = trace.get_tracer("twinspark.drafter")
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
@@ -22,6 +25,16 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.proposed = 0
 
     def Propose(self, request: drafter_pb2.ProposeRequest, context: grpc.ServicerContext) -> drafter_pb2.ProposeReply:
+        with telemetry.server_span(_tracer, "Propose", telemetry.metadata_carrier(context.invocation_metadata()),
+                                   {"twinspark.method": self.method.name,
+                                    "twinspark.sequences": len(request.sequences)}) as span:
+            reply = self._propose(request, context)
+            if span is not None:
+                span.set_attribute("twinspark.drafted_tokens", sum(d.shape[0] for d in reply.drafts if d.shape))
+        return reply
+
+    def _propose(self, request: drafter_pb2.ProposeRequest, context: grpc.ServicerContext
+                 ) -> drafter_pb2.ProposeReply:
         drafts = []
         for seq in request.sequences:
             try:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.common import telemetry
 from twinspark.v1 import generate_pb2
 
 from .checkpoint import CheckpointInfo
@@ -43,8 +45,6 @@ log = logging.getLogger("twinspark.gateway")
 
 # Reachable without the API key: probes and scrapers carry no credentials (vLLM guards /v1/* the same way).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-# W3C trace context headers forwarded to the scheduler as gRPC metadata, so one trace spans both.
-_TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 @dataclass
@@ -90,6 +90,7 @@ class Gateway:
         finally:
             probe.cancel()
             await self.client.close()
+            telemetry.flush()  # the last chance: uvicorn ends the process by its own SIGTERM, skipping atexit
 
     async def _probe(self) -> None:
         """Learn the scheduler's window at start when it is already up (best effort; /health refreshes it)."""
@@ -108,25 +109,28 @@ class Gateway:
         if name is not None and name not in self.accepted_names:
             raise GatewayError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
 
-    def _metadata(self, request: Request) -> tuple[tuple[str, str], ...]:
-        return tuple((h, request.headers[h]) for h in _TRACE_HEADERS if h in request.headers)
-
     def _log(self, prep: Prepared, status: int, outcome: str, stream: GenerationStream, started: float) -> None:
-        """The one log line of a generation request."""
+        """The one log line of a generation request (and the same figures on its HTTP span when traced)."""
         final = stream.final
+        prompt = final.prompt_tokens if final else len(prep.prompt_ids)
+        completion = final.completion_tokens if final else stream.assembler.generated
         log.info("%s %s status=%d finish=%s prompt=%d completion=%d cached=%d latency=%.3fs%s",
-                 prep.request.request_id, prep.kind, status, outcome,
-                 final.prompt_tokens if final else len(prep.prompt_ids),
-                 final.completion_tokens if final else stream.assembler.generated,
+                 prep.request.request_id, prep.kind, status, outcome, prompt, completion,
                  final.cached_tokens if final else 0, time.monotonic() - started, " stream" if prep.stream else "")
         if stream.error is not None:
             stream.error.logged = True
+        span = trace.get_current_span()  # the HTTP server span (a non-recording one when tracing is off)
+        if span.is_recording():
+            span.set_attributes({"twinspark.request_id": prep.request.request_id,
+                                 "gen_ai.request.model": self.model_name, "gen_ai.usage.input_tokens": prompt,
+                                 "gen_ai.usage.output_tokens": completion, "twinspark.finish_reason": outcome,
+                                 "twinspark.stream": prep.stream})
 
     async def _generate(self, request: Request, prep: Prepared, started: float) -> Response:
         assembler = OutputAssembler(self.ctx.tokenizer, stops=prep.stops, include_stop_str=prep.include_stop_str,
                                     skip_special_tokens=prep.skip_special_tokens, final_ids=prep.final_ids)
         stream = GenerationStream(self.client, prep, assembler, self.metrics, keepalive_s=self.settings.keepalive_s,
-                                  metadata=self._metadata(request))
+                                  metadata=telemetry.metadata())  # the scheduler's span is the HTTP span's child
         headers = {"x-request-id": prep.response_id}
         if prep.stream:
             try:
@@ -310,6 +314,16 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def _add_tracing(app: Starlette) -> None:
+    """One SERVER span per HTTP request (outermost, so refusals are traced too), continuing a client's
+    `traceparent`. The per-message send/receive sub-spans are left out: an SSE reply would get one per chunk. The
+    probes are left out too: a scraper would fill the trace store with them."""
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+    app.add_middleware(OpenTelemetryMiddleware, excluded_urls=",".join(OPEN_PATHS),
+                       exclude_spans=["receive", "send"])
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -330,6 +344,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
     app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if telemetry.enabled():
+        _add_tracing(app)
     app.state.gateway = gw
     return app
 

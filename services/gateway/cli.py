@@ -54,9 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from services.common.telemetry import setup_tracing
+
     from .app import GatewaySettings, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("twinspark-gateway")  # before create_app: it adds the HTTP span middleware when on
     settings = GatewaySettings(model_dir=args.model, scheduler=args.scheduler,
                                served_model_name=args.served_model_name, api_key=args.api_key or None,
                                keepalive_s=args.keepalive_s, max_model_len=args.max_model_len,

@@ -39,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.common.telemetry import setup_tracing
     from services.rank_worker import fingerprint as fp
     from services.rank_worker.distributed import join_group, rank_device
     from services.rank_worker.executor import Executor
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from twinspark.v1 import rank_pb2
 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
+    setup_tracing(f"twinspark-rank{args.rank}")
     dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     if args.device == "cpu" and args.world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))

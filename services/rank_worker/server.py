@@ -14,7 +14,9 @@ from concurrent import futures
 from typing import Iterator
 
 import grpc
+from opentelemetry import trace
 
+from services.common import telemetry
 from services.common.plan_checksum import plan_checksum
 from services.common.tensors import to_proto
 from services.rank_worker.executor import Executor, PlanError
@@ -22,6 +24,7 @@ from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("twinspark.rank")
 EXIT_BAD_PLAN = 3
+_tracer = trace.get_tracer("twinspark.rank")
 
 
 class RankService(rank_pb2_grpc.RankWorkerServicer):
@@ -57,7 +60,15 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                     return
                 expected += 1
                 try:
-                    out = self.executor.execute(plan)
+                    # A child of the scheduler's round span; no span when the plan carries no trace context.
+                    with telemetry.server_span(_tracer, "step", plan.trace_context,
+                                               {"twinspark.rank": self.rank, "twinspark.round": plan.round}) as span:
+                        out = self.executor.execute(plan)
+                        if span is not None:
+                            span.set_attributes({"twinspark.seqs": len(plan.request_ids),
+                                                 "twinspark.rows": plan.token_ids.shape[0],
+                                                 "twinspark.forward_ms": out.forward_ms,
+                                                 "twinspark.sample_ms": out.sample_ms})
                 except PlanError as exc:
                     error = f"round {plan.round}: bad plan: {exc}"
                     yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=error)

@@ -67,11 +67,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.common.telemetry import setup_tracing
     from services.scheduler.engine import EngineConfig
     from services.scheduler.ranks import StartupError
     from services.scheduler.server import SchedulerConfig, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
+    setup_tracing("twinspark-scheduler")
     addresses = [a.strip() for a in args.ranks.split(",") if a.strip()]
     if not addresses:
         logging.getLogger("twinspark.scheduler").error("--ranks lists no addresses")

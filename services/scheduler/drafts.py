@@ -13,6 +13,7 @@ import time
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from services.common.tensors import ids, to_proto
 from twinspark.v1 import drafter_pb2, drafter_pb2_grpc
@@ -37,9 +38,10 @@ class DrafterClient:
     def usable(self) -> bool:
         return self.alive or time.monotonic() >= self._retry_at
 
-    async def propose(self, seqs: list[tuple[str, list[int], int, torch.Tensor | None]]) -> list[list[int]] | None:
-        """seqs: (request id, tokens, max drafts, last hidden or None). Drafts per sequence, or None when the
-        drafter is down / slow (the round then runs without drafts)."""
+    async def propose(self, seqs: list[tuple[str, list[int], int, torch.Tensor | None]],
+                      metadata: tuple[tuple[str, str], ...] = ()) -> list[list[int]] | None:
+        """seqs: (request id, tokens, max drafts, last hidden or None); `metadata` goes with the call (trace
+        context). Drafts per sequence, or None when the drafter is down / slow (the round then runs without drafts)."""
         if not seqs or not self.usable:
             return None
         msg = drafter_pb2.ProposeRequest(sequences=[
@@ -48,7 +50,7 @@ class DrafterClient:
             for rid, toks, k, h in seqs])
         self.calls += 1
         try:
-            reply = await self.stub.Propose(msg, timeout=self.timeout_s)
+            reply = await self.stub.Propose(msg, timeout=self.timeout_s, metadata=metadata or None)
             drafts = [ids(d) for d in reply.drafts]
             if len(drafts) != len(seqs):
                 raise ValueError(f"{len(drafts)} draft lists for {len(seqs)} sequences")
@@ -61,6 +63,8 @@ class DrafterClient:
             self.alive = False
             self.detail = f"{self.address}: {text}"
             self._retry_at = time.monotonic() + self.retry_s
+            # The caller's Propose span is current (a no-op one when tracing is off): mark it failed.
+            trace.get_current_span().set_status(trace.StatusCode.ERROR, text)
             return None
         if not self.alive:
             log.info("drafter at %s is back", self.address)

@@ -20,6 +20,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from opentelemetry.context import Context
+
 from services.common.tensors import ids
 from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
@@ -28,6 +30,7 @@ from services.scheduler.pool import BlockPool
 from services.scheduler.prefix import Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
 from services.scheduler.ranks import ModelInfo, RankError, RankSet
 from services.scheduler.request import Request, SamplingSpec, State, derive_seed
+from services.scheduler.tracing import RequestSpans, propose_span, round_span
 from twinspark.v1 import generate_pb2
 
 log = logging.getLogger("twinspark.scheduler")
@@ -130,8 +133,9 @@ class Engine:
                 pass
 
     # -- requests in ----------------------------------------------------------------------------------------------
-    def submit(self, msg: generate_pb2.GenerateRequest) -> Request:
-        """Validate and queue; raises Unavailable, InvalidRequest or QueueFull (nothing is queued then)."""
+    def submit(self, msg: generate_pb2.GenerateRequest, trace_parent: Context | None = None) -> Request:
+        """Validate and queue; raises Unavailable, InvalidRequest or QueueFull (nothing is queued then).
+        `trace_parent`: the caller's trace context when tracing is on (the request's spans go under it)."""
         if self.ranks.failure is not None:
             raise Unavailable(f"{self.ranks.failure.public}; restart the scheduler once the ranks are back")
         if self._stopping or not self.alive:
@@ -141,6 +145,8 @@ class Engine:
         runs_now = not len(self.queue) and len(self.running) < self.max_running and self._fits(req)
         self.queue.push(req, capacity=self.max_running, force=runs_now)
         self.live[req.id] = req
+        if trace_parent is not None:
+            req.spans = RequestSpans(trace_parent, req.id, req.prompt_len)
         req.emit_progress()  # PHASE_QUEUED at acceptance: the gateway can answer headers / keepalives now
         # Admitting here (not only at the loop's next turn) is safe: the round in flight was planned already and
         # new running requests only join the next plan.
@@ -254,11 +260,12 @@ class Engine:
                     if s.req.t_scheduled is None:
                         s.req.t_scheduled = now
                 t0 = time.monotonic()
-                sampled = await self.ranks.step(plan)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", self.rounds, len(seqs),
-                              sum(len(s.token_ids) for s in seqs), len(sampled), (time.monotonic() - t0) * 1e3)
-                self._commit(seqs, sampled, self.ranks.last_accepted, self.ranks.last_hidden)
+                with round_span(self.rounds, seqs, plan):  # before ranks.step seals the plan
+                    sampled = await self.ranks.step(plan)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", self.rounds, len(seqs),
+                                  sum(len(s.token_ids) for s in seqs), len(sampled), (time.monotonic() - t0) * 1e3)
+                    self._commit(seqs, sampled, self.ranks.last_accepted, self.ranks.last_hidden)
             except asyncio.CancelledError:
                 raise
             except RankError as err:
@@ -359,6 +366,8 @@ class Engine:
             self.queue.pop_head()
             self._reserve(head)
             head.state = State.RUNNING
+            if head.spans is not None:
+                head.spans.admitted()
             self.running.append(head)
             assert head.reservation is not None
             log.info("admitted %s: prompt %d (%d cached), max_tokens %d, %d blocks, slot %d, waited %.3f s "
@@ -375,14 +384,15 @@ class Engine:
 
     async def _propose(self) -> dict[str, list[int]]:
         """Drafts for this round's decoders from the drafter; {} without one, or when it is down or slow."""
-        if self.drafter is None or self.cfg.num_draft_tokens < 1:
+        if self.drafter is None or self.cfg.num_draft_tokens < 1 or not self.drafter.usable:
             return {}
         want = [(r, self._draft_budget(r)) for r in self.running
                 if not r.prefilling and not r.no_draft and r.abort_reason is None]
         want = [(r, k) for r, k in want if k > 0]
         if not want:
             return {}
-        drafts = await self.drafter.propose([(r.id, r.tokens, k, r.last_hidden) for r, k in want])
+        with propose_span([r for r, _ in want]) as metadata:
+            drafts = await self.drafter.propose([(r.id, r.tokens, k, r.last_hidden) for r, k in want], metadata)
         if drafts is None:
             return {}
         return {r.id: d for (r, _), d in zip(want, drafts) if d}

@@ -14,11 +14,15 @@ import hashlib
 import struct
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.common.tensors import to_proto
 from services.scheduler.pool import Reservation
 from services.scheduler.prefix import Snapshot
 from twinspark.v1 import generate_pb2
+
+if TYPE_CHECKING:
+    from services.scheduler.tracing import RequestSpans
 
 _MASK64 = (1 << 64) - 1
 
@@ -89,6 +93,7 @@ class Request:
         self.t_first_token: float | None = None
         self.t_finished: float | None = None
         self.finished: generate_pb2.Finished | None = None
+        self.spans: RequestSpans | None = None  # set by the engine when tracing is on
 
     # -- where it stands ------------------------------------------------------------------------------------------
     @property
@@ -118,6 +123,8 @@ class Request:
         if sampled is not None:
             if self.t_first_token is None:
                 self.t_first_token = time.monotonic()
+                if self.spans is not None:
+                    self.spans.first_token()
             self.tokens.append(sampled)
 
     def stop_reason(self) -> tuple[int, int] | None:
@@ -170,5 +177,7 @@ class Request:
             prefill_s=max(0.0, first - scheduled) if self.t_scheduled is not None else 0.0,
             decode_s=max(0.0, now - first) if self.t_first_token is not None else 0.0,
         )
+        if self.spans is not None:
+            self.spans.finished(self.finished)
         self.events.put_nowait(generate_pb2.GenerateEvent(finished=self.finished))
         return self.finished

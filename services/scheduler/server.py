@@ -19,6 +19,7 @@ from services.scheduler.engine import Engine, EngineConfig, InvalidRequest, Unav
 from services.scheduler.drafts import DrafterClient
 from services.scheduler.ranks import RankSet
 from services.scheduler.request import State
+from services.scheduler.tracing import generate_parent
 from twinspark.v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("twinspark.scheduler.server")
@@ -36,7 +37,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            req = self.engine.submit(request)
+            req = self.engine.submit(request, generate_parent(request, context.invocation_metadata()))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return

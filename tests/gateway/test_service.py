@@ -74,7 +74,7 @@ def test_completion_token_prompt_and_sampling_fields(http: httpx.Client, standin
     r = http.post("/v1/completions", json={
         "model": "glm-tiny", "prompt": [[5, 6, 7]], "max_tokens": 2, "temperature": 0, "top_p": 0.5, "top_k": -1,
         "min_p": 0.05, "seed": -1, "stop_token_ids": [9], "ignore_eos": True, "background": True, "draft": False,
-        "return_token_ids": True}, headers={"traceparent": "00-abc-def-01"})
+        "return_token_ids": True}, headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "hl"
@@ -89,7 +89,9 @@ def test_completion_token_prompt_and_sampling_fields(http: httpx.Client, standin
     assert req.sampling.min_p == pytest.approx(0.05) and req.sampling.seed == 2**64 - 1
     assert list(req.stop_token_ids) == [9] and req.ignore_eos
     assert req.priority == generate_pb2.PRIORITY_BACKGROUND and req.no_draft
-    assert rec.metadata.get("traceparent") == "00-abc-def-01"
+    # Tracing is off in this process: a client's trace header is not passed on (the gateway sends its own span's
+    # context when tracing is on, tests/e2e/test_tracing.py).
+    assert "traceparent" not in rec.metadata
     assert r.headers["x-request-id"] == body["id"]
 
 
