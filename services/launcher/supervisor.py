@@ -318,6 +318,8 @@ class Supervisor:
         else:
             log(f"restarting {failed.name}, restart {n} of at most {self.max_restarts} for {role}")
         self._terminate(group, f"restarting the {role} group" if others else f"restarting {failed.name}")
+        if self.pending_signal is not None:
+            return  # told to stop meanwhile: the loop stops everything; nothing new to start just to kill it
         for c in group:
             c.logfile.close()
             self.children[self.children.index(c)] = self._spawn(
