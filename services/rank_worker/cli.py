@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import uuid
+from typing import NoReturn
 
 import torch
 
@@ -51,6 +52,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _leave(code: int) -> NoReturn:
+    """End a rank that joined the group but refuses to go on. Not a normal return: the interpreter's exit then runs
+    torch.distributed's C++ teardown, which now and then aborts ("terminate called without an active exception",
+    SIGABRT instead of `code`) when the peers leave at the same moment. The log handlers flush every record."""
+    os._exit(code)
+
+
 def run(args: argparse.Namespace) -> int:
     from services.rank_worker import fingerprint as fp
     from services.rank_worker.distributed import join_group, rank_device
@@ -74,14 +82,14 @@ def run(args: argparse.Namespace) -> int:
         fp.check_group(settings, args.rank, args.world)
     except RuntimeError as exc:
         log.error("%s", exc)
-        return 4
+        _leave(4)
     try:
         PeerWatch(args.rank, args.world, master_addr=args.master_addr,
                   port=args.peer_port if args.peer_port is not None else args.master_port + 1,
                   timeout_s=args.peer_timeout).start()
     except (OSError, ValueError) as exc:  # TimeoutError is an OSError
         log.error("%s", exc)
-        return EXIT_PEER_LOST
+        _leave(EXIT_PEER_LOST)
     log.info("loading %s (%s, %s)", args.model, dtype, args.device)
     model = Glm5Model.load(args.model, sharding=sharding, group=group, dtype=dtype,
                            device=rank_device(args.device, args.rank), progress=True)

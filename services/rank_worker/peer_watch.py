@@ -118,6 +118,8 @@ class PeerWatch:
                 data = sock.recv(64)
             except socket.timeout:
                 return self._lose(peer, f"silent for {self.timeout_s:g} s")
+            except ConnectionResetError:  # a killed peer that had heartbeats unread resets instead of closing
+                return self._lose(peer, "connection reset")
             except OSError as exc:
                 return self._lose(peer, f"connection error: {exc}")
             if not data:
