@@ -5,7 +5,7 @@ its peers); every rank must answer that round without error. Rank 0's sampled id
 that fails (stream broken, error answer, wrong round, timeout) is recorded and the whole set is failed from then on:
 the ranks' caches can no longer be trusted to agree, and a restarted group must begin from round 1 anyway.
 
-Recovery (`wait_for_new_group` + `reopen`, driven by the engine): the ranks' watchdog makes the whole group exit and
+Recovery (`wait_for_new_group`, run by the engine after a failure): the ranks' watchdog makes the whole group exit and
 the supervisor restarts it. Describe is probed until every rank answers as a new process (an `instance_id` other
 than the one it had when the set was connected: a half-old group cannot be trusted) with the fingerprint the
 scheduler started with; then the Step streams are opened again from round 1. Ranks that come back with other
@@ -198,7 +198,8 @@ class RankSet:
         if self.failure is not None or self._closing:
             return
         self.failure = err
-        log.error("rank failure: %s — failing in-flight requests; unavailable until the rank group has restarted", err)
+        log.error("rank failure: %s — failing in-flight requests; unavailable until the rank group has restarted",
+                  err)
         if self.on_failure is not None:
             self.on_failure(err)
 

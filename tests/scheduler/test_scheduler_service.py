@@ -340,7 +340,8 @@ def test_restarted_rank_group_is_served_again_from_empty_caches():
             assert "waiting for the rank group to restart" in comps["scheduler"].detail
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(c, [1, 2], 3)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "waiting for the rank group" in err.value.details()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "waiting for the rank group" in err.value.details()
 
             await _restart(c, 0)
 
