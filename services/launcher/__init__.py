@@ -5,7 +5,8 @@
 - `procs.py`       process and process-group probes (Linux /proc where it helps, plain signals otherwise).
 - `state.py`       the state dir: `up.json`, the supervisor lock, default locations.
 - `tiny_cache.py`  the tiny checkpoint served when no `--model` is given, made once and cached atomically.
-- `supervisor.py`  starts the children, waits for health, supervises, stops them (process groups, SIGTERM → SIGKILL).
+- `supervisor.py`  starts the children, waits for health, supervises (restarts a child that exits — the ranks as one
+                   group — up to `--max-restarts` per role), stops them (process groups, SIGTERM → SIGKILL).
 - `cli.py`         `register(subparsers)` adding `up` and `down` (also runnable as `python -m services.launcher`).
 
 Nothing here imports torch: `up` must start (and `down` answer) in a blink.

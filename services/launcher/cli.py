@@ -1,7 +1,7 @@
 """`twinspark up` and `twinspark down`: one command to serve, one to stop.
 
 `up` starts every role as its own child process (ranks 0..N-1, the scheduler, the gateway), waits for the gateway's
-`/health`, prints the endpoint and supervises in the foreground; `--detach` runs the same supervisor in the
+`/health`, prints the endpoint and supervises in the foreground (restarting children that exit, `--max-restarts`); `--detach` runs the same supervisor in the
 background (its own session, log in `<state-dir>/logs/supervisor.log`) and returns once healthy. `down` stops the
 run recorded in `<state-dir>/up.json`.
 """
@@ -30,7 +30,9 @@ def register(subparsers: Any) -> None:
         "up", help="start gateway, scheduler and N rank workers on this machine and supervise them",
         description="Start every role as its own child process on this machine — ranks 0..N-1, then the scheduler, "
                     "then the gateway — wait until GET http://HOST:PORT/health answers 200, print the endpoint, and "
-                    "supervise: a child that exits stops everything (exit 1); SIGINT/SIGTERM stop everything (exit 0). "
+                    "supervise: a child that exits is restarted with the same argv and ports (the ranks as one group, "
+                    "every other role alone) up to --max-restarts times per role, after which it stops everything "
+                    "(exit 1); SIGINT/SIGTERM stop everything (exit 0). "
                     "Each child's output goes to <state-dir>/logs/<name>.log. Without --model a tiny checkpoint is "
                     "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -56,6 +58,10 @@ def register(subparsers: Any) -> None:
                     help="seconds to wait for /health to answer 200")
     up.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
                     help="seconds between SIGTERM and SIGKILL when stopping the children")
+    up.add_argument("--max-restarts", type=int, default=env("TWINSPARK_MAX_RESTARTS", "5"), metavar="N",
+                    help="restarts allowed per role (a rank group restart counts once) over the run's life; the "
+                         "next exit stops everything, except the optional drafter, which then stays down; 0 = the "
+                         "first exit stops everything (env TWINSPARK_MAX_RESTARTS)")
     up.add_argument("--role-command", default=None, metavar="CMD",
                     help="command that runs a role's subcommand (serve-rank ...), shell-quoted "
                          f"(default: {shlex.join(DEFAULT_COMMAND)}; e.g. the console script .../bin/twinspark)")
@@ -97,6 +103,8 @@ def run_up(args: argparse.Namespace) -> int:
     sd = _state_dir(args.state_dir)
     if args.tp < 1:
         return _err(f"--tp must be >= 1, got {args.tp}")
+    if args.max_restarts < 0:
+        return _err(f"--max-restarts must be >= 0, got {args.max_restarts}")
     command = tuple(shlex.split(args.role_command)) if args.role_command else DEFAULT_COMMAND
     if not command:
         return _err("--role-command is empty")
@@ -134,7 +142,8 @@ def run_up(args: argparse.Namespace) -> int:
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if args.background else None
-    return Supervisor(plan, stop_grace=args.stop_grace, startup_timeout=args.startup_timeout, out=out).run()
+    return Supervisor(plan, stop_grace=args.stop_grace, startup_timeout=args.startup_timeout,
+                      max_restarts=args.max_restarts, out=out).run()
 
 
 def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, command: tuple[str, ...]) -> int:
@@ -145,6 +154,7 @@ def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, com
             "--host", args.host, "--port", str(port), "--device", args.device, "--drafter", args.drafter,
             "--state-dir", str(sd),
             "--startup-timeout", str(args.startup_timeout), "--stop-grace", str(args.stop_grace),
+            "--max-restarts", str(args.max_restarts),
             "--role-command", shlex.join(command), "--background"]
     with open(sup_log, "wb") as f:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,

@@ -19,7 +19,8 @@ from typing import Callable, Mapping, Sequence
 # (`.../bin/twinspark`) works too; tests put a stand-in script here.
 DEFAULT_COMMAND: tuple[str, ...] = (sys.executable, "-m", "services.cli")
 INTERNAL_HOST = "127.0.0.1"  # every internal gRPC server and the torch.distributed rendezvous listen on loopback
-SHARED_PORTS: tuple[str, ...] = ("master",)  # ports that belong to no single child: the torch.distributed master
+# Ports that belong to no single child: the torch.distributed master, and rank 0's peer watchdog (peer_watch.py).
+SHARED_PORTS: tuple[str, ...] = ("master", "peer")
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
@@ -52,11 +53,12 @@ class Role:
     public: bool = False  # listens on config.host:config.port (its health URL is the readiness gate of the whole run)
     indexed: bool = False  # name children `<role><i>` even when there is one replica (rank0)
     optional: bool = False  # serving goes on without it: its exit does not stop the stack (the drafter)
+    restart_together: bool = False  # its replicas restart as one group (ranks: a new rank cannot join old peers)
 
 
 def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
     return ["serve-rank", "--model", c.model, "--rank", str(i), "--world", str(c.tp),
-            "--master-addr", INTERNAL_HOST, "--master-port", str(shared["master"]),
+            "--master-addr", INTERNAL_HOST, "--master-port", str(shared["master"]), "--peer-port", str(shared["peer"]),
             "--host", host, "--port", str(port), "--device", c.device]
 
 
@@ -82,7 +84,7 @@ def _gateway_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) 
 # Start order. Each role is one stage: all its replicas start together (ranks must, to meet at the master port),
 # then the launcher waits for their ports to listen before the next stage.
 ROLES: tuple[Role, ...] = (
-    Role("rank", _rank_args, replicas=lambda c: c.tp, indexed=True),
+    Role("rank", _rank_args, replicas=lambda c: c.tp, indexed=True, restart_together=True),
     Role("drafter", _drafter_args, replicas=lambda c: 0 if c.drafter == "none" else 1, optional=True),
     Role("scheduler", _scheduler_args),
     Role("gateway", _gateway_args, public=True),
@@ -103,6 +105,7 @@ class ChildSpec:
     public: bool = False
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment on top of the launcher's
     optional: bool = False  # see Role.optional
+    restart_together: bool = False  # see Role.restart_together
 
     @property
     def address(self) -> str:
@@ -113,7 +116,7 @@ class ChildSpec:
 class LaunchPlan:
     config: LaunchConfig
     stages: tuple[tuple[ChildSpec, ...], ...]  # start order; one stage per role
-    shared_ports: Mapping[str, int]  # master -> port
+    shared_ports: Mapping[str, int]  # master, peer -> port
 
     @property
     def children(self) -> tuple[ChildSpec, ...]:
@@ -121,7 +124,7 @@ class LaunchPlan:
 
     @property
     def ports(self) -> dict[str, int]:
-        """Every port in the plan by owner: rank0, ..., scheduler, gateway, master."""
+        """Every port in the plan by owner: rank0, ..., scheduler, gateway, master, peer."""
         return {**{c.name: c.port for c in self.children}, **self.shared_ports}
 
     @property
@@ -187,7 +190,7 @@ def make_plan(config: LaunchConfig, internal_ports: Sequence[int], roles: Sequen
     for role in roles:
         stage = tuple(
             ChildSpec(name=name, role=role.name, index=i, host=host, port=port, public=role.public,
-                      optional=role.optional,
+                      optional=role.optional, restart_together=role.restart_together,
                       argv=(*config.command, *role.args(config, addrs, shared, i, host, port)),
                       log=str(logs / f"{name}.log"))
             for (r, i, name, host, port) in slots if r is role)

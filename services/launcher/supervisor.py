@@ -6,11 +6,16 @@ Lifecycle of `Supervisor.run`:
 2. start the plan stage by stage (all ranks together, then the scheduler, then the gateway), waiting after each
    stage for its ports to listen, then for `GET /health` = 200 — failing fast, with the tail of the child's log, if
    a child exits or the startup timeout passes;
-3. supervise: a child that exits stops everything and `run` returns 1 (no restart policy yet), except an optional
-   one (the drafter): serving goes on without it and its exit is only logged;
+3. supervise: a child that exits is restarted with the same argv and ports — the ranks as one group (they meet in
+   a collective, so a lone new rank cannot join old peers: the others are given `GROUP_EXIT_WAIT_S` to leave by
+   themselves, which their peer watchdog makes them do, then SIGTERM / SIGKILL), every other role alone. Each role
+   may be restarted `max_restarts` times over the run's life (a rank group restart counts once for "rank"); one
+   more exit stops everything and `run` returns 1 (`max_restarts=0`: the first exit does). An optional child (the
+   drafter) past its limit only stays down: serving goes on without it.
    SIGINT / SIGTERM / SIGHUP stop everything and `run` returns 0.
-`up.json` in the state dir records the supervisor, the children (pid, process group, start time, port, log) and
-the endpoint while the run lives; `down` reads it.
+`up.json` in the state dir records the supervisor, the children (pid, process group, start time, port, log; updated
+on every restart) and the endpoint while the run lives; `down` reads it. Logs are appended to, each start marked by
+a `# twinspark up: <name> started|restarted ...` line.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from .plan import ChildSpec, LaunchPlan
 from .ports import listening
 
 POLL_S = 0.1
+GROUP_EXIT_WAIT_S = 5.0  # a rank's peers leave within ~3 s (peer watchdog timeout) of it dying; then they are stopped
 HEALTH_POLL_S = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -109,8 +115,11 @@ class Child:
 
 class Supervisor:
     def __init__(self, plan: LaunchPlan, *, stop_grace: float = 10.0, startup_timeout: float = 600.0,
-                 env: dict[str, str] | None = None, out: Callable[[str], None] | None = None):
+                 max_restarts: int = 5, env: dict[str, str] | None = None, out: Callable[[str], None] | None = None):
         self.plan = plan
+        self.max_restarts = max_restarts
+        self.restarts: dict[str, int] = {}  # role -> restarts so far
+        self._gone: set[str] = set()  # optional children past their restart limit: left down
         self.state_dir = Path(plan.config.state_dir)
         self.stop_grace = stop_grace
         self.startup_timeout = startup_timeout
@@ -173,12 +182,12 @@ class Supervisor:
             "endpoint": self.plan.endpoint, "health_url": self.plan.health_url, "host": cfg.host, "port": cfg.port,
             "model": cfg.model, "tp": cfg.tp, "device": cfg.device, "state_dir": str(self.state_dir),
             "logs": str(self.state_dir / "logs"), "ports": self.plan.ports, "stop_grace": self.stop_grace,
-            "started_at": time.time(), "children": [],
+            "max_restarts": self.max_restarts, "restarts": self.restarts, "started_at": time.time(), "children": [],
         }
         self._write_state()
         for stage in self.plan.stages:
             for spec in stage:
-                self._spawn(spec)
+                self.children.append(self._spawn(spec, "started"))
             self._write_state()
             for child in self.children[-len(stage):]:
                 if child.spec.public:
@@ -191,13 +200,14 @@ class Supervisor:
         self._write_state()
         self.out(format_banner(self.info) + f"\n  stop: Ctrl-C here, or `twinspark down --state-dir {self.state_dir}`")
 
-    def _spawn(self, spec: ChildSpec) -> None:
+    def _spawn(self, spec: ChildSpec, how: str) -> Child:
+        """Start one child; `how` ("started", "restarted (...)") marks the start in its log, which is appended to."""
         what = f"{spec.role} {spec.index}" if spec.name != spec.role else spec.role
         log(f"starting {what} on {spec.address}: {' '.join(spec.argv)}")
         log(f"  {spec.name} log: {spec.log}")
         Path(spec.log).parent.mkdir(parents=True, exist_ok=True)
-        logfile = open(spec.log, "wb")  # noqa: SIM115 — kept open for the child's lifetime
-        logfile.write(f"# twinspark up: {spec.name} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        logfile = open(spec.log, "ab")  # noqa: SIM115 — kept open for the child's lifetime
+        logfile.write(f"# twinspark up: {spec.name} {how} {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
                       f"# argv: {json.dumps(list(spec.argv))}\n".encode())
         logfile.flush()
         try:
@@ -209,8 +219,8 @@ class Supervisor:
             logfile.close()
             raise StartupError(f"cannot start {spec.name} ({spec.argv[0]}): {e}") from e
         child = Child(spec=spec, proc=proc, started=procs.start_time(proc.pid), logfile=logfile)
-        self.children.append(child)
         log(f"  {spec.name} pid {child.pid}")
+        return child
 
     def _check_startup(self, waiting_for: Child, deadline: float, what: str) -> None:
         if self.pending_signal is not None:
@@ -263,65 +273,101 @@ class Supervisor:
 
     # ---- steady state ----------------------------------------------------------------------------------------
     def supervise(self) -> int:
-        self._gone: set[str] = set()  # optional children that exited
         while True:
             if self.pending_signal is not None:
                 self.stop_all(f"got {procs.signal_name(self.pending_signal)}")
                 return 0
-            for c in self.children:
+            for c in list(self.children):
                 rc = c.proc.poll()
-                if rc is not None and c.spec.optional:
-                    if c.name not in self._gone:
-                        self._gone.add(c.name)
-                        log(f"optional child {c.name} (pid {c.pid}) exited with {describe_exit(rc)}; serving goes "
-                            f"on without it; last lines of {c.spec.log}:\n{tail(c.spec.log)}")
+                if rc is None or c.name in self._gone or c not in self.children:  # (a restart may replace peers)
                     continue
-                if rc is not None:
-                    log(f"child {c.name} (pid {c.pid}) exited with {describe_exit(rc)}; last lines of {c.spec.log}:\n"
-                        f"{tail(c.spec.log)}")
-                    log("no restart policy yet (a supervisor restart policy can come later): stopping everything")
+                log(f"child {c.name} (pid {c.pid}) exited with {describe_exit(rc)}; last lines of {c.spec.log}:\n"
+                    f"{tail(c.spec.log)}")
+                done = self.restarts.get(c.spec.role, 0)
+                if done < self.max_restarts:
+                    self._restart(c)
+                elif c.spec.optional:
+                    self._gone.add(c.name)
+                    log(f"{c.name} is optional and past its restart limit ({done} of --max-restarts "
+                        f"{self.max_restarts}): serving goes on without it")
+                else:
+                    log(f"{c.spec.role} is past its restart limit ({done} of --max-restarts {self.max_restarts}): "
+                        f"stopping everything")
                     self.stop_all(f"{c.name} exited")
                     return 1
             time.sleep(POLL_S)
 
+    def _restart(self, failed: Child) -> None:
+        """Start `failed` again — with all its role's replicas when the role restarts together (the ranks: first
+        give the others `GROUP_EXIT_WAIT_S` to leave on their own, then stop what is left) — same argv and ports."""
+        role = failed.spec.role
+        n = self.restarts[role] = self.restarts.get(role, 0) + 1
+        group = [c for c in self.children if c.spec.role == role] if failed.spec.restart_together else [failed]
+        others = [c for c in group if c is not failed]
+        if others:
+            log(f"restarting the {role} group ({', '.join(c.name for c in group)}), restart {n} of at most "
+                f"{self.max_restarts}: waiting up to {GROUP_EXIT_WAIT_S:g} s for "
+                f"{', '.join(c.name for c in others)} to leave on its own")
+            until = time.monotonic() + GROUP_EXIT_WAIT_S
+            while any(c.proc.poll() is None for c in others) and time.monotonic() < until:
+                time.sleep(POLL_S)
+            for c in others:
+                if c.proc.returncode is not None:
+                    log(f"{c.name} (pid {c.pid}) exited with {describe_exit(c.proc.returncode)}; last lines of "
+                        f"{c.spec.log}:\n{tail(c.spec.log, lines=5)}")
+        else:
+            log(f"restarting {failed.name}, restart {n} of at most {self.max_restarts} for {role}")
+        self._terminate(group, f"restarting the {role} group" if others else f"restarting {failed.name}")
+        if self.pending_signal is not None:
+            return  # told to stop meanwhile: the loop stops everything; nothing new to start just to kill it
+        for c in group:
+            c.logfile.close()
+            self.children[self.children.index(c)] = self._spawn(
+                c.spec, f"restarted (restart {n} of at most {self.max_restarts} for {role})")
+        self._write_state()
+
     def stop_all(self, reason: str) -> None:
-        """SIGTERM every child's process group (gateway first), wait up to the grace period, SIGKILL what is left
-        (grandchildren included), reap. Idempotent."""
+        """Stop every child (gateway first); idempotent."""
         if self._stopped:
             return
         self._stopped = True
-        kids = list(reversed(self.children))
+        self._terminate(list(reversed(self.children)), reason)
+        for c in self.children:
+            c.logfile.close()
+
+    def _terminate(self, kids: list[Child], reason: str) -> None:
+        """SIGTERM the process group of each child still running (in order), wait up to the grace period, SIGKILL
+        what is left (grandchildren included), reap."""
         for c in kids:
             c.proc.poll()
         live = [c for c in kids if c.proc.returncode is None or c.pgid in procs.live_groups([c.pgid])]
-        if live:
-            t = time.monotonic()
-            log(f"stopping {', '.join(c.name for c in live)} ({reason}): SIGTERM to each process group, "
-                f"SIGKILL after {self.stop_grace:g} s")
-            for c in live:
-                procs.signal_group(c.pgid, signal.SIGTERM)
-            deadline = t + self.stop_grace
-            left = live
-            while left and time.monotonic() < deadline:
-                time.sleep(0.05)
-                left = self._still_running(left)
-            for c in left:
-                log(f"{c.name} (process group {c.pgid}) still running after {self.stop_grace:g} s: SIGKILL")
-                procs.signal_group(c.pgid, signal.SIGKILL)
-            for c in live:
-                try:
-                    c.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    log(f"{c.name} (pid {c.pid}) did not exit even after SIGKILL")
-            until = time.monotonic() + 2.0  # SIGKILLed grandchildren (no longer ours to reap) take a moment to go
-            while (left := self._still_running(left)) and time.monotonic() < until:
-                time.sleep(0.05)
-            for c in left:
-                log(f"process group {c.pgid} of {c.name} still has live members after SIGKILL")
-            log(f"stopped {', '.join(f'{c.name} ({describe_exit(c.proc.returncode)})' for c in live if c.proc.returncode is not None)} "
-                f"in {time.monotonic() - t:.1f} s")
-        for c in self.children:
-            c.logfile.close()
+        if not live:
+            return
+        t = time.monotonic()
+        log(f"stopping {', '.join(c.name for c in live)} ({reason}): SIGTERM to each process group, "
+            f"SIGKILL after {self.stop_grace:g} s")
+        for c in live:
+            procs.signal_group(c.pgid, signal.SIGTERM)
+        deadline = t + self.stop_grace
+        left = live
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = self._still_running(left)
+        for c in left:
+            log(f"{c.name} (process group {c.pgid}) still running after {self.stop_grace:g} s: SIGKILL")
+            procs.signal_group(c.pgid, signal.SIGKILL)
+        for c in live:
+            try:
+                c.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log(f"{c.name} (pid {c.pid}) did not exit even after SIGKILL")
+        until = time.monotonic() + 2.0  # SIGKILLed grandchildren (no longer ours to reap) take a moment to go
+        while (left := self._still_running(left)) and time.monotonic() < until:
+            time.sleep(0.05)
+        for c in left:
+            log(f"process group {c.pgid} of {c.name} still has live members after SIGKILL")
+        log(f"stopped {', '.join(f'{c.name} ({describe_exit(c.proc.returncode)})' for c in live if c.proc.returncode is not None)} "
+            f"in {time.monotonic() - t:.1f} s")
 
     @staticmethod
     def _still_running(children: list[Child]) -> list[Child]:

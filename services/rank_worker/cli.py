@@ -1,4 +1,9 @@
-"""`twinspark serve-rank`: one rank worker — join the TP group, load this rank's shard, serve StepPlans."""
+"""`twinspark serve-rank`: one rank worker — join the TP group, check the group's settings, arm the peer watchdog,
+load this rank's shard, serve StepPlans.
+
+Exit codes that mean "this group cannot go on" (a supervisor restarts the whole group): 3 a bad plan (server.py),
+4 the ranks' settings differ (fingerprint.py), 5 a peer was lost or never reached the watchdog (peer_watch.py).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import argparse
 import logging
 import os
 import signal
+import uuid
+from typing import NoReturn
 
 import torch
 
@@ -24,6 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world", type=int, default=int(env("TP", "1")), help="number of ranks (TWINSPARK_TP)")
     p.add_argument("--master-addr", default=env("MASTER_ADDR", "127.0.0.1"), help="rank 0's address for the collective")
     p.add_argument("--master-port", type=int, default=int(env("MASTER_PORT", "29500")))
+    peer_port = env("PEER_PORT")
+    p.add_argument("--peer-port", type=int, default=int(peer_port) if peer_port else None,
+                   help="rank 0's port for the peer watchdog's heartbeat connections (TWINSPARK_PEER_PORT, default "
+                        "--master-port + 1)")
+    p.add_argument("--peer-timeout", type=float, default=float(env("PEER_TIMEOUT", "3")),
+                   help="seconds a peer may stay silent before this rank leaves the group with exit code 5 "
+                        "(TWINSPARK_PEER_TIMEOUT, default 3)")
     p.add_argument("--host", default=env("RANK_HOST", "0.0.0.0"), help="gRPC listen address")
     p.add_argument("--port", type=int, default=int(env("RANK_PORT", "50061")), help="gRPC port")
     p.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"])
@@ -38,12 +52,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _leave(code: int) -> NoReturn:
+    """End a rank that joined the group but refuses to go on. Not a normal return: the interpreter's exit then runs
+    torch.distributed's C++ teardown, which now and then aborts ("terminate called without an active exception",
+    SIGABRT instead of `code`) when the peers leave at the same moment. The log handlers flush every record."""
+    os._exit(code)
+
+
 def run(args: argparse.Namespace) -> int:
     from services.common.telemetry import setup_tracing
     from services.rank_worker import fingerprint as fp
     from services.rank_worker.distributed import join_group, rank_device
     from services.rank_worker.executor import Executor
     from services.rank_worker.model.model import Glm5Model
+    from services.rank_worker.peer_watch import EXIT_PEER_LOST, PeerWatch
     from services.rank_worker.server import RankService, serve
     from twinspark.v1 import rank_pb2
 
@@ -62,7 +84,14 @@ def run(args: argparse.Namespace) -> int:
         fp.check_group(settings, args.rank, args.world)
     except RuntimeError as exc:
         log.error("%s", exc)
-        return 4
+        _leave(4)
+    try:
+        PeerWatch(args.rank, args.world, master_addr=args.master_addr,
+                  port=args.peer_port if args.peer_port is not None else args.master_port + 1,
+                  timeout_s=args.peer_timeout).start()
+    except (OSError, ValueError) as exc:  # TimeoutError is an OSError
+        log.error("%s", exc)
+        _leave(EXIT_PEER_LOST)
     log.info("loading %s (%s, %s)", args.model, dtype, args.device)
     model = Glm5Model.load(args.model, sharding=sharding, group=group, dtype=dtype,
                            device=rank_device(args.device, args.rank), progress=True)
@@ -73,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks, block_size=args.block_size, num_slots=args.num_slots, vocab_size=cfg.vocab_size,
         eos_token_ids=list(cfg.eos_token_id),
         max_model_len=min(cfg.max_position_embeddings, args.num_blocks * args.block_size),
-        model=os.path.basename(os.path.normpath(args.model)))
+        model=os.path.basename(os.path.normpath(args.model)),
+        instance_id=uuid.uuid4().hex)  # tells the scheduler a restarted group from the one it connected to
     server = serve(RankService(Executor(model, cache), describe), args.host, args.port)
     log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", args.rank, args.host, args.port,
              args.num_blocks, args.block_size, args.num_slots)

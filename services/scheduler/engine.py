@@ -5,7 +5,8 @@ Everything runs on one asyncio loop, so the engine's structures need no locks: G
 flight at a time; an abort or a cancelled call therefore frees its blocks and slot within one round.
 
 Failure rules: a rank failure fails every request (running and waiting) with FINISH_ERROR and makes the engine
-unavailable (new Generate calls get UNAVAILABLE) until the scheduler is restarted with a healthy group. Any other
+unavailable (new Generate calls get UNAVAILABLE) until the whole rank group has restarted (see ranks.py: new
+instances, same fingerprint); then the pool and prefix index are rebuilt empty and serving resumes. Any other
 exception inside the loop fails only the requests that were running — the ranks are still in lock-step, and a new
 request starts at position 0 with a fresh slot state — and the loop goes on: exceptions never kill the server.
 """
@@ -82,22 +83,17 @@ class Engine:
             if not 0 <= snaps < info.num_slots:
                 raise ValueError(f"--max-snapshots must be in [0, {info.num_slots}) (the ranks have {info.num_slots} "
                                  f"KDA slots and running requests need at least one), got {snaps}")
-        # Slots [0, n) hold running requests' KDA states, [n, num_slots) the prefix index's snapshots.
-        req_slots = info.num_slots - snaps
-        self.pool = BlockPool(info.num_blocks, info.block_size, req_slots)
+        self._snapshot_slots = snaps
         self.prefix: PrefixIndex | None = None
-        if snaps:
-            self.prefix = PrefixIndex(self.pool, list(range(req_slots, info.num_slots)),
-                                      granule=reuse_granule(info.block_size))
-        elif cfg.enable_prefix_caching:
+        self._new_caches()
+        if cfg.enable_prefix_caching and not snaps:
             log.warning("prefix caching is on but no KDA slot is left for snapshots (%d slots, max_num_seqs %d): "
                         "raise the ranks' --num-slots or set --max-snapshots", info.num_slots, cfg.max_num_seqs)
-        self._takes_next: list[tuple[Request, Snapshot]] = []  # snapshot copies that go out in the next plan
         self.queue = AdmissionQueue(cfg.max_waiting)
         self.running: list[Request] = []
         self.live: dict[str, Request] = {}  # waiting + running, by request id
         # A running request holds a KDA slot, so the ranks' slot count caps concurrency too.
-        self.max_running = min(cfg.max_num_seqs, req_slots)
+        self.max_running = min(cfg.max_num_seqs, self.pool.num_slots)
         if cfg.max_num_batched_tokens < self.max_running:
             log.warning("--max-num-batched-tokens %d < %d running sequences: some decode rows will wait a round",
                         cfg.max_num_batched_tokens, self.max_running)
@@ -111,8 +107,22 @@ class Engine:
         self._order = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._recovery: asyncio.Task[None] | None = None  # waits for a failed rank group to come back
         self._stopping = False
         ranks.on_failure = self._on_rank_failure
+
+    def _new_caches(self) -> None:
+        """A fresh logical pool and prefix index: at start, and after the rank group restarted (its caches are
+        empty). The prefix figures carry over, so the exported counters never go backwards."""
+        info, snaps, old = self.info, self._snapshot_slots, self.prefix
+        # Slots [0, n) hold running requests' KDA states, [n, num_slots) the prefix index's snapshots.
+        req_slots = info.num_slots - snaps
+        self.pool = BlockPool(info.num_blocks, info.block_size, req_slots)
+        self.prefix = PrefixIndex(self.pool, list(range(req_slots, info.num_slots)),
+                                  granule=reuse_granule(info.block_size)) if snaps else None
+        if old is not None and self.prefix is not None:
+            self.prefix.queries, self.prefix.hits = old.queries, old.hits
+        self._takes_next: list[tuple[Request, Snapshot]] = []  # snapshot copies that go out in the next plan
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -125,19 +135,23 @@ class Engine:
     async def stop(self, reason: str = "the scheduler is shutting down") -> None:
         self._stopping = True
         self._fail_all(reason)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._task, self._recovery):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
 
     # -- requests in ----------------------------------------------------------------------------------------------
     def submit(self, msg: generate_pb2.GenerateRequest, trace_parent: Context | None = None) -> Request:
         """Validate and queue; raises Unavailable, InvalidRequest or QueueFull (nothing is queued then).
         `trace_parent`: the caller's trace context when tracing is on (the request's spans go under it)."""
+        if self.ranks.stuck is not None:
+            raise Unavailable("the ranks came back with other settings than the scheduler started with; the "
+                              "scheduler must be restarted")
         if self.ranks.failure is not None:
-            raise Unavailable(f"{self.ranks.failure.public}; restart the scheduler once the ranks are back")
+            raise Unavailable(f"{self.ranks.failure.public}; waiting for the rank group to restart")
         if self._stopping or not self.alive:
             raise Unavailable("the scheduler is not running")
         req = self._validate(msg)
@@ -478,3 +492,14 @@ class Engine:
     def _on_rank_failure(self, err: RankError) -> None:
         self._fail_all(err.public)
         self._wake.set()
+        if not self._stopping and (self._recovery is None or self._recovery.done()):
+            self._recovery = asyncio.get_running_loop().create_task(self._recover(), name="rank-recovery")
+
+    async def _recover(self) -> None:
+        """Serve again once the rank group has restarted, with caches as empty as the new ranks' caches."""
+        if await self.ranks.wait_for_new_group():
+            # No await between the streams reopening and this: no round is planned against the old pool.
+            self._new_caches()
+            log.info("rank group back: pool and prefix index rebuilt empty (%d blocks, %d request slots)",
+                     self.pool.num_blocks, self.pool.num_slots)
+            self._wake.set()

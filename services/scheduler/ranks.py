@@ -2,8 +2,14 @@
 
 Every round the same sealed StepPlan goes to every rank (they meet in the collective, so a rank left out would hang
 its peers); every rank must answer that round without error. Rank 0's sampled ids are the result. The first rank
-that fails (stream broken, error answer, wrong round, timeout) is recorded and the whole set is dead from then on:
+that fails (stream broken, error answer, wrong round, timeout) is recorded and the whole set is failed from then on:
 the ranks' caches can no longer be trusted to agree, and a restarted group must begin from round 1 anyway.
+
+Recovery (`wait_for_new_group`, run by the engine after a failure): the ranks' watchdog makes the whole group exit and
+the supervisor restarts it. Describe is probed until every rank answers as a new process (an `instance_id` other
+than the one it had when the set was connected: a half-old group cannot be trusted) with the fingerprint the
+scheduler started with; then the Step streams are opened again from round 1. Ranks that come back with other
+settings leave the set unusable (`stuck`): the scheduler was sized for the old ones and must be restarted.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("twinspark.scheduler.ranks")
 
-_CHANNEL_OPTS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+_CHANNEL_OPTS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                 # Reconnect to a restarted rank within ~a second, not after gRPC's backoff (up to 120 s) has grown.
+                 ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000)]
+PROBE_INTERVAL_S = 1.0  # Describe cadence while waiting for a failed group to come back
 
 
 class StartupError(RuntimeError):
@@ -63,6 +72,13 @@ class ModelInfo:
                    eos_ids=tuple(d.eos_token_ids), max_model_len=d.max_model_len)
 
 
+def _differences(name_a: str, a: rank_pb2.DescribeReply, name_b: str, b: rank_pb2.DescribeReply) -> str:
+    """Two Describe replies' fingerprints and every setting that differs, by name."""
+    keys = sorted(k for k in set(a.settings) | set(b.settings) if a.settings.get(k) != b.settings.get(k))
+    what = ", ".join(f"{k}: {name_a}={a.settings.get(k)!r} {name_b}={b.settings.get(k)!r}" for k in keys)
+    return f"fingerprint {b.fingerprint[:12]}… vs {name_a} {a.fingerprint[:12]}…{'; ' + what if what else ''}"
+
+
 def _rpc_error_text(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
@@ -89,7 +105,9 @@ class RankSet:
         self.clients = [RankClient(i, a.strip()) for i, a in enumerate(addresses)]
         self.rank_timeout_s = rank_timeout_s
         self.info: ModelInfo | None = None
-        self.failure: RankError | None = None  # the first failure; once set the set is dead
+        self.described: list[rank_pb2.DescribeReply] = []  # the connected group's Describe replies, in rank order
+        self.failure: RankError | None = None  # the first failure; set until a restarted group is reopened
+        self.stuck: str | None = None  # why a failed set can never be reopened (the ranks came back changed)
         self.on_failure: Callable[[RankError], None] | None = None  # the engine's wake-up hook
         self._round = 0
         self.last_accepted: list[int] = []  # rank 0's accepted drafts per sequence of the last round
@@ -129,8 +147,8 @@ class RankSet:
         got = [r for r in replies if r is not None]
         self._check_group(got)
         self.info = ModelInfo.from_describe(got[0])
-        for c in self.clients:
-            self._open_stream(c)
+        self.described = got
+        self._open_streams()
         log.info("serving %s with %d rank(s): %d blocks x %d tokens, %d slots, vocab %d, window %d, eos %s",
                  self.info.model, len(self.clients), self.info.num_blocks, self.info.block_size, self.info.num_slots,
                  self.info.vocab_size, self.info.max_model_len, list(self.info.eos_ids))
@@ -145,16 +163,17 @@ class RankSet:
         base = replies[0]
         differ = [(c, r) for c, r in zip(self.clients, replies) if r.fingerprint != base.fingerprint]
         if differ:
-            lines = []
-            for c, r in differ:
-                keys = sorted(k for k in set(base.settings) | set(r.settings) if base.settings.get(k) != r.settings.get(k))
-                what = ", ".join(f"{k}: rank0={base.settings.get(k)!r} {c.name}={r.settings.get(k)!r}" for k in keys)
-                lines.append(f"{c.name} at {c.address} (fingerprint {r.fingerprint[:12]}… vs rank0 "
-                             f"{base.fingerprint[:12]}…{'; ' + what if what else ''})")
-            raise StartupError("rank fingerprints differ, refusing to start: " + "; ".join(lines))
+            raise StartupError("rank fingerprints differ, refusing to start: " + "; ".join(
+                f"{c.name} at {c.address} ({_differences('rank0', base, c.name, r)})" for c, r in differ))
         if base.num_blocks < 1 or base.block_size < 1 or base.num_slots < 1 or base.vocab_size < 1 \
                 or base.max_model_len < 1:
             raise StartupError(f"rank0 describes an unusable cache/model: {base}")
+
+    def _open_streams(self) -> None:
+        """A Step stream per rank, from round 1."""
+        self._round = 0
+        for c in self.clients:
+            self._open_stream(c)
 
     def _open_stream(self, c: RankClient) -> None:
         c.call = c.stub.Step()
@@ -172,13 +191,15 @@ class RankSet:
             reason = f"Step stream ended ({(await call.code()).name}: {await call.details()})"
         except Exception as exc:  # noqa: BLE001 — only for the message
             reason = f"Step stream ended ({exc})"
-        self._fail(RankError(c.index, c.address, reason))
+        if c.call is call:  # not the stream of a group already given up on (recovery cancels those)
+            self._fail(RankError(c.index, c.address, reason))
 
     def _fail(self, err: RankError) -> None:
         if self.failure is not None or self._closing:
             return
         self.failure = err
-        log.error("rank failure: %s — failing in-flight requests; the scheduler is unavailable until restarted", err)
+        log.error("rank failure: %s — failing in-flight requests; unavailable until the rank group has restarted",
+                  err)
         if self.on_failure is not None:
             self.on_failure(err)
 
@@ -259,19 +280,73 @@ class RankSet:
                                 f"round {plan.round}: {len(self.last_accepted)} accepted counts for {n_seqs} sequences")
         return sampled
 
+    # -- recovery -------------------------------------------------------------------------------------------------
+    def _is_new(self, c: RankClient, d: rank_pb2.DescribeReply) -> bool:
+        """Is this another process than the one the set was connected to? (A rank that reports no instance id cannot
+        be told apart from its old self: never.)"""
+        return bool(d.instance_id) and d.instance_id != self.described[c.index].instance_id
+
+    async def _probe(self, c: RankClient) -> rank_pb2.DescribeReply | None:
+        try:
+            return await c.describe(timeout=PROBE_INTERVAL_S)
+        except grpc.aio.AioRpcError:
+            return None
+
+    async def wait_for_new_group(self) -> bool:
+        """After a failure: probe Describe every PROBE_INTERVAL_S until every rank answers as a new process, then
+        check the new group and open its Step streams from round 1, clearing the failure (True). A group that came
+        back with other settings sets `stuck` (False): the scheduler was sized for the old one."""
+        assert self.failure is not None and self.info is not None
+        t0 = time.monotonic()
+        next_log = t0 + 10.0
+        while True:
+            replies = await asyncio.gather(*(self._probe(c) for c in self.clients))
+            waiting = [f"{c.name} ({'unreachable' if d is None else 'not restarted yet'})"
+                       for c, d in zip(self.clients, replies) if d is None or not self._is_new(c, d)]
+            if not waiting:
+                break
+            if time.monotonic() >= next_log:
+                log.info("waiting %.0f s for the rank group to restart: %s", time.monotonic() - t0, ", ".join(waiting))
+                next_log += 10.0
+            await asyncio.sleep(PROBE_INTERVAL_S)
+        group: list[rank_pb2.DescribeReply] = [d for d in replies if d is not None]
+        try:
+            self._check_group(group)
+            if group[0].fingerprint != self.info.fingerprint:
+                raise StartupError(_differences("before", self.described[0], "now", group[0]))
+        except StartupError as exc:
+            self.stuck = (f"the ranks came back with other settings than the scheduler started with ({exc}); "
+                          f"restart the scheduler")
+            log.error("%s", self.stuck)
+            return False
+        for c in self.clients:
+            if c.call is not None:
+                c.call.cancel()  # the failed group's streams (normally over already)
+        self.described = group
+        self._open_streams()
+        failed, self.failure = self.failure, None
+        log.info("the rank group restarted after %.1f s (instances %s): serving again from round 1; the failure was "
+                 "%s", time.monotonic() - t0, ", ".join(d.instance_id[:8] for d in group), failed)
+        return True
+
     # -- liveness -------------------------------------------------------------------------------------------------
     async def ping(self, timeout_s: float = 1.0) -> list[tuple[str, bool, str]]:
-        """(name, alive, detail) per rank: not failed and answering Describe within `timeout_s`."""
+        """(name, alive, detail) per rank: answers Describe with our fingerprint, and is not the rank that failed
+        (unless it has restarted since). While the set is failed the details say what recovery waits for."""
         async def one(c: RankClient) -> tuple[str, bool, str]:
-            if self.failure is not None and self.failure.index == c.index:
-                return c.name, False, f"failed: {self.failure.reason}"
             try:
                 d = await c.describe(timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
-                return c.name, False, f"{c.address}: Describe: {_rpc_error_text(exc)}"
+                return c.name, False, f"{c.address}: unreachable (Describe: {_rpc_error_text(exc)})"
             if self.info is not None and d.fingerprint != self.info.fingerprint:
                 return c.name, False, f"{c.address}: fingerprint changed (restarted with other settings?)"
-            return c.name, True, c.address
+            if self.failure is None:
+                return c.name, True, c.address
+            if self._is_new(c, d):
+                return c.name, True, f"{c.address}: restarted, waiting for the rest of the group"
+            if self.failure.index == c.index:
+                return c.name, False, f"{c.address}: failed: {self.failure.reason}"
+            return c.name, True, f"{c.address}: answering, but its group failed: waiting for the group to restart"
         return list(await asyncio.gather(*(one(c) for c in self.clients)))
 
     async def close(self) -> None:

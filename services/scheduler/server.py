@@ -76,15 +76,21 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                      ) -> generate_pb2.HealthReply:
         e = self.engine
         ranks = await self.ranks.ping(self.ping_timeout_s)  # real liveness, not just "no error seen yet"
-        sched_alive = e.alive
-        detail = f"round {e.rounds}" if sched_alive else "engine loop stopped"
+        # Waiting for a failed rank group to restart, the scheduler itself is fine (the ranks are named down); ranks
+        # that came back with other settings need a scheduler restart, so then the scheduler is down too.
+        sched_alive = e.alive and self.ranks.stuck is None
+        detail = f"round {e.rounds}" if e.alive else "engine loop stopped"
+        if self.ranks.stuck is not None:
+            detail += f"; {self.ranks.stuck}"
+        elif self.ranks.failure is not None:
+            detail += f"; {self.ranks.failure.public}: waiting for the rank group to restart"
         if e.prefix is not None:
             detail += f"; {e.prefix.describe()}"
         if e.loop_error:
             detail += f"; last loop error: {e.loop_error}"
         components = [generate_pb2.ComponentHealth(name="scheduler", alive=sched_alive, detail=detail)]
         components += [generate_pb2.ComponentHealth(name=n, alive=a, detail=d) for n, a, d in ranks]
-        healthy = all(c.alive for c in components)
+        healthy = all(c.alive for c in components) and self.ranks.failure is None
         d = e.drafter
         if d is not None:
             # Optional: without the drafter serving goes on (no drafts), so it does not make the reply unhealthy.

@@ -8,7 +8,8 @@ and misbehaves on request through environment variables (the launcher passes its
   STANDIN_PIDDIR=DIR          write DIR/<name>.pid and start a `sleep` grandchild in the same process group,
                               its pid in DIR/<name>.grandchild (name: rank0, rank1, scheduler, gateway)
   STANDIN_FAIL_AT_START=NAME:CODE        NAME prints a message and exits with CODE before listening
-  STANDIN_CRASH_ON=NAME:CODE:FILE        NAME exits with CODE once FILE exists
+  STANDIN_CRASH_ON=NAME:CODE:FILE        NAME exits with CODE once FILE exists, removing FILE (one crash per touch,
+                              so a restarted NAME runs on)
   STANDIN_STUBBORN=NAME       NAME and its grandchild ignore SIGTERM (only SIGKILL stops them)
   STANDIN_UNHEALTHY=1         the gateway's /health always answers 503
 """
@@ -33,7 +34,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     r = sub.add_parser("serve-rank")
     for flag in ("--model", "--master-addr", "--host"):
         r.add_argument(flag, required=True)
-    for flag in ("--rank", "--world", "--master-port", "--port"):
+    for flag in ("--rank", "--world", "--master-port", "--peer-port", "--port"):
         r.add_argument(flag, type=int, required=True)
     r.add_argument("--device", choices=("cpu", "cuda"), required=True)
     s = sub.add_parser("serve-scheduler")
@@ -93,6 +94,7 @@ def main() -> None:
             while not os.path.exists(trigger):
                 time.sleep(0.05)
             print(f"stand-in {name}: crashing on purpose with code {code}", flush=True)
+            os.remove(trigger)
             os._exit(code)
 
         threading.Thread(target=watch, daemon=True).start()

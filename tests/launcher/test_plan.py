@@ -20,12 +20,13 @@ def _cfg(tp: int, **kw) -> LaunchConfig:
 
 def test_tp1_argv_per_role():
     cfg = _cfg(1)
-    assert internal_ports_needed(cfg) == 3  # master, rank0, scheduler
-    plan = make_plan(cfg, [5000, 5001, 5002])
+    assert internal_ports_needed(cfg) == 4  # master, peer, rank0, scheduler
+    plan = make_plan(cfg, [5000, 5009, 5001, 5002])
     assert [[c.name for c in stage] for stage in plan.stages] == [["rank0"], ["scheduler"], ["gateway"]]
     rank0, sched, gw = plan.children
     assert rank0.argv == (*PREFIX, "serve-rank", "--model", "/models/glm", "--rank", "0", "--world", "1",
-                          "--master-addr", "127.0.0.1", "--master-port", "5000", "--host", "127.0.0.1",
+                          "--master-addr", "127.0.0.1", "--master-port", "5000", "--peer-port", "5009",
+                          "--host", "127.0.0.1",
                           "--port", "5001", "--device", "cpu")
     assert sched.argv == (*PREFIX, "serve-scheduler", "--ranks", "127.0.0.1:5001", "--host", "127.0.0.1",
                           "--port", "5002")
@@ -35,27 +36,29 @@ def test_tp1_argv_per_role():
     assert [c.log for c in plan.children] == ["/state/logs/rank0.log", "/state/logs/scheduler.log",
                                               "/state/logs/gateway.log"]
     assert plan.endpoint == "http://127.0.0.1:8888/v1" and plan.health_url == "http://127.0.0.1:8888/health"
-    assert plan.ports == {"rank0": 5001, "scheduler": 5002, "gateway": 8888, "master": 5000}
+    assert plan.ports == {"rank0": 5001, "scheduler": 5002, "gateway": 8888, "master": 5000, "peer": 5009}
 
 
-def test_tp2_ranks_share_master_and_scheduler_sees_both():
-    plan = make_plan(_cfg(2, device="cuda"), [6000, 6001, 6002, 6003])
+def test_tp2_ranks_share_master_and_peer_ports_and_restart_together():
+    plan = make_plan(_cfg(2, device="cuda"), [6000, 6009, 6001, 6002, 6003])
     assert [[c.name for c in stage] for stage in plan.stages] == [["rank0", "rank1"], ["scheduler"], ["gateway"]]
     r0, r1, sched, gw = plan.children
     for i, r in enumerate((r0, r1)):
         a = list(r.argv)
         assert a[a.index("--rank") + 1] == str(i) and a[a.index("--world") + 1] == "2"
         assert a[a.index("--master-port") + 1] == "6000" and a[a.index("--device") + 1] == "cuda"
+        assert a[a.index("--peer-port") + 1] == "6009" and r.restart_together
         assert a[a.index("--model") + 1] == "/models/glm"
     assert (r0.port, r1.port, sched.port) == (6001, 6002, 6003)
     assert list(sched.argv)[list(sched.argv).index("--ranks") + 1] == "127.0.0.1:6001,127.0.0.1:6002"
     assert list(gw.argv)[list(gw.argv).index("--model") + 1] == "/models/glm"
+    assert not sched.restart_together and not gw.restart_together  # they restart alone
     ports = list(plan.ports.values())
     assert len(set(ports)) == len(ports)
 
 
 def test_wildcard_host_gateway_binds_it_and_clients_use_loopback():
-    plan = make_plan(_cfg(1, host="0.0.0.0"), [1, 2, 3])
+    plan = make_plan(_cfg(1, host="0.0.0.0"), [1, 2, 3, 4])
     gw = plan.children[-1]
     assert list(gw.argv)[list(gw.argv).index("--host") + 1] == "0.0.0.0"
     assert plan.health_url == "http://127.0.0.1:8888/health"
@@ -65,17 +68,17 @@ def test_wildcard_host_gateway_binds_it_and_clients_use_loopback():
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="tp"):
         make_plan(_cfg(0), [])
-    with pytest.raises(ValueError, match="need 4"):
-        make_plan(_cfg(2), [1, 2, 3])
+    with pytest.raises(ValueError, match="need 5"):
+        make_plan(_cfg(2), [1, 2, 3, 4])
     with pytest.raises(ValueError, match="distinct"):
-        make_plan(_cfg(2), [1, 2, 2, 3])
+        make_plan(_cfg(2), [1, 2, 2, 3, 4])
     with pytest.raises(ValueError, match="distinct"):
-        make_plan(_cfg(1), [1, 2, 8888])
+        make_plan(_cfg(1), [1, 2, 3, 8888])
 
 
 def test_default_command_is_this_python_running_the_cli():
     assert DEFAULT_COMMAND == (sys.executable, "-m", "services.cli")
-    plan = make_plan(LaunchConfig(model="/m", state_dir="/s"), [1, 2, 3, 4])  # default: with a copy drafter
+    plan = make_plan(LaunchConfig(model="/m", state_dir="/s"), [1, 2, 3, 4, 5])  # default: with a copy drafter
     assert plan.children[0].argv[:4] == (sys.executable, "-m", "services.cli", "serve-rank")
 
 
@@ -84,17 +87,17 @@ def test_adding_a_role_is_one_entry():
                                                                    "--port", str(port)])
     roles = (ROLES[0], extra, *ROLES[1:])
     cfg = _cfg(2)
-    assert internal_ports_needed(cfg, roles) == 5
-    plan = make_plan(cfg, [10, 11, 12, 13, 14], roles)
+    assert internal_ports_needed(cfg, roles) == 6
+    plan = make_plan(cfg, [10, 11, 12, 13, 14, 15], roles)
     assert [c.name for c in plan.children] == ["rank0", "rank1", "extra", "scheduler", "gateway"]
-    assert plan.children[2].argv == (*PREFIX, "serve-extra", "--host", "127.0.0.1", "--port", "13")
+    assert plan.children[2].argv == (*PREFIX, "serve-extra", "--host", "127.0.0.1", "--port", "14")
 
 
 @pytest.mark.parametrize("method", ["copy", "mtp"])
 def test_drafter_role_and_scheduler_flag(method):
     cfg = _cfg(1, drafter=method)
-    assert internal_ports_needed(cfg) == 4
-    plan = make_plan(cfg, [20, 21, 22, 23])
+    assert internal_ports_needed(cfg) == 5
+    plan = make_plan(cfg, [19, 20, 21, 22, 23])
     assert [c.name for c in plan.children] == ["rank0", "drafter", "scheduler", "gateway"]
     drafter, sched = plan.children[1], plan.children[2]
     assert drafter.argv == (*PREFIX, "serve-drafter", "--method", method, "--model", "/models/glm", "--host",

@@ -109,7 +109,7 @@ def test_foreground_healthy_then_sigterm_stops_everything(tmp_path):
         assert [c["name"] for c in info["children"]] == ["rank0", "rank1", "drafter", "scheduler", "gateway"]
         assert info["supervisor_pid"] == proc.pid and info["tp"] == 2
         ports = list(info["ports"].values())
-        assert len(set(ports)) == len(ports) == 6 and info["port"] == info["ports"]["gateway"]
+        assert len(set(ports)) == len(ports) == 7 and info["port"] == info["ports"]["gateway"]
         assert info["endpoint"] == f"http://127.0.0.1:{info['port']}/v1"
         for c in info["children"]:
             assert Path(c["log"]) == state / "logs" / f"{c['name']}.log" and Path(c["log"]).is_file()
@@ -129,10 +129,11 @@ def test_foreground_healthy_then_sigterm_stops_everything(tmp_path):
     assert not (state / "up.json").exists()
 
 
-def test_child_dying_stops_everything_and_exits_nonzero(tmp_path):
+def test_child_dying_with_max_restarts_0_stops_everything_and_exits_nonzero(tmp_path):
     piddir, trigger = tmp_path / "pids", tmp_path / "crash-now"
     piddir.mkdir()
-    proc, state = _start(tmp_path, STANDIN_PIDDIR=str(piddir), STANDIN_CRASH_ON=f"scheduler:3:{trigger}")
+    proc, state = _start(tmp_path, "--max-restarts", "0", STANDIN_PIDDIR=str(piddir),
+                         STANDIN_CRASH_ON=f"scheduler:3:{trigger}")
     try:
         _wait_up(proc, state)
         pids = _pids(piddir)
@@ -143,7 +144,83 @@ def test_child_dying_stops_everything_and_exits_nonzero(tmp_path):
             proc.kill()
     _, err = _outputs(tmp_path)
     assert "child scheduler" in err and "exited with code 3" in err and "crashing on purpose" in err
-    assert "no restart policy" in err
+    assert "past its restart limit (0 of --max-restarts 0)" in err
+    _assert_all_gone(pids)
+    assert not (state / "up.json").exists()
+
+
+def _wait_restarted(state: Path, restarts: dict[str, int], timeout: float = 20) -> dict:
+    """up.json once it counts `restarts` and records live children (the restarted ones included)."""
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        try:
+            info = json.loads((state / "up.json").read_text())
+            if info["restarts"] == restarts and all(_alive(c["pid"]) for c in info["children"]):
+                return info
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no restart {restarts} recorded in time")
+
+
+def test_rank_exit_restarts_the_rank_group_with_the_same_argv(tmp_path):
+    piddir, trigger = tmp_path / "pids", tmp_path / "crash-now"
+    piddir.mkdir()
+    proc, state = _start(tmp_path, "--tp", "2", STANDIN_PIDDIR=str(piddir), STANDIN_CRASH_ON=f"rank1:5:{trigger}")
+    try:
+        before = {c["name"]: c for c in _wait_up(proc, state)["children"]}
+        old = _pids(piddir)
+        trigger.touch()
+        after = {c["name"]: c for c in _wait_restarted(state, {"rank": 1})["children"]}
+        for name in ("rank0", "rank1"):  # both ranks are new processes, on the same argv and ports
+            assert after[name]["pid"] != before[name]["pid"] and after[name]["argv"] == before[name]["argv"]
+        for name in ("drafter", "scheduler", "gateway"):
+            assert after[name]["pid"] == before[name]["pid"]
+        _assert_all_gone([old[f"rank{i}.{k}"] for i in (0, 1) for k in ("pid", "grandchild")])
+        assert _get(f"http://127.0.0.1:{after['gateway']['port']}/health") == 200
+        restarted = {after["rank0"]["pid"], after["rank1"]["pid"]}
+        until = time.monotonic() + 10  # the restarted stand-ins write their pid files once their Python is up
+        while {(new := _pids(piddir))["rank0.pid"], new["rank1.pid"]} != restarted and time.monotonic() < until:
+            time.sleep(0.05)
+        assert {new["rank0.pid"], new["rank1.pid"]} == restarted
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, err = _outputs(tmp_path)
+    assert "child rank1" in err and "exited with code 5" in err
+    # The stand-in rank0 has no peer watchdog: it is given the wait, then stopped (with rank1's orphaned grandchild).
+    assert "waiting up to 5 s for rank0 to leave on its own" in err
+    assert "stopping rank0, rank1 (restarting the rank group)" in err
+    log = (state / "logs" / "rank1.log").read_text()
+    assert "# twinspark up: rank1 started" in log and "crashing on purpose" in log  # the first run's lines are kept
+    assert "# twinspark up: rank1 restarted (restart 1 of at most 5 for rank)" in log
+    _assert_all_gone(new)
+
+
+def test_scheduler_restarts_alone_until_its_limit(tmp_path):
+    piddir, trigger = tmp_path / "pids", tmp_path / "crash-now"
+    piddir.mkdir()
+    proc, state = _start(tmp_path, "--max-restarts", "1", STANDIN_PIDDIR=str(piddir),
+                         STANDIN_CRASH_ON=f"scheduler:7:{trigger}")
+    try:
+        before = {c["name"]: c["pid"] for c in _wait_up(proc, state)["children"]}
+        trigger.touch()
+        info = _wait_restarted(state, {"scheduler": 1})
+        after = {c["name"]: c["pid"] for c in info["children"]}
+        assert after["scheduler"] != before["scheduler"]
+        assert {k: v for k, v in after.items() if k != "scheduler"} == \
+            {k: v for k, v in before.items() if k != "scheduler"}  # nobody else was touched
+        pids = _pids(piddir)
+        trigger.touch()  # one exit more than --max-restarts allows
+        assert proc.wait(timeout=15) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, err = _outputs(tmp_path)
+    assert "restarting scheduler, restart 1 of at most 1" in err
+    assert "scheduler is past its restart limit (1 of --max-restarts 1): stopping everything" in err
     _assert_all_gone(pids)
     assert not (state / "up.json").exists()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import struct
+import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -80,6 +81,7 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
     fail_at_round: int | None = None
     port: int = 0  # 0: any free port
     fail_mode: str = "stop"  # "stop": the server dies; "error": answers StepResult.error; "raise": stream breaks
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # per stand-in, like a rank process start
     rounds: list[RoundLog] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     copies: list[list[tuple[int, int]]] = field(default_factory=list)  # state copies per round
@@ -108,7 +110,8 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
         return rank_pb2.DescribeReply(
             rank=self.rank, world=self.world, fingerprint=self.fingerprint, settings={"standin": self.fingerprint},
             num_blocks=self.num_blocks, block_size=self.block_size, num_slots=self.num_slots, vocab_size=self.vocab,
-            eos_token_ids=list(self.eos), max_model_len=self.max_model_len, model="standin")
+            eos_token_ids=list(self.eos), max_model_len=self.max_model_len, model="standin",
+            instance_id=self.instance_id)
 
     async def Step(self, request_iterator, context):
         expected = 1

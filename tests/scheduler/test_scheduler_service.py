@@ -309,3 +309,67 @@ def test_startup_waits_for_late_ranks_and_refuses_mismatched_groups():
         await r0.stop()
         await r1.stop()
     run(body())
+
+
+async def _restart(c, i: int, **kw) -> None:
+    """Replace stand-in rank i by a new process-alike on the same port (a new instance id)."""
+    old = c.ranks[i]
+    await old.stop()
+    new = StandinRank(rank=i, world=old.world, port=int(old.address.rsplit(":", 1)[1]), **kw)
+    await new.start()
+    c.ranks[i] = new
+
+
+def test_restarted_rank_group_is_served_again_from_empty_caches():
+    """After a rank failure the scheduler waits for the whole group to come back as new processes, then serves again
+    with a fresh pool and prefix index (the new ranks' caches are empty: reusing old blocks or snapshots would make
+    the stand-in refuse to read positions it never wrote)."""
+    async def body():
+        prompt = [7] * 70  # long enough for a prefix snapshot (at position 64)
+        async with cluster(2, rank=dict(step_delay_s=0.002), per_rank=[{}, {"fail_at_round": 8}]) as c:
+            warm = await generate(c, prompt, 3, rid="warm")
+            assert warm.tokens == standin_generate(prompt, 3, vocab=VOCAB)[0]
+            failed = await generate(c, [1, 2, 3], 50, rid="dies")
+            assert failed.reason == "error" and "rank1" in failed.finished.error
+
+            await _restart(c, 1)  # half a new group is not trusted: rank0 still holds the old caches
+            await asyncio.sleep(2.5)  # more than two probes
+            h = await c.health()
+            comps = {x.name: x for x in h.components}
+            assert not h.healthy and comps["rank1"].alive and "restarted" in comps["rank1"].detail
+            assert "waiting for the rank group to restart" in comps["scheduler"].detail
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(c, [1, 2], 3)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "waiting for the rank group" in err.value.details()
+
+            await _restart(c, 0)
+
+            async def healthy() -> bool:
+                return (await c.health()).healthy
+            await wait_until(healthy, timeout_s=10, every_s=0.1)
+            again = await generate(c, prompt, 3, rid="warm-again")
+            assert again.reason == "length" and again.tokens == warm.tokens
+            assert again.finished.cached_tokens == 0  # the old prefix index went with the old caches
+            assert c.ranks[0].rounds[0].round == 1  # the new group's streams start from round 1
+            assert not c.standin_errors()
+    run(body())
+
+
+def test_rank_group_back_with_other_settings_stays_unavailable():
+    async def body():
+        async with cluster(2, per_rank=[{}, {"fail_at_round": 2}]) as c:
+            assert (await generate(c, [1, 2, 3], 5)).reason == "error"
+            for i in (0, 1):
+                await _restart(c, i, fingerprint="other")
+
+            async def says_settings_changed() -> bool:
+                return "other settings" in {x.name: x for x in (await c.health()).components}["scheduler"].detail
+            await wait_until(says_settings_changed, timeout_s=10, every_s=0.1)
+            h = await c.health()
+            assert not h.healthy and not {x.name: x for x in h.components}["scheduler"].alive
+            assert "restart the scheduler" in {x.name: x for x in h.components}["scheduler"].detail
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(c, [1, 2], 3)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "other settings" in err.value.details()
+    run(body())
