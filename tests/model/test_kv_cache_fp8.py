@@ -122,8 +122,10 @@ def test_logits_and_greedy_tokens_close_to_fp32_cache(ckpt, greedy_case):
 
 @pytest.mark.parametrize("chunks", [[64, 64, 18], [7, 30, 27, 82]])
 def test_chunked_prefill_equals_whole_with_fp8(tiny_sparse, chunks):
-    """Chunk invariance keeps its fp32 meaning: chunks on the KDA 64-row grid give the whole prefill's bits, so the
-    fp8 rows are identical too; off-grid chunks agree at parity level (fp32-cache delta: 3-6e-5)."""
+    """Chunks on the KDA 64-row grid give the whole prefill's bits, so the fp8 rows are identical too. Off-grid chunks
+    agree at parity level here (3.6e-5; fp32 cache 3-6e-5), but not for every input: fp8 rounding is a step function,
+    so a ~1e-7 off-grid difference in a latent value at a rounding midpoint moves it one e4m3 step, which make-tiny's
+    chaotic init amplifies (seen once in 6 probes: 3.8 on tiny_sparse, seed 2, chunks [7, 30, 27])."""
     model = our_model(tiny_sparse)
     ids = random_ids(sum(chunks) + 8, seed=7)
     whole = run_chunks(model, fresh_cache(model, len(ids), kv_dtype=FP8), ids, [sum(chunks)])
