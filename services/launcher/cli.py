@@ -49,6 +49,10 @@ def register(subparsers: Any) -> None:
     up.add_argument("--drafter", choices=("copy", "mtp", "none"), default=env("TWINSPARK_DRAFTER", "copy"),
                     help="draft method of the drafter process (copy: n-gram prompt lookup; mtp: the checkpoint's "
                          "MTP layer; none: no drafter, no drafts) (env TWINSPARK_DRAFTER)")
+    up.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
+                    default=env("TWINSPARK_KV_CACHE_DTYPE", "auto"),
+                    help="rank cache storage: auto = the compute dtype; fp8 = e4m3 + per-row scale, about half the "
+                         "bytes (env TWINSPARK_KV_CACHE_DTYPE)")
     up.add_argument("--detach", action="store_true",
                     help="run the supervisor in the background; return once healthy (stop with `twinspark down`)")
     up.add_argument("--state-dir", default=None, metavar="DIR",
@@ -138,7 +142,7 @@ def run_up(args: argparse.Namespace) -> int:
     if args.detach:
         return _up_detached(args, sd, model, port, command)
     cfg = LaunchConfig(model=str(model), state_dir=str(sd), tp=args.tp, host=args.host, port=port,
-                       device=args.device, command=command, drafter=args.drafter)
+                       device=args.device, command=command, drafter=args.drafter, kv_cache_dtype=args.kv_cache_dtype)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if args.background else None
@@ -152,6 +156,7 @@ def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, com
     sup_log = logs / "supervisor.log"
     argv = [sys.executable, "-m", "services.launcher", "up", "--model", str(model), "--tp", str(args.tp),
             "--host", args.host, "--port", str(port), "--device", args.device, "--drafter", args.drafter,
+            "--kv-cache-dtype", args.kv_cache_dtype,
             "--state-dir", str(sd),
             "--startup-timeout", str(args.startup_timeout), "--stop-grace", str(args.stop_grace),
             "--max-restarts", str(args.max_restarts),

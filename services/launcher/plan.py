@@ -36,6 +36,7 @@ class LaunchConfig:
     device: str = "cpu"
     command: tuple[str, ...] = DEFAULT_COMMAND
     drafter: str = "copy"  # draft method of the drafter role: copy | mtp | none (no drafter, no drafts)
+    kv_cache_dtype: str = "auto"  # storage of the ranks' latent + indexer cache rows: auto | fp8 | fp8_e4m3
 
 
 # addrs: role name -> ["host:port", ...] for every replica of every role (known before any argv is built).
@@ -59,7 +60,7 @@ class Role:
 def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
     return ["serve-rank", "--model", c.model, "--rank", str(i), "--world", str(c.tp),
             "--master-addr", INTERNAL_HOST, "--master-port", str(shared["master"]), "--peer-port", str(shared["peer"]),
-            "--host", host, "--port", str(port), "--device", c.device]
+            "--host", host, "--port", str(port), "--device", c.device, "--kv-cache-dtype", c.kv_cache_dtype]
 
 
 def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:

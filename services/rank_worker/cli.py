@@ -17,6 +17,7 @@ from typing import NoReturn
 import torch
 
 from services.common.env import env
+from services.rank_worker.model.row_store import KV_CACHE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("twinspark.rank")
@@ -43,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=env("DTYPE"), choices=sorted(_DTYPES),
                    help="compute dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--kv-cache-dtype", default=env("KV_CACHE_DTYPE", "auto"), choices=sorted(KV_CACHE_DTYPES),
+                   help="storage of the MLA latent + indexer cache rows: auto = the compute dtype; fp8 (= fp8_e4m3) = "
+                        "e4m3 with a per-row fp32 scale, about half the bf16 bytes (TWINSPARK_KV_CACHE_DTYPE)")
     p.add_argument("--num-blocks", type=int, default=int(env("NUM_BLOCKS", "1024")), help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")), help="positions per block")
     p.add_argument("--num-slots", type=int, default=int(env("NUM_SLOTS", "32")), help="KDA state slots")
@@ -79,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
                                  device=args.device, virtual=args.virtual_shards)
     settings = fp.settings(model_dir=args.model, world=args.world, dtype=dtype, device=args.device,
                            virtual_shards=args.virtual_shards, num_blocks=args.num_blocks,
-                           block_size=args.block_size, num_slots=args.num_slots)
+                           block_size=args.block_size, num_slots=args.num_slots,
+                           kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     try:
         fp.check_group(settings, args.rank, args.world)
     except RuntimeError as exc:
@@ -95,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
     log.info("loading %s (%s, %s)", args.model, dtype, args.device)
     model = Glm5Model.load(args.model, sharding=sharding, group=group, dtype=dtype,
                            device=rank_device(args.device, args.rank), progress=True)
-    cache = model.new_cache(num_blocks=args.num_blocks, block_size=args.block_size, num_slots=args.num_slots)
+    cache = model.new_cache(num_blocks=args.num_blocks, block_size=args.block_size, num_slots=args.num_slots,
+                            kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
+    log.info("kv cache %s: %d bytes per block (%d as %s)", args.kv_cache_dtype, cache.kv_bytes_per_block(),
+             cache.kv_bytes_per_block(dtype), str(dtype).removeprefix("torch."))
     cfg = model.cfg
     describe = rank_pb2.DescribeReply(
         rank=args.rank, world=args.world, fingerprint=fp.fingerprint(settings), settings=settings,

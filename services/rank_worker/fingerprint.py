@@ -16,7 +16,7 @@ def _file_hash(path: Path) -> str:
 
 
 def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: str, virtual_shards: int,
-             num_blocks: int, block_size: int, num_slots: int) -> dict[str, str]:
+             num_blocks: int, block_size: int, num_slots: int, kv_dtype: torch.dtype | None) -> dict[str, str]:
     """Every setting that changes a rank's arithmetic or memory layout, by name."""
     d = Path(model_dir)
     try:
@@ -27,6 +27,8 @@ def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: s
         "config.json": _file_hash(d / "config.json"),
         "weights index": _file_hash(d / "model.safetensors.index.json"),
         "dtype": str(dtype).removeprefix("torch."),
+        # Resolved storage, so aliases (fp8 / fp8_e4m3, auto / the compute dtype) that store the same bits agree.
+        "kv cache dtype": str(kv_dtype or dtype).removeprefix("torch."),
         "device": device.split(":")[0],
         "tp world": str(world),
         "virtual shards": str(virtual_shards),

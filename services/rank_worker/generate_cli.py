@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from services.rank_worker.model.row_store import KV_CACHE_DTYPES
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=os.environ.get("TWINSPARK_DEVICE", "cpu"), choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
                    help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--kv-cache-dtype", default=os.environ.get("TWINSPARK_KV_CACHE_DTYPE", "auto"),
+                   choices=sorted(KV_CACHE_DTYPES), help="storage of the MLA latent + indexer cache rows: auto = the "
+                   "compute dtype; fp8 (= fp8_e4m3) = e4m3 with a per-row scale (env TWINSPARK_KV_CACHE_DTYPE)")
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
     p.set_defaults(func=run)
 
@@ -55,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     req = GenerateRequest(prompt_ids=tuple(prompt), max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                           ignore_eos=args.ignore_eos)
-    tokens = generate(model_dir, req, tp=args.tp, device=args.device, dtype=dtype)
+    tokens = generate(model_dir, req, tp=args.tp, device=args.device, dtype=dtype,
+                      kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     text = tokenizer.decode(tokens, skip_special_tokens=False)
     print(json.dumps({"token_ids": tokens, "text": text}) if args.json else text)
     return 0

@@ -36,13 +36,14 @@ class GenerateRequest:
     prefill_chunk: int = 256
 
 
-def generate_on_model(model: Glm5Model, req: GenerateRequest, *, block_size: int = 16) -> list[int]:
-    """Generate for one request on an already loaded (shard of the) model."""
+def generate_on_model(model: Glm5Model, req: GenerateRequest, *, block_size: int = 16,
+                      kv_dtype: torch.dtype | None = None) -> list[int]:
+    """Generate for one request on an already loaded (shard of the) model; kv_dtype: see `Glm5Model.new_cache`."""
     if not req.prompt_ids:
         raise ValueError("the prompt is empty")
     total = len(req.prompt_ids) + req.max_tokens
     n_blocks = -(-total // block_size)
-    cache = model.new_cache(num_blocks=n_blocks, block_size=block_size, num_slots=1)
+    cache = model.new_cache(num_blocks=n_blocks, block_size=block_size, num_slots=1, kv_dtype=kv_dtype)
     table = list(range(n_blocks))
     params = SamplingParams.from_lists([req.temperature], [req.top_k], [req.top_p], [req.min_p], [req.seed],
                                        device=model.device)
@@ -110,6 +111,7 @@ def run_on_ranks(model_dir: str | Path, job: Callable[[Glm5Model], Any], *, tp: 
 
 
 def generate(model_dir: str | Path, req: GenerateRequest, *, tp: int = 1, device: str = "cpu",
-             dtype: torch.dtype = torch.float32) -> list[int]:
+             dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None) -> list[int]:
     """Generate with TP ranks (see `run_on_ranks`)."""
-    return run_on_ranks(model_dir, partial(generate_on_model, req=req), tp=tp, device=device, dtype=dtype)
+    return run_on_ranks(model_dir, partial(generate_on_model, req=req, kv_dtype=kv_dtype), tp=tp, device=device,
+                        dtype=dtype)

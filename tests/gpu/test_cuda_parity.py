@@ -108,19 +108,21 @@ def load_ours(path: Path) -> Glm5Model:
     return Glm5Model.load(path, dtype=torch.bfloat16, device=DEVICE, progress=False)
 
 
-def fresh(model: Glm5Model, ids: list[int], n: int, start: int, device: str, cache=None):
+def fresh(model: Glm5Model, ids: list[int], n: int, start: int, device: str, cache=None,
+          kv_dtype: torch.dtype | None = None):
     n_blocks = -(-PROMPT // BLOCK)
-    cache = cache or model.new_cache(num_blocks=n_blocks, block_size=BLOCK, num_slots=1)
+    cache = cache or model.new_cache(num_blocks=n_blocks, block_size=BLOCK, num_slots=1, kv_dtype=kv_dtype)
     batch = Batch.single(ids[start : start + n], start, list(range(n_blocks)), slot=0, all_logits=True, device=device)
     return batch, cache
 
 
-def prefill_logits(model: Glm5Model, ids: list[int], chunks: list[int], device: str) -> torch.Tensor:
+def prefill_logits(model: Glm5Model, ids: list[int], chunks: list[int], device: str,
+                   kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logits of every row when `ids` is fed in consecutive chunks (one fresh cache) -> [len(ids), V] fp32 CPU."""
     assert sum(chunks) == len(ids)
     out, pos, cache = [], 0, None
     for n in chunks:
-        batch, cache = fresh(model, ids, n, pos, device, cache)
+        batch, cache = fresh(model, ids, n, pos, device, cache, kv_dtype)
         out.append(model.forward(batch, cache).logits.float().cpu())
         pos += n
     return torch.cat(out)

@@ -37,6 +37,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for flag in ("--rank", "--world", "--master-port", "--peer-port", "--port"):
         r.add_argument(flag, type=int, required=True)
     r.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    r.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), required=True)
     s = sub.add_parser("serve-scheduler")
     s.add_argument("--ranks", required=True)
     s.add_argument("--drafter")

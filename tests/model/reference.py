@@ -37,8 +37,9 @@ def random_ids(n: int, seed: int, vocab: int = 500) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def fresh_cache(model: Glm5Model, tokens: int, slots: int = 4) -> PagedCache:
-    return model.new_cache(num_blocks=slots * (-(-tokens // BLOCK)), block_size=BLOCK, num_slots=slots)
+def fresh_cache(model: Glm5Model, tokens: int, slots: int = 4, kv_dtype: torch.dtype | None = None) -> PagedCache:
+    return model.new_cache(num_blocks=slots * (-(-tokens // BLOCK)), block_size=BLOCK, num_slots=slots,
+                           kv_dtype=kv_dtype)
 
 
 def table(slot: int, tokens: int) -> list[int]:
@@ -62,3 +63,16 @@ def run_chunks(model: Glm5Model, cache: PagedCache, ids: list[int], chunks: list
 def clone_cache(cache: PagedCache) -> PagedCache:
     """A deep copy, so one cache state can be replayed several ways."""
     return copy.deepcopy(cache)
+
+
+def cache_tensors(cache: PagedCache) -> dict[str, torch.Tensor]:
+    """Every tensor a cache holds, by a readable name (fp8 scales included), to compare two caches bit for bit."""
+    out = {}
+    for name in ("latent", "index_keys"):
+        for layer, store in getattr(cache, name).items():
+            out[f"{name}[{layer}]"] = store.data
+            if store.scale is not None:
+                out[f"{name}[{layer}].scale"] = store.scale
+    for name in ("kda_state", "conv_state"):
+        out.update({f"{name}[{layer}]": t for layer, t in getattr(cache, name).items()})
+    return out

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from services.rank_worker.model.batch import Batch
-from tests.model.reference import (clone_cache, fresh_cache, hf_logits, hf_model, our_model, random_ids, run_chunks,
-                                   table)
+from tests.model.reference import (cache_tensors, clone_cache, fresh_cache, hf_logits, hf_model, our_model,
+                                   random_ids, run_chunks, table)
 
 TOL = 1e-4
 LONG = 210  # prompt length of the long cases (>= 200)
@@ -81,9 +81,9 @@ def test_packed_batch_equals_each_alone(ckpt):
         ref = hf_logits(ckpt, seqs[s])[done[s]:]
         assert (together[s] - ref).abs().max().item() <= TOL
     # The caches the two paths left behind are identical too (the next step would not diverge).
-    for name in ("latent", "index_keys", "kda_state", "conv_state"):
-        for layer, t in getattr(cache, name).items():
-            assert torch.equal(t, getattr(alone_cache, name)[layer]), f"{name}[{layer}] differs"
+    alone_tensors = cache_tensors(alone_cache)
+    for name, t in cache_tensors(cache).items():
+        assert torch.equal(t, alone_tensors[name]), f"{name} differs"
 
 
 def test_greedy_generation_matches_transformers(ckpt):

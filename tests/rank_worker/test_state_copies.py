@@ -51,7 +51,8 @@ def test_snapshot_and_resume_reproduce_the_state_bit_for_bit(tiny_default):
     # A fresh prefill of the whole prompt in one call has the same 64-chunk grid: the same bits again.
     assert ex.execute(_plan(prompt, 0, 3, list(range(12, 20)))).sampled == full
     assert all(torch.equal(a, b) for a, b in zip(_states(ex.cache, 3), end_a))
-    assert torch.equal(ex.cache.latent[model.cfg.mla_layers[0]][12:19], ex.cache.latent[model.cfg.mla_layers[0]][:7])
+    latent = ex.cache.latent[model.cfg.mla_layers[0]].data
+    assert torch.equal(latent[12:19], latent[:7])
     # A wrong snapshot (here A's end state instead of the one at 64) changes the state.
     ex.execute(_plan(prompt[64:], 64, 3, table_b, copies=[(0, 3)]))
     assert not all(torch.equal(a, b) for a, b in zip(_states(ex.cache, 3), end_a))

@@ -1,7 +1,8 @@
 """The physical caches one rank owns (DESIGN §4).
 
 - MLA layers (and the MTP layer): latent rows (kv_lora_rank per position) in fixed-size blocks, addressed through a
-  sequence's block table; full-indexer layers also keep each position's indexer key and k-pool gate score.
+  sequence's block table; full-indexer layers also keep each position's indexer key and k-pool gate score. Both are
+  per-position rows (`RowStore`), stored in the compute dtype or, with `kv_dtype` fp8, as e4m3 + a per-row scale.
 - KDA layers: one recurrent state (local heads x dk x dv, fp32) and one short-conv history (K-1 inputs) per slot.
 The scheduler decides which blocks and slots a sequence uses; this class only stores and moves rows.
 """
@@ -13,19 +14,24 @@ import torch
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.config import ModelConfig
 from services.rank_worker.model.parallel import Sharding
+from services.rank_worker.model.row_store import RowStore, row_bytes
 
 
 class PagedCache:
     def __init__(self, cfg: ModelConfig, sharding: Sharding, *, num_blocks: int, block_size: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device | str, with_mtp: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device | str, with_mtp: bool = True,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """kv_dtype: storage of the latent and indexer rows (None = `dtype`; torch.float8_e4m3fn = fp8 + scale)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_slots = num_slots
         mla = cfg.mla_layers + ([cfg.mtp_layer_index] if with_mtp and cfg.num_nextn_predict_layers else [])
         full = [i for i in cfg.mla_layers if cfg.indexer_types[i] == "full"] + mla[len(cfg.mla_layers):]
-        self.latent = {i: torch.zeros(num_blocks, block_size, cfg.kv_lora_rank, dtype=dtype, device=device) for i in mla}
-        self.index_keys = {i: torch.zeros(num_blocks, block_size, 2 * cfg.index_head_dim, dtype=dtype, device=device)
-                           for i in full}
+        rows = dict(num_blocks=num_blocks, block_size=block_size, dtype=dtype, stored=kv_dtype, device=device)
+        self.latent = {i: RowStore(width=cfg.kv_lora_rank, **rows) for i in mla}
+        # The indexer rows are per position like the latent (key and gate score of each token), so they are KV
+        # too: a third of an MLA layer's bytes per token at the release widths (2 x 128 next to 512).
+        self.index_keys = {i: RowStore(width=2 * cfg.index_head_dim, **rows) for i in full}
         heads = cfg.linear_num_heads * len(sharding.local) // sharding.virtual
         channels = 3 * heads * cfg.linear_head_dim
         self.kda_state = {i: torch.zeros(num_slots, heads, cfg.linear_head_dim, cfg.linear_head_dim,
@@ -51,13 +57,17 @@ class PagedCache:
         blocks = batch.block_tables[batch.row_seq, pos // self.block_size]
         return blocks, pos % self.block_size
 
-    def write_rows(self, store: torch.Tensor, batch: Batch, values: torch.Tensor) -> None:
+    def kv_bytes_per_block(self, stored: torch.dtype | None = None) -> int:
+        """Bytes one block takes in every latent and indexer store together, as stored now or as `stored`."""
+        stores = [*self.latent.values(), *self.index_keys.values()]
+        return sum(self.block_size * row_bytes(s.width, stored or s.data.dtype) for s in stores)
+
+    def write_rows(self, store: RowStore, batch: Batch, values: torch.Tensor) -> None:
         """Write each packed row's value at its sequence's position (padding rows past the batch are ignored)."""
         blocks, offsets = self._addresses(batch)
-        store[blocks, offsets] = values[: blocks.shape[0]].to(store.dtype)
+        store.write(blocks, offsets, values[: blocks.shape[0]])
 
-    def read_sequence(self, store: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-        """Positions 0..length-1 of one sequence, gathered from its blocks -> [length, ...]."""
+    def read_sequence(self, store: RowStore, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """Positions 0..length-1 of one sequence, gathered from its blocks -> [length, width] (compute dtype)."""
         n_blocks = -(-length // self.block_size)
-        rows = store[block_table[:n_blocks]].reshape(n_blocks * self.block_size, *store.shape[2:])
-        return rows[:length]
+        return store.read(block_table[:n_blocks], length)

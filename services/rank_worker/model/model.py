@@ -63,9 +63,12 @@ class Glm5Model:
         finally:
             reader.close()
 
-    def new_cache(self, *, num_blocks: int, block_size: int = 16, num_slots: int = 8) -> PagedCache:
+    def new_cache(self, *, num_blocks: int, block_size: int = 16, num_slots: int = 8,
+                  kv_dtype: torch.dtype | None = None) -> PagedCache:
+        """kv_dtype: storage of the latent / indexer rows (None = the compute dtype; see row_store.KV_CACHE_DTYPES)."""
         return PagedCache(self.cfg, self.coll.sharding, num_blocks=num_blocks, block_size=block_size,
-                          num_slots=num_slots, dtype=self.dtype, device=self.device, with_mtp=self.mtp is not None)
+                          num_slots=num_slots, dtype=self.dtype, device=self.device, with_mtp=self.mtp is not None,
+                          kv_dtype=kv_dtype)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.coll.gather_columns([linear_fp32(hidden, w) for w in self.lm_head])
