@@ -34,6 +34,7 @@ from bench import roofline
 from bench.random_weights import build_model, bench_spec, spec_dims
 from kernels import moe
 from services.rank_worker.model.batch import Batch
+from services.rank_worker.model.row_store import KV_CACHE_DTYPES
 
 BLOCK = 16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -68,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights/activations (default bf16; "
                    "float32 with --tiny)")
     p.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
+                   help="storage of the MLA latent / indexer rows, as serve-rank's flag (default auto)")
     p.add_argument("--virtual", type=int, default=1, help="virtual TP shards (default 1: one product per weight)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true",
@@ -222,7 +225,8 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
     log(f"decode setup: cache for {nmax} sequences x {cap} positions; prefilling {nmax} x {args.context} tokens "
         "(untimed)")
     try:
-        cache = model.new_cache(num_blocks=nmax * nb, block_size=BLOCK, num_slots=nmax)
+        cache = model.new_cache(num_blocks=nmax * nb, block_size=BLOCK, num_slots=nmax,
+                                kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
         tables = torch.arange(nmax * nb, dtype=torch.long, device=device).view(nmax, nb)
         per = max(1, 8192 // max(args.context, 1))
         t0 = time.perf_counter()
@@ -287,7 +291,7 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
             moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
             last = hits[-moe_layers:] if moe_layers else []
             experts_hit = [h["real"] for h in last]
-            need = roofline.decode_bytes(spec, dtype, contexts, experts_hit)
+            need = roofline.decode_bytes(spec, dtype, contexts, experts_hit, KV_CACHE_DTYPES[args.kv_cache_dtype])
             bw = res.data["ceilings"]["hbm_copy"]["bytes_per_s"]
             ideal_ms = need["total_bytes"] / bw * 1e3
             row.update(status="ok", context=contexts[0], median_ms=med, times_ms=times, iters=iters,
@@ -328,7 +332,8 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
             cache = None
             try:
                 nb = -(-n // BLOCK)
-                cache = model.new_cache(num_blocks=nb, block_size=BLOCK, num_slots=1)
+                cache = model.new_cache(num_blocks=nb, block_size=BLOCK, num_slots=1,
+                                        kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
                 table = list(range(nb))
 
                 def step(i: int) -> None:
@@ -389,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "tiny": args.tiny,
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": args.kv_cache_dtype,
         "layers": spec.num_hidden_layers,
         "layer_pattern": spec.layer_pattern,
         "mlp_pattern": "".join("D" if m == "dense" else "E" for m in spec.mlp_layer_types),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.random_weights import keeps_fp32, text_tensors
+from services.rank_worker.model.row_store import row_bytes
 from services.rank_worker.model.tiny.spec import KDA, TinySpec
 from services.rank_worker.model.tiny.weights import TEXT
 
@@ -134,11 +135,12 @@ def param_counts(spec: TinySpec, dtype: torch.dtype) -> ParamCounts:
     return ParamCounts(always, always_b, expert, expert_b, head, head_b, spec.hidden_size * item, moe, total, total_b)
 
 
-def decode_bytes(spec: TinySpec, dtype: torch.dtype, contexts: list[int], experts_hit: list[int]) -> dict:
+def decode_bytes(spec: TinySpec, dtype: torch.dtype, contexts: list[int], experts_hit: list[int],
+                 kv_dtype: torch.dtype | None = None) -> dict:
     """Bytes one decode step over len(contexts) sequences must move at least.
 
     contexts: per sequence, the cached positions it attends (its start); experts_hit: per MoE layer, the distinct
-    routed experts the batch's real rows chose.
+    routed experts the batch's real rows chose; kv_dtype: how the latent / indexer rows are stored (None: dtype).
     """
     item = torch.empty((), dtype=dtype).element_size()
     pc = param_counts(spec, dtype)
@@ -153,7 +155,9 @@ def decode_bytes(spec: TinySpec, dtype: torch.dtype, contexts: list[int], expert
     kda = kda_layers * b * 2 * (heads * d * d * 4 + (spec.linear_conv_kernel_dim - 1) * 3 * heads * d * item)
     # MLA: the latent rows of the context read (+ the new row written); indexer keys + gate scores likewise.
     rows = sum(c + 1 for c in contexts)
-    mla = mla_layers * rows * spec.kv_lora_rank * item + full_layers * rows * 2 * spec.index_head_dim * item
+    stored = kv_dtype or dtype
+    mla = mla_layers * rows * row_bytes(spec.kv_lora_rank, stored) + \
+        full_layers * rows * row_bytes(2 * spec.index_head_dim, stored)
     return {"weight_params": params, "weight_bytes": weights, "state_bytes": kda, "cache_bytes": mla,
             "total_bytes": weights + kda + mla}
 

