@@ -49,7 +49,9 @@ def _echo_checkpoint(src: Path, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def copy_stack(tiny_default, tmp_path_factory):
     base = tmp_path_factory.mktemp("drafts_copy")
-    stack = start(_echo_checkpoint(tiny_default, base / "echo"), base / "state", tp=2)
+    # No restarts: the drafter killed below must stay down for /health to report serving without it.
+    stack = start(_echo_checkpoint(tiny_default, base / "echo"), base / "state", tp=2,
+                  env={"TWINSPARK_MAX_RESTARTS": "0"})
     yield stack
     stack.down()
 
