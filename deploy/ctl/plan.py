@@ -180,6 +180,7 @@ def native_env(s: Settings) -> dict[str, str]:
     keys = ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "MAX_WAITING", "NUM_DRAFT_TOKENS", "NUM_BLOCKS", "BLOCK_SIZE",
             "NUM_SLOTS", "DTYPE", "SERVED_MODEL_NAME", "API_KEY", "PEER_TIMEOUT", "LOG_LEVEL")
     env = {f"TWINSPARK_{k}": s[k] for k in keys if s[k]}
+    env["TWINSPARK_STARTUP_TIMEOUT"] = s["HEALTH_TIMEOUT"]  # the scheduler waits as long for the ranks to load
     if s["OTEL_EXPORTER_OTLP_ENDPOINT"]:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = s["OTEL_EXPORTER_OTLP_ENDPOINT"]
     return env
@@ -191,6 +192,7 @@ def start_native(s: Settings) -> list[Step]:
     argv = [native_python(s), "-m", "services.cli", "up", "--detach", "--tp", s["TP"], "--host", s["HOST"],
             "--port", s["PORT"], "--device", s["DEVICE"], "--drafter", s["DRAFTER"],
             "--kv-cache-dtype", s["KV_CACHE_DTYPE"], "--max-restarts", s["MAX_RESTARTS"],
+            "--startup-timeout", s["HEALTH_TIMEOUT"],
             "--state-dir", str(native_state_dir(s))]
     if s["MODEL"]:
         argv[4:4] = ["--model", s["MODEL"]]
