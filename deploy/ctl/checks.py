@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 from deploy.ctl.settings import Machine, Settings
+# Standard library only (the launcher never imports torch), importable from the checkout start.sh runs in.
+from services.launcher.ports import listening, port_free
 
 SSH = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5")
 GIB = 1 << 30
@@ -31,15 +32,7 @@ def on(machine: Machine, argv: list[str], timeout: float = 30.0) -> subprocess.C
 
 def busy_ports(machine: Machine, ports: list[int]) -> list[int]:
     if machine.ssh is None:
-        busy = []
-        for p in ports:
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind(("", p))
-                except OSError:
-                    busy.append(p)
-        return busy
+        return [p for p in ports if not port_free("", p)]
     out = on(machine, ["python3", "-c", _BUSY_PORTS_PY, *map(str, ports)])
     return [int(x) for x in out.stdout.split()]
 
@@ -117,9 +110,8 @@ def collector_reachable(endpoint: str) -> bool:
     hostport = endpoint.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = hostport.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port or 4317)), timeout=1.0):
-            return True
-    except (OSError, ValueError):
+        return listening(host or "127.0.0.1", int(port or 4317), timeout=1.0)
+    except ValueError:
         return False
 
 
