@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"TWINSPARK_{name}", default)
+from services.common.env import env
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,17 +14,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve the Drafter gRPC service. copy: n-gram prompt lookup over each request's own tokens "
                     "(CPU, no model); mtp: the checkpoint's MTP layer fed the target's last hidden state; dflash2: "
                     "needs user-supplied weights (not shipped).")
-    p.add_argument("--host", default=_env("DRAFTER_HOST", "0.0.0.0"))
-    p.add_argument("--port", type=int, default=int(_env("DRAFTER_PORT", "50061")))
-    p.add_argument("--method", default=_env("DRAFT_METHOD", "copy"), choices=["copy", "mtp", "dflash2"])
-    p.add_argument("--model", default=_env("MODEL"), help="checkpoint directory (mtp)")
-    p.add_argument("--device", default=_env("DEVICE", "cpu"), choices=["cpu", "cuda"])
-    p.add_argument("--mtp-threshold", type=float, default=float(_env("MTP_THRESHOLD", "0.0")),
+    p.add_argument("--host", default=env("DRAFTER_HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(env("DRAFTER_PORT", "50061")))
+    p.add_argument("--method", default=env("DRAFT_METHOD", "copy"), choices=["copy", "mtp", "dflash2"])
+    p.add_argument("--model", default=env("MODEL"), help="checkpoint directory (mtp)")
+    p.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"])
+    p.add_argument("--mtp-threshold", type=float, default=float(env("MTP_THRESHOLD", "0.0")),
                    help="mtp: keep chaining drafts while the top probability is >= this (default 0: up to K)")
-    p.add_argument("--mtp-history", type=int, default=int(_env("MTP_HISTORY", "64")),
+    p.add_argument("--mtp-history", type=int, default=int(env("MTP_HISTORY", "64")),
                    help="mtp: (hidden, token) pairs kept per request and recomputed each call (default 64)")
     p.add_argument("--dflash2-weights", default=None, help="dflash2: user-supplied weights (not shipped)")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
     p.set_defaults(func=run)
 
 

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.common.env import env
+
 from . import procs, state
 from .plan import DEFAULT_COMMAND, WILDCARD_HOSTS, LaunchConfig, internal_ports_needed, make_plan
 from .ports import free_ports, port_free
@@ -36,21 +38,20 @@ def register(subparsers: Any) -> None:
                     "Each child's output goes to <state-dir>/logs/<name>.log. Without --model a tiny checkpoint is "
                     "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    env = os.environ.get
-    up.add_argument("--model", default=env("TWINSPARK_MODEL"), metavar="DIR",
+    up.add_argument("--model", default=env("MODEL"), metavar="DIR",
                     help="checkpoint directory (env TWINSPARK_MODEL; default: the cached tiny checkpoint)")
-    up.add_argument("--tp", type=int, default=env("TWINSPARK_TP", "1"), metavar="N",
+    up.add_argument("--tp", type=int, default=env("TP", "1"), metavar="N",
                     help="tensor-parallel ranks (env TWINSPARK_TP)")
     up.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
-    up.add_argument("--port", type=int, default=env("TWINSPARK_PORT", "8888"),
+    up.add_argument("--port", type=int, default=env("PORT", "8888"),
                     help="gateway HTTP port (env TWINSPARK_PORT; 0 = pick a free one)")
-    up.add_argument("--device", choices=("cpu", "cuda"), default=env("TWINSPARK_DEVICE", "cpu"),
+    up.add_argument("--device", choices=("cpu", "cuda"), default=env("DEVICE", "cpu"),
                     help="device of the rank workers (env TWINSPARK_DEVICE)")
-    up.add_argument("--drafter", choices=("copy", "mtp", "none"), default=env("TWINSPARK_DRAFTER", "copy"),
+    up.add_argument("--drafter", choices=("copy", "mtp", "none"), default=env("DRAFTER", "copy"),
                     help="draft method of the drafter process (copy: n-gram prompt lookup; mtp: the checkpoint's "
                          "MTP layer; none: no drafter, no drafts) (env TWINSPARK_DRAFTER)")
     up.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
-                    default=env("TWINSPARK_KV_CACHE_DTYPE", "auto"),
+                    default=env("KV_CACHE_DTYPE", "auto"),
                     help="rank cache storage: auto = the compute dtype; fp8 = e4m3 + per-row scale, about half the "
                          "bytes (env TWINSPARK_KV_CACHE_DTYPE)")
     up.add_argument("--detach", action="store_true",
@@ -62,7 +63,7 @@ def register(subparsers: Any) -> None:
                     help="seconds to wait for /health to answer 200")
     up.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
                     help="seconds between SIGTERM and SIGKILL when stopping the children")
-    up.add_argument("--max-restarts", type=int, default=env("TWINSPARK_MAX_RESTARTS", "5"), metavar="N",
+    up.add_argument("--max-restarts", type=int, default=env("MAX_RESTARTS", "5"), metavar="N",
                     help="restarts allowed per role (a rank group restart counts once) over the run's life; the "
                          "next exit stops everything, except the optional drafter, which then stays down; 0 = the "
                          "first exit stops everything (env TWINSPARK_MAX_RESTARTS)")
