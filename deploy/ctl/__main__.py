@@ -48,15 +48,16 @@ def execute(steps: list[plan.Step], s: Settings, compose_env: dict[str, str], dr
         print(f"[{i}/{n}] {step.show()}", flush=True)
         if dry_run:
             continue
-        is_check = step.title.startswith("check ")
-        if problems and not is_check:
+        if step.check is not None:
+            found = step.check()
+            for p in found:
+                print(f"  PROBLEM: {p}", flush=True)
+            problems += found
+            continue
+        if problems:
             raise RuntimeError("checks failed:\n  " + "\n  ".join(problems))
         if step.action is not None:
-            found = step.action()
-            if is_check and found:
-                for p in found:
-                    print(f"  PROBLEM: {p}", flush=True)
-                problems += found
+            step.action()
         else:
             _run(step, s, compose_env)
     if problems:

@@ -134,6 +134,7 @@ def python_problems(python: str) -> list[str]:
     except OSError as e:
         return [f"head: cannot run {python}: {e}"]
     if r.returncode != 0:
-        return [f"head: {python} cannot import twinspark ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}); "
+        why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit code {r.returncode}"
+        return [f"head: {python} cannot import twinspark ({why}); "
                 "install it: python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . (or set PYTHON)"]
     return []

@@ -23,6 +23,7 @@ WORKER = COMPOSE_DIR / "worker.yml"
 HEAD_PROJECT = "twinspark"
 JAEGER_PORTS = {"jaeger otlp grpc": 4317, "jaeger otlp http": 4318, "jaeger ui": 16686}
 _VAR = re.compile(r"\$\{(\w+)")
+_LOOPBACK_URL = re.compile(r"//(127\.0\.0\.1|localhost|\[::1\])")
 
 
 def compose_variables(*files: Path) -> list[str]:
@@ -45,7 +46,8 @@ class Step:
     argv: list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)  # step-specific variables on top of the settings
     cwd: str = ""  # remote working directory (a worker's checkout)
-    action: Callable[[], list[str] | None] | None = None  # a check (returns problems) or a probe
+    check: Callable[[], list[str]] | None = None  # a check: returns the problems it found
+    action: Callable[[], None] | None = None  # a probe of the running stack (raises on failure)
 
     def show(self) -> str:
         if self.argv is None:
@@ -79,9 +81,9 @@ def _compose(s: Settings, project: str, file: Path, m: Machine, *args: str) -> l
 def _rank_env(s: Settings, m: Machine, rank: int) -> dict[str, str]:
     env = {"RANK": str(rank), "RANK_PORT_OF_RANK": str(s.rank_port(rank))}
     otel = s["OTEL_EXPORTER_OTLP_ENDPOINT"]
-    if m.ssh is not None and any(f"//{h}" in otel for h in ("127.0.0.1", "localhost", "[::1]")):
+    if m.ssh is not None and _LOOPBACK_URL.search(otel):
         # Jaeger runs on the head: a worker's loopback is the wrong machine; MASTER_ADDR reaches the head.
-        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = re.sub(r"//(127\.0\.0\.1|localhost|\[::1\])", f"//{s['MASTER_ADDR']}", otel)
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = _LOOPBACK_URL.sub(f"//{s['MASTER_ADDR']}", otel)
     return env
 
 
@@ -106,19 +108,20 @@ def _head_ports(s: Settings, docker: bool) -> dict[str, int]:
 
 def _checks(s: Settings, docker: bool) -> list[Step]:
     head = s.machines[0]
-    steps = [Step("check docker compose and the engine on head", action=checks.docker_problems)] if docker else [
-        Step(f"check that {native_python(s)} can run twinspark", action=lambda: checks.python_problems(native_python(s)))]
-    steps += [Step(f"check ports on head: {', '.join(map(str, _head_ports(s, docker).values()))}",
-                  action=lambda: checks.ports_problems(head, _head_ports(s, docker)))]
+    python, ports = native_python(s), _head_ports(s, docker)
+    steps = [Step("check docker compose and the engine on head", check=checks.docker_problems) if docker else
+             Step(f"check that {python} can run twinspark", check=lambda: checks.python_problems(python)),
+             Step(f"check ports on head: {', '.join(map(str, ports.values()))}",
+                  check=lambda: checks.ports_problems(head, ports))]
     for m in s.workers:
         steps.append(Step(f"check {m.name}: ssh, docker compose, the checkpoint, MASTER_ADDR {s['MASTER_ADDR']}",
-                          action=lambda m=m: checks.worker_problems(s, m)))
-        ports = {f"rank {r}": s.rank_port(r) for r in m.ranks}
-        steps.append(Step(f"check ports on {m.name}: {', '.join(map(str, ports.values()))}",
-                          action=lambda m=m, ports=ports: checks.ports_problems(m, ports)))
+                          check=lambda m=m: checks.worker_problems(s, m)))
+        mine = {f"rank {r}": s.rank_port(r) for r in m.ranks}
+        steps.append(Step(f"check ports on {m.name}: {', '.join(map(str, mine.values()))}",
+                          check=lambda m=m, mine=mine: checks.ports_problems(m, mine)))
     for m in s.machines:
         steps.append(Step(f"check memory on {m.name} for ranks {list(m.ranks)}",
-                          action=lambda m=m: checks.memory_problems(s, m)))
+                          check=lambda m=m: checks.memory_problems(s, m)))
     return steps
 
 
