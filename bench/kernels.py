@@ -172,17 +172,19 @@ def kda_rows(bw: float) -> list[dict]:
         slots = b + 1
         state = torch.randn(slots, h, dk, dk, device="cuda") * 0.1
         conv = torch.randn(slots, 3, 3 * c, device="cuda", dtype=BF16)
-        seqs = kda.DecodeSeqs(*(torch.tensor(v, dtype=torch.int32, device="cuda") for v in
-                                (list(range(b)), [1] * b, list(range(b)), [0] * b, [-1] * b)))
+        seqs = kda.DecodeSeqs.build(list(range(b)), [1] * b, list(range(b)), [False] * b, [-1] * b, "cuda")
         args = dict(mixed=torch.randn(b, 3 * c, device="cuda", dtype=BF16),
                     conv_w=torch.randn(3 * c, 4, device="cuda"), conv_state=conv, chan_off=0,
                     g_raw=torch.randn(b, c, device="cuda", dtype=BF16), dt_bias=torch.randn(c, device="cuda"),
                     a_log=torch.randn(h, device="cuda"), lower_bound=-5.0,
-                    beta_raw=torch.randn(b, h, device="cuda", dtype=BF16),
-                    gate=torch.randn(b, c, device="cuda", dtype=BF16), o_norm=torch.ones(dk, device="cuda",
-                                                                                        dtype=BF16),
-                    eps=1e-5, state=state, head_off=0, out=torch.empty(b, c, device="cuda", dtype=BF16))
-        ms = bench_ms(lambda: kda.decode(seqs, **args))
+                    beta_raw=torch.randn(b, h, device="cuda", dtype=BF16), state=state, head_off=0,
+                    core=torch.empty(b, c, device="cuda", dtype=BF16))
+        gate, o_norm = torch.randn(b, c, device="cuda", dtype=BF16), torch.ones(dk, device="cuda", dtype=BF16)
+
+        def step():
+            kda.decode(seqs, **args)
+            kda.gated_norm(args["core"], gate, o_norm, 1e-5)
+        ms = bench_ms(step)
         ideal = 2 * b * h * dk * dk * 4 / bw * 1e3
         rows.append(dict(kernel="kda decode", batch=b, ms=ms, roofline=ideal / ms))
         log(f"kda decode b={b}: {ms * 1e3:8.1f} us, {ideal / ms:6.1%} of the state-traffic roofline")
@@ -210,7 +212,9 @@ def mla_rows(bw: float) -> list[dict]:
         sel, count = mla.select_pools(scores if n_pools > keep else None, pos, kp, keep, n_pools)
         q = torch.randn(t, h, r, device="cuda", dtype=BF16)
         out = torch.empty(t, h, r, device="cuda", dtype=BF16)
-        ms = bench_ms(lambda: mla.sparse_attention(q, latent, None, tables, pos, seq, sel, count, kp, 0.0625, out))
+        decode_rows = t if t == b else 0
+        ms = bench_ms(lambda: mla.sparse_attention(q, latent, None, tables, pos, seq, sel, count, kp, 0.0625, out,
+                                                   decode_rows, keep * kp + kp))
         attended = float(torch.minimum(pos.float() + 1, torch.full_like(pos.float(), 2048 + kp)).sum())
         flops = attended * h * r * 2 * 2
         rows.append(dict(kernel="sparse mla", rows=t, context=ctx, ms=ms, tflops=flops / ms / 1e9))
@@ -226,7 +230,8 @@ def mhc_rows() -> list[dict]:
     nw = torch.ones(D, device="cuda", dtype=BF16)
     for t in (1, 64, 8192):
         s = torch.randn(t, 4, D, device="cuda", dtype=BF16)
-        ms_pre = bench_ms(lambda: mhc.pre(s, fn, base, scale, nw, eps=1e-6, norm_eps=1e-5, rms_eps=1e-5, iters=20))
+        ms_pre = bench_ms(lambda: mhc.pre(s, fn, base, scale, nw, eps=1e-6, norm_eps=1e-5, rms_eps=1e-5, iters=20,
+                                          decode_rows=t if t <= 64 else 0))
         parts = torch.randn(1, t, D, device="cuda")
         post, comb = torch.rand(t, 4, device="cuda"), torch.rand(t, 4, 4, device="cuda")
         ms_post = bench_ms(lambda: mhc.post(parts, s, post, comb))

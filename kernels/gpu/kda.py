@@ -30,6 +30,16 @@ class DecodeSeqs:
     slot: torch.Tensor  # KDA state slot
     fresh: torch.Tensor  # 1 = starts at position 0 (zero state and history)
     pending: torch.Tensor  # index into the pending buffers for verify windows, -1 = commit into the slot
+    commit: torch.Tensor  # int64 indices (into these sequences) of the decode steps, whose conv history moves on
+
+    @classmethod
+    def build(cls, row0: list[int], length: list[int], slot: list[int], fresh: list[bool], pending: list[int],
+              device: torch.device | str) -> "DecodeSeqs":
+        def vec(v: list) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)
+        commit = torch.tensor([i for i, p in enumerate(pending) if p < 0], dtype=torch.int64)
+        return cls(vec(row0), vec(length), vec(slot), vec([int(f) for f in fresh]), vec(pending),
+                   commit.to(device, non_blocking=True))
 
     @property
     def count(self) -> int:
@@ -47,14 +57,24 @@ def _conv_silu(h0, h1, h2, x, w_ptr, ch, act: tl.constexpr):
 
 
 @triton.jit
+def _store_history(dst, s_row, ch, h0, h1, h2, act: tl.constexpr, mask):
+    tl.store(dst + ch, h0.to(act), mask=mask)
+    tl.store(dst + s_row + ch, h1.to(act), mask=mask)
+    tl.store(dst + 2 * s_row + ch, h2.to(act), mask=mask)
+
+
+@triton.jit
 def _kda_decode_kernel(mixed_ptr, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_conv_row, chan_off,
-                       graw_ptr, s_graw, dt_bias_ptr, a_log_ptr, braw_ptr, s_braw, gate_ptr, s_gate, onorm_ptr,
-                       state_ptr, s_state_slot, head_off, out_ptr, s_out,
+                       graw_ptr, s_graw, dt_bias_ptr, a_log_ptr, braw_ptr, s_braw,
+                       state_ptr, s_state_slot, head_off, core_ptr, s_core, hist_out_ptr, s_hist_seq,
                        row0_ptr, len_ptr, slot_ptr, fresh_ptr, pend_ptr, pstate_ptr, s_pstate_seq, s_pstate_row,
-                       pconv_ptr, s_pconv_seq, s_pconv_row, C, lower_bound, eps,
-                       HAS_LB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+                       pconv_ptr, s_pconv_seq, s_pconv_row, C, lower_bound,
+                       HAS_LB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """One (sequence, head, block of BV value columns). q and k are recomputed by every value block of a head
+    (cheap) so blocks never wait on each other; the value block 0 alone writes q/k conv history."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    vb = tl.program_id(2)
     act = mixed_ptr.dtype.element_ty
     row0 = tl.load(row0_ptr + seq)
     n_rows = tl.load(len_ptr + seq)
@@ -63,7 +83,7 @@ def _kda_decode_kernel(mixed_ptr, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_
     pend = tl.load(pend_ptr + seq)
 
     ik = tl.arange(0, DK)
-    iv = tl.arange(0, DV)
+    iv = vb * BV + tl.arange(0, BV)
     qc = head * DK + ik  # this head's q columns in `mixed` and its conv-weight rows
     kc = C + head * DK + ik
     vc = 2 * C + head * DV + iv
@@ -84,7 +104,7 @@ def _kda_decode_kernel(mixed_ptr, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_
     s = tl.where(fresh, 0.0, tl.load(st_ptr))
     rate = tl.exp(tl.load(a_log_ptr + head))
     dt = tl.load(dt_bias_ptr + head * DK + ik)
-    w_norm = tl.load(onorm_ptr + iv).to(tl.float32)
+    first_block = ik < DK * (vb == 0).to(tl.int32)  # all-true in value block 0, all-false elsewhere
 
     for r in range(0, n_rows):
         row = (row0 + r).to(tl.int64)
@@ -110,52 +130,37 @@ def _kda_decode_kernel(mixed_ptr, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_
         kv = tl.sum(s * k[:, None], axis=0)
         delta = (v - kv) * beta
         s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], axis=0).to(act).to(tl.float32)
-
-        gate = tl.load(gate_ptr + row * s_gate + head * DV + iv).to(tl.float32)
-        o = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps))
-        o = w_norm * o * tl.sigmoid(gate)
-        tl.store(out_ptr + row * s_out + head * DV + iv, o.to(out_ptr.dtype.element_ty))
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(core_ptr + row * s_core + head * DV + iv, o.to(act))
 
         if pend >= 0:  # verify window: keep every row's state and history for the commit
             p_state = pstate_ptr + pend * s_pstate_seq + r * s_pstate_row + hd * DK * DV
             tl.store(p_state + ik[:, None] * DV + iv[None, :], s)
             p_conv = pconv_ptr + pend * s_pconv_seq + r * s_pconv_row + chan_off
-            tl.store(p_conv + qc, q0.to(act))
-            tl.store(p_conv + s_conv_row + qc, q1.to(act))
-            tl.store(p_conv + 2 * s_conv_row + qc, q2.to(act))
-            tl.store(p_conv + kc, k0.to(act))
-            tl.store(p_conv + s_conv_row + kc, k1.to(act))
-            tl.store(p_conv + 2 * s_conv_row + kc, k2.to(act))
-            tl.store(p_conv + vc, v0.to(act))
-            tl.store(p_conv + s_conv_row + vc, v1.to(act))
-            tl.store(p_conv + 2 * s_conv_row + vc, v2.to(act))
+            _store_history(p_conv, s_conv_row, qc, q0, q1, q2, act, first_block)
+            _store_history(p_conv, s_conv_row, kc, k0, k1, k2, act, first_block)
+            _store_history(p_conv, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
 
-    if pend < 0:  # decode step: the slot moves on
+    if pend < 0:  # decode step: the state moves on in place; the history goes through `hist_out` (see decode)
         tl.store(st_ptr, s)
-        tl.store(hist + qc, q0.to(act))
-        tl.store(hist + s_conv_row + qc, q1.to(act))
-        tl.store(hist + 2 * s_conv_row + qc, q2.to(act))
-        tl.store(hist + kc, k0.to(act))
-        tl.store(hist + s_conv_row + kc, k1.to(act))
-        tl.store(hist + 2 * s_conv_row + kc, k2.to(act))
-        tl.store(hist + vc, v0.to(act))
-        tl.store(hist + s_conv_row + vc, v1.to(act))
-        tl.store(hist + 2 * s_conv_row + vc, v2.to(act))
+        out = hist_out_ptr + seq * s_hist_seq + chan_off
+        _store_history(out, s_conv_row, qc, q0, q1, q2, act, first_block)
+        _store_history(out, s_conv_row, kc, k0, k1, k2, act, first_block)
+        _store_history(out, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
 
 
 def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, chan_off: int,
            g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
-           beta_raw: torch.Tensor, gate: torch.Tensor, o_norm: torch.Tensor, eps: float, state: torch.Tensor,
-           head_off: int, out: torch.Tensor, pend_state: torch.Tensor | None = None,
-           pend_conv: torch.Tensor | None = None) -> None:
-    """Run every decode-class row of one virtual shard's heads, writing their gated outputs into `out`.
+           beta_raw: torch.Tensor, state: torch.Tensor, head_off: int, core: torch.Tensor,
+           pend_state: torch.Tensor | None = None, pend_conv: torch.Tensor | None = None) -> None:
+    """Run every decode-class row of one virtual shard's heads, writing their core outputs (rounded to the
+    activation dtype, before the gated norm) into `core`.
 
     mixed [T, 3C] (q|k|v before the conv, C = heads x dk of this shard); conv_w [3C, 4] fp32; conv_state [slots, 3,
     channels of the rank] (this shard's columns start at chan_off); g_raw [T, heads*dk]; dt_bias [heads*dk] fp32;
-    a_log [heads] fp32; beta_raw [T, heads]; gate [T, heads*dv]; o_norm [dv]; state [slots, rank heads, dk, dv]
-    fp32 (this shard's heads start at head_off); out [T, heads*dv]. Pending buffers (verify windows):
-    pend_state [windows, L, rank heads, dk, dv] fp32, pend_conv [windows, L, 3, channels of the rank].
+    a_log [heads] fp32; beta_raw [T, heads]; state [slots, rank heads, dk, dv] fp32 (this shard's heads start at
+    head_off); core [T, heads*dv]. Pending buffers (verify windows): pend_state [windows, L, rank heads, dk, dv]
+    fp32, pend_conv [windows, L, 3, channels of the rank].
     """
     if seqs.count == 0:
         return
@@ -165,17 +170,48 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
     if conv_w.shape[1] != CONV_TAPS or conv_state.shape[1] != CONV_TAPS - 1:
         raise ValueError(f"the fused KDA decode kernel handles a {CONV_TAPS}-tap conv only")
     c = heads * dk
-    for t in (mixed, g_raw, beta_raw, gate, out):
+    for t in (mixed, g_raw, beta_raw, core):
         if t.stride(-1) != 1:
             raise ValueError("KDA decode operands need unit stride along their last dim")
+    # Value blocks of a head read the q/k history that block 0 rewrites, so new history goes to a side buffer and
+    # is copied into the decode steps' slots once every program is done.
+    hist_out = torch.empty(seqs.count, *conv_state.shape[1:], dtype=conv_state.dtype, device=conv_state.device)
     ps = pend_state if pend_state is not None else state
     pc = pend_conv if pend_conv is not None else conv_state
-    _kda_decode_kernel[(seqs.count, heads)](
+    bv = min(32, dv)
+    _kda_decode_kernel[(seqs.count, heads, dv // bv)](
         mixed, mixed.stride(0), conv_w.contiguous(), conv_state, conv_state.stride(0), conv_state.stride(1), chan_off,
-        g_raw, g_raw.stride(0), dt_bias, a_log, beta_raw, beta_raw.stride(0), gate, gate.stride(0), o_norm,
-        state, state.stride(0), head_off, out, out.stride(0),
+        g_raw, g_raw.stride(0), dt_bias, a_log, beta_raw, beta_raw.stride(0),
+        state, state.stride(0), head_off, core, core.stride(0), hist_out, hist_out.stride(0),
         seqs.row0, seqs.length, seqs.slot, seqs.fresh, seqs.pending,
         ps, ps.stride(0), ps.stride(1) if pend_state is not None else 0,
         pc, pc.stride(0), pc.stride(1) if pend_conv is not None else 0,
-        c, float(lower_bound) if lower_bound is not None else 0.0, float(eps),
-        HAS_LB=lower_bound is not None, DK=dk, DV=dv, num_warps=8)
+        c, float(lower_bound) if lower_bound is not None else 0.0,
+        HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, num_warps=4)
+    chans = slice(chan_off, chan_off + 3 * c)
+    commit_slots = seqs.slot.long()[seqs.commit]
+    conv_state[commit_slots, :, chans] = hist_out[seqs.commit][:, :, chans]
+
+
+@triton.jit
+def _gated_norm_kernel(core_ptr, s_core, gate_ptr, s_gate, w_ptr, out_ptr, s_out, eps, DV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    c = tl.arange(0, DV)
+    x = tl.load(core_ptr + row * s_core + head * DV + c).to(tl.float32)
+    gate = tl.load(gate_ptr + row * s_gate + head * DV + c).to(tl.float32)
+    w = tl.load(w_ptr + c).to(tl.float32)
+    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DV + eps))
+    tl.store(out_ptr + row * s_out + head * DV + c, (w * x * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
+
+
+def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA's output norm per (row, head): RMSNorm over dv of the core output, times sigmoid(gate) (twin:
+    kernels/norms.gated_rms_norm). core, gate [T, heads*dv] -> [T, heads*dv]."""
+    t = core.shape[0]
+    dv = weight.numel()
+    out = torch.empty_like(core)
+    if t:
+        _gated_norm_kernel[(t, core.shape[1] // dv)](core, core.stride(0), gate, gate.stride(0), weight, out,
+                                                     out.stride(0), float(eps), DV=dv, num_warps=2)
+    return out

@@ -1,8 +1,8 @@
 """mHC around a block on the GPU, one program per row. Torch twins: kernels/mhc.py (hc_weights, collapse, expand)
 and kernels/norms.py (rms_norm), composed as `kernels.mhc.pre` / `kernels.mhc.post` do.
 
-`pre`: the streams' RMS statistics, the small projection to (pre, post, comb), the Sinkhorn iterations, the
-collapse and the block's input RMSNorm — one pass of reads for what torch runs as ~60 small kernels.
+`pre`: the small projection to (pre, post, comb) as a fixed-schedule GEMM, then per row the streams' RMS, the
+Sinkhorn iterations, the collapse and the block's input RMSNorm — two launches for what torch runs as ~60.
 `post`: the ordered sum of the row-parallel partials (virtual shard order), then the expand.
 """
 
@@ -12,39 +12,29 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import gemm
+
 
 @triton.jit
-def _pre_kernel(s_ptr, fn_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps, rms_eps,
-                ITERS: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+def _pre_kernel(s_ptr, mixed_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps,
+                rms_eps, ITERS: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row: RMS of the flattened streams scales the raw projection (`mixed` = streams @ fn^T, from the GEMM),
+    then pre / post / comb with Sinkhorn, then the collapse and the block's RMSNorm."""
     row = tl.program_id(0).to(tl.int64)
     act = h_ptr.dtype.element_ty
     st = tl.arange(0, HC)
     flat_n = HC * D
     streams_row = s_ptr + row * flat_n
-    # Pass 1 over the flattened streams: sum of squares, and the three projections (rows of fn: pre, post, comb).
-    a = tl.arange(0, HC * HC)
-    # Each chunk's contribution is reduced over d at once (fixed chunk order), keeping the accumulators small.
     sq = tl.zeros((HC,), tl.float32)
-    acc_pre = tl.zeros((HC, HC), tl.float32)
-    acc_post = tl.zeros((HC, HC), tl.float32)
-    acc_comb = tl.zeros((HC * HC, HC), tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        dm = d < D
-        x = tl.load(streams_row + st[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+        x = tl.load(streams_row + st[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0).to(tl.float32)
         sq += tl.sum(x * x, axis=1)
-        col = st[None, :, None] * D + d[None, None, :]  # flat column of (stream, d)
-        m3 = dm[None, None, :]
-        f_pre = tl.load(fn_ptr + st[:, None, None] * flat_n + col, mask=m3, other=0.0).to(tl.float32)
-        f_post = tl.load(fn_ptr + (HC + st[:, None, None]) * flat_n + col, mask=m3, other=0.0).to(tl.float32)
-        f_comb = tl.load(fn_ptr + (2 * HC + a[:, None, None]) * flat_n + col, mask=m3, other=0.0).to(tl.float32)
-        acc_pre += tl.sum(f_pre * x[None, :, :], axis=2)
-        acc_post += tl.sum(f_post * x[None, :, :], axis=2)
-        acc_comb += tl.sum(f_comb * x[None, :, :], axis=2)
     rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / flat_n + norm_eps)
-    m_pre = tl.sum(acc_pre, axis=1) * rstd
-    m_post = tl.sum(acc_post, axis=1) * rstd
-    m_comb = tl.reshape(tl.sum(acc_comb, axis=1) * rstd, (HC, HC))
+    n_mix = HC * (2 + HC)
+    m_pre = tl.load(mixed_ptr + row * n_mix + st) * rstd
+    m_post = tl.load(mixed_ptr + row * n_mix + HC + st) * rstd
+    m_comb = tl.load(mixed_ptr + row * n_mix + 2 * HC + st[:, None] * HC + st[None, :]) * rstd
 
     s_pre = tl.load(scale_ptr)
     s_post = tl.load(scale_ptr + 1)
@@ -61,7 +51,7 @@ def _pre_kernel(s_ptr, fn_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, com
     tl.store(post_ptr + row * HC + st, post)
     tl.store(comb_ptr + row * HC * HC + st[:, None] * HC + st[None, :], comb)
 
-    # Pass 2: the collapse (rounded to the activation dtype, as the twin), its RMS, then the normalised output.
+    # The collapse (rounded to the activation dtype, as the twin), its RMS, then the normalised output.
     sq2 = tl.zeros((BLOCK_D,), tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
@@ -81,18 +71,23 @@ def _pre_kernel(s_ptr, fn_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, com
 
 
 def pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor,
-        *, eps: float, norm_eps: float, rms_eps: float, iters: int
+        *, eps: float, norm_eps: float, rms_eps: float, iters: int, decode_rows: int
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, hc, D] -> (block input [T, D] normed, post [T, hc] fp32, comb [T, hc, hc] fp32)."""
+    """streams [T, hc, D] -> (block input [T, D] normed, post [T, hc] fp32, comb [T, hc, hc] fp32).
+
+    The projection of the flattened streams goes through the fixed-schedule GEMM (rows [0, decode_rows) are
+    decode-class): unnormalised bf16 products summed in fp32, scaled by the row's RMS afterwards — the twin
+    normalises first, the same value up to rounding."""
     t, hc, d = streams.shape
     streams = streams.contiguous()
     h = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(t, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(t, hc, hc, dtype=torch.float32, device=streams.device)
     if t:
-        _pre_kernel[(t,)](streams, fn, base.float().contiguous(), scale.float().contiguous(), norm_weight, h, post,
+        mixed = gemm.matmul(streams.view(t, hc * d), fn, decode_rows, torch.float32)
+        _pre_kernel[(t,)](streams, mixed, base.float().contiguous(), scale.float().contiguous(), norm_weight, h, post,
                           comb, d, float(eps), float(norm_eps), float(rms_eps), ITERS=iters, HC=hc,
-                          BLOCK_D=min(128, triton.next_power_of_2(d)), num_warps=8)
+                          BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4)
     return h, post, comb
 
 

@@ -139,65 +139,123 @@ def select_pools(scores: torch.Tensor | None, positions: torch.Tensor, kpool: in
 
 
 @triton.jit
-def _sparse_attention_kernel(q_ptr, s_qt, s_qh, lat_ptr, lat_scale_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr,
-                             sel_ptr, s_sel, count_ptr, out_ptr, s_ot, s_oh, n_heads, scale,
-                             R: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
-                             BN: tl.constexpr, FP8: tl.constexpr):
-    """One row, HB heads: softmax(q_lat . latent / sqrt(d)) . latent over the row's selected pools (ascending),
-    then its tail (the incomplete pool it sits in), with an fp32 online softmax."""
+def _attention_kernel(q_ptr, s_qt, s_qh, lat_ptr, lat_scale_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, sel_ptr, s_sel,
+                      count_ptr, out_ptr, s_ot, s_oh, m_ptr, l_ptr, n_heads, scale, split_len,
+                      R: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                      FP8: tl.constexpr, PARTIAL: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """One row, HB heads, one split of the row's attended positions.
+
+    A row attends to a virtual list: its selected pools' positions in ascending pool order, then its tail (the
+    incomplete pool it sits in). Split `sp` covers list entries [sp * split_len, (sp + 1) * split_len) with an fp32
+    online softmax. PARTIAL: write the split's (max, sum, unnormalised output) for `_combine_kernel`; otherwise
+    the row has one split and the normalised output is written directly."""
     r = tl.program_id(0)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    sp = tl.program_id(2)
     has_head = heads < n_heads
     pos = tl.load(pos_ptr + r)
     seq = tl.load(seq_ptr + r)
     n_sel = tl.load(count_ptr + r)
+    in_pools = n_sel * KP
+    tail_start = (pos + 1) // KP * KP
+    total = in_pools + pos + 1 - tail_start
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, total)
     act = q_ptr.dtype.element_ty
     c = tl.arange(0, R)
-    q = tl.load(q_ptr + r * s_qt + heads[:, None] * s_qh + c[None, :], mask=has_head[:, None], other=0.0)
     m = tl.full((HB,), -1.0e30, tl.float32)  # finite start: a block with nothing visible adds exp(-inf) = 0
     l = tl.zeros((HB,), tl.float32)
     acc = tl.zeros((HB, R), tl.float32)
-    j = tl.arange(0, BN)
-    per_block: tl.constexpr = BN // KP
-    tail_start = (pos + 1) // KP * KP
-    n_blocks = tl.cdiv(n_sel, per_block) + 1  # the selected pools, then one block for the tail
-    for b in range(0, n_blocks):
-        if b < n_blocks - 1:
-            idx = b * per_block + j // KP
-            ok = idx < n_sel
-            pool = tl.load(sel_ptr + r * s_sel + idx, mask=ok, other=0)
-            p = pool * KP + j % KP
-        else:
-            p = tail_start + j
-            ok = p <= pos
-        rows = _row_address(bt_ptr, s_bt, seq, tl.where(ok, p, 0), BS)
-        kv = _load_rows(lat_ptr, lat_scale_ptr, rows, c, ok, R, FP8, act)
-        s = tl.dot(q, tl.trans(kv)) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        prob = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(prob, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(act), kv)
-        m = m_new
-    o = acc / l[:, None]
-    tl.store(out_ptr + r * s_ot + heads[:, None] * s_oh + c[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=has_head[:, None])
+    if lo < hi:
+        q = tl.load(q_ptr + r * s_qt + heads[:, None] * s_qh + c[None, :], mask=has_head[:, None], other=0.0)
+        j = tl.arange(0, BN)
+        for b in range(lo, hi, BN):
+            v = b + j
+            ok = v < hi
+            is_pool = v < in_pools
+            pool = tl.load(sel_ptr + r * s_sel + v // KP, mask=ok & is_pool, other=0)
+            p = tl.where(is_pool, pool * KP + v % KP, tail_start + v - in_pools)
+            rows = _row_address(bt_ptr, s_bt, seq, tl.where(ok, p, 0), BS)
+            kv = _load_rows(lat_ptr, lat_scale_ptr, rows, c, ok, R, FP8, act)
+            s = tl.dot(q, tl.trans(kv)) * scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            prob = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(prob, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(act), kv)
+            m = m_new
+    if PARTIAL:
+        if lo < hi:
+            part = (r * n_heads + heads) * MAX_SPLITS + sp
+            tl.store(m_ptr + part, m, mask=has_head)
+            tl.store(l_ptr + part, l, mask=has_head)
+            tl.store(out_ptr + part[:, None] * R + c[None, :], acc, mask=has_head[:, None])
+    else:
+        o = acc / l[:, None]
+        tl.store(out_ptr + r * s_ot + heads[:, None] * s_oh + c[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=has_head[:, None])
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, count_ptr, out_ptr, s_ot, s_oh, n_heads, split_len,
+                    R: tl.constexpr, KP: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Merge one row's split partials for one head, in split order (a function of the row's own list length)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + r)
+    total = tl.load(count_ptr + r) * KP + pos + 1 - (pos + 1) // KP * KP
+    n_splits = tl.cdiv(total, split_len)
+    base = (r * n_heads + h) * MAX_SPLITS
+    c = tl.arange(0, R)
+    big = tl.load(m_ptr + base)
+    for sp in range(1, n_splits):
+        big = tl.maximum(big, tl.load(m_ptr + base + sp))
+    den = 0.0
+    o = tl.zeros((R,), tl.float32)
+    for sp in range(0, n_splits):
+        w = tl.exp(tl.load(m_ptr + base + sp) - big)
+        den += tl.load(l_ptr + base + sp) * w
+        o += tl.load(acc_ptr + (base + sp) * R + c) * w
+    tl.store(out_ptr + r * s_ot + h * s_oh + c, (o / den).to(out_ptr.dtype.element_ty))
+
+
+DECODE_SPLIT = 256  # attended positions per program for decode-class rows (a constant: the split is fixed)
 
 
 def sparse_attention(q_lat: torch.Tensor, latent: torch.Tensor, latent_scale: torch.Tensor | None,
                      block_tables: torch.Tensor, positions: torch.Tensor, row_seq: torch.Tensor, sel: torch.Tensor,
-                     count: torch.Tensor, kpool: int, scale: float, out: torch.Tensor) -> None:
+                     count: torch.Tensor, kpool: int, scale: float, out: torch.Tensor, decode_rows: int,
+                     max_positions: int, decode_split: int = DECODE_SPLIT) -> None:
     """q_lat [T, H, R] (any strides, unit last); latent [blocks, BS, R] (+ fp8 scale [blocks, BS]); sel, count
-    from `select_pools` -> out [T, H, R] (attention-weighted latent rows)."""
+    from `select_pools` -> out [T, H, R] (attention-weighted latent rows).
+
+    Rows [0, decode_rows) are decode-class: their list is cut into fixed splits of DECODE_SPLIT positions run in
+    parallel and merged in order (few rows, so the chip needs the splits). Prompt rows run their whole list in one
+    program. max_positions bounds any row's list length (selected pools x kpool + tail), sizing the split grid.
+    decode_split is a parameter only so the tests can exercise many splits on small contexts."""
     t, h, r_dim = q_lat.shape
-    if t == 0:
-        return
     hb = 16  # heads per program: the M side of the tensor-core tiles (missing heads are masked)
     bs = latent.shape[1]
     bn = 32 if r_dim >= 256 else 64
-    _sparse_attention_kernel[(t, triton.cdiv(h, hb))](
-        q_lat, q_lat.stride(0), q_lat.stride(1), latent, latent_scale if latent_scale is not None else latent,
-        block_tables, block_tables.stride(0), positions, row_seq, sel, sel.stride(0), count, out, out.stride(0),
-        out.stride(1), h, float(scale), R=r_dim, HB=hb, KP=kpool, BS=bs, BN=max(bn, kpool),
-        FP8=latent_scale is not None, num_warps=4, num_stages=2)
+    common = dict(R=r_dim, HB=hb, KP=kpool, BS=bs, BN=max(bn, kpool), FP8=latent_scale is not None)
+    lat_scale = latent_scale if latent_scale is not None else latent
+    split = min(max(decode_rows, 0), t)
+    if split:
+        n_splits = triton.cdiv(max_positions, decode_split)
+        part = torch.empty(split, h, n_splits, r_dim, dtype=torch.float32, device=q_lat.device)
+        m = torch.empty(split, h, n_splits, dtype=torch.float32, device=q_lat.device)
+        l = torch.empty_like(m)
+        _attention_kernel[(split, triton.cdiv(h, hb), n_splits)](
+            q_lat, q_lat.stride(0), q_lat.stride(1), latent, lat_scale, block_tables, block_tables.stride(0),
+            positions, row_seq, sel, sel.stride(0), count, part, 0, 0, m, l, h, float(scale), decode_split,
+            PARTIAL=True, MAX_SPLITS=n_splits, num_warps=4, num_stages=2, **common)
+        _combine_kernel[(split, h)](m, l, part, positions, count, out, out.stride(0), out.stride(1), h, decode_split,
+                                    R=r_dim, KP=kpool, MAX_SPLITS=n_splits, num_warps=4)
+    if split < t:
+        rows = slice(split, t)
+        _attention_kernel[(t - split, triton.cdiv(h, hb), 1)](
+            q_lat[rows], q_lat.stride(0), q_lat.stride(1), latent, lat_scale, block_tables, block_tables.stride(0),
+            positions[rows], row_seq[rows], sel[rows], sel.stride(0), count[rows], out[rows], out.stride(0),
+            out.stride(1), out, out, h, float(scale), 1 << 30, PARTIAL=False, MAX_SPLITS=1, num_warps=4,
+            num_stages=2, **common)

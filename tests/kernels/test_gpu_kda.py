@@ -11,7 +11,7 @@ from kernels import kda as ref  # noqa: E402
 from kernels.gpu import kda  # noqa: E402
 from kernels.norms import gated_rms_norm  # noqa: E402
 
-H, DK, SLOTS, LB, EPS = 2, 16, 6, -5.0, 1e-5
+H, DK, SLOTS, LB, EPS = 2, 64, 6, -5.0, 1e-5  # dk 64: two value blocks of 32 per head
 C = H * DK
 CH = 3 * C + 8  # the rank's conv channels: this shard's 3C start at CHAN_OFF (another shard owns the rest)
 CHAN_OFF = 8
@@ -37,17 +37,16 @@ def make_cache(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def seqs(rows: list[tuple[int, int, int, int, int]]) -> kda.DecodeSeqs:
-    cols = [torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in zip(*rows)]
-    return kda.DecodeSeqs(*cols)
+    row0, length, slot, fresh, pending = (list(c) for c in zip(*rows))
+    return kda.DecodeSeqs.build(row0, length, slot, [bool(f) for f in fresh], pending, DEVICE)
 
 
 def run_kernel(p, x, conv, state, sq, pend_state=None, pend_conv=None) -> torch.Tensor:
-    out = torch.zeros(x["mixed"].shape[0], C, dtype=HALF, device=DEVICE)
+    core = torch.zeros(x["mixed"].shape[0], C, dtype=HALF, device=DEVICE)
     kda.decode(sq, mixed=x["mixed"], conv_w=p["conv_w"], conv_state=conv, chan_off=CHAN_OFF, g_raw=x["g_raw"],
-               dt_bias=p["dt_bias"], a_log=p["a_log"], lower_bound=LB, beta_raw=x["beta_raw"], gate=x["gate"],
-               o_norm=p["o_norm"], eps=EPS, state=state, head_off=HEAD_OFF, out=out, pend_state=pend_state,
-               pend_conv=pend_conv)
-    return out
+               dt_bias=p["dt_bias"], a_log=p["a_log"], lower_bound=LB, beta_raw=x["beta_raw"], state=state,
+               head_off=HEAD_OFF, core=core, pend_state=pend_state, pend_conv=pend_conv)
+    return kda.gated_norm(core, x["gate"], p["o_norm"], EPS)
 
 
 def twin_step(p, x, row: int, hist: torch.Tensor, state: torch.Tensor):

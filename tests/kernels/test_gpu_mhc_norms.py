@@ -13,6 +13,7 @@ from kernels.norms import layer_norm, rms_norm  # noqa: E402
 
 T, HC, D = 9, 4, 96
 KW = dict(eps=1e-6, norm_eps=1e-5, iters=20)
+GPU_KW = dict(rms_eps=1e-5, decode_rows=1 << 30, **KW)
 
 
 def params() -> dict[str, torch.Tensor]:
@@ -31,7 +32,7 @@ def twin_pre(streams, p):
 
 def test_pre_matches_twin() -> None:
     streams, p = randn(T, HC, D, seed=5), params()
-    h, post, comb = mhc.pre(streams, p["fn"], p["base"], p["scale"], p["norm"], rms_eps=1e-5, **KW)
+    h, post, comb = mhc.pre(streams, p["fn"], p["base"], p["scale"], p["norm"], **GPU_KW)
     want_h, want_post, want_comb = twin_pre(streams, p)
     torch.testing.assert_close(post.cpu(), want_post, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(comb.cpu(), want_comb, rtol=1e-4, atol=1e-5)
@@ -58,8 +59,8 @@ def test_norms_match_twin() -> None:
 
 def test_rows_alone_equal_rows_in_company() -> None:
     streams, p = randn(T, HC, D, seed=11), params()
-    alone = mhc.pre(streams[4:5], p["fn"], p["base"], p["scale"], p["norm"], rms_eps=1e-5, **KW)
-    together = mhc.pre(streams, p["fn"], p["base"], p["scale"], p["norm"], rms_eps=1e-5, **KW)
+    alone = mhc.pre(streams[4:5], p["fn"], p["base"], p["scale"], p["norm"], **GPU_KW)
+    together = mhc.pre(streams, p["fn"], p["base"], p["scale"], p["norm"], **GPU_KW)
     assert all(torch.equal(a[0], b[4]) for a, b in zip(alone, together))
     x, w = randn(T, D, seed=12), 1 + randn(D, seed=13, scale=0.1)
     assert torch.equal(norms.rms_norm(x[4:5], w, 1e-5)[0], norms.rms_norm(x, w, 1e-5)[4])

@@ -70,9 +70,20 @@ def test_pool_keys_match_twin(paged: Paged) -> None:
 
 
 QUERIES = [(0, 36), (1, 69), (1, 3), (0, 15), (1, 40)]
+MAX_POSITIONS = max(LENS) + KP
+# decode-class rows in several splits (16 positions each), or every row a prompt row in one program
+CLASSES = {"decode": dict(decode_rows=1 << 30, decode_split=16), "prefill": dict(decode_rows=0)}
 
 
-def test_scores_selection_and_attention_match_twin(paged: Paged) -> None:
+def attend(q_lat, cache: Paged, pos, seq, sel, count, **cls) -> torch.Tensor:
+    out = torch.empty(q_lat.shape, dtype=HALF, device=DEVICE)
+    mla.sparse_attention(q_lat, cache.latent, cache.latent_scale, cache.tables, pos, seq, sel, count, KP, 0.25, out,
+                         max_positions=MAX_POSITIONS, **cls)
+    return out
+
+
+@pytest.mark.parametrize("cls", CLASSES.values(), ids=CLASSES.keys())
+def test_scores_selection_and_attention_match_twin(paged: Paged, cls: dict) -> None:
     pos, seq = rows_of(QUERIES)
     q_idx, w = randn(len(QUERIES), NH, DI, seed=40), randn(len(QUERIES), NH, dtype=torch.float32, seed=41)
     n_pools = max(LENS) // KP
@@ -80,8 +91,7 @@ def test_scores_selection_and_attention_match_twin(paged: Paged) -> None:
     keep = 5  # topk 20 / kpool 4: fewer than the pools most rows see, so selection drops some
     sel, count = mla.select_pools(scores, pos, KP, keep, n_pools)
     q_lat = randn(len(QUERIES), H, R, seed=42)
-    out = torch.empty(len(QUERIES), H, R, dtype=HALF, device=DEVICE)
-    mla.sparse_attention(q_lat, paged.latent, None, paged.tables, pos, seq, sel, count, KP, 0.25, out)
+    out = attend(q_lat, paged, pos, seq, sel, count, **cls)
     for i, (s, p) in enumerate(QUERIES):
         keys, gates = paged.dense_index[s][: p + 1].split(DI, dim=-1)
         pooled = dsa.pool_keys(keys.cpu().float(), gates.cpu().float(), paged.ape.cpu().float(), KP)
@@ -108,31 +118,29 @@ def test_select_takes_everything_when_few_pools(paged: Paged) -> None:
     assert count.tolist() == [1, 9] and sel[1].tolist() == list(range(9))
 
 
-def test_fp8_latent_rows(paged: Paged) -> None:
+@pytest.mark.parametrize("cls", CLASSES.values(), ids=CLASSES.keys())
+def test_fp8_latent_rows(cls: dict) -> None:
     cache = Paged(fp8=True)
     pos, seq = rows_of(QUERIES)
     sel, count = mla.select_pools(None, pos, KP, keep=64, n_pools=max(LENS) // KP)
     q_lat = randn(len(QUERIES), H, R, seed=43)
-    out = torch.empty(len(QUERIES), H, R, dtype=HALF, device=DEVICE)
-    mla.sparse_attention(q_lat, cache.latent, cache.latent_scale, cache.tables, pos, seq, sel, count, KP, 0.25, out)
+    out = attend(q_lat, cache, pos, seq, sel, count, **cls)
     for i, (s, p) in enumerate(QUERIES):
         want = latent_attention(q_lat[i : i + 1].cpu().float(), cache.dense_latent[s][: p + 1].cpu().float(),
                                 torch.ones(1, p + 1, dtype=torch.bool), 0.25)
         torch.testing.assert_close(out[i].cpu().float(), want[0], **HALF_TOL)
 
 
-def test_row_alone_equals_row_in_company(paged: Paged) -> None:
+@pytest.mark.parametrize("cls", CLASSES.values(), ids=CLASSES.keys())
+def test_row_alone_equals_row_in_company(paged: Paged, cls: dict) -> None:
     q_lat = randn(len(QUERIES), H, R, seed=44)
     n_pools = max(LENS) // KP
 
-    def attend(rows: list[int]) -> torch.Tensor:
+    def run(rows: list[int]) -> torch.Tensor:
         pos, seq = rows_of([QUERIES[i] for i in rows])
         sel, count = mla.select_pools(None, pos, KP, keep=64, n_pools=n_pools)
-        out = torch.empty(len(rows), H, R, dtype=HALF, device=DEVICE)
-        mla.sparse_attention(q_lat[rows].contiguous(), paged.latent, None, paged.tables, pos, seq, sel, count, KP,
-                             0.25, out)
-        return out
+        return attend(q_lat[rows].contiguous(), paged, pos, seq, sel, count, **cls)
 
-    alone = attend([1])[0]
-    assert torch.equal(attend([0, 1, 2, 3, 4])[1], alone)
-    assert torch.equal(attend([3, 1])[1], alone)
+    alone = run([1])[0]
+    assert torch.equal(run([0, 1, 2, 3, 4])[1], alone)
+    assert torch.equal(run([3, 1])[1], alone)
