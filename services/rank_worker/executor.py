@@ -33,6 +33,14 @@ class StepOutput:
     hidden: torch.Tensor | None = None  # [R, D] fp32, when the plan wants hidden states
 
 
+def _flags(plan: StepPlan, name: str, n: int) -> list[bool] | None:
+    """A per-sequence int32 flag vector of the plan; None when the plan leaves it empty."""
+    msg = getattr(plan, name)
+    if not plan.HasField(name) or not msg.shape or not msg.shape[0]:
+        return None
+    return [bool(f) for f in _vec(msg, name, torch.int64, n).tolist()]
+
+
 def _vec(msg, name: str, dtype: torch.dtype, length: int | None = None) -> torch.Tensor:
     try:
         t = from_proto(msg)
@@ -82,11 +90,13 @@ class Executor:
             min_p=_vec(plan.min_p, "min_p", torch.float32, r).to(dev),
             seed=_vec(plan.seed, "seed", torch.int64, r).to(dev),
         )
-        verify = None
-        if plan.HasField("verify") and plan.verify.shape and plan.verify.shape[0]:
-            verify = [bool(f) for f in _vec(plan.verify, "verify", torch.int64, b).tolist()]
+        verify = _flags(plan, "verify", b)
+        prompt = _flags(plan, "prompt", b)
+        if verify is not None and prompt is not None and any(v and p for v, p in zip(verify, prompt)):
+            raise PlanError("a sequence cannot be both a verify window and a prompt chunk")
         batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
-                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows.to(dev), verify=verify)
+                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows.to(dev), verify=verify,
+                      prompt=prompt)
         if verify is not None:
             wanted = set(rows.tolist())
             for s, (o, n) in enumerate(zip(batch.offsets, batch.lengths)):
@@ -113,6 +123,12 @@ class Executor:
     def execute(self, plan: StepPlan) -> StepOutput:
         batch, params, rows = self.to_batch(plan)
         copies = self.state_copies(plan)  # validated with the rest before anything changes
+        # Decode-class sequences first: the GPU path runs each row class with its own fixed schedule over a
+        # contiguous run of rows. Sample rows keep the plan's order; `order` maps results back per sequence.
+        order = batch.class_order()
+        if order != list(range(batch.num_seqs)):
+            batch, row_map = batch.permuted(order)
+            rows = row_map[rows]
         t0 = time.perf_counter()
         # Copies run before the forward: a snapshot is taken from a slot as the previous round left it, and a
         # resumed sequence starts this round's rows from the copied state.
@@ -128,12 +144,15 @@ class Executor:
         if batch.verify is not None:
             # Accept the longest draft prefix equal to our own samples, then keep the KDA state of that row only.
             by_row = dict(zip(rows.tolist(), sampled))
-            accepted = [0] * batch.num_seqs
+            mine = [0] * batch.num_seqs
             for s, (o, n) in enumerate(zip(batch.offsets, batch.lengths)):
                 if batch.verify[s]:
                     window = batch.token_ids[o : o + n].tolist()
-                    accepted[s] = accept_drafts(window, [by_row[o + i] for i in range(n)])
-            self.model.commit_verify(batch, self.cache, {s: a for s, a in enumerate(accepted) if batch.verify[s]})
+                    mine[s] = accept_drafts(window, [by_row[o + i] for i in range(n)])
+            self.model.commit_verify(batch, self.cache, {s: a for s, a in enumerate(mine) if batch.verify[s]})
+            accepted = [0] * batch.num_seqs  # in the plan's sequence order
+            for s, a in zip(order, mine):
+                accepted[s] = a
         hidden = out.hidden[rows.to(out.hidden.device)].float() if plan.want_hidden and rows.numel() else None
         t2 = time.perf_counter()
         return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden)

@@ -28,7 +28,7 @@ from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.drafts import DrafterClient
 from services.scheduler.pool import BlockPool
-from services.scheduler.prefix import Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
+from services.scheduler.prefix import KDA_CHUNK, Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
 from services.scheduler.ranks import ModelInfo, RankError, RankSet
 from services.scheduler.request import Request, SamplingSpec, State, derive_seed
 from services.scheduler.tracing import RequestSpans, propose_span, round_span
@@ -94,9 +94,11 @@ class Engine:
         self.live: dict[str, Request] = {}  # waiting + running, by request id
         # A running request holds a KDA slot, so the ranks' slot count caps concurrency too.
         self.max_running = min(cfg.max_num_seqs, self.pool.num_slots)
-        if cfg.max_num_batched_tokens < self.max_running:
-            log.warning("--max-num-batched-tokens %d < %d running sequences: some decode rows will wait a round",
-                        cfg.max_num_batched_tokens, self.max_running)
+        if cfg.max_num_batched_tokens < self.max_running + KDA_CHUNK:
+            # Prompts are cut only on the 64-token KDA grid (batcher.py): a round must hold every decode row and
+            # one whole grid chunk, or a long prompt could never make progress.
+            raise ValueError(f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be at least the running "
+                             f"sequences ({self.max_running}) + {KDA_CHUNK}")
         self.rounds = 0
         self.drafter = drafter
         self.drafted_total = 0  # drafts verified, all requests

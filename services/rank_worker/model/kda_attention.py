@@ -77,8 +77,8 @@ class KdaAttention:
         fresh = torch.tensor([s == 0 for s in batch.starts], device=x.device)
         offsets = batch.offsets
         verify = [s for s in range(batch.num_seqs) if batch.is_verify(s)]
-        decode = [s for s, n in enumerate(batch.lengths) if n == 1 and s not in verify]
-        prefill = [s for s, n in enumerate(batch.lengths) if n > 1 and s not in verify]
+        decode = [s for s in range(batch.num_seqs) if not batch.is_prompt(s) and s not in verify]
+        prefill = [s for s in range(batch.num_seqs) if batch.is_prompt(s)]
         if verify:
             # Verify windows: every row is a one-row decode step; each row's state (and conv history) is kept in
             # `cache.pending` until `commit` picks the last accepted row's. The slot itself is not touched here.
