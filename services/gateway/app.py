@@ -29,10 +29,10 @@ from services.common import telemetry
 from twinspark.v1 import generate_pb2
 
 from .checkpoint import CheckpointInfo
+from .choices import Choices
 from .errors import GatewayError, bad_request, internal
-from .generation import Final, GenerationStream
+from .generation import Final
 from .metrics import GatewayMetrics
-from .output import OutputAssembler
 from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, render_chat
 from .responses import ChunkWriter, full_response
 from .scheduler_client import SchedulerClient
@@ -109,7 +109,7 @@ class Gateway:
         if name is not None and name not in self.accepted_names:
             raise GatewayError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
 
-    def _log(self, prep: Prepared, status: int, outcome: str, stream: GenerationStream, started: float) -> None:
+    def _log(self, prep: Prepared, status: int, outcome: str, stream: Choices, started: float) -> None:
         """The one log line of a generation request (and the same figures on its HTTP span when traced)."""
         final = stream.final
         prompt = final.prompt_tokens if final else len(prep.prompt_ids)
@@ -126,42 +126,54 @@ class Gateway:
                                  "gen_ai.usage.output_tokens": completion, "twinspark.finish_reason": outcome,
                                  "twinspark.stream": prep.stream})
 
+    def choices(self, prep: Prepared) -> Choices:
+        return Choices(self.client, self.ctx, prep, self.metrics, keepalive_s=self.settings.keepalive_s,
+                       metadata=telemetry.metadata())  # the scheduler's span is the HTTP span's child
+
     async def _generate(self, request: Request, prep: Prepared, started: float) -> Response:
-        assembler = OutputAssembler(self.ctx.tokenizer, stops=prep.stops, include_stop_str=prep.include_stop_str,
-                                    skip_special_tokens=prep.skip_special_tokens, final_ids=prep.final_ids)
-        stream = GenerationStream(self.client, prep, assembler, self.metrics, keepalive_s=self.settings.keepalive_s,
-                                  metadata=telemetry.metadata())  # the scheduler's span is the HTTP span's child
+        stream = self.choices(prep)
         headers = {"x-request-id": prep.response_id}
         if prep.stream:
-            try:
-                # Wait for the scheduler's first answer so that 429 / 400 / 503 still come before the 200.
-                await stream.start(self.settings.keepalive_s)
-            except GatewayError as err:
-                self._log(prep, err.status, stream.close(), stream, started)
-                raise
-            except BaseException:
-                stream.close()
-                raise
+            await self.start_stream(prep, stream, started)
+            return SSEResponse(sse_events(stream, ChunkWriter(prep, self.model_name, self.ctx.tokenizer)),
+                               headers=headers, on_close=self.stream_closed(prep, stream, started))
+        finals = await self.complete(request, prep, stream, started)
+        if isinstance(finals, Response):
+            return finals
+        texts = {s.index: s.assembler.text for s in stream.streams}
+        body = full_response(prep, self.model_name, self.ctx.tokenizer, texts, finals, int(time.time()))
+        return JSONResponse(body, headers=headers)
 
-            def on_close(disconnected: bool) -> None:
-                outcome = stream.close()
-                self._log(prep, 200, "client_gone" if disconnected and stream.final is None else outcome,
-                          stream, started)
+    async def start_stream(self, prep: Prepared, stream: Choices, started: float) -> None:
+        """Before a stream's 200: wait for the scheduler's first answer, so 429 / 400 / 503 are HTTP statuses."""
+        try:
+            await stream.start(self.settings.keepalive_s)
+        except GatewayError as err:
+            self._log(prep, err.status, stream.close(), stream, started)
+            raise
+        except BaseException:
+            stream.close()
+            raise
 
-            return SSEResponse(sse_events(stream, ChunkWriter(prep, self.model_name)), headers=headers,
-                               on_close=on_close)
-        return await self._complete(request, prep, stream, headers, started)
+    def stream_closed(self, prep: Prepared, stream: Choices, started: float) -> Callable[[bool], None]:
+        def on_close(disconnected: bool) -> None:
+            outcome = stream.close()
+            self._log(prep, 200, "client_gone" if disconnected and stream.final is None else outcome,
+                      stream, started)
+        return on_close
 
-    async def _complete(self, request: Request, prep: Prepared, stream: GenerationStream, headers: dict[str, str],
-                        started: float) -> Response:
-        """A non-streamed reply; a client that hangs up meanwhile cancels the generation."""
+    async def complete(self, request: Request, prep: Prepared, stream: Choices, started: float
+                       ) -> list[Final] | Response:
+        """Run a non-streamed generation to its end: the returned choices' finals, or the error / 499 response.
+        A client that hangs up meanwhile cancels the generation."""
 
-        async def collect() -> Final:
+        async def collect() -> list[Final]:
             await stream.start(0.0)
-            async for event in stream.events():
-                if isinstance(event, Final):
-                    return event
-            raise internal("the generation ended without a result")
+            async for _, event in stream.events():
+                pass
+            if len(stream.finals) != len(stream.streams):
+                raise internal("the generation ended without a result")
+            return stream.best()
 
         work = asyncio.create_task(collect())
         gone = asyncio.create_task(_wait_disconnect(request.receive))
@@ -181,15 +193,14 @@ class Gateway:
             if isinstance(exc, GatewayError):
                 stream.error = exc
                 self._log(prep, exc.status, stream.close(), stream, started)
-                return exc.response()
+                raise exc
             if exc is not None:
                 raise exc
-            final = work.result()
+            finals = work.result()
         finally:
             stream.close()  # idempotent; also covers this handler itself being cancelled (server shutdown)
-        self._log(prep, 200, final.finish_reason, stream, started)
-        body = full_response(prep, self.model_name, stream.assembler.text, final, int(time.time()))
-        return JSONResponse(body, headers=headers)
+        self._log(prep, 200, finals[0].finish_reason, stream, started)
+        return finals
 
     # ---------------------------------------------------------------------------------------------- routes
     async def chat_completions(self, request: Request) -> Response:
