@@ -225,7 +225,8 @@ class Gateway:
         req = parse(TokenizeRequest, await request.body())
         self.check_model(req.model)
         if req.messages is not None:
-            text = render_chat(self.ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            text = render_chat(self.ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                               tools=req.tools)
             add_special = bool(req.add_special_tokens)  # the template writes the special tokens itself
         else:
             text = req.prompt or ""

@@ -51,8 +51,13 @@ def completion_logprobs(tok: TextTokenizer, lps: list[TokenLogprob], offset: int
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
-            "top_logprobs": [{token_text(tok, i): _lp(v) for i, v in lp.top} for lp in lps],
+    tops = []
+    for lp in lps:  # a dict by token text: when two tokens read the same (partial UTF-8), the likelier is kept
+        top: dict[str, float] = {}
+        for i, v in lp.top:
+            top.setdefault(token_text(tok, i), _lp(v))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps], "top_logprobs": tops,
             "text_offset": offsets}
 
 

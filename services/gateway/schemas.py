@@ -234,6 +234,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # default: true for `prompt`, false for `messages` (vLLM)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # rendered into the prompt as chat requests render them (vLLM)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
