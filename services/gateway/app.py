@@ -1,7 +1,9 @@
 """The HTTP surface: routes, auth, and the glue from a validated request to a reply.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize,
-GET /health, GET /metrics. Every error leaves in OpenAI's shape (`errors.py`); no exception escapes a handler.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET /v1/responses/{id}), Anthropic's
+POST /v1/messages and /v1/messages/count_tokens, GET /v1/models, POST /tokenize, POST /detokenize, GET /health,
+GET /metrics. Every error leaves in OpenAI's shape (`errors.py`; Anthropic's routes in Anthropic's shape); no
+exception escapes a handler.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.common import telemetry
 from twinspark.v1 import generate_pb2
 
+from . import anthropic_messages as anthropic
+from . import openai_responses as responses_api
 from .checkpoint import CheckpointInfo
 from .choices import Choices
 from .errors import GatewayError, bad_request, internal
@@ -77,6 +82,7 @@ class Gateway:
         self.client = SchedulerClient(settings.scheduler)
         self.metrics = GatewayMetrics(self.model_name)
         self.created = int(time.time())
+        self.store = responses_api.ResponseStore()  # `store: true` responses, for previous_response_id
 
     # ------------------------------------------------------------------------------------------- lifecycle
     @contextlib.asynccontextmanager
@@ -215,6 +221,71 @@ class Gateway:
         self.check_model(req.model)
         return await self._generate(request, await prepare_completion(self.ctx, req), started)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI `POST /v1/responses`."""
+        started = time.monotonic()
+        req = parse(responses_api.ResponsesRequest, await request.body())
+        self.check_model(req.model)
+        history = self.store.get(req.previous_response_id)[0] if req.previous_response_id else []
+        turns = history + responses_api.input_messages(req)
+        prep = await prepare_chat(self.ctx, responses_api.to_chat(req, turns))
+        prep.response_id = f"resp_{uuid.uuid4().hex}"
+        stream = self.choices(prep)
+        headers = {"x-request-id": prep.response_id}
+
+        def keep(body: dict[str, Any]) -> None:
+            if req.store:
+                self.store.put(body["id"], turns + responses_api.reply_messages(body["output"]), body)
+
+        if req.stream:
+            await self.start_stream(prep, stream, started)
+            return SSEResponse(responses_api.response_events(req, prep, self.model_name, stream, keep),
+                               headers=headers, on_close=self.stream_closed(prep, stream, started))
+        finals = await self.complete(request, prep, stream, started)
+        if isinstance(finals, Response):
+            return finals
+        body = responses_api.full_response(req, prep, self.model_name, stream, finals[0])
+        keep(body)
+        return JSONResponse(body, headers=headers)
+
+    async def stored_response(self, request: Request) -> Response:
+        return JSONResponse(self.store.get(request.path_params["response_id"])[1])
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic `POST /v1/messages`; every error in Anthropic's shape."""
+        started = time.monotonic()
+        try:
+            req = parse(anthropic.MessagesRequest, await request.body())
+            self.check_model(req.model)
+            prep = await prepare_chat(self.ctx, anthropic.parse_chat(
+                anthropic.to_chat(req, max_tokens=req.max_tokens, stream=req.stream)))
+            prep.response_id = anthropic.new_message_id()
+            stream = self.choices(prep)
+            headers = {"request-id": prep.response_id}
+            if req.stream:
+                await self.start_stream(prep, stream, started)
+                return SSEResponse(anthropic.message_events(prep, self.model_name, stream), headers=headers,
+                                   on_close=self.stream_closed(prep, stream, started))
+            finals = await self.complete(request, prep, stream, started)
+            if isinstance(finals, Response):
+                return finals
+            return JSONResponse(anthropic.full_message(prep, self.model_name, stream, finals[0]), headers=headers)
+        except GatewayError as err:
+            if not err.logged:
+                log.info("POST /v1/messages status=%d %s", err.status, err.message)
+            return anthropic.error_response(err)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic `POST /v1/messages/count_tokens`: the prompt's length as /v1/messages would render it."""
+        try:
+            req = parse(anthropic.CountTokensRequest, await request.body())
+            self.check_model(req.model)
+            chat = anthropic.parse_chat(anthropic.to_chat(req))
+            text = render_chat(self.ctx, chat.messages, True, chat.chat_template_kwargs, tools=chat.tools)
+            return JSONResponse({"input_tokens": len(await self.ctx.tokenizer.encode_async(text))})
+        except GatewayError as err:
+            return anthropic.error_response(err)
+
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "twinspark",
@@ -309,16 +380,19 @@ def _handled(fn: Handler) -> Handler:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the probes (OPEN_PATHS)."""
+    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every route but the probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            if not (hmac.compare_digest(given, self._expected)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)):
                 err = GatewayError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
                                    type="invalid_request_error", code="invalid_api_key")
                 await err.response()(scope, receive, send)
@@ -347,6 +421,10 @@ def create_app(settings: GatewaySettings) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _handled(gw.chat_completions), methods=["POST"]),
         Route("/v1/completions", _handled(gw.completions), methods=["POST"]),
+        Route("/v1/responses", _handled(gw.responses), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _handled(gw.stored_response), methods=["GET"]),
+        Route("/v1/messages", _handled(gw.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _handled(gw.count_tokens), methods=["POST"]),
         Route("/v1/models", _handled(gw.models), methods=["GET"]),
         Route("/tokenize", _handled(gw.tokenize), methods=["POST"]),
         Route("/detokenize", _handled(gw.detokenize), methods=["POST"]),

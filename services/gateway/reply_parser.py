@@ -108,7 +108,9 @@ class ReplyParser:
         self._buf = ""
         self._calls = 0
         self._id_prefix = id_prefix
-        self._after_think = False
+        # The newline after </think> belongs to the format (the template writes "</think>\n" before a turn's
+        # content, also when the prompt closed the think block itself), not to the content.
+        self._after_think = True
 
     def feed(self, text: str) -> list[ReplyEvent]:
         self._buf += text
@@ -148,7 +150,7 @@ class ReplyParser:
         self._buf = self._buf[len(self._buf) - keep:]
 
     def _content(self, out: list[ReplyEvent], final: bool) -> None:
-        if self._after_think:  # the newline after </think> is the format's, not the content's (template: "</think>\n")
+        if self._after_think:
             self._buf = self._buf.lstrip("\n")
             if not self._buf:
                 return

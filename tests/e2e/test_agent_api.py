@@ -217,3 +217,63 @@ def test_mixed_burst_equals_one_by_one(stack_tp2: Stack) -> None:
     alone = asyncio.run(serial())
     together = asyncio.run(burst())
     assert together == alone
+
+
+def test_responses_api(client: openai.OpenAI, m: str) -> None:
+    off = {"effort": "none"}
+    plain = client.responses.create(model=m, input="Hello", max_output_tokens=8, reasoning=off)
+    assert plain.status == "incomplete" and plain.output_text and plain.usage.output_tokens == 8
+    tools = [{"type": "function", "name": "get_time", "parameters": TOOLS[1]["function"]["parameters"]}]
+    called = client.responses.create(model=m, input="time?", tools=tools, tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=40, reasoning=off,
+                                     extra_body={"seed": 3})
+    calls = [o for o in called.output if o.type == "function_call"]
+    assert [o.type for o in called.output] == ["function_call"] and calls[0].name == "get_time"
+    jsonschema.validate(json.loads(calls[0].arguments), tools[0]["parameters"])
+    more = client.responses.create(model=m, previous_response_id=called.id, reasoning=off, max_output_tokens=4,
+                                   tools=tools,
+                                   input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                           "output": "12:00"}])
+    assert more.usage.input_tokens > called.usage.input_tokens
+    fmt = {"format": {"type": "json_schema", "name": "p", "schema": PERSON, "strict": True}}
+    structured = client.responses.create(model=m, input="json", text=fmt, max_output_tokens=80, reasoning=off)
+    jsonschema.validate(json.loads(structured.output_text), PERSON)
+    events = list(client.responses.create(model=m, input="Hi", max_output_tokens=8, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed and events[-1].response.output[0].content[0].text == streamed
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model=m, input=[{"type": "bogus"}])
+    assert exc.value.body["param"] == "input[0].type"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=m, input="x", previous_response_id="resp_missing")
+
+
+def test_anthropic_messages(stack_tp2: Stack, m: str) -> None:
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=stack_tp2.url, api_key="unused", max_retries=0, timeout=120)
+    user = [{"role": "user", "content": "Hello"}]
+    plain = a.messages.create(model=m, max_tokens=8, messages=user, system="Be brief.")
+    assert plain.stop_reason == "max_tokens" and plain.content[0].type == "text" and plain.usage.output_tokens == 8
+    tools = [{"name": "get_time", "input_schema": TOOLS[1]["function"]["parameters"]}]
+    used = a.messages.create(model=m, max_tokens=40, messages=user, tools=tools,
+                             tool_choice={"type": "tool", "name": "get_time"})
+    blocks = [b for b in used.content if b.type == "tool_use"]
+    assert used.stop_reason == "tool_use" and [b.type for b in used.content] == ["tool_use"]
+    jsonschema.validate(blocks[0].input, tools[0]["input_schema"])
+    follow = user + [{"role": "assistant", "content": [b.model_dump() for b in used.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": blocks[0].id,
+                                                   "content": "12:00"}]}]
+    assert a.messages.create(model=m, max_tokens=4, messages=follow, tools=tools).usage.input_tokens > \
+        used.usage.input_tokens
+    with a.messages.stream(model=m, max_tokens=8, messages=user, thinking={"type": "enabled",
+                                                                           "budget_tokens": 64}) as s:
+        final = s.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].thinking and final.stop_reason == "max_tokens"
+    count = a.messages.count_tokens(model=m, messages=user, system="Be brief.")
+    assert count.input_tokens == plain.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        a.messages.create(model=m, max_tokens=0, messages=user)
+    assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "invalid_request_error"
