@@ -23,9 +23,8 @@ from starlette.responses import JSONResponse
 from .choices import Choices
 from .errors import GatewayError
 from .generation import Final, Keepalive
-from .output import Delta
 from .prepare import Prepared
-from .reply_blocks import BlockTracker, Close, Open, Step, Text
+from .reply_blocks import Close, Open, Step, Text, reply_steps
 from .reply_parser import ParsedReply, ToolCall
 from .responses import new_parser, parse_reply
 from .schemas import ChatCompletionRequest
@@ -210,7 +209,7 @@ async def message_events(prep: Prepared, model: str, stream: Choices) -> AsyncIt
     start = {"id": prep.response_id, "type": "message", "role": "assistant", "model": model, "content": [],
              "stop_reason": None, "stop_sequence": None, "usage": _usage(None, len(prep.prompt_ids))}
     yield _event("message_start", {"message": start})
-    parser, blocks, index, calls = new_parser(prep), BlockTracker(), -1, 0
+    parser, index, calls = new_parser(prep), -1, 0
     kinds = {"reasoning": ("thinking", "thinking_delta", "thinking"), "text": ("text", "text_delta", "text")}
 
     def write(steps: list[Step]) -> list[str]:
@@ -241,15 +240,13 @@ async def message_events(prep: Prepared, model: str, stream: Choices) -> AsyncIt
         return out
 
     try:
-        async for _, event in stream.events():
+        async for event in reply_steps(parser, stream.events()):
             if isinstance(event, Keepalive):
                 yield _event("ping", {})
-            elif isinstance(event, Delta):
-                for piece in write(blocks.feed(parser.feed(event.text))):
+            elif isinstance(event, list):
+                for piece in write(event):
                     yield piece
-            elif isinstance(event, Final):
-                for piece in write(blocks.feed(parser.finish()) + blocks.close()):
-                    yield piece
+            else:
                 stop, seq = _stop_reason(event, calls)
                 yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
                                                "usage": {"output_tokens": event.completion_tokens}})

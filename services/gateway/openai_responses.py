@@ -26,9 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .choices import Choices
 from .errors import GatewayError
 from .generation import Final, Keepalive
-from .output import Delta
 from .prepare import Prepared
-from .reply_blocks import BlockTracker, Close, Open, Step, Text
+from .reply_blocks import Close, Open, Step, Text, reply_steps
 from .reply_parser import ParsedReply, ToolCall
 from .responses import new_parser, parse_reply, reasoning_tokens
 from .schemas import ChatCompletionRequest
@@ -269,7 +268,7 @@ async def response_events(req: ResponsesRequest, prep: Prepared, model: str, str
 
     yield ev("response.created", response=response_body(req, prep, model, [], None, created))
     yield ev("response.in_progress", response=response_body(req, prep, model, [], None, created))
-    parser, blocks = new_parser(prep), BlockTracker()
+    parser = new_parser(prep)
     output: list[dict[str, Any]] = []
     texts: dict[int, str] = {}
 
@@ -318,15 +317,13 @@ async def response_events(req: ResponsesRequest, prep: Prepared, model: str, str
         return out
 
     try:
-        async for _, event in stream.events():
+        async for event in reply_steps(parser, stream.events()):
             if isinstance(event, Keepalive):
                 yield ": keepalive\n\n"
-            elif isinstance(event, Delta):
-                for piece in write(blocks.feed(parser.feed(event.text))):
+            elif isinstance(event, list):
+                for piece in write(event):
                     yield piece
-            elif isinstance(event, Final):
-                for piece in write(blocks.feed(parser.finish()) + blocks.close()):
-                    yield piece
+            else:
                 body = response_body(req, prep, model, output, event, created)
                 on_done(body)
                 yield ev("response.completed" if body["status"] == "completed" else "response.incomplete",

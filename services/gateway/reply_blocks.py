@@ -4,9 +4,12 @@ parser's events into those steps, so each API only says how a step is written.""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .reply_parser import ContentDelta, ReasoningDelta, ReplyEvent, ToolCall
+from .generation import Final, Keepalive
+from .output import Delta
+from .reply_parser import ContentDelta, ReasoningDelta, ReplyEvent, ReplyParser, ToolCall
 
 
 @dataclass
@@ -53,3 +56,17 @@ class BlockTracker:
             return []
         kind, self.current = self.current, None
         return [Close(kind)]
+
+
+async def reply_steps(parser: ReplyParser, events: AsyncIterator[tuple[int, Keepalive | Delta | Final]]
+                      ) -> AsyncIterator[Keepalive | list[Step] | Final]:
+    """A one-choice generation as keepalives, block steps, and at the end the last steps then the Final."""
+    blocks = BlockTracker()
+    async for _, event in events:
+        if isinstance(event, Keepalive):
+            yield event
+        elif isinstance(event, Delta):
+            yield blocks.feed(parser.feed(event.text))
+        elif isinstance(event, Final):
+            yield blocks.feed(parser.finish()) + blocks.close()
+            yield event
