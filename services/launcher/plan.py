@@ -64,7 +64,8 @@ def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> 
 
 
 def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
-    argv = ["serve-scheduler", "--ranks", ",".join(addrs["rank"]), "--host", host, "--port", str(port)]
+    argv = ["serve-scheduler", "--ranks", ",".join(addrs["rank"]), "--host", host, "--port", str(port),
+            "--tokenizer", c.model]
     if addrs.get("drafter"):
         argv += ["--drafter", addrs["drafter"][0]]
         if c.drafter == "mtp":

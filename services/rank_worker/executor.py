@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import SamplingParams, sample
+from kernels.sampling import SamplingParams, apply_token_bitmask, processed_logprobs, sample
 from services.common.tensors import from_proto
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
@@ -31,6 +31,17 @@ class StepOutput:
     sample_ms: float
     accepted: list[int] | None = None  # per sequence, when the plan has verify windows
     hidden: torch.Tensor | None = None  # [R, D] fp32, when the plan wants hidden states
+    logprobs: "RowLogprobs | None" = None  # when the plan asks for logprobs
+
+
+@dataclass
+class RowLogprobs:
+    """Per sample row: the sampled token's logprob [R], and the top-K ids / logprobs [R, K] (rows that asked
+    for fewer than K, or none, carry the same K columns; the scheduler reads only what each row asked for)."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
 
 
 def _flags(plan: StepPlan, name: str, n: int) -> list[bool] | None:
@@ -55,6 +66,41 @@ class Executor:
     def __init__(self, model: Glm5Model, cache: PagedCache) -> None:
         self.model = model
         self.cache = cache
+
+    # -- structured output and logprobs (StepPlan.mask_index / bitmask / logprobs_k) -----------------------------
+    @staticmethod
+    def row_masks(plan: StepPlan, r: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The plan's grammar masks, validated: (mask_index int64 [R], bitmask int32 [M, W]); None when unmasked."""
+        if not plan.HasField("mask_index") or not plan.mask_index.shape or not plan.mask_index.shape[0]:
+            return None
+        index = _vec(plan.mask_index, "mask_index", torch.int64, r)
+        try:
+            bitmask = from_proto(plan.bitmask)
+        except ValueError as exc:
+            raise PlanError(f"bitmask: {exc}") from exc
+        if bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+            raise PlanError(f"bitmask must be int32 [M, W], got {bitmask.dtype}{list(bitmask.shape)}")
+        if bool((index >= bitmask.shape[0]).any()) or bool((index < -1).any()):
+            raise PlanError(f"mask_index must be in [-1, {bitmask.shape[0]})")
+        return index, bitmask
+
+    @staticmethod
+    def logprobs_k(plan: StepPlan, r: int) -> torch.Tensor | None:
+        """int64 [R]: per sample row -1 (no logprobs) or the number of top logprobs wanted; None when none asks."""
+        if not plan.HasField("logprobs_k") or not plan.logprobs_k.shape or not plan.logprobs_k.shape[0]:
+            return None
+        k = _vec(plan.logprobs_k, "logprobs_k", torch.int64, r)
+        if bool((k < -1).any()) or bool((k > 20).any()):
+            raise PlanError("logprobs_k must be in [-1, 20]")
+        return k if bool((k >= 0).any()) else None
+
+    @staticmethod
+    def row_logprobs(logits: torch.Tensor, params: SamplingParams, sampled: list[int], k: torch.Tensor
+                     ) -> RowLogprobs:
+        """Logprobs from the same fp32 (masked) logits and sampling parameters the draw used."""
+        ids = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
+        chosen, top_ids, top_lp = processed_logprobs(logits, params, ids, int(k.max()))
+        return RowLogprobs(chosen.cpu(), top_ids.to(torch.int32).cpu(), top_lp.cpu())
 
     def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, torch.Tensor]:
         dev = self.model.device
@@ -129,6 +175,8 @@ class Executor:
         if order != list(range(batch.num_seqs)):
             batch, row_map = batch.permuted(order)
             rows = row_map[rows]
+        masks = self.row_masks(plan, rows.numel())
+        want_k = self.logprobs_k(plan, rows.numel())
         t0 = time.perf_counter()
         # Copies run before the forward: a snapshot is taken from a slot as the previous round left it, and a
         # resumed sequence starts this round's rows from the copied state.
@@ -136,10 +184,14 @@ class Executor:
         out = self.model.forward(batch, self.cache)
         t1 = time.perf_counter()
         sampled: list[int] = []
+        logprobs = None
         if rows.numel():
             # The token sampled from the row at absolute position p sits at position p + 1: that is its key.
             positions = batch.positions[rows.to(batch.positions.device)] + 1
-            sampled = sample(out.logits, positions, params).tolist()
+            logits = out.logits if masks is None else apply_token_bitmask(out.logits, masks[1], masks[0])
+            sampled = sample(logits, positions, params).tolist()
+            if want_k is not None:
+                logprobs = self.row_logprobs(logits, params, sampled, want_k)
         accepted = None
         if batch.verify is not None:
             # Accept the longest draft prefix equal to our own samples, then keep the KDA state of that row only.
@@ -155,4 +207,4 @@ class Executor:
                 accepted[s] = a
         hidden = out.hidden[rows.to(out.hidden.device)].float() if plan.want_hidden and rows.numel() else None
         t2 = time.perf_counter()
-        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden)
+        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden, logprobs)

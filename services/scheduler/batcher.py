@@ -39,6 +39,7 @@ class PlannedSeq:
     sample: bool
     verify: bool = False  # token_ids = [last committed token, drafts...]; every row is sampled
     prompt: bool = False  # token_ids are prompt tokens (a prefill chunk): the ranks use prefill arithmetic
+    masks: list[torch.Tensor] | None = None  # grammar masks, one per sample row (set by the engine)
 
     @property
     def num_drafts(self) -> int:
@@ -102,14 +103,23 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
     token_ids: list[int] = []
     starts, lengths, slots, tables, sample_rows, verify, prompt = [], [], [], [], [], [], []
     temperature, top_p, top_k, min_p, seed = [], [], [], [], []
+    mask_index: list[int] = []
+    bitmask: list[torch.Tensor] = []
+    logprobs_k: list[int] = []
     for s in seqs:
         res = s.req.reservation
         assert res is not None, f"request {s.req.id} is planned without a reservation"
         if s.sample:
             sp = s.req.sampling
             rows = range(len(s.token_ids)) if s.verify else [len(s.token_ids) - 1]
-            for r in rows:
+            for j, r in enumerate(rows):
                 sample_rows.append(len(token_ids) + r)
+                if s.masks is not None:
+                    mask_index.append(len(bitmask))
+                    bitmask.append(s.masks[j])
+                else:
+                    mask_index.append(-1)
+                logprobs_k.append(s.req.logprobs_k)
                 temperature.append(sp.temperature)
                 top_p.append(sp.top_p)
                 top_k.append(sp.top_k)
@@ -139,4 +149,9 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
         plan.state_copies.CopyFrom(to_proto(torch.tensor(state_copies, dtype=torch.int32).view(-1, 2)))
     if any(verify):
         plan.verify.CopyFrom(to_proto(verify))
+    if bitmask:
+        plan.mask_index.CopyFrom(to_proto(mask_index))
+        plan.bitmask.CopyFrom(to_proto(torch.stack(bitmask)))
+    if any(k >= 0 for k in logprobs_k):
+        plan.logprobs_k.CopyFrom(to_proto(logprobs_k))
     return plan
