@@ -33,6 +33,11 @@ import torch
 from bench import roofline
 from bench.random_weights import build_model, bench_spec, spec_dims
 from kernels import moe
+
+try:
+    from kernels.gpu import moe as gpu_moe
+except ImportError:  # no Triton: the CPU path only
+    gpu_moe = None
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.row_store import KV_CACHE_DTYPES
 
@@ -72,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
                    help="storage of the MLA latent / indexer rows, as serve-rank's flag (default auto)")
     p.add_argument("--virtual", type=int, default=1, help="virtual TP shards (default 1: one product per weight)")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, run one forward of each prefill length under torch.profiler and record the "
+                        "kernels that take the most GPU time (the results' 'profile' section)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="time decode steps eagerly (default on a GPU: replay CUDA graphs, as serve-rank does)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true",
                    help="make-tiny dimensions on the CPU, small ceilings: a smoke test of this script")
@@ -95,20 +105,32 @@ def free(device: torch.device) -> None:
 
 @contextmanager
 def count_experts(real_rows: int, record: list[dict]):
-    """Record, per MoE call, the distinct routed experts chosen by the batch's real rows (and by all rows: the
-    runtime pads batch-wide tensors to 64 rows, and the padding rows are routed too)."""
-    original = moe.route
+    """Record, per MoE call, the distinct routed experts chosen by the batch's real rows (and by all rows: the CPU
+    path pads batch-wide tensors to 64 rows and routes the padding too; the GPU path never routes padding). Patches
+    both routers; the GPU one lists the shared expert (index E) last and padding pairs as E + 1."""
+    original, original_gpu = moe.route, gpu_moe.route if gpu_moe is not None else None
 
     def route(x, *args, **kwargs):
         ids, w = original(x, *args, **kwargs)
         record.append({"real": int(torch.unique(ids[:real_rows]).numel()), "all_rows": int(torch.unique(ids).numel())})
         return ids, w
 
+    def route_gpu(logits, *args, **kwargs):
+        ids, w = original_gpu(logits, *args, **kwargs)
+        routed = ids[:, :-1]
+        n = int(torch.unique(routed[:real_rows]).numel())
+        record.append({"real": n, "all_rows": int(torch.unique(routed[routed < logits.shape[1]]).numel())})
+        return ids, w
+
     moe.route = route
+    if gpu_moe is not None:
+        gpu_moe.route = route_gpu
     try:
         yield record
     finally:
         moe.route = original
+        if gpu_moe is not None:
+            gpu_moe.route = original_gpu
 
 
 class Results:
@@ -235,8 +257,7 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
             ids = [t for _ in seqs for t in random_tokens(args.context, spec.vocab_size, gen)]
             batch = Batch(token_ids=torch.tensor(ids, dtype=torch.long, device=device), starts=[0] * len(seqs),
                           lengths=[args.context] * len(seqs), block_tables=tables[seqs], slots=seqs,
-                          logit_rows=torch.tensor([(i + 1) * args.context - 1 for i in range(len(seqs))],
-                                                  device=device))
+                          logit_rows=torch.tensor([(i + 1) * args.context - 1 for i in range(len(seqs))]))
             model.forward(batch, cache)
             roofline.sync(device)
             log(f"  prefilled sequences {seqs[0]}..{seqs[-1]} ({time.perf_counter() - t0:.1f} s)")
@@ -249,6 +270,16 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
         res.write()
         return
     pos = [args.context] * nmax
+    graphs = None
+    if device.type == "cuda" and not args.enforce_eager:
+        from services.rank_worker.model.cuda_graphs import DecodeGraphs
+        graphs = DecodeGraphs(model, cache)
+
+    def step(batch: Batch) -> None:
+        if graphs is not None and graphs.fits(batch):
+            graphs.run(batch)
+        else:
+            model.forward(batch, cache)
 
     for b in batches:
         if time.perf_counter() - t_start > args.budget_s:
@@ -265,27 +296,28 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
                 ids = random_tokens(b, spec.vocab_size, gen)
                 return Batch(token_ids=torch.tensor(ids, dtype=torch.long, device=device),
                              starts=[pos[s] + offset for s in seqs], lengths=[1] * b, block_tables=tables[:b],
-                             slots=seqs, logit_rows=torch.arange(b, device=device))
+                             slots=seqs, logit_rows=torch.arange(b))
 
             def advance(steps: int) -> None:
                 for s in seqs:
                     pos[s] += steps
 
             hits: list[dict] = []
-            warmup = max(args.warmup, 1)  # the warm-up calls also count the experts the router picks
+            warmup = max(args.warmup, 1)
+            with count_experts(b, hits):  # one eager step counts the experts the router picks
+                model.forward(make(0), cache)
+                advance(1)
             t0 = time.perf_counter()
-            with count_experts(b, hits):
-                for _ in range(warmup):
-                    model.forward(make(0), cache)
-                    advance(1)
-                roofline.sync(device)
+            for _ in range(warmup):  # (captures the CUDA graph of this batch size)
+                step(make(0))
+                advance(1)
+            roofline.sync(device)
             warm_s = (time.perf_counter() - t0) / warmup
             iters = args.iters if warm_s <= args.slow_s else min(args.iters, args.slow_iters)
             contexts = [pos[s] for s in seqs]
             batches_timed = [make(i) for i in range(iters)]  # built before timing, positions already advanced
             log(f"decode batch {b}: warm-up {warm_s:.2f} s/step; timing {iters} steps")
-            times = roofline.time_calls(lambda i: model.forward(batches_timed[i], cache), warmup=0, iters=iters,
-                                        device=device)
+            times = roofline.time_calls(lambda i: step(batches_timed[i]), warmup=0, iters=iters, device=device)
             advance(iters)
             med = roofline.median(times)
             moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
@@ -294,7 +326,7 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
             need = roofline.decode_bytes(spec, dtype, contexts, experts_hit, KV_CACHE_DTYPES[args.kv_cache_dtype])
             bw = res.data["ceilings"]["hbm_copy"]["bytes_per_s"]
             ideal_ms = need["total_bytes"] / bw * 1e3
-            row.update(status="ok", context=contexts[0], median_ms=med, times_ms=times, iters=iters,
+            row.update(status="ok", context=contexts[0], cuda_graphs=graphs is not None, median_ms=med, times_ms=times, iters=iters,
                        tok_per_s=b / (med / 1e3), experts_hit=experts_hit,
                        experts_hit_all_rows=[h["all_rows"] for h in last], weight_params=need["weight_params"],
                        weight_bytes=need["weight_bytes"], state_bytes=need["state_bytes"],
@@ -359,6 +391,8 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
                            roofline_fraction=ideal_ms / med)
                 log(f"prefill {n}: median {med:.1f} ms = {n / (med / 1e3):.0f} tok/s, ideal {ideal_ms:.2f} ms -> "
                     f"{ideal_ms / med:.2%} of roofline")
+                if args.profile and device.type == "cuda":
+                    res.data.setdefault("profile", {})[f"prefill {n}"] = profile_kernels(lambda: step(0))
                 break
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
@@ -370,6 +404,19 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
         res.data["prefill"].append(row)
         res.write()
         free(device)
+
+
+def profile_kernels(fn, top: int = 25) -> list[dict]:
+    """GPU time per kernel name over one call of `fn` (torch.profiler), the `top` most expensive first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
+    out = [{"kernel": e.key[:120], "calls": e.count, "gpu_ms": e.device_time_total / 1e3} for e in rows]
+    for r in out:
+        log(f"  profile: {r['gpu_ms']:9.3f} ms  x{r['calls']:<4d} {r['kernel']}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

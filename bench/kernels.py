@@ -150,6 +150,28 @@ def moe_rows(bw: float, mm: float, weights) -> list[dict]:
     return rows
 
 
+def moe_sweep(bw: float, mm: float, weights) -> list[dict]:
+    """Prompt-row tiles of the grouped MoE kernels at 8,192 tokens, to choose `moe_schedule`'s by measurement."""
+    from kernels.gpu import gemm, moe
+    gate, up, down, router, bias = weights
+    x = torch.randn(8192, D, device="cuda", dtype=BF16)
+    logits = gemm.matmul(x, router, 0, torch.float32)
+    ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5, n_real=8192)
+    flops = 2 * 8192 * (TOPK + 1) * 3 * MOE_I * D
+    rows = []
+    for tile in (moe.MoeTile(64, 128, 64, 4, 3), moe.MoeTile(128, 128, 64, 8, 3), moe.MoeTile(64, 256, 64, 8, 3),
+                 moe.MoeTile(128, 256, 64, 8, 3), moe.MoeTile(128, 128, 64, 4, 4), moe.MoeTile(64, 128, 128, 8, 3)):
+        out = torch.empty(8192, D, device="cuda")
+        try:
+            ms = bench_ms(lambda: moe._experts_one_class(x, ids, rw, gate, up, down, 10.0, tile, out), reps=20)
+        except Exception as exc:  # e.g. out of shared memory
+            log(f"moe sweep {tile}: {type(exc).__name__}")
+            continue
+        rows.append(dict(kernel="moe sweep", tile=tile.__dict__, ms=ms, roofline=flops / mm * 1e3 / ms))
+        log(f"moe sweep {tile}: {ms * 1e3:8.1f} us, {flops / mm * 1e3 / ms:6.1%} of the matmul roofline")
+    return rows
+
+
 def moe_invariance(weights) -> list[dict]:
     out = []
     crowd = torch.randn(2048, D, device="cuda", dtype=BF16)
@@ -289,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
-    p.add_argument("--only", default="", help="comma list of sections: gemm,sweep,moe,kda,mla,mhc,invariance,fla")
+    p.add_argument("--only", default="", help="comma list of sections: gemm,sweep,moe,moesweep,kda,mla,mhc,invariance,fla")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA GPU", file=sys.stderr)
@@ -308,10 +330,12 @@ def main(argv: list[str] | None = None) -> int:
             data["rows"] += gemm_rows(bw, mm)
         if want("invariance"):
             data["checks"] += gemm_invariance()
-        if want("moe") or want("invariance"):
+        if want("moe") or want("invariance") or want("moesweep"):
             weights = moe_setup()
             if want("moe"):
                 data["rows"] += moe_rows(bw, mm, weights)
+            if want("moesweep"):
+                data["rows"] += moe_sweep(bw, mm, weights)
             if want("invariance"):
                 data["checks"] += moe_invariance(weights)
             del weights

@@ -215,3 +215,43 @@ def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
         _gated_norm_kernel[(t, core.shape[1] // dv)](core, core.stride(0), gate, gate.stride(0), weight, out,
                                                      out.stride(0), float(eps), DV=dv, num_warps=2)
     return out
+
+
+@triton.jit
+def _prompt_conv_kernel(x_ptr, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, chan_off, first_ptr, slot_ptr,
+                        fresh_ptr, out_ptr, s_out, C3, BLOCK: tl.constexpr):
+    """One prompt row, BLOCK channels: silu(sum_j w_j * input[i - 3 + j]) over taps oldest first, reading the
+    sequence's conv history for the inputs before its first row of this chunk (zeros for a fresh sequence)."""
+    r = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = ch < C3
+    first = tl.load(first_ptr + r)
+    i = r - first
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    fresh = tl.load(fresh_ptr + r)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(CONV_TAPS):
+        src = i - (CONV_TAPS - 1) + j
+        here = tl.load(x_ptr + (first + tl.maximum(src, 0)).to(tl.int64) * s_x + ch, mask=cm & (src >= 0), other=0.0)
+        past = tl.load(hist_ptr + slot * s_hist_slot + (CONV_TAPS - 1 + tl.minimum(src, -1)) * s_hist_row + chan_off + ch,
+                       mask=cm & (src < 0) & (fresh == 0), other=0.0)
+        acc += tl.where(src >= 0, here, past).to(tl.float32) * tl.load(w_ptr + ch * CONV_TAPS + j, mask=cm, other=0.0)
+    act = out_ptr.dtype.element_ty
+    tl.store(out_ptr + r.to(tl.int64) * s_out + ch, (acc * tl.sigmoid(acc)).to(act), mask=cm)
+
+
+def prompt_conv(x: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, chan_off: int,
+                first: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """KDA's short conv + SiLU over the rows of several prompt chunks at once (twin: kernels/kda.causal_conv).
+
+    x [T, C3] the chunks' inputs, sequence after sequence; per row (int32 [T]): `first` the row index of its
+    sequence's first row, `slot` its KDA slot, `fresh` 1 when the sequence starts at position 0. conv_state [slots,
+    3, channels of the rank], this shard's columns from chan_off. The history itself is not updated here."""
+    t, c3 = x.shape
+    out = torch.empty_like(x)
+    if t:
+        block = 1024
+        _prompt_conv_kernel[(t, triton.cdiv(c3, block))](
+            x, x.stride(0), conv_w.contiguous(), conv_state, conv_state.stride(0), conv_state.stride(1), chan_off,
+            first, slot, fresh, out, out.stride(0), c3, BLOCK=block, num_warps=4)
+    return out

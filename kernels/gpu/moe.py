@@ -42,7 +42,7 @@ def moe_schedule(rows: RowClass) -> MoeTile:
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real, E, scaling,
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, E, scaling,
                   TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
     """Per row: sigmoid scores, + correction bias for the choice, top-k (ties -> lowest index), weights =
     unbiased scores normalised over the chosen and scaled. Writes k+1 pairs: routed ascending, then shared."""
@@ -51,7 +51,7 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real, E, scaling,
     valid = e < E
     out_ids = ids_ptr + row * (TOP_K + 1)
     out_w = w_ptr + row * (TOP_K + 1)
-    if row >= n_real:  # padding row: no pairs at all
+    if row >= tl.load(n_real_ptr):  # padding row: no pairs at all
         for j in tl.static_range(TOP_K + 1):
             tl.store(out_ids + j, E + 1)
             tl.store(out_w + j, 0.0)
@@ -77,9 +77,12 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real, E, scaling,
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, norm_topk_prob: bool, scaling: float,
-          n_real: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] fp32 -> (ids [T, k+1] int32, weights [T, k+1] fp32); id E = the shared expert, E+1 = none."""
+          n_real: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (ids [T, k+1] int32, weights [T, k+1] fp32); id E = the shared expert, E+1 = none.
+    Rows from n_real on are padding (an int, or an int32 device scalar a CUDA graph can refill)."""
     t, e = logits.shape
+    if not isinstance(n_real, torch.Tensor):
+        n_real = torch.tensor([n_real], dtype=torch.int32, device=logits.device)
     ids = torch.empty(t, top_k + 1, dtype=torch.int32, device=logits.device)
     w = torch.empty(t, top_k + 1, dtype=torch.float32, device=logits.device)
     if t:

@@ -54,6 +54,8 @@ def register(subparsers: Any) -> None:
                     default=env("KV_CACHE_DTYPE", "auto"),
                     help="rank cache storage: auto = the compute dtype; fp8 = e4m3 + per-row scale, about half the "
                          "bytes (env TWINSPARK_KV_CACHE_DTYPE)")
+    up.add_argument("--enforce-eager", action="store_true", default=env("ENFORCE_EAGER", "0") == "1",
+                    help="GPU ranks run decode rounds eagerly, without CUDA graphs (env TWINSPARK_ENFORCE_EAGER=1)")
     up.add_argument("--detach", action="store_true",
                     help="run the supervisor in the background; return once healthy (stop with `twinspark down`)")
     up.add_argument("--state-dir", default=None, metavar="DIR",
@@ -143,7 +145,8 @@ def run_up(args: argparse.Namespace) -> int:
     if args.detach:
         return _up_detached(args, sd, model, port, command)
     cfg = LaunchConfig(model=str(model), state_dir=str(sd), tp=args.tp, host=args.host, port=port,
-                       device=args.device, command=command, drafter=args.drafter, kv_cache_dtype=args.kv_cache_dtype)
+                       device=args.device, command=command, drafter=args.drafter, kv_cache_dtype=args.kv_cache_dtype,
+                       enforce_eager=args.enforce_eager)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if args.background else None
@@ -157,7 +160,7 @@ def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, com
     sup_log = logs / "supervisor.log"
     argv = [sys.executable, "-m", "services.launcher", "up", "--model", str(model), "--tp", str(args.tp),
             "--host", args.host, "--port", str(port), "--device", args.device, "--drafter", args.drafter,
-            "--kv-cache-dtype", args.kv_cache_dtype,
+            "--kv-cache-dtype", args.kv_cache_dtype, *(["--enforce-eager"] if args.enforce_eager else []),
             "--state-dir", str(sd),
             "--startup-timeout", str(args.startup_timeout), "--stop-grace", str(args.stop_grace),
             "--max-restarts", str(args.max_restarts),

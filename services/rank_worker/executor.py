@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import gpu
 from kernels.sampling import SamplingParams, apply_token_bitmask, processed_logprobs, sample
 from services.common.tensors import from_proto
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.model import Glm5Model, accept_drafts
+from services.rank_worker.model.model import ForwardOutput, Glm5Model, accept_drafts
 from twinspark.v1.rank_pb2 import StepPlan
 
 
@@ -63,9 +64,20 @@ def _vec(msg, name: str, dtype: torch.dtype, length: int | None = None) -> torch
 
 
 class Executor:
-    def __init__(self, model: Glm5Model, cache: PagedCache) -> None:
+    def __init__(self, model: Glm5Model, cache: PagedCache, *, cuda_graphs: bool = True) -> None:
+        """cuda_graphs: replay decode rounds from CUDA graphs on a GPU (vLLM's `--enforce-eager` turns it off)."""
         self.model = model
         self.cache = cache
+        self.graphs = None
+        if cuda_graphs and gpu.active(model.embed):
+            from services.rank_worker.model.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(model, cache)
+
+    def forward(self, batch: Batch) -> ForwardOutput:
+        """One forward of the (class-ordered) batch: a CUDA graph replay for decode rounds when enabled."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
+        return self.model.forward(batch, self.cache)
 
     # -- structured output and logprobs (StepPlan.mask_index / bitmask / logprobs_k) -----------------------------
     @staticmethod
@@ -141,7 +153,7 @@ class Executor:
         if verify is not None and prompt is not None and any(v and p for v, p in zip(verify, prompt)):
             raise PlanError("a sequence cannot be both a verify window and a prompt chunk")
         batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
-                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows.to(dev), verify=verify,
+                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows, verify=verify,
                       prompt=prompt)
         if verify is not None:
             wanted = set(rows.tolist())
@@ -181,7 +193,7 @@ class Executor:
         # Copies run before the forward: a snapshot is taken from a slot as the previous round left it, and a
         # resumed sequence starts this round's rows from the copied state.
         self.cache.copy_states(copies)
-        out = self.model.forward(batch, self.cache)
+        out = self.forward(batch)
         t1 = time.perf_counter()
         sampled: list[int] = []
         logprobs = None

@@ -104,3 +104,26 @@ def test_decode_row_alone_equals_row_in_company() -> None:
                        torch.zeros(2, 2, 3, CH, dtype=HALF, device=DEVICE))
     assert torch.equal(alone[3], crowd[3])
     assert torch.equal(alone_state[5], state[5]) and torch.equal(alone_conv[5], conv[5])
+
+
+def test_prompt_conv_matches_twin() -> None:
+    """Several prompt chunks in one launch: a fresh one, one continuing from its history, one shorter than the conv."""
+    p = make_params()
+    conv, _ = make_cache(seed=500)
+    chunks = [(3, 7, True), (1, 5, False), (4, 2, False)]  # (slot, rows, fresh)
+    x = randn(sum(n for _, n, _ in chunks), 3 * C, seed=501)
+    first, slot, fresh, lo = [], [], [], 0
+    for s, n, f in chunks:
+        first += [lo] * n
+        slot += [s] * n
+        fresh += [int(f)] * n
+        lo += n
+    vec = lambda v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    out = kda.prompt_conv(x, p["conv_w"], conv, CHAN_OFF, vec(first), vec(slot), vec(fresh))
+    lo = 0
+    mine = slice(CHAN_OFF, CHAN_OFF + 3 * C)
+    for s, n, f in chunks:
+        hist = torch.zeros(3, 3 * C, dtype=HALF) if f else conv[s, :, mine].cpu()
+        want = ref.causal_conv(x[lo : lo + n].cpu(), p["conv_w"].cpu().float(), hist)
+        torch.testing.assert_close(out[lo : lo + n].cpu().float(), want.float(), **HALF_TOL)
+        lo += n

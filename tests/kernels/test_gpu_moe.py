@@ -9,7 +9,7 @@ import torch
 from tests.kernels.gpu_support import DEVICE, HALF, HALF_TOL, randn
 
 from kernels import moe as ref  # noqa: E402
-from kernels.gpu import moe  # noqa: E402
+from kernels.gpu import gemm, moe  # noqa: E402
 
 E, K, D, I, LIMIT = 8, 2, 64, 32, 10.0
 CLASSES = {"decode": 1 << 30, "prefill": 0}  # decode_rows: every row decode-class / a prompt row
@@ -23,7 +23,8 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 def gpu_moe(x: torch.Tensor, w: dict[str, torch.Tensor], rows: int, n_real: int | None = None) -> torch.Tensor:
-    logits = (x.float() @ w["router"].float().T).contiguous()
+    # the router through the fixed-schedule GEMM, as the model does (a cuBLAS product moves bits with the row count)
+    logits = gemm.matmul(x, w["router"], rows, torch.float32)
     ids, rw = moe.route(logits, w["bias"], top_k=K, norm_topk_prob=True, scaling=2.5,
                         n_real=x.shape[0] if n_real is None else n_real)
     return moe.experts(x, ids, rw, w["gate"], w["up"], w["down"], LIMIT, rows)
@@ -40,7 +41,7 @@ def torch_moe(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def test_route_matches_reference(weights: dict[str, torch.Tensor]) -> None:
     x = randn(30, D, seed=6)
-    logits = (x.float() @ weights["router"].float().T).contiguous()
+    logits = gemm.matmul(x, weights["router"], 0, torch.float32)
     ids, rw = moe.route(logits, weights["bias"], top_k=K, norm_topk_prob=True, scaling=2.5, n_real=27)
     rids, rrw = ref.route(x.cpu().float(), weights["router"].cpu().float(), weights["bias"].cpu(), top_k=K,
                           n_group=1, topk_group=1, norm_topk_prob=True, scaling=2.5)

@@ -116,4 +116,4 @@ class Batch:
         rows = torch.arange(n) if all_logits else torch.tensor([n - 1])
         return cls(token_ids=torch.tensor(token_ids, dtype=torch.long, device=device), starts=[start], lengths=[n],
                    block_tables=torch.tensor([block_table], dtype=torch.long, device=device), slots=[slot],
-                   logit_rows=rows.to(device))
+                   logit_rows=rows)  # host indices: the GPU path splits them by row class without a sync
