@@ -43,9 +43,6 @@ from services.rank_worker.model.row_store import KV_CACHE_DTYPES
 
 BLOCK = 16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-PEER_NOTE = ("Peer (REFERENCE.md §5, not measured here): transformers 5.17 + fla kernels, same 4-layer random "
-             "model on one H200: 94.6 ms/decode step at batch 1, 894 tok/s prefill at 8k.")
-
 
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
@@ -77,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
                    help="storage of the MLA latent / indexer rows, as serve-rank's flag (default auto)")
     p.add_argument("--virtual", type=int, default=1, help="virtual TP shards (default 1: one product per weight)")
+    p.add_argument("--peer", choices=("transformers", "none"), default=None,
+                   help="also time transformers' Glm5Next on the same shapes in this run (default on a GPU: "
+                        "transformers; none: skip)")
+    p.add_argument("--peer-iters", type=int, default=3, help="timed iterations per peer config (default 3)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, run one forward of each prefill length under torch.profiler and record the "
                         "kernels that take the most GPU time (the results' 'profile' section)")
@@ -181,31 +182,45 @@ class Results:
             lines += [f"## Decode (one step of B single-token rows; each sequence has ~{self.args.context} tokens "
                       "in the cache, prefilled once during setup)", "",
                       "| batch | context | median ms | tok/s | iters | experts hit / MoE layer (real rows; all rows) "
-                      "| weight params read | ideal bytes | ideal ms | roofline |",
-                      "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+                      "| weight params read | ideal bytes | ideal ms | roofline | transformers ms | speed-up |",
+                      "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+            peer = d.get("peer", {}).get("decode", {})
             for r in d["decode"]:
                 if r.get("status") != "ok":
-                    lines.append(f"| {r['batch']} | | {r.get('status')} | | | | | | | |")
+                    lines.append(f"| {r['batch']} | | {r.get('status')} | | | | | | | | | |")
                     continue
                 hit = "/".join(str(x) for x in r["experts_hit"]) + "; " + "/".join(str(x) for x in r["experts_hit_all_rows"])
                 lines.append(f"| {r['batch']} | {r['context']} | {r['median_ms']:.2f} | {r['tok_per_s']:.1f} | "
                              f"{r['iters']} | {hit} | {si(r['weight_params'], '', 4)} | "
-                             f"{si(r['ideal_bytes'], 'B')} | {r['ideal_ms']:.3f} | {r['roofline_fraction']:.2%} |")
+                             f"{si(r['ideal_bytes'], 'B')} | {r['ideal_ms']:.3f} | {r['roofline_fraction']:.2%} | "
+                             f"{_peer_cell(peer.get(str(r['batch'])), r['median_ms'])} |")
             lines.append("")
         if d["prefill"]:
             lines += ["## Prefill (one sequence, one forward over the prompt unless chunked)", "",
-                      "| tokens | chunk | median ms | tok/s | iters | FLOPs | ideal ms | roofline |",
-                      "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                      "| tokens | chunk | median ms | tok/s | iters | FLOPs | ideal ms | roofline | transformers ms "
+                      "| speed-up |",
+                      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            peer = d.get("peer", {}).get("prefill", {})
             for r in d["prefill"]:
                 if r.get("status") != "ok":
-                    lines.append(f"| {r['tokens']} | | {r.get('status')} | | | | | |")
+                    lines.append(f"| {r['tokens']} | | {r.get('status')} | | | | | | | |")
                     continue
                 lines.append(f"| {r['tokens']} | {r['chunk'] or 'whole'} | {r['median_ms']:.1f} | "
                              f"{r['tok_per_s']:.0f} | {r['iters']} | {si(r['flops'])} | "
-                             f"{r['ideal_ms']:.2f} | {r['roofline_fraction']:.2%} |")
+                             f"{r['ideal_ms']:.2f} | {r['roofline_fraction']:.2%} | "
+                             f"{_peer_cell(peer.get(str(r['tokens'])), r['median_ms'])} |")
             lines.append("")
         lines += [f"- {n}" for n in d["notes"]]
         return "\n".join(lines) + "\n"
+
+
+def _peer_cell(peer: dict | None, ours_ms: float) -> str:
+    """'peer ms | peer / ours' table cells, or the peer's status."""
+    if not peer:
+        return " | "
+    if peer.get("status") != "ok":
+        return f"{peer.get('status')} | "
+    return f"{peer['median_ms']:.2f} | {peer['median_ms'] / ours_ms:.1f}x"
 
 
 def si(x: float, unit: str = "", digits: int = 3) -> str:
@@ -406,6 +421,42 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
         free(device)
 
 
+def bench_peer(res: Results, spec, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> None:
+    """transformers on the same shapes (bench/peer_transformers.py): decode at each batch size after the same
+    context, prefill at each length; OOM or an unsupported version is recorded, not raised."""
+    from bench import peer_transformers
+    peer: dict = {"decode": {}, "prefill": {}}
+    res.data["peer"] = peer
+    gen = torch.Generator().manual_seed(args.seed + 3)
+    log("peer: building transformers' Glm5NextForConditionalGeneration on the same shapes")
+    try:
+        model = peer_transformers.build(spec, device, dtype)
+        import transformers
+        peer["meta"] = {"transformers": transformers.__version__}
+    except Exception as e:  # noqa: BLE001 - a version without glm5_next, or OOM: say so in the results
+        log(f"peer: cannot build ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        peer["meta"] = {"status": f"not built: {type(e).__name__}"}
+        res.write()
+        return
+    kw = dict(warmup=1, iters=args.peer_iters, device=device, gen=gen)
+    cases = [("decode", b, lambda b=b: peer_transformers.decode_ms(model, b, args.context, spec.vocab_size, **kw))
+             for b in sorted(set(args.batches))]
+    cases += [("prefill", n, lambda n=n: peer_transformers.prefill_ms(model, n, spec.vocab_size, **kw))
+              for n in args.prefill]
+    for kind, size, fn in cases:
+        try:
+            ms = fn()
+            peer[kind][str(size)] = {"status": "ok", "median_ms": ms}
+            log(f"peer {kind} {size}: {ms:.2f} ms")
+        except Exception as e:  # noqa: BLE001
+            peer[kind][str(size)] = {"status": "OOM" if is_oom(e) else f"failed: {type(e).__name__}"}
+            log(f"peer {kind} {size}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            free(device)
+        res.write()
+    del model
+    free(device)
+
+
 def profile_kernels(fn, top: int = 25) -> list[dict]:
     """GPU time per kernel name over one call of `fn` (torch.profiler), the `top` most expensive first."""
     from torch.profiler import ProfilerActivity, profile
@@ -468,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill FLOPs = 2 x active params x tokens (top-k + shared experts; lm_head for the last row) + MLA "
         "2·h·(dn+dv) per attended (query, key) pair under the DSA selection + indexer 2·h·d per scored pool + KDA "
         "6·dk·dv per head and token; ideal ms = FLOPs / measured matmul rate.",
-        PEER_NOTE,
+        "transformers: its own random initialisation on the same shapes (timings depend on values only through "
+        "routing), fla-core's KDA kernels when they import, its own cache; speed-up = transformers ms / ours.",
     ]
     log(f"device {meta['device_name']} ({device}), torch {torch.__version__}; results -> {res.json_path}")
     log(f"spec: {spec.num_hidden_layers} layers {spec.layer_pattern}, hidden {spec.hidden_size}, "
@@ -489,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_decode(res, model, spec, device, dtype, args, t_start)
     bench_prefill(res, model, spec, device, dtype, args, t_start)
+    if (args.peer or ("transformers" if device.type == "cuda" else "none")) == "transformers":
+        del model
+        free(device)
+        bench_peer(res, spec, device, dtype, args)
     meta["total_s"] = time.perf_counter() - t_start
     if device.type == "cuda":
         meta["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

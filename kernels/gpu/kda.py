@@ -219,7 +219,7 @@ def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
 
 @triton.jit
 def _prompt_conv_kernel(x_ptr, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, chan_off, first_ptr, slot_ptr,
-                        fresh_ptr, out_ptr, s_out, C3, BLOCK: tl.constexpr):
+                        fresh_ptr, out_ptr, s_out, C3, TAPS: tl.constexpr, BLOCK: tl.constexpr):
     """One prompt row, BLOCK channels: silu(sum_j w_j * input[i - 3 + j]) over taps oldest first, reading the
     sequence's conv history for the inputs before its first row of this chunk (zeros for a fresh sequence)."""
     r = tl.program_id(0)
@@ -230,12 +230,12 @@ def _prompt_conv_kernel(x_ptr, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, ch
     slot = tl.load(slot_ptr + r).to(tl.int64)
     fresh = tl.load(fresh_ptr + r)
     acc = tl.zeros((BLOCK,), tl.float32)
-    for j in tl.static_range(CONV_TAPS):
-        src = i - (CONV_TAPS - 1) + j
+    for j in tl.static_range(TAPS):
+        src = i - (TAPS - 1) + j
         here = tl.load(x_ptr + (first + tl.maximum(src, 0)).to(tl.int64) * s_x + ch, mask=cm & (src >= 0), other=0.0)
-        past = tl.load(hist_ptr + slot * s_hist_slot + (CONV_TAPS - 1 + tl.minimum(src, -1)) * s_hist_row + chan_off + ch,
+        past = tl.load(hist_ptr + slot * s_hist_slot + (TAPS - 1 + tl.minimum(src, -1)) * s_hist_row + chan_off + ch,
                        mask=cm & (src < 0) & (fresh == 0), other=0.0)
-        acc += tl.where(src >= 0, here, past).to(tl.float32) * tl.load(w_ptr + ch * CONV_TAPS + j, mask=cm, other=0.0)
+        acc += tl.where(src >= 0, here, past).to(tl.float32) * tl.load(w_ptr + ch * TAPS + j, mask=cm, other=0.0)
     act = out_ptr.dtype.element_ty
     tl.store(out_ptr + r.to(tl.int64) * s_out + ch, (acc * tl.sigmoid(acc)).to(act), mask=cm)
 
@@ -253,5 +253,5 @@ def prompt_conv(x: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor,
         block = 1024
         _prompt_conv_kernel[(t, triton.cdiv(c3, block))](
             x, x.stride(0), conv_w.contiguous(), conv_state, conv_state.stride(0), conv_state.stride(1), chan_off,
-            first, slot, fresh, out, out.stride(0), c3, BLOCK=block, num_warps=4)
+            first, slot, fresh, out, out.stride(0), c3, TAPS=CONV_TAPS, BLOCK=block, num_warps=4)
     return out
