@@ -28,7 +28,7 @@ from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.drafts import DrafterClient
 from services.scheduler.grammar import GrammarBook, GrammarError
-from services.scheduler.pool import BlockPool
+from services.scheduler.pool import BlockPool, PoolExhausted
 from services.scheduler.prefix import KDA_CHUNK, Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
 from services.scheduler.ranks import ModelInfo, RankError, RankSet
 from services.scheduler.request import Request, SamplingSpec, State, TokenLogprobs, derive_seed
@@ -341,9 +341,19 @@ class Engine:
         shared: list[int] = []
         if m.snapshot is not None:
             shared = prefix.acquire(m.snapshot)
+        need = self.pool.blocks_for(req.reserve_tokens) - len(shared)
+        prefix.make_room(need)
+        if need > self.pool.free_blocks:
+            # `_fits` counted cached blocks that eviction could not free after all (a request that needs nearly the
+            # whole pool, say): give the snapshot back and let the request wait instead of failing it.
+            for b in shared:
+                self.pool.drop(b)
+            if m.snapshot is not None:
+                prefix.copied_out(m.snapshot)
+            raise PoolExhausted(f"need {need} free blocks, {self.pool.free_blocks} after evicting what can be")
+        if m.snapshot is not None:
             req.resume = m.snapshot
             req.num_cached = req.cached_tokens = m.pos
-        prefix.make_room(self.pool.blocks_for(req.reserve_tokens) - len(shared))
         req.reservation = self.pool.reserve(req.reserve_tokens, shared)
         prefix.queries += req.prompt_len
         prefix.hits += m.pos
@@ -394,8 +404,12 @@ class Engine:
             head = self.queue.head()
             if head is None or not self._fits(head):
                 return  # strict order: nobody overtakes a head that does not fit yet
+            try:
+                self._reserve(head)
+            except PoolExhausted as exc:
+                log.info("%s waits for blocks: %s", head.id, exc)
+                return
             self.queue.pop_head()
-            self._reserve(head)
             head.state = State.RUNNING
             if head.spans is not None:
                 head.spans.admitted()
