@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,16 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive
 
 from services.common import telemetry
 from twinspark.v1 import generate_pb2
 
+from .api_keys import ApiKeyMiddleware, parse_keys
 from .checkpoint import CheckpointInfo
-from .errors import GatewayError, bad_request, internal
+from .errors import GatewayError, bad_request, internal, log_refused
 from .generation import Final, GenerationStream
+from .limits import InputLimits, InputLimitsMiddleware
 from .metrics import GatewayMetrics
 from .output import OutputAssembler
 from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, render_chat
@@ -43,8 +44,9 @@ from .tokenizer import TextTokenizer
 
 log = logging.getLogger("twinspark.gateway")
 
-# Reachable without the API key: probes and scrapers carry no credentials (vLLM guards /v1/* the same way).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Reachable without the API key: probes and scrapers carry no credentials (vLLM guards /v1/* the same way), and the
+# API's description is public.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 @dataclass
@@ -52,11 +54,13 @@ class GatewaySettings:
     model_dir: str
     scheduler: str = "127.0.0.1:50051"
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # comma-separated keys and `sha256:<hex>` digests (api_keys.py)
     keepalive_s: float = 1.0
     max_model_len: int | None = None
     generation_config: str = "auto"  # "auto": checkpoint sampling defaults; "vllm": OpenAI defaults only
     health_timeout_s: float = 2.0
+    limits: InputLimits = field(default_factory=InputLimits)
+    internal_token: str | None = None  # sent with every call to the scheduler (services/common/internal_auth.py)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -74,7 +78,7 @@ class Gateway:
         # The served name, and the checkpoint as vLLM would name it without --served-model-name (its path).
         self.accepted_names = {self.model_name, model_dir.resolve().name, str(settings.model_dir),
                                str(model_dir.resolve())}
-        self.client = SchedulerClient(settings.scheduler)
+        self.client = SchedulerClient(settings.scheduler, settings.internal_token)
         self.metrics = GatewayMetrics(self.model_name)
         self.created = int(time.time())
 
@@ -286,7 +290,7 @@ def _handled(fn: Handler) -> Handler:
             return await fn(request)
         except GatewayError as err:
             if not err.logged:  # refused before reaching the scheduler (validation, model name, ...)
-                log.info("%s %s status=%d %s", request.method, request.url.path, err.status, err.message)
+                log_refused(request.method, request.url.path, err)
             return err.response()
         except Exception:
             log.exception("%s %s failed", request.method, request.url.path)
@@ -294,24 +298,6 @@ def _handled(fn: Handler) -> Handler:
 
     endpoint.__name__ = fn.__name__
     return endpoint
-
-
-class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the probes (OPEN_PATHS)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                err = GatewayError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
-                                   type="invalid_request_error", code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _add_tracing(app: Starlette) -> None:
@@ -342,8 +328,10 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/metrics", _handled(gw.metrics_endpoint), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})
+    # Middleware added last runs first: tracing, then the key check (before a large body is read), then the limits.
+    app.add_middleware(InputLimitsMiddleware, limits=settings.limits)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(ApiKeyMiddleware, digests=parse_keys(settings.api_key), open_paths=OPEN_PATHS)
     if telemetry.enabled():
         _add_tracing(app)
     app.state.gateway = gw

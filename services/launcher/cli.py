@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -24,6 +25,8 @@ from . import procs, state
 from .plan import DEFAULT_COMMAND, WILDCARD_HOSTS, LaunchConfig, internal_ports_needed, make_plan
 from .ports import free_ports, port_free
 from .supervisor import Supervisor, format_banner, kill_leftovers, log, recorded_alive, tail
+
+INTERNAL_TOKEN_ENV = "TWINSPARK_INTERNAL_TOKEN"  # services/common/internal_auth.py (not imported: it needs grpc)
 
 
 def register(subparsers: Any) -> None:
@@ -147,8 +150,11 @@ def run_up(args: argparse.Namespace) -> int:
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if args.background else None
+    # Every role gets the run's internal token in its environment (never in an argv, which up.json and the logs
+    # record): a new random one per run unless the caller set TWINSPARK_INTERNAL_TOKEN (start.sh may).
+    token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(32)
     return Supervisor(plan, stop_grace=args.stop_grace, startup_timeout=args.startup_timeout,
-                      max_restarts=args.max_restarts, out=out).run()
+                      max_restarts=args.max_restarts, env={**os.environ, INTERNAL_TOKEN_ENV: token}, out=out).run()
 
 
 def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, command: tuple[str, ...]) -> int:

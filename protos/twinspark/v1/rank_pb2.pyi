@@ -94,7 +94,7 @@ class StepPlan(_message.Message):
     def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden")
+    __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden", "refused")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class StepResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     round: int
     rank: int
     sampled: _tensor_pb2.Tensor
@@ -111,4 +112,5 @@ class StepResult(_message.Message):
     error: str
     accepted: _tensor_pb2.Tensor
     hidden: _tensor_pb2.Tensor
-    def __init__(self, round: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., error: _Optional[str] = ..., accepted: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    refused: bool
+    def __init__(self, round: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., error: _Optional[str] = ..., accepted: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., refused: _Optional[bool] = ...) -> None: ...
