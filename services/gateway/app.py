@@ -1,13 +1,15 @@
 """The HTTP surface: routes, auth, and the glue from a validated request to a reply.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize,
-GET /health, GET /metrics. Every error leaves in OpenAI's shape (`errors.py`); no exception escapes a handler.
+GET /health, GET /metrics, GET /openapi.json. Every error leaves in OpenAI's shape (`errors.py`); no exception escapes a handler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,7 +34,9 @@ from .checkpoint import CheckpointInfo
 from .errors import GatewayError, bad_request, internal, log_refused
 from .generation import Final, GenerationStream
 from .limits import InputLimits, InputLimitsMiddleware
+from . import openapi
 from .metrics import GatewayMetrics
+from .openapi import request_body
 from .output import OutputAssembler
 from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, render_chat
 from .responses import ChunkWriter, full_response
@@ -196,12 +200,14 @@ class Gateway:
         return JSONResponse(body, headers=headers)
 
     # ---------------------------------------------------------------------------------------------- routes
+    @request_body(ChatCompletionRequest)
     async def chat_completions(self, request: Request) -> Response:
         started = time.monotonic()
         req = parse(ChatCompletionRequest, await request.body())
         self.check_model(req.model)
         return await self._generate(request, await prepare_chat(self.ctx, req), started)
 
+    @request_body(CompletionRequest)
     async def completions(self, request: Request) -> Response:
         started = time.monotonic()
         req = parse(CompletionRequest, await request.body())
@@ -214,6 +220,7 @@ class Gateway:
             "root": str(self.settings.model_dir), "parent": None, "max_model_len": self.ctx.max_model_len,
             "permission": []}]})
 
+    @request_body(TokenizeRequest)
     async def tokenize(self, request: Request) -> Response:
         req = parse(TokenizeRequest, await request.body())
         self.check_model(req.model)
@@ -230,6 +237,7 @@ class Gateway:
             body["token_strs"] = [self.ctx.tokenizer.id_to_token(t) for t in ids]
         return JSONResponse(body)
 
+    @request_body(DetokenizeRequest)
     async def detokenize(self, request: Request) -> Response:
         req = parse(DetokenizeRequest, await request.body())
         self.check_model(req.model)
@@ -277,6 +285,13 @@ class Gateway:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("twinspark")
+    except importlib.metadata.PackageNotFoundError:
+        return "source"
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -285,6 +300,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 def _handled(fn: Handler) -> Handler:
     """Every error becomes an OpenAI-shaped response; a bug is a 500, never a dropped connection."""
 
+    @functools.wraps(fn)  # keeps the handler's name and its `request_body` declaration (openapi.py)
     async def endpoint(request: Request) -> Response:
         try:
             return await fn(request)
@@ -296,7 +312,6 @@ def _handled(fn: Handler) -> Handler:
             log.exception("%s %s failed", request.method, request.url.path)
             return internal().response()
 
-    endpoint.__name__ = fn.__name__
     return endpoint
 
 
@@ -327,6 +342,13 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/health", _handled(gw.health), methods=["GET"]),
         Route("/metrics", _handled(gw.metrics_endpoint), methods=["GET"]),
     ]
+    document: dict[str, Any] = {}  # filled below, once every route is in the list (its own route included)
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(document)
+
+    routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
+    document.update(openapi.build(routes, "twinspark", _version()))
     app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})
     # Middleware added last runs first: tracing, then the key check (before a large body is read), then the limits.
     app.add_middleware(InputLimitsMiddleware, limits=settings.limits)

@@ -91,7 +91,8 @@ class _Generation(_Strict):
     return_token_ids: bool = False
     background: bool = False  # twinspark: PRIORITY_BACKGROUND, served after every normal request
     draft: bool = True        # twinspark: false turns speculative drafts off for this request
-    request_id: str | None = Field(None, min_length=1, max_length=200)  # vLLM
+    # vLLM; echoed in the x-request-id header, hence printable ASCII only
+    request_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[\x20-\x7e]+$")
     # Accepted and ignored: identifiers and cache hints that change nothing in the output.
     user: Identifier | None = None
     metadata: dict[str, Any] | None = None
