@@ -26,7 +26,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.malformed import Case, cases
-from bench.stack import Stack, attach_or_start, machine_load
+from bench.stack import Stack, add_stack_args, attach_or_start, load_line, machine_load, write_results
 from services.gateway.limits import InputLimits
 
 
@@ -85,17 +85,13 @@ def markdown(result: dict) -> str:
     lines += [f"| {k} | {v} |" for k, v in r["statuses"].items()]
     lines += ["", "| kind | answers |", "|---|---|"]
     lines += [f"| {k} | {', '.join(f'{c}: {n}' for c, n in v.items())} |" for k, v in r["by_kind"].items()]
-    lines += ["", f"Machine (shared): load {r['load_before']['loadavg_1_5_15']} before, "
-                  f"{r['load_after']['loadavg_1_5_15']} after, {r['load_before']['cpus']} CPUs; busiest processes "
-                  f"before: {'; '.join(r['load_before']['top_processes'][:4])}."]
+    lines += ["", load_line(r["load_before"], r["load_after"])]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--state-dir", help="a running `twinspark up`'s state dir (default: start one for the bench)")
-    ap.add_argument("--tp", type=int, default=2, help="ranks of the stack started for the bench (default 2)")
-    ap.add_argument("--model", help="checkpoint of the stack started for the bench (default the tiny one)")
+    add_stack_args(ap)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -122,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
            "seed": args.seed, "concurrency": args.concurrency, "tp": args.tp, "summary": summary, **result,
            "load_before": load_before, "load_after": machine_load()}
     print(json.dumps(summary))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        (args.out / f"fuzz-{stamp}.json").write_text(json.dumps(out, indent=2) + "\n")
-        (args.out / f"fuzz-{stamp}.md").write_text(markdown(out))
+    write_results(args.out, "fuzz", out, markdown(out))
     ok = summary["5xx"] == 0 and summary["hangs"] == 0 and summary["restarts"] == 0 and health == 200 \
         and summary["connection_errors"] == 0
     return 0 if ok else 1

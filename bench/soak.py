@@ -34,7 +34,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import httpx
 
-from bench.stack import Stack, attach_or_start, machine_load, rss_bytes
+from bench.stack import (Stack, add_stack_args, attach_or_start, load_line, machine_load, rss_bytes,
+                         write_results)
 
 PROMPT_WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
 LENGTHS = {"short": (4, 24), "medium": (100, 300), "long": (600, 1000)}  # prompt tokens (ids) / words (text)
@@ -216,9 +217,7 @@ def markdown(r: dict) -> str:
              "| process | RSS first window (MB) | RSS last window (MB) | change |", "|---|---:|---:|---:|"]
     lines += [f"| {k} | {v.get('first_mb')} | {v.get('last_mb')} | {v.get('change', 0) * 100:+.1f}% |"
               for k, v in r["memory"].items()]
-    lines += ["", f"Machine (shared): load {r['load_before']['loadavg_1_5_15']} before, "
-                  f"{r['load_after']['loadavg_1_5_15']} after, {r['load_before']['cpus']} CPUs; busiest processes "
-                  f"before: {'; '.join(r['load_before']['top_processes'][:4])}."]
+    lines += ["", load_line(r["load_before"], r["load_after"])]
     if r["lost_examples"]:
         lines += ["", "Lost requests (first ones): " + "; ".join(r["lost_examples"][:5])]
     return "\n".join(lines) + "\n"
@@ -226,9 +225,7 @@ def markdown(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--state-dir", help="a running `twinspark up`'s state dir (default: start one for the bench)")
-    ap.add_argument("--tp", type=int, default=2, help="ranks of the stack started for the bench (default 2)")
-    ap.add_argument("--model", help="checkpoint of the stack started for the bench (default the tiny one)")
+    add_stack_args(ap)
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default 1800)")
     ap.add_argument("--clients", type=int, default=None, help="concurrent clients (default 4 x the lanes)")
     ap.add_argument("--seed", type=int, default=7)
@@ -260,11 +257,7 @@ def main(argv: list[str] | None = None) -> int:
            "rss_samples": {k: v for k, v in res["rss"].items()}, "lost_examples": t.lost[:20],
            "load_before": load_before, "load_after": machine_load()}
     print(json.dumps(summary))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        (args.out / f"soak-{stamp}.json").write_text(json.dumps(out, indent=2) + "\n")
-        (args.out / f"soak-{stamp}.md").write_text(markdown(out))
+    write_results(args.out, "soak", out, markdown(out))
     ok = summary["lost"] == 0 and summary["restarts"] == 0 and summary["kv_cache_usage_perc_end"] == 0 \
         and summary["max_memory_change"] <= 0.05
     return 0 if ok else 1

@@ -3,6 +3,7 @@ plus what the benches record about it (process RSS, restarts, /health, the machi
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -82,3 +83,26 @@ def machine_load() -> dict:
     return {"loadavg_1_5_15": [round(one, 2), round(five, 2), round(fifteen, 2)], "cpus": os.cpu_count(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "top_processes": [" ".join(line.split()) for line in top.splitlines()[1:9]]}
+
+
+def add_stack_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that choose the stack a bench drives."""
+    ap.add_argument("--state-dir", help="a running `twinspark up`'s state dir (default: start one for the bench)")
+    ap.add_argument("--tp", type=int, default=2, help="ranks of the stack started for the bench (default 2)")
+    ap.add_argument("--model", help="checkpoint of the stack started for the bench (default the tiny one)")
+
+
+def load_line(before: dict, after: dict) -> str:
+    """The markdown sentence saying how busy the shared machine was."""
+    return (f"Machine (shared): load {before['loadavg_1_5_15']} before, {after['loadavg_1_5_15']} after, "
+            f"{before['cpus']} CPUs; busiest processes before: {'; '.join(before['top_processes'][:4])}.")
+
+
+def write_results(out: Path | None, name: str, data: dict, md: str) -> None:
+    """<out>/<name>-<time>.json and .md (nothing without `out`)."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"{name}-{stamp}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / f"{name}-{stamp}.md").write_text(md)
