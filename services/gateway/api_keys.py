@@ -1,10 +1,10 @@
 """API keys: several accepted, kept only as sha256 digests, compared in constant time.
 
 `--api-key` / TWINSPARK_API_KEY holds a comma-separated list; an entry `sha256:<64 hex>` is the digest of a key, so
-a deployment's settings need not hold the key itself (`printf %s KEY | sha256sum` prints it). A client sends its key as `Authorization: Bearer <key>` (OpenAI) or
-`x-api-key: <key>` (Anthropic's header). The gateway hashes what it is given and compares that digest with every
-accepted one with `hmac.compare_digest`, never stopping early, so timing says neither whether nor which key
-matched. Keys never reach a log line or a span.
+a deployment's settings need not hold the key itself (`printf %s KEY | sha256sum` prints it). A client sends its
+key as `Authorization: Bearer <key>` (OpenAI) or `x-api-key: <key>` (Anthropic's header). The gateway hashes what
+it is given and compares that digest with every accepted one with `hmac.compare_digest`, never stopping early, so
+timing says neither whether nor which key matched. Keys never reach a log line or a span.
 """
 
 from __future__ import annotations

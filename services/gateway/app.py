@@ -1,7 +1,8 @@
 """The HTTP surface: routes, auth, and the glue from a validated request to a reply.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize,
-GET /health, GET /metrics, GET /openapi.json. Every error leaves in OpenAI's shape (`errors.py`); no exception escapes a handler.
+GET /health, GET /metrics, GET /openapi.json. Every error leaves in OpenAI's shape (`errors.py`); no exception
+escapes a handler.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from starlette.types import Receive
 from services.common import telemetry
 from twinspark.v1 import generate_pb2
 
+from . import openapi
 from .api_keys import ApiKeyMiddleware, parse_keys
 from .checkpoint import CheckpointInfo
 from .errors import GatewayError, bad_request, internal, log_refused
 from .generation import Final, GenerationStream
 from .limits import InputLimits, InputLimitsMiddleware
-from . import openapi
 from .metrics import GatewayMetrics
 from .openapi import request_body
 from .output import OutputAssembler
@@ -321,8 +322,11 @@ def _add_tracing(app: Starlette) -> None:
     probes are left out too: a scraper would fill the trace store with them."""
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 
+    # Should an operator capture request headers on spans (OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_*), the keys
+    # are still written as "[REDACTED]".
     app.add_middleware(OpenTelemetryMiddleware, excluded_urls=",".join(OPEN_PATHS),
-                       exclude_spans=["receive", "send"])
+                       exclude_spans=["receive", "send"],
+                       http_capture_headers_sanitize_fields=["authorization", "x-api-key"])
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

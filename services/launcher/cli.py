@@ -38,7 +38,9 @@ def register(subparsers: Any) -> None:
                     "supervise: a child that exits is restarted with the same argv and ports (the ranks as one group, "
                     "every other role alone) up to --max-restarts times per role, after which it stops everything "
                     "(exit 1); SIGINT/SIGTERM stop everything (exit 0). "
-                    "Each child's output goes to <state-dir>/logs/<name>.log. Without --model a tiny checkpoint is "
+                    "Each child's output goes to <state-dir>/logs/<name>.log. The roles' gRPC ports listen on "
+                    "127.0.0.1 and require this run's internal token, made at random unless TWINSPARK_INTERNAL_TOKEN "
+                    "is set, and given to the children in their environment only. Without --model a tiny checkpoint is "
                     "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     up.add_argument("--model", default=env("MODEL"), metavar="DIR",
