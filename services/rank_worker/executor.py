@@ -62,8 +62,8 @@ def _vec(msg, name: str, dtype: torch.dtype, length: int | None = None) -> torch
 
 
 def check_counts(tokens: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, cache: PagedCache) -> None:
-    """Sizes no honest plan exceeds: rows that fit the cache, tables no wider than the cache, positions inside the
-    model's window, and at most one sample per row."""
+    """Sizes no honest plan exceeds: rows that fit the cache, tables no wider than the cache, and at most one sample
+    per row."""
     capacity = cache.num_blocks * cache.block_size
     if tokens.numel() > capacity:
         raise PlanError(f"{tokens.numel()} token rows exceed the cache's {capacity} positions")
@@ -74,7 +74,8 @@ def check_counts(tokens: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
 
 
 def check_positions(starts: torch.Tensor, lengths: torch.Tensor, max_positions: int) -> None:
-    if bool(((starts + lengths) > max_positions).any()):
+    """Every row inside the model's window (starts first: near the int64 limit, starts + lengths would wrap)."""
+    if bool((starts > max_positions).any()) or bool(((starts + lengths) > max_positions).any()):
         raise PlanError(f"a sequence runs past the model's {max_positions} positions")
 
 

@@ -70,6 +70,7 @@ def _malformed() -> list[tuple[str, rank_pb2.StepPlan]]:
     bad("unknown dtype", token_ids=Tensor(dtype="complex128", shape=[3], data=b"\0" * 48))
     bad("negative start", starts=i32([-4]))
     bad("start at the end of int32", starts=i32([2**31 - 3]))
+    bad("start at the end of int64", starts=to_proto([2**63 - 2], "int64"))
     bad("negative slot", slots=i32([-1]))
     bad("slot beyond the cache", slots=i32([4]))
     bad("block id beyond the cache", block_tables=to_proto(torch.tensor([[BLOCKS + 5]], dtype=torch.int32)))
