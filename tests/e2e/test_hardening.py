@@ -112,3 +112,15 @@ def test_malformed_requests_restart_nothing(stack):
         assert client.get("/health").status_code == 200
     assert {c["name"]: c["pid"] for c in stack.up_json()["children"]} == pids  # no role restarted
     assert statuses.get(200, 0) > 0 and statuses.get(400, 0) > 0, statuses
+
+
+def test_twinspark_up_makes_a_token_of_its_own(stack_tp1):
+    """Without TWINSPARK_INTERNAL_TOKEN, `twinspark up` makes one: the roles serve each other, outsiders are refused,
+    and the token is written nowhere."""
+    children = _children(stack_tp1)
+    with grpc.insecure_channel(f"127.0.0.1:{children['scheduler']['port']}") as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            generate_pb2_grpc.GeneratorStub(ch).Health(generate_pb2.HealthRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert httpx.get(stack_tp1.url + "/health", timeout=10).status_code == 200  # the gateway has it
+    assert "INTERNAL_TOKEN" not in (stack_tp1.state_dir / "up.json").read_text()
