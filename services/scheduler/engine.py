@@ -40,6 +40,11 @@ log = logging.getLogger("twinspark.scheduler")
 __all__ = ["Engine", "EngineConfig", "InvalidRequest", "QueueFull", "Unavailable"]
 
 
+# Bounds on a Generate request's small fields (ids end up in every log line of the request).
+MAX_REQUEST_ID = 256
+MAX_STOP_IDS = 4096
+
+
 class InvalidRequest(ValueError):
     """A request the scheduler will never run; `str()` is the INVALID_ARGUMENT details, "<code>: <message>"."""
 
@@ -180,18 +185,22 @@ class Engine:
             raise InvalidRequest("invalid_prompt", f"prompt_ids: {exc}") from exc
         if not prompt:
             raise InvalidRequest("invalid_prompt", "the prompt is empty")
-        for i, t in enumerate(prompt):
-            if not 0 <= t < info.vocab_size:
-                raise InvalidRequest("invalid_token_id",
-                                     f"prompt token {i} is {t}, outside the vocabulary [0, {info.vocab_size})")
+        if len(msg.request_id) > MAX_REQUEST_ID:
+            raise InvalidRequest("invalid_request_id", f"request_id is longer than {MAX_REQUEST_ID} characters")
+        if len(msg.stop_token_ids) > MAX_STOP_IDS:
+            raise InvalidRequest("invalid_stop_token_ids", f"more than {MAX_STOP_IDS} stop_token_ids")
         if msg.max_tokens < 1:
             raise InvalidRequest("invalid_max_tokens", f"max_tokens must be >= 1, got {msg.max_tokens}")
         total = len(prompt) + msg.max_tokens
-        if total > info.max_model_len:
+        if total > info.max_model_len:  # before the per-token check below: a huge prompt is refused at once
             raise InvalidRequest(
                 "context_length_exceeded",
                 f"this model's maximum context length is {info.max_model_len} tokens; the request needs {total} "
                 f"({len(prompt)} in the prompt, {msg.max_tokens} max_tokens)")
+        for i, t in enumerate(prompt):
+            if not 0 <= t < info.vocab_size:
+                raise InvalidRequest("invalid_token_id",
+                                     f"prompt token {i} is {t}, outside the vocabulary [0, {info.vocab_size})")
         if not self.pool.fits_ever(total):
             raise InvalidRequest(
                 "context_length_exceeded",

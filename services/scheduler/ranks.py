@@ -22,6 +22,7 @@ from typing import Callable
 
 import grpc
 
+from services.common.internal_auth import aio_channel
 from services.common.plan_checksum import seal
 from services.common.tensors import from_proto, ids
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
@@ -36,6 +37,11 @@ PROBE_INTERVAL_S = 1.0  # Describe cadence while waiting for a failed group to c
 
 class StartupError(RuntimeError):
     """The ranks cannot be served together (unreachable, mismatched fingerprints, wrong order)."""
+
+
+class PlanRefused(RuntimeError):
+    """Every rank refused this round's plan as malformed before running anything (StepResult.refused): the ranks
+    are still in lock-step, so only the round's requests fail. A scheduler bug, never a rank failure."""
 
 
 class RankError(RuntimeError):
@@ -72,6 +78,10 @@ class ModelInfo:
                    eos_ids=tuple(d.eos_token_ids), max_model_len=d.max_model_len)
 
 
+class _Refused(str):
+    """One rank's answer refusing a malformed plan (it keeps serving); see PlanRefused."""
+
+
 def _differences(name_a: str, a: rank_pb2.DescribeReply, name_b: str, b: rank_pb2.DescribeReply) -> str:
     """Two Describe replies' fingerprints and every setting that differs, by name."""
     keys = sorted(k for k in set(a.settings) | set(b.settings) if a.settings.get(k) != b.settings.get(k))
@@ -99,11 +109,11 @@ def _logprobs(c: "RankClient", round_: int, res: rank_pb2.StepResult, n_sample: 
 
 
 class RankClient:
-    def __init__(self, index: int, address: str) -> None:
+    def __init__(self, index: int, address: str, token: str | None = None) -> None:
         self.index = index
         self.address = address
         self.name = f"rank{index}"
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTS)
+        self.channel = aio_channel(address, token, _CHANNEL_OPTS)
         self.stub = rank_pb2_grpc.RankWorkerStub(self.channel)
         self.call: grpc.aio.StreamStreamCall | None = None
 
@@ -112,10 +122,11 @@ class RankClient:
 
 
 class RankSet:
-    def __init__(self, addresses: list[str], *, rank_timeout_s: float | None = 300.0) -> None:
+    def __init__(self, addresses: list[str], *, rank_timeout_s: float | None = 300.0,
+                 token: str | None = None) -> None:
         if not addresses:
             raise ValueError("at least one rank address is needed")
-        self.clients = [RankClient(i, a.strip()) for i, a in enumerate(addresses)]
+        self.clients = [RankClient(i, a.strip(), token) for i, a in enumerate(addresses)]
         self.rank_timeout_s = rank_timeout_s
         self.info: ModelInfo | None = None
         self.described: list[rank_pb2.DescribeReply] = []  # the connected group's Describe replies, in rank order
@@ -147,6 +158,9 @@ class RankSet:
                              replies[c.index].model, replies[c.index].rank, replies[c.index].world,
                              replies[c.index].fingerprint[:12])
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # waiting will not change it
+                        raise StartupError(f"{c.name} at {c.address} refused the scheduler's internal token: start "
+                                           "every role with the same --internal-token") from None
                     last_error[c.index] = _rpc_error_text(exc)
             missing = [c for c in self.clients if replies[c.index] is None]
             if not missing:
@@ -256,6 +270,13 @@ class RankSet:
             self._fail(RankError(c.index, c.address, f"no answer to round {plan.round} within {self.rank_timeout_s} s"))
             raise self.failure  # type: ignore[misc]
         results = [t.result() for t in tasks]
+        refused = [(c, r) for c, r in zip(self.clients, results) if isinstance(r, _Refused)]
+        if refused and len(refused) == len(results):
+            raise PlanRefused(f"round {plan.round}: every rank refused the plan: {refused[0][1]}")
+        if refused:  # some ranks ran a plan the others refused: they no longer agree
+            c, r = refused[0]
+            self._fail(RankError(c.index, c.address, f"round {plan.round}: refused a plan its peers ran: {r}"))
+            raise self.failure  # type: ignore[misc]
         first = results[0]
         for c, r in zip(self.clients[1:], results[1:]):
             if r and r != first:  # ranks must hold the same bits (DESIGN §5.3); rank 0 decides, but say so
@@ -263,7 +284,7 @@ class RankSet:
                           c.name, r, first)
         return first
 
-    async def _exchange(self, c: RankClient, plan: rank_pb2.StepPlan, n_sample: int) -> list[int]:
+    async def _exchange(self, c: RankClient, plan: rank_pb2.StepPlan, n_sample: int) -> list[int] | _Refused:
         assert c.call is not None
         try:
             await c.call.write(plan)
@@ -273,6 +294,8 @@ class RankSet:
         if res is grpc.aio.EOF:
             raise RankError(c.index, c.address, f"round {plan.round}: the Step stream closed without an answer")
         if res.error:
+            if res.refused:
+                return _Refused(res.error)
             raise RankError(c.index, c.address, f"round {plan.round}: {res.error}")
         if res.round != plan.round:
             raise RankError(c.index, c.address, f"answered round {res.round} to round {plan.round}")

@@ -25,6 +25,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
+from services.common.internal_auth import server_interceptors
 from services.common.plan_checksum import plan_checksum
 from services.common.tensors import from_proto, to_proto
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
@@ -80,7 +81,10 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
     step_delay_s: float = 0.0
     fail_at_round: int | None = None
     port: int = 0  # 0: any free port
-    fail_mode: str = "stop"  # "stop": the server dies; "error": answers StepResult.error; "raise": stream breaks
+    # "stop": the server dies; "error": answers StepResult.error; "raise": stream breaks; "refuse": answers a refusal
+    # of a malformed plan (StepResult.refused) and goes on serving, as a real rank does
+    fail_mode: str = "stop"
+    token: str | None = None  # the internal token its server requires (None: none)
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # per stand-in, like a rank process start
     rounds: list[RoundLog] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -94,7 +98,8 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
         self.address = ""
 
     async def start(self) -> str:
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=server_interceptors(self.token, f"stand-in rank{self.rank}",
+                                                                       aio=True))
         rank_pb2_grpc.add_RankWorkerServicer_to_server(self, self.server)
         port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
         await self.server.start()
@@ -122,6 +127,11 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
                     return
                 if self.fail_mode == "raise":
                     raise RuntimeError("stand-in: injected stream failure")
+                if self.fail_mode == "refuse":
+                    expected += 1
+                    yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error="stand-in: refused plan",
+                                              refused=True)
+                    continue
                 asyncio.ensure_future(self.stop())  # "stop": the whole rank goes away mid-round
                 await asyncio.sleep(30)
                 return
