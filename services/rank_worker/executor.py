@@ -21,6 +21,10 @@ from services.rank_worker.model.model import ForwardOutput, Glm5Model, accept_dr
 from twinspark.v1.rank_pb2 import StepPlan
 
 
+# A token id of StepPlan.token_ids meaning "the token this rank sampled last for this sequence's slot".
+PENDING_TOKEN = -1
+
+
 class PlanError(ValueError):
     """The plan is malformed or addresses memory this rank does not have."""
 
@@ -120,6 +124,8 @@ class Executor:
         """cuda_graphs: replay decode rounds from CUDA graphs on a GPU (vLLM's `--enforce-eager` turns it off)."""
         self.model = model
         self.cache = cache
+        self.last_sampled: dict[int, int] = {}  # slot -> the token sampled for it last (see `_fill_pending`)
+        self.slot_end: dict[int, int] = {}  # slot -> the position after the rows of that sampling round
         self.graphs = None
         if cuda_graphs and gpu.active(model.embed):
             from services.rank_worker.model.cuda_graphs import DecodeGraphs
@@ -166,6 +172,37 @@ class Executor:
         chosen, top_ids, top_lp = processed_logprobs(logits, params, ids, int(k.max()))
         return RowLogprobs(chosen.cpu(), top_ids.to(torch.int32).cpu(), top_lp.cpu())
 
+    def _fill_pending(self, tokens: torch.Tensor, starts: list[int], lengths: list[int], slots: list[int],
+                      prompt: list[bool] | None, verify: list[bool] | None) -> torch.Tensor:
+        """Replace PENDING_TOKEN ids: a scheduler that plans round n+1 before round n's result has come back sends
+        a decode step whose input is the token this rank sampled last for the sequence's slot (rounds run in
+        order on a stream, so that token is known here by now). It must continue exactly where the slot's last
+        round ended: after a refused round it does not, and every rank refuses this plan alike."""
+        if not bool((tokens == PENDING_TOKEN).any()):
+            return tokens
+        tokens = tokens.clone()
+        row = 0
+        for s, (start, n, slot) in enumerate(zip(starts, lengths, slots)):
+            if bool((tokens[row : row + n] == PENDING_TOKEN).any()):
+                if n != 1 or (prompt is not None and prompt[s]) or (verify is not None and verify[s]):
+                    raise PlanError(f"sequence {s}: a pending token id is only valid as a decode step's one row")
+                if slot not in self.last_sampled or self.slot_end.get(slot) != start:
+                    raise PlanError(f"sequence {s}: a pending token id at position {start}, but slot {slot}'s last "
+                                    f"sampling round ended at {self.slot_end.get(slot)}")
+                tokens[row] = self.last_sampled[slot]
+            row += n
+        return tokens
+
+    def _remember_samples(self, batch: Batch, rows: torch.Tensor, sampled: list[int], accepted: list[int] | None
+                          ) -> None:
+        """Each sampling sequence's next input token, by slot (what a later PENDING_TOKEN stands for)."""
+        by_row = dict(zip(rows.tolist(), sampled))
+        for s, (o, start, n, slot) in enumerate(zip(batch.offsets, batch.starts, batch.lengths, batch.slots)):
+            kept = accepted[s] + 1 if batch.is_verify(s) and accepted is not None else n
+            if o + kept - 1 in by_row:
+                self.last_sampled[slot] = by_row[o + kept - 1]
+                self.slot_end[slot] = start + kept
+
     def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, torch.Tensor]:
         dev = self.model.device
         tokens = _vec(plan.token_ids, "token_ids", torch.int64)
@@ -178,6 +215,11 @@ class Executor:
             raise PlanError(f"block_tables must be [{b}, W] for {b} sequences, got {list(tables.shape)}")
         if int(lengths.sum()) != tokens.numel() or bool((lengths < 1).any()) or bool((starts < 0).any()):
             raise PlanError("lengths must be >= 1 and sum to the number of token ids; starts must be >= 0")
+        verify = _flags(plan, "verify", b)
+        prompt = _flags(plan, "prompt", b)
+        if verify is not None and prompt is not None and any(v and p for v, p in zip(verify, prompt)):
+            raise PlanError("a sequence cannot be both a verify window and a prompt chunk")
+        tokens = self._fill_pending(tokens, starts.tolist(), lengths.tolist(), slots.tolist(), prompt, verify)
         if bool((tokens < 0).any()) or bool((tokens >= self.model.cfg.vocab_size).any()):
             raise PlanError("a token id is outside the vocabulary")
         if bool((slots < 0).any()) or bool((slots >= self.cache.num_slots).any()) or len(set(slots.tolist())) != b:
@@ -200,10 +242,6 @@ class Executor:
             seed=_vec(plan.seed, "seed", torch.int64, r).to(dev),
         )
         check_sampling(params)
-        verify = _flags(plan, "verify", b)
-        prompt = _flags(plan, "prompt", b)
-        if verify is not None and prompt is not None and any(v and p for v, p in zip(verify, prompt)):
-            raise PlanError("a sequence cannot be both a verify window and a prompt chunk")
         batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
                       block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows, verify=verify,
                       prompt=prompt)
@@ -255,7 +293,7 @@ class Executor:
             sampled = sample(logits, positions, params).tolist()
             if want_k is not None:
                 logprobs = self.row_logprobs(logits, params, sampled, want_k)
-        accepted = None
+        accepted = mine = None
         if batch.verify is not None:
             # Accept the longest draft prefix equal to our own samples, then keep the KDA state of that row only.
             by_row = dict(zip(rows.tolist(), sampled))
@@ -268,6 +306,7 @@ class Executor:
             accepted = [0] * batch.num_seqs  # in the plan's sequence order
             for s, a in zip(order, mine):
                 accepted[s] = a
+        self._remember_samples(batch, rows, sampled, mine)
         hidden = out.hidden[rows.to(out.hidden.device)].float() if plan.want_hidden and rows.numel() else None
         t2 = time.perf_counter()
         return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden, logprobs)

@@ -57,6 +57,10 @@ def standin_generate(prompt: Sequence[int], max_tokens: int, *, vocab: int, seed
     return out, "length", -1
 
 
+class StandinRefusal(RuntimeError):
+    """A plan the stand-in refuses before running anything, as a real rank refuses a malformed one."""
+
+
 class StandinError(RuntimeError):
     pass
 
@@ -93,6 +97,8 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
     def __post_init__(self) -> None:
         self.store = np.full((self.num_blocks, self.block_size), -1, dtype=np.int64)
         self.slot_pos = [0] * self.num_slots
+        self.last_sampled: dict[int, int] = {}  # slot -> its last sampled token (what a pending token id means)
+        self.pending_filled = 0  # decode rows sent before the token they continue from came back (pipelined)
         self.slot_hash = [hashlib.sha256() for _ in range(self.num_slots)]
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -141,6 +147,10 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
                 if plan.checksum != plan_checksum(plan):
                     raise StandinError(f"round {plan.round}: checksum mismatch")
                 sampled = self._execute(plan)
+            except StandinRefusal as exc:
+                expected += 1
+                yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=str(exc), refused=True)
+                continue
             except StandinError as exc:
                 self.errors.append(str(exc))
                 yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=str(exc))
@@ -167,6 +177,12 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
             raise StandinError(f"round {plan.round}: bad lengths or repeated slots")
         if not (len(rows) == len(temps) == len(seeds) == len(from_proto(plan.top_p).tolist())):
             raise StandinError(f"round {plan.round}: sampling tensors disagree with sample_rows")
+        offset = 0
+        for s in range(b):  # a pipelined decode step must continue where its slot's last round ended (as a rank)
+            if -1 in tokens[offset : offset + lengths[s]] and self.slot_pos[slots[s]] != starts[s]:
+                raise StandinRefusal(f"{plan.request_ids[s]}: a pending token id at {starts[s]}, slot {slots[s]} "
+                                     f"is at {self.slot_pos[slots[s]]}")
+            offset += lengths[s]
         copies: list[tuple[int, int]] = []
         if plan.HasField("state_copies") and plan.state_copies.dtype:
             t = from_proto(plan.state_copies)
@@ -191,6 +207,11 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
                 raise StandinError(f"{plan.request_ids[s]}: slot {slot} holds position {self.slot_pos[slot]}, "
                                    f"the plan starts at {start}")
             new = tokens[offset : offset + n]
+            if -1 in new:  # a pipelined decode step: the token this rank sampled last for the slot
+                if n != 1 or slot not in self.last_sampled:
+                    raise StandinError(f"{plan.request_ids[s]}: a pending token id where none can be filled in")
+                new = [self.last_sampled[slot]]
+                self.pending_filled += 1
             for i, tok in enumerate(new):
                 pos = start + i
                 blk = self._block(table, pos, plan.request_ids[s])
@@ -213,6 +234,8 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
                 raise StandinError(f"{plan.request_ids[s]}: cache read back through the block table disagrees with "
                                    f"slot {slots[s]}'s state")
             out.append(standin_token(prefix, seeds[r], temps[r], self.vocab))
+            if pos == starts[s] + lengths[s] - 1:
+                self.last_sampled[slots[s]] = out[-1]
         return out
 
     def _block(self, table: list[int], pos: int, rid: str) -> int:
