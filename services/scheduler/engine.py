@@ -315,7 +315,10 @@ class Engine:
             except asyncio.CancelledError:
                 raise
             except RankError as err:
-                inflight.clear()  # the streams are gone with the ranks; recovery starts them over from round 1
+                while inflight:  # the streams are gone with the ranks; recovery starts them over from round 1
+                    f = inflight.popleft()
+                    self.ranks.abandon(f.round)
+                    f.span.close()
                 self._on_rank_failure(err)  # idempotent: the rank set usually called it already
             except Exception as exc:  # noqa: BLE001 — the loop must survive its own bugs
                 log.exception("scheduler loop error; failing the running requests")

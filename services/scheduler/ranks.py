@@ -271,11 +271,19 @@ class RankSet:
             await asyncio.gather(*(self._write(c, plan) for c in self.clients))
         except RankError as err:
             self._in_flight -= 1
+            # A stream that broke under this write may have answered an earlier round with the reason: prefer it.
+            prev = self._last_read[err.index]
+            if prev is not None:
+                await asyncio.wait([prev], timeout=self.rank_timeout_s)
+                if prev.done() and not prev.cancelled() and isinstance(prev.exception(), RankError):
+                    err = prev.exception()
             self._fail(err)
             raise self.failure or err
         reads = []
         for i, c in enumerate(self.clients):
             reads.append(asyncio.ensure_future(self._read(c, plan, n_sample, self._last_read[i])))
+            # A round given up on after a failure is never collected: its reads' errors are known already.
+            reads[-1].add_done_callback(lambda t: t.cancelled() or t.exception())
             self._last_read[i] = reads[-1]
         return Round(plan, reads)
 
@@ -324,6 +332,12 @@ class RankSet:
         self.last_accepted, self.last_hidden, self.last_logprobs = first.accepted, first.hidden, first.logprobs
         return first.sampled
 
+    def abandon(self, rnd: "Round") -> None:
+        """Drop a submitted round that will never be collected (its ranks failed): stop waiting for its answers."""
+        self._in_flight -= 1
+        for t in rnd.reads:
+            t.cancel()
+
     async def _write(self, c: RankClient, plan: rank_pb2.StepPlan) -> None:
         assert c.call is not None
         try:
@@ -337,7 +351,7 @@ class RankSet:
         if after is not None:  # the previous round's answer comes first on this stream
             await asyncio.wait([after])
             if self.failure is not None:
-                raise self.failure
+                raise RankError(c.index, c.address, f"round {plan.round}: not read, an earlier round failed")
         try:
             res = await c.call.read()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
