@@ -99,35 +99,39 @@ def bits_of(trellis_words: int) -> float:
 
 
 @lru_cache(maxsize=None)
-def _windows(bits: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """For each step: index of the stream word its state starts in, the bit offset there, and the words per tile."""
+def _windows(bits: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each step: the stream words its 16-bit state spans (first, next) and how far to shift their 32 bits."""
     ka = int(bits)
     per_step = torch.full((STEPS,), ka, dtype=torch.int64)
     if bits != ka:
         per_step[1::2] += 1  # half-integer rate: odd steps carry the extra bit
     ends = per_step.cumsum(0)
-    total = int(ends[-1])
-    start = (ends - 16) % total
-    return start // 16, start % 16, total // 16
+    words = int(ends[-1]) // 16
+    start = (ends - 16) % (16 * words)
+    first = start // 16
+    return first, (first + 1) % words, 16 - start % 16
+
+
+@lru_cache(maxsize=None)
+def _unscatter() -> torch.Tensor:
+    """For each row-major tile position, the trellis step decoded there (the inverse of TILE_ORDER)."""
+    return torch.argsort(TILE_ORDER)
 
 
 def unpack_states(trellis: torch.Tensor) -> torch.Tensor:
     """int16 [..., 16 * K] -> the 256 16-bit states of each tile, int64 [..., 256], in trellis step order."""
-    word, offset, n = _windows(bits_of(trellis.shape[-1]))
+    first, nxt, shift = (t.to(trellis.device) for t in _windows(bits_of(trellis.shape[-1])))
     mem = trellis.to(torch.int64) & 0xFFFF
-    stream = mem.view(*mem.shape[:-1], n // 2, 2).flip(-1).reshape(mem.shape)  # undo the pairwise swap
-    word, offset = word.to(trellis.device), offset.to(trellis.device)
-    pair = (stream[..., word] << 16) | stream[..., (word + 1) % n]
-    return (pair >> (16 - offset)) & 0xFFFF
+    stream = mem.view(*mem.shape[:-1], -1, 2).flip(-1).reshape(mem.shape)  # undo the pairwise swap
+    return (((stream[..., first] << 16) | stream[..., nxt]) >> shift) & 0xFFFF
 
 
 def decode_tiles(trellis: torch.Tensor, codebook_name: str) -> torch.Tensor:
     """The rotated weight T [in, out] in float32 (float16 codebook values)."""
     tk, tn, _ = trellis.shape
-    values = codebook(codebook_name).to(trellis.device)[unpack_states(trellis)].float()
-    tiles = torch.empty_like(values)
-    tiles[..., TILE_ORDER.to(trellis.device)] = values
-    return tiles.view(tk, tn, TILE, TILE).permute(0, 2, 1, 3).reshape(tk * TILE, tn * TILE)
+    steps = unpack_states(trellis)[..., _unscatter().to(trellis.device)]  # row-major tile order
+    values = codebook(codebook_name).to(trellis.device)[steps].float()
+    return values.view(tk, tn, TILE, TILE).permute(0, 2, 1, 3).reshape(tk * TILE, tn * TILE)
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +153,7 @@ def dequantize_tensors(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tens
     t = decode_tiles(trellis, codebook_name).t()  # [out, in]
     t = fwht(fwht(t).t()).t()  # input side, then output side
     # suh * svh / 128 is exact in float32 (11-bit significands; 1/128 a power of two): one rounding per element.
-    return t * (svh.float().unsqueeze(1) * suh.float().unsqueeze(0) * (1.0 / HAD))
+    return (t * (svh.float().unsqueeze(1) * suh.float().unsqueeze(0) * (1.0 / HAD))).contiguous()
 
 
 def marker(codebook_name: str) -> dict[str, torch.Tensor]:
