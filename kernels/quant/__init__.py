@@ -6,6 +6,7 @@
 - codec.py: what each format answers (names, shape, tensor-parallel cuts, dequantize); weight.py: `QuantizedWeight`
 """
 
-from kernels.quant.weight import BY_METHOD, CODECS, QuantizedWeight, codec_of, quantize, random_quantized
+from kernels.quant.weight import BY_METHOD, CODECS, QuantizedWeight, codec_of, quantize, quantized_modules, random_quantized
 
-__all__ = ["BY_METHOD", "CODECS", "QuantizedWeight", "codec_of", "quantize", "random_quantized"]
+__all__ = ["BY_METHOD", "CODECS", "QuantizedWeight", "codec_of", "quantize", "quantized_modules",
+           "random_quantized"]

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,15 @@ def codec_of(names: set[str]) -> Codec | None:
         if c.stores(names):
             return c
     return None
+
+
+def quantized_modules(keys: Iterable[str]) -> dict[str, tuple[Codec, dict[str, str]]]:
+    """Checkpoint keys -> each quantized module (`X` of `X.trellis`, ...): its codec and {tensor name: key}."""
+    modules: dict[str, dict[str, str]] = {}
+    for k in keys:
+        module, _, name = k.rpartition(".")
+        modules.setdefault(module, {})[name] = k
+    return {m: (c, names) for m, names in modules.items() if (c := codec_of(set(names))) is not None}
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kernels.quant import QuantizedWeight, codec_of
+from kernels.quant import QuantizedWeight, quantized_modules
 from services.rank_worker.model.model import Glm5Model
 from services.rank_worker.model.quant_config import read_quant_configs
 from tests.model.reference import fresh_cache, run_chunks
@@ -19,23 +19,23 @@ from tests.model.reference import fresh_cache, run_chunks
 QUANT_BLOCK = 8
 
 
+def read_tensors(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every safetensors file in `d`."""
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            out.update({k: s.get_tensor(k) for k in s.keys()})
+    return out
+
+
 def write_dequantized(src: Path, dst: Path) -> Path:
     """A dense float32 copy of a quantized checkpoint: each quantized linear replaced by `X.weight` = its
     `QuantizedWeight.dequantize()` (the whole tensor at once), dense tensors copied, no quantization_config."""
-    index = json.loads((src / "model.safetensors.index.json").read_text())
+    tensors = read_tensors(src)
     qcfgs = read_quant_configs(src)
-    names: dict[str, set[str]] = {}
-    for k in index["weight_map"]:
-        module, _, name = k.rpartition(".")
-        names.setdefault(module, set()).add(name)
-    quantized = {m: c for m, n in names.items() if (c := codec_of(n)) is not None}
-    tensors = {}
-    for f in sorted(set(index["weight_map"].values())):
-        with safe_open(src / f, "pt") as h:
-            tensors.update({k: h.get_tensor(k) for k in h.keys()})
     out: dict[str, torch.Tensor] = {}
-    for module, codec in quantized.items():
-        stored = {n: tensors.pop(f"{module}.{n}") for n in names[module]}
+    for module, (codec, names) in quantized_modules(list(tensors)).items():
+        stored = {n: tensors.pop(k) for n, k in names.items()}
         q = QuantizedWeight.from_tensors(codec.name, stored, qcfgs.get(codec.quant_method))
         out[f"{module}.weight"] = q.dequantize(torch.float32)
     out.update(tensors)

@@ -12,28 +12,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from services.rank_worker.model.tiny import make_tiny, write_tiny
+from tests.model.quant_helpers import read_tensors
 
 TEXT = "model.language_model."
 MARKER_VALUE = {"mul1": 0x83DCD12D, "mcg": 0xCBAC1FED}
 
 
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
-
-
 def test_mlp_linears_are_exllamav3_tensors_and_attention_stays_dense(tiny_exl3):
-    t = _tensors(tiny_exl3)
+    t = read_tensors(tiny_exl3)
     cfg = json.loads((tiny_exl3 / "config.json").read_text())
     text = cfg["text_config"]
     H, inter, moe = text["hidden_size"], text["intermediate_size"], text["moe_intermediate_size"]
@@ -59,7 +50,7 @@ def test_mlp_linears_are_exllamav3_tensors_and_attention_stays_dense(tiny_exl3):
 @pytest.mark.parametrize("bits, codebook", [(2, "mcg"), (2.5, "mul1"), (3, "3inst")])
 def test_bits_and_codebooks(bits, codebook, tmp_path):
     out = make_tiny(tmp_path / "t", layers=1, experts=2, format="exl3", exl3_bits=bits, exl3_codebook=codebook)
-    t = _tensors(out)
+    t = read_tensors(out)
     key = f"{TEXT}layers.0.mlp.up_proj"
     assert t[f"{key}.trellis"].shape[-1] == 16 * bits
     markers = {n for n in ("mcg", "mul1") if f"{key}.{n}" in t}

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kernels.quant import QuantizedWeight
@@ -19,7 +18,7 @@ from services.rank_worker.model.parallel import Sharding
 from services.rank_worker.model.quantize.convert import quantize_checkpoint
 from services.rank_worker.model.quantize.select import Recipe
 from services.rank_worker.model.weights import WeightReader
-from tests.model.quant_helpers import QUANT_BLOCK, prompt_logits
+from tests.model.quant_helpers import QUANT_BLOCK, prompt_logits, read_tensors
 from tests.model.reference import random_ids
 
 TEXT = "model.language_model."
@@ -76,10 +75,7 @@ def test_unknown_quant_method_is_refused(tiny_default, tmp_path):
 def _fuse_kda(src: Path, dst: Path) -> Path:
     """src with every KDA layer's q/k/v projections and short convs stored fused, as exllamav3 writes them
     (`self_attn.qkv_proj.weight`, `self_attn.conv1d.weight`: q, k, v rows in that order)."""
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        with safe_open(f, "pt") as h:
-            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+    tensors = read_tensors(src)
     for layer in ModelConfig.from_pretrained(src).kda_layers:
         p = f"{TEXT}layers.{layer}.self_attn."
         for parts, fused in (("{}_proj", "qkv_proj"), ("{}_conv1d", "conv1d")):

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kernels.quant import QuantizedWeight, codec_of
+from kernels.quant import QuantizedWeight, quantized_modules
 from kernels.quant.codec import Codec
 from services.rank_worker.model.parallel import Sharding
 from services.rank_worker.model.quant_config import read_quant_configs
@@ -68,12 +68,9 @@ class WeightReader:
             with safe_open(single, "pt") as f:
                 self.files = {k: single.name for k in f.keys()}
         self.quant_configs = read_quant_configs(self.dir)
-        stored: dict[str, dict[str, str]] = {}  # module -> {tensor name: stored key}
-        for k in self.files:
-            module, _, name = k.rpartition(".")
-            stored.setdefault(module, {})[name] = k
-        self.quantized = {m: c for m, n in stored.items() if (c := codec_of(set(n))) is not None}
-        self._module_keys = {m: stored[m] for m in self.quantized}
+        modules = quantized_modules(self.files)
+        self.quantized = {m: c for m, (c, _) in modules.items()}  # module -> its format
+        self._module_keys = {m: names for m, (_, names) in modules.items()}  # module -> {tensor name: stored key}
         self._handles: dict[str, object] = {}
         # One progress step per logical tensor (a quantized linear's stored tensors count once); no vision tower.
         logical = {k for k in self.files if k.rpartition(".")[0] not in self.quantized} | set(self.quantized)

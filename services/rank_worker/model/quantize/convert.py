@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kernels.quant import codec_of, quantize
+from kernels.quant import quantize, quantized_modules
 from kernels.quant import fp8 as fp8_format
 from kernels.quant import w4a16 as w4a16_format
 from services.rank_worker.model.quant_config import nest
@@ -66,15 +66,6 @@ def _source_files(src: Path) -> dict[str, list[str]]:
         return {single.name: list(f.keys())}
 
 
-def _already_quantized(keys: list[str]) -> set[str]:
-    """Modules stored in a quantized format among `keys` (looked at across every shard)."""
-    names: dict[str, set[str]] = {}
-    for k in keys:
-        module, _, name = k.rpartition(".")
-        names.setdefault(module, set()).add(name)
-    return {m for m, n in names.items() if codec_of(n) is not None}
-
-
 def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, device: str = "cpu",
                         progress: bool = True) -> Summary:
     src, dst = Path(src), Path(dst)
@@ -88,7 +79,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, dev
     if old and old.get("quant_method") == quant_config(fmt, recipe.block)["quant_method"]:
         raise ValueError(f"{src} is already {fmt}; quantize its dense original instead")
     files = _source_files(src)
-    done = _already_quantized([k for keys in files.values() for k in keys])
+    done = set(quantized_modules(k for keys in files.values() for k in keys))  # across every shard
     dst.mkdir(parents=True, exist_ok=True)
     for stale in [*dst.glob("*.safetensors"), dst / INDEX]:
         stale.unlink(missing_ok=True)
