@@ -2,8 +2,9 @@
 
 Tests, CI and local development need a checkpoint that every loader (ours, transformers, exllamav3) reads like the
 real one but that loads in a second on a CPU. This package writes one from scratch, with no transformers import:
-config.json + generation_config.json (release spellings), sharded safetensors + index, a small byte-level BPE
-tokenizer with GLM's special tokens, and a GLM-5 chat template. Everything is deterministic in `seed`.
+config.json + generation_config.json (release spellings), processor_config.json, sharded safetensors + index, a
+small byte-level BPE tokenizer with GLM's special tokens, and a GLM-5 chat template. Everything is deterministic in
+`seed`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from kernels.quant import exl3
 
-from .config_builder import generation_config, model_config, round_up
+from .config_builder import generation_config, model_config, processor_config, round_up
 from .quantized import EXL3_DIMS, FORMATS, exl3_quant_config, exl3_recipe, make_tensors
 from .shards import INDEX_NAME, plan_shards, write_shards
 from .spec import TinySpec, default_layer_pattern
@@ -84,6 +85,7 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
         cfg["quantization_config"] = exl3_quant_config(exl3_bits, exl3_codebook)
     files.append(_write_json(out / "config.json", cfg))
     files.append(_write_json(out / "generation_config.json", generation_config(pad_token_id=pad_id, eos_token_ids=eos_ids)))
+    files.append(_write_json(out / "processor_config.json", processor_config(spec)))
     files += write_tokenizer(tok, out)
 
     specs = all_tensors(spec)
