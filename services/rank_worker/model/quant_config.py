@@ -35,9 +35,5 @@ def read_quant_configs(model_dir: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def nest(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
-    """`new` with an earlier config `old` kept under `original_quantization_config` (unless it is the same method)."""
-    if not old:
-        return new
-    if old.get("quant_method") == new.get("quant_method"):
-        return {**old, **new}
-    return {**new, NESTED: old}
+    """`new` with an earlier config `old` (another method) kept under `original_quantization_config`."""
+    return {**new, NESTED: old} if old else new
