@@ -33,14 +33,16 @@ import torch
 from bench import roofline
 from bench.random_weights import build_model, bench_spec, spec_dims
 from kernels import moe
+
+try:
+    from kernels.gpu import moe as gpu_moe
+except ImportError:  # no Triton: the CPU path only
+    gpu_moe = None
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.row_store import KV_CACHE_DTYPES
 
 BLOCK = 16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-PEER_NOTE = ("Peer (REFERENCE.md §5, not measured here): transformers 5.17 + fla kernels, same 4-layer random "
-             "model on one H200: 94.6 ms/decode step at batch 1, 894 tok/s prefill at 8k.")
-
 
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
@@ -72,6 +74,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
                    help="storage of the MLA latent / indexer rows, as serve-rank's flag (default auto)")
     p.add_argument("--virtual", type=int, default=1, help="virtual TP shards (default 1: one product per weight)")
+    p.add_argument("--peer", choices=("transformers", "none"), default=None,
+                   help="also time transformers' Glm5Next on the same shapes in this run (default on a GPU: "
+                        "transformers; none: skip)")
+    p.add_argument("--peer-iters", type=int, default=3, help="timed iterations per peer config (default 3)")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, run one forward of each prefill length under torch.profiler and record the "
+                        "kernels that take the most GPU time (the results' 'profile' section)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="time decode steps eagerly (default on a GPU: replay CUDA graphs, as serve-rank does)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true",
                    help="make-tiny dimensions on the CPU, small ceilings: a smoke test of this script")
@@ -95,20 +106,32 @@ def free(device: torch.device) -> None:
 
 @contextmanager
 def count_experts(real_rows: int, record: list[dict]):
-    """Record, per MoE call, the distinct routed experts chosen by the batch's real rows (and by all rows: the
-    runtime pads batch-wide tensors to 64 rows, and the padding rows are routed too)."""
-    original = moe.route
+    """Record, per MoE call, the distinct routed experts chosen by the batch's real rows (and by all rows: the CPU
+    path pads batch-wide tensors to 64 rows and routes the padding too; the GPU path never routes padding). Patches
+    both routers; the GPU one lists the shared expert (index E) last and padding pairs as E + 1."""
+    original, original_gpu = moe.route, gpu_moe.route if gpu_moe is not None else None
 
     def route(x, *args, **kwargs):
         ids, w = original(x, *args, **kwargs)
         record.append({"real": int(torch.unique(ids[:real_rows]).numel()), "all_rows": int(torch.unique(ids).numel())})
         return ids, w
 
+    def route_gpu(logits, *args, **kwargs):
+        ids, w = original_gpu(logits, *args, **kwargs)
+        routed = ids[:, :-1]
+        n = int(torch.unique(routed[:real_rows]).numel())
+        record.append({"real": n, "all_rows": int(torch.unique(routed[routed < logits.shape[1]]).numel())})
+        return ids, w
+
     moe.route = route
+    if gpu_moe is not None:
+        gpu_moe.route = route_gpu
     try:
         yield record
     finally:
         moe.route = original
+        if gpu_moe is not None:
+            gpu_moe.route = original_gpu
 
 
 class Results:
@@ -159,31 +182,45 @@ class Results:
             lines += [f"## Decode (one step of B single-token rows; each sequence has ~{self.args.context} tokens "
                       "in the cache, prefilled once during setup)", "",
                       "| batch | context | median ms | tok/s | iters | experts hit / MoE layer (real rows; all rows) "
-                      "| weight params read | ideal bytes | ideal ms | roofline |",
-                      "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+                      "| weight params read | ideal bytes | ideal ms | roofline | transformers ms | speed-up |",
+                      "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+            peer = d.get("peer", {}).get("decode", {})
             for r in d["decode"]:
                 if r.get("status") != "ok":
-                    lines.append(f"| {r['batch']} | | {r.get('status')} | | | | | | | |")
+                    lines.append(f"| {r['batch']} | | {r.get('status')} | | | | | | | | | |")
                     continue
                 hit = "/".join(str(x) for x in r["experts_hit"]) + "; " + "/".join(str(x) for x in r["experts_hit_all_rows"])
                 lines.append(f"| {r['batch']} | {r['context']} | {r['median_ms']:.2f} | {r['tok_per_s']:.1f} | "
                              f"{r['iters']} | {hit} | {si(r['weight_params'], '', 4)} | "
-                             f"{si(r['ideal_bytes'], 'B')} | {r['ideal_ms']:.3f} | {r['roofline_fraction']:.2%} |")
+                             f"{si(r['ideal_bytes'], 'B')} | {r['ideal_ms']:.3f} | {r['roofline_fraction']:.2%} | "
+                             f"{_peer_cell(peer.get(str(r['batch'])), r['median_ms'])} |")
             lines.append("")
         if d["prefill"]:
             lines += ["## Prefill (one sequence, one forward over the prompt unless chunked)", "",
-                      "| tokens | chunk | median ms | tok/s | iters | FLOPs | ideal ms | roofline |",
-                      "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                      "| tokens | chunk | median ms | tok/s | iters | FLOPs | ideal ms | roofline | transformers ms "
+                      "| speed-up |",
+                      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            peer = d.get("peer", {}).get("prefill", {})
             for r in d["prefill"]:
                 if r.get("status") != "ok":
-                    lines.append(f"| {r['tokens']} | | {r.get('status')} | | | | | |")
+                    lines.append(f"| {r['tokens']} | | {r.get('status')} | | | | | | | |")
                     continue
                 lines.append(f"| {r['tokens']} | {r['chunk'] or 'whole'} | {r['median_ms']:.1f} | "
                              f"{r['tok_per_s']:.0f} | {r['iters']} | {si(r['flops'])} | "
-                             f"{r['ideal_ms']:.2f} | {r['roofline_fraction']:.2%} |")
+                             f"{r['ideal_ms']:.2f} | {r['roofline_fraction']:.2%} | "
+                             f"{_peer_cell(peer.get(str(r['tokens'])), r['median_ms'])} |")
             lines.append("")
         lines += [f"- {n}" for n in d["notes"]]
         return "\n".join(lines) + "\n"
+
+
+def _peer_cell(peer: dict | None, ours_ms: float) -> str:
+    """'peer ms | peer / ours' table cells, or the peer's status."""
+    if not peer:
+        return " | "
+    if peer.get("status") != "ok":
+        return f"{peer.get('status')} | "
+    return f"{peer['median_ms']:.2f} | {peer['median_ms'] / ours_ms:.1f}x"
 
 
 def si(x: float, unit: str = "", digits: int = 3) -> str:
@@ -235,8 +272,7 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
             ids = [t for _ in seqs for t in random_tokens(args.context, spec.vocab_size, gen)]
             batch = Batch(token_ids=torch.tensor(ids, dtype=torch.long, device=device), starts=[0] * len(seqs),
                           lengths=[args.context] * len(seqs), block_tables=tables[seqs], slots=seqs,
-                          logit_rows=torch.tensor([(i + 1) * args.context - 1 for i in range(len(seqs))],
-                                                  device=device))
+                          logit_rows=torch.tensor([(i + 1) * args.context - 1 for i in range(len(seqs))]))
             model.forward(batch, cache)
             roofline.sync(device)
             log(f"  prefilled sequences {seqs[0]}..{seqs[-1]} ({time.perf_counter() - t0:.1f} s)")
@@ -249,6 +285,16 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
         res.write()
         return
     pos = [args.context] * nmax
+    graphs = None
+    if device.type == "cuda" and not args.enforce_eager:
+        from services.rank_worker.model.cuda_graphs import DecodeGraphs
+        graphs = DecodeGraphs(model, cache)
+
+    def step(batch: Batch) -> None:
+        if graphs is not None and graphs.fits(batch):
+            graphs.run(batch)
+        else:
+            model.forward(batch, cache)
 
     for b in batches:
         if time.perf_counter() - t_start > args.budget_s:
@@ -265,27 +311,28 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
                 ids = random_tokens(b, spec.vocab_size, gen)
                 return Batch(token_ids=torch.tensor(ids, dtype=torch.long, device=device),
                              starts=[pos[s] + offset for s in seqs], lengths=[1] * b, block_tables=tables[:b],
-                             slots=seqs, logit_rows=torch.arange(b, device=device))
+                             slots=seqs, logit_rows=torch.arange(b))
 
             def advance(steps: int) -> None:
                 for s in seqs:
                     pos[s] += steps
 
             hits: list[dict] = []
-            warmup = max(args.warmup, 1)  # the warm-up calls also count the experts the router picks
+            warmup = max(args.warmup, 1)
+            with count_experts(b, hits):  # one eager step counts the experts the router picks
+                model.forward(make(0), cache)
+                advance(1)
             t0 = time.perf_counter()
-            with count_experts(b, hits):
-                for _ in range(warmup):
-                    model.forward(make(0), cache)
-                    advance(1)
-                roofline.sync(device)
+            for _ in range(warmup):  # (captures the CUDA graph of this batch size)
+                step(make(0))
+                advance(1)
+            roofline.sync(device)
             warm_s = (time.perf_counter() - t0) / warmup
             iters = args.iters if warm_s <= args.slow_s else min(args.iters, args.slow_iters)
             contexts = [pos[s] for s in seqs]
             batches_timed = [make(i) for i in range(iters)]  # built before timing, positions already advanced
             log(f"decode batch {b}: warm-up {warm_s:.2f} s/step; timing {iters} steps")
-            times = roofline.time_calls(lambda i: model.forward(batches_timed[i], cache), warmup=0, iters=iters,
-                                        device=device)
+            times = roofline.time_calls(lambda i: step(batches_timed[i]), warmup=0, iters=iters, device=device)
             advance(iters)
             med = roofline.median(times)
             moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
@@ -294,7 +341,7 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
             need = roofline.decode_bytes(spec, dtype, contexts, experts_hit, KV_CACHE_DTYPES[args.kv_cache_dtype])
             bw = res.data["ceilings"]["hbm_copy"]["bytes_per_s"]
             ideal_ms = need["total_bytes"] / bw * 1e3
-            row.update(status="ok", context=contexts[0], median_ms=med, times_ms=times, iters=iters,
+            row.update(status="ok", context=contexts[0], cuda_graphs=graphs is not None, median_ms=med, times_ms=times, iters=iters,
                        tok_per_s=b / (med / 1e3), experts_hit=experts_hit,
                        experts_hit_all_rows=[h["all_rows"] for h in last], weight_params=need["weight_params"],
                        weight_bytes=need["weight_bytes"], state_bytes=need["state_bytes"],
@@ -359,6 +406,8 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
                            roofline_fraction=ideal_ms / med)
                 log(f"prefill {n}: median {med:.1f} ms = {n / (med / 1e3):.0f} tok/s, ideal {ideal_ms:.2f} ms -> "
                     f"{ideal_ms / med:.2%} of roofline")
+                if args.profile and device.type == "cuda":
+                    res.data.setdefault("profile", {})[f"prefill {n}"] = profile_kernels(lambda: step(0))
                 break
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
@@ -370,6 +419,55 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
         res.data["prefill"].append(row)
         res.write()
         free(device)
+
+
+def bench_peer(res: Results, spec, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> None:
+    """transformers on the same shapes (bench/peer_transformers.py): decode at each batch size after the same
+    context, prefill at each length; OOM or an unsupported version is recorded, not raised."""
+    from bench import peer_transformers
+    peer: dict = {"decode": {}, "prefill": {}}
+    res.data["peer"] = peer
+    gen = torch.Generator().manual_seed(args.seed + 3)
+    log("peer: building transformers' Glm5NextForConditionalGeneration on the same shapes")
+    try:
+        model = peer_transformers.build(spec, device, dtype)
+        import transformers
+        peer["meta"] = {"transformers": transformers.__version__}
+    except Exception as e:  # noqa: BLE001 - a version without glm5_next, or OOM: say so in the results
+        log(f"peer: cannot build ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        peer["meta"] = {"status": f"not built: {type(e).__name__}"}
+        res.write()
+        return
+    kw = dict(warmup=1, iters=args.peer_iters, device=device, gen=gen)
+    cases = [("decode", b, lambda b=b: peer_transformers.decode_ms(model, b, args.context, spec.vocab_size, **kw))
+             for b in sorted(set(args.batches))]
+    cases += [("prefill", n, lambda n=n: peer_transformers.prefill_ms(model, n, spec.vocab_size, **kw))
+              for n in args.prefill]
+    for kind, size, fn in cases:
+        try:
+            ms = fn()
+            peer[kind][str(size)] = {"status": "ok", "median_ms": ms}
+            log(f"peer {kind} {size}: {ms:.2f} ms")
+        except Exception as e:  # noqa: BLE001
+            peer[kind][str(size)] = {"status": "OOM" if is_oom(e) else f"failed: {type(e).__name__}"}
+            log(f"peer {kind} {size}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            free(device)
+        res.write()
+    del model
+    free(device)
+
+
+def profile_kernels(fn, top: int = 25) -> list[dict]:
+    """GPU time per kernel name over one call of `fn` (torch.profiler), the `top` most expensive first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
+    out = [{"kernel": e.key[:120], "calls": e.count, "gpu_ms": e.device_time_total / 1e3} for e in rows]
+    for r in out:
+        log(f"  profile: {r['gpu_ms']:9.3f} ms  x{r['calls']:<4d} {r['kernel']}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill FLOPs = 2 x active params x tokens (top-k + shared experts; lm_head for the last row) + MLA "
         "2·h·(dn+dv) per attended (query, key) pair under the DSA selection + indexer 2·h·d per scored pool + KDA "
         "6·dk·dv per head and token; ideal ms = FLOPs / measured matmul rate.",
-        PEER_NOTE,
+        "transformers: its own random initialisation on the same shapes (timings depend on values only through "
+        "routing), fla-core's KDA kernels when they import, its own cache; speed-up = transformers ms / ours.",
     ]
     log(f"device {meta['device_name']} ({device}), torch {torch.__version__}; results -> {res.json_path}")
     log(f"spec: {spec.num_hidden_layers} layers {spec.layer_pattern}, hidden {spec.hidden_size}, "
@@ -442,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_decode(res, model, spec, device, dtype, args, t_start)
     bench_prefill(res, model, spec, device, dtype, args, t_start)
+    if (args.peer or ("transformers" if device.type == "cuda" else "none")) == "transformers":
+        del model
+        free(device)
+        bench_peer(res, spec, device, dtype, args)
     meta["total_s"] = time.perf_counter() - t_start
     if device.type == "cuda":
         meta["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

@@ -52,6 +52,8 @@ __all__ = [
     "filter_logits",
     "sample",
     "token_logprobs",
+    "processed_logprobs",
+    "apply_token_bitmask",
 ]
 
 # ---------------------------------------------------------------------------
@@ -348,6 +350,28 @@ def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     return z
 
 
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, mask_index: Tensor) -> Tensor:
+    """Logits with -inf wherever a row's grammar mask forbids the token: float32 [R, V].
+
+    ``bitmask`` is int32 [M, W] (bit i of word j allows token 32 j + i, the
+    layout llguidance and xgrammar fill); ``mask_index`` int32 [R] names each
+    row's mask, -1 = unmasked.  Ids past 32 W are forbidden for masked rows.
+    Pure selection, so a row's values do not depend on the other rows.
+    """
+    logits = logits.to(torch.float32)
+    rows, vocab = logits.shape
+    mask_index = mask_index.to(device=logits.device, dtype=torch.int64)
+    if rows == 0 or not bool((mask_index >= 0).any()):
+        return logits
+    words = bitmask.to(device=logits.device, dtype=torch.int64) & 0xFFFFFFFF  # int32 bits as unsigned
+    shifts = torch.arange(32, dtype=torch.int64, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1).bool()  # [M, 32 W]
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], dim=1)
+    row_allowed = allowed[mask_index.clamp(min=0), :vocab] | (mask_index < 0)[:, None]
+    return torch.where(row_allowed, logits, torch.tensor(float("-inf"), device=logits.device))
+
+
 def sample(logits: Tensor, positions: Tensor, params: SamplingParams) -> Tensor:
     """Token id per row: int64 [R].
 
@@ -368,8 +392,9 @@ def sample(logits: Tensor, positions: Tensor, params: SamplingParams) -> Tensor:
 
 
 def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Raw logprobs (log_softmax of the unscaled, unfiltered logits, vLLM's
-    default) of the chosen tokens and of each row's k most likely tokens.
+    """log_softmax of ``logits`` (raw logits: vLLM's raw logprobs; the output
+    of ``filter_logits``: the sampler's distribution, see
+    ``processed_logprobs``) at the chosen tokens and each row's k most likely.
 
     Returns (chosen [R] float32, top_ids [R, k] int64, top_logprobs [R, k]
     float32), top entries by logprob descending, ties by lowest id.
@@ -386,3 +411,18 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, T
     ids = keep.nonzero()[:, 1].view(rows, k)  # ascending id within each row
     top, order = torch.sort(logprobs.gather(1, ids), dim=-1, descending=True, stable=True)
     return chosen, ids.gather(1, order), top
+
+
+def processed_logprobs(logits: Tensor, params: SamplingParams, token_ids: Tensor, k: int
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """Logprobs of the distribution the keyed draw samples from.
+
+    The distribution of a row is  softmax(filter_logits(logits, params)):  the
+    fp32 logits (after any grammar mask), divided by the temperature, with
+    -inf outside the top-k / top-p / min-p kept set.  Gumbel-max over those z
+    draws exactly from it, so these are the true probabilities of what
+    ``sample`` picks.  Greedy rows (T = 0) are reported at T = 1 with the same
+    filters (their draw is the argmax, which always has the largest logprob).
+    Tokens outside the kept set get -inf.  Same return as ``token_logprobs``.
+    """
+    return token_logprobs(filter_logits(logits, params), token_ids, k)

@@ -1,10 +1,19 @@
-"""Shared fixtures: tiny checkpoints written once per test session by `make-tiny`."""
+"""Shared fixtures: tiny checkpoints written once per test session by `make-tiny`.
+
+Without a GPU, Triton kernels (kernels/gpu) run in Triton's CPU interpreter so their logic is tested against the
+torch twins here too. The switch must be set before anything imports triton, hence at the top of this file.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.rank_worker.model.tiny import make_tiny
 from tests.model.quant_helpers import QUANT_BLOCK

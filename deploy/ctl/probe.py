@@ -66,7 +66,8 @@ def smoke_test(base: str, api_key: str = "", timeout_s: float = 300.0) -> str:
             reply = json.loads(r.read())
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"smoke test: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
-    text = reply["choices"][0]["message"].get("content") or ""
+    message = reply["choices"][0]["message"]
+    text = message.get("content") or message.get("reasoning_content") or ""  # thinking on: the reply is reasoning
     why = degenerate(text)
     if why:
         raise RuntimeError(f"smoke test failed: {why}; the ranks load or compute wrongly (check the rank logs)")

@@ -1,7 +1,9 @@
 """The HTTP surface: routes, auth, and the glue from a validated request to a reply.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize,
-GET /health, GET /metrics. Every error leaves in OpenAI's shape (`errors.py`); no exception escapes a handler.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET /v1/responses/{id}), Anthropic's
+POST /v1/messages and /v1/messages/count_tokens, GET /v1/models, POST /tokenize, POST /detokenize, GET /health,
+GET /metrics. Every error leaves in OpenAI's shape (`errors.py`; Anthropic's routes in Anthropic's shape); no
+exception escapes a handler.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +31,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.common import telemetry
 from twinspark.v1 import generate_pb2
 
+from . import anthropic_messages as anthropic
+from . import openai_responses as responses_api
 from .checkpoint import CheckpointInfo
+from .choices import Choices
 from .errors import GatewayError, bad_request, internal
-from .generation import Final, GenerationStream
+from .generation import Final
 from .metrics import GatewayMetrics
-from .output import OutputAssembler
 from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, render_chat
 from .responses import ChunkWriter, full_response
 from .scheduler_client import SchedulerClient
@@ -77,6 +82,7 @@ class Gateway:
         self.client = SchedulerClient(settings.scheduler)
         self.metrics = GatewayMetrics(self.model_name)
         self.created = int(time.time())
+        self.store = responses_api.ResponseStore()  # `store: true` responses, for previous_response_id
 
     # ------------------------------------------------------------------------------------------- lifecycle
     @contextlib.asynccontextmanager
@@ -109,7 +115,7 @@ class Gateway:
         if name is not None and name not in self.accepted_names:
             raise GatewayError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
 
-    def _log(self, prep: Prepared, status: int, outcome: str, stream: GenerationStream, started: float) -> None:
+    def _log(self, prep: Prepared, status: int, outcome: str, stream: Choices, started: float) -> None:
         """The one log line of a generation request (and the same figures on its HTTP span when traced)."""
         final = stream.final
         prompt = final.prompt_tokens if final else len(prep.prompt_ids)
@@ -126,42 +132,54 @@ class Gateway:
                                  "gen_ai.usage.output_tokens": completion, "twinspark.finish_reason": outcome,
                                  "twinspark.stream": prep.stream})
 
+    def choices(self, prep: Prepared) -> Choices:
+        return Choices(self.client, self.ctx, prep, self.metrics, keepalive_s=self.settings.keepalive_s,
+                       metadata=telemetry.metadata())  # the scheduler's span is the HTTP span's child
+
     async def _generate(self, request: Request, prep: Prepared, started: float) -> Response:
-        assembler = OutputAssembler(self.ctx.tokenizer, stops=prep.stops, include_stop_str=prep.include_stop_str,
-                                    skip_special_tokens=prep.skip_special_tokens, final_ids=prep.final_ids)
-        stream = GenerationStream(self.client, prep, assembler, self.metrics, keepalive_s=self.settings.keepalive_s,
-                                  metadata=telemetry.metadata())  # the scheduler's span is the HTTP span's child
+        stream = self.choices(prep)
         headers = {"x-request-id": prep.response_id}
         if prep.stream:
-            try:
-                # Wait for the scheduler's first answer so that 429 / 400 / 503 still come before the 200.
-                await stream.start(self.settings.keepalive_s)
-            except GatewayError as err:
-                self._log(prep, err.status, stream.close(), stream, started)
-                raise
-            except BaseException:
-                stream.close()
-                raise
+            await self.start_stream(prep, stream, started)
+            return SSEResponse(sse_events(stream, ChunkWriter(prep, self.model_name, self.ctx.tokenizer)),
+                               headers=headers, on_close=self.stream_closed(prep, stream, started))
+        finals = await self.complete(request, prep, stream, started)
+        if isinstance(finals, Response):
+            return finals
+        texts = {s.index: s.assembler.text for s in stream.streams}
+        body = full_response(prep, self.model_name, self.ctx.tokenizer, texts, finals, int(time.time()))
+        return JSONResponse(body, headers=headers)
 
-            def on_close(disconnected: bool) -> None:
-                outcome = stream.close()
-                self._log(prep, 200, "client_gone" if disconnected and stream.final is None else outcome,
-                          stream, started)
+    async def start_stream(self, prep: Prepared, stream: Choices, started: float) -> None:
+        """Before a stream's 200: wait for the scheduler's first answer, so 429 / 400 / 503 are HTTP statuses."""
+        try:
+            await stream.start(self.settings.keepalive_s)
+        except GatewayError as err:
+            self._log(prep, err.status, stream.close(), stream, started)
+            raise
+        except BaseException:
+            stream.close()
+            raise
 
-            return SSEResponse(sse_events(stream, ChunkWriter(prep, self.model_name)), headers=headers,
-                               on_close=on_close)
-        return await self._complete(request, prep, stream, headers, started)
+    def stream_closed(self, prep: Prepared, stream: Choices, started: float) -> Callable[[bool], None]:
+        def on_close(disconnected: bool) -> None:
+            outcome = stream.close()
+            self._log(prep, 200, "client_gone" if disconnected and stream.final is None else outcome,
+                      stream, started)
+        return on_close
 
-    async def _complete(self, request: Request, prep: Prepared, stream: GenerationStream, headers: dict[str, str],
-                        started: float) -> Response:
-        """A non-streamed reply; a client that hangs up meanwhile cancels the generation."""
+    async def complete(self, request: Request, prep: Prepared, stream: Choices, started: float
+                       ) -> list[Final] | Response:
+        """Run a non-streamed generation to its end: the returned choices' finals, or the error / 499 response.
+        A client that hangs up meanwhile cancels the generation."""
 
-        async def collect() -> Final:
+        async def collect() -> list[Final]:
             await stream.start(0.0)
-            async for event in stream.events():
-                if isinstance(event, Final):
-                    return event
-            raise internal("the generation ended without a result")
+            async for _, event in stream.events():
+                pass
+            if len(stream.finals) != len(stream.streams):
+                raise internal("the generation ended without a result")
+            return stream.best()
 
         work = asyncio.create_task(collect())
         gone = asyncio.create_task(_wait_disconnect(request.receive))
@@ -181,15 +199,14 @@ class Gateway:
             if isinstance(exc, GatewayError):
                 stream.error = exc
                 self._log(prep, exc.status, stream.close(), stream, started)
-                return exc.response()
+                raise exc
             if exc is not None:
                 raise exc
-            final = work.result()
+            finals = work.result()
         finally:
             stream.close()  # idempotent; also covers this handler itself being cancelled (server shutdown)
-        self._log(prep, 200, final.finish_reason, stream, started)
-        body = full_response(prep, self.model_name, stream.assembler.text, final, int(time.time()))
-        return JSONResponse(body, headers=headers)
+        self._log(prep, 200, finals[0].finish_reason, stream, started)
+        return finals
 
     # ---------------------------------------------------------------------------------------------- routes
     async def chat_completions(self, request: Request) -> Response:
@@ -204,6 +221,71 @@ class Gateway:
         self.check_model(req.model)
         return await self._generate(request, await prepare_completion(self.ctx, req), started)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI `POST /v1/responses`."""
+        started = time.monotonic()
+        req = parse(responses_api.ResponsesRequest, await request.body())
+        self.check_model(req.model)
+        history = self.store.get(req.previous_response_id)[0] if req.previous_response_id else []
+        turns = history + responses_api.input_messages(req)
+        prep = await prepare_chat(self.ctx, responses_api.to_chat(req, turns))
+        prep.response_id = f"resp_{uuid.uuid4().hex}"
+        stream = self.choices(prep)
+        headers = {"x-request-id": prep.response_id}
+
+        def keep(body: dict[str, Any]) -> None:
+            if req.store:
+                self.store.put(body["id"], turns + responses_api.reply_messages(body["output"]), body)
+
+        if req.stream:
+            await self.start_stream(prep, stream, started)
+            return SSEResponse(responses_api.response_events(req, prep, self.model_name, stream, keep),
+                               headers=headers, on_close=self.stream_closed(prep, stream, started))
+        finals = await self.complete(request, prep, stream, started)
+        if isinstance(finals, Response):
+            return finals
+        body = responses_api.full_response(req, prep, self.model_name, stream, finals[0])
+        keep(body)
+        return JSONResponse(body, headers=headers)
+
+    async def stored_response(self, request: Request) -> Response:
+        return JSONResponse(self.store.get(request.path_params["response_id"])[1])
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic `POST /v1/messages`; every error in Anthropic's shape."""
+        started = time.monotonic()
+        try:
+            req = parse(anthropic.MessagesRequest, await request.body())
+            self.check_model(req.model)
+            prep = await prepare_chat(self.ctx, anthropic.parse_chat(
+                anthropic.to_chat(req, max_tokens=req.max_tokens, stream=req.stream)))
+            prep.response_id = anthropic.new_message_id()
+            stream = self.choices(prep)
+            headers = {"request-id": prep.response_id}
+            if req.stream:
+                await self.start_stream(prep, stream, started)
+                return SSEResponse(anthropic.message_events(prep, self.model_name, stream), headers=headers,
+                                   on_close=self.stream_closed(prep, stream, started))
+            finals = await self.complete(request, prep, stream, started)
+            if isinstance(finals, Response):
+                return finals
+            return JSONResponse(anthropic.full_message(prep, self.model_name, stream, finals[0]), headers=headers)
+        except GatewayError as err:
+            if not err.logged:
+                log.info("POST /v1/messages status=%d %s", err.status, err.message)
+            return anthropic.error_response(err)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic `POST /v1/messages/count_tokens`: the prompt's length as /v1/messages would render it."""
+        try:
+            req = parse(anthropic.CountTokensRequest, await request.body())
+            self.check_model(req.model)
+            chat = anthropic.parse_chat(anthropic.to_chat(req))
+            text = render_chat(self.ctx, chat.messages, True, chat.chat_template_kwargs, tools=chat.tools)
+            return JSONResponse({"input_tokens": len(await self.ctx.tokenizer.encode_async(text))})
+        except GatewayError as err:
+            return anthropic.error_response(err)
+
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "twinspark",
@@ -214,7 +296,8 @@ class Gateway:
         req = parse(TokenizeRequest, await request.body())
         self.check_model(req.model)
         if req.messages is not None:
-            text = render_chat(self.ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            text = render_chat(self.ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                               tools=req.tools)
             add_special = bool(req.add_special_tokens)  # the template writes the special tokens itself
         else:
             text = req.prompt or ""
@@ -297,16 +380,19 @@ def _handled(fn: Handler) -> Handler:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the probes (OPEN_PATHS)."""
+    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every route but the probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            if not (hmac.compare_digest(given, self._expected)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)):
                 err = GatewayError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
                                    type="invalid_request_error", code="invalid_api_key")
                 await err.response()(scope, receive, send)
@@ -335,6 +421,10 @@ def create_app(settings: GatewaySettings) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _handled(gw.chat_completions), methods=["POST"]),
         Route("/v1/completions", _handled(gw.completions), methods=["POST"]),
+        Route("/v1/responses", _handled(gw.responses), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _handled(gw.stored_response), methods=["GET"]),
+        Route("/v1/messages", _handled(gw.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _handled(gw.count_tokens), methods=["POST"]),
         Route("/v1/models", _handled(gw.models), methods=["GET"]),
         Route("/tokenize", _handled(gw.tokenize), methods=["POST"]),
         Route("/detokenize", _handled(gw.detokenize), methods=["POST"]),

@@ -18,12 +18,13 @@ from typing import Any
 
 import grpc
 
+from services.common.tensors import from_proto
 from services.common.tensors import ids as tensor_ids
 from twinspark.v1 import generate_pb2
 
 from .errors import GatewayError, internal, unavailable
 from .metrics import GatewayMetrics, RequestRecord
-from .output import Delta, OutputAssembler, token_sha
+from .output import Delta, OutputAssembler, TokenLogprob, token_sha
 from .prepare import Prepared
 from .scheduler_client import SchedulerClient, map_rpc_error
 
@@ -55,22 +56,33 @@ class Final:
     token_sha: str
     drafted_tokens: int = 0   # draft tokens the ranks verified for this request
     accepted_tokens: int = 0  # of which accepted
+    index: int = 0            # the choice
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
 
-    def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-                "twinspark": {"drafted": self.drafted_tokens, "accepted": self.accepted_tokens}}
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs or [])
 
 
 Event = Keepalive | Delta | Final
 
 
+def _logprobs(chunk: generate_pb2.TokenChunk, ids: list[int]) -> list[TokenLogprob]:
+    """A TokenChunk's logprobs, one per id."""
+    chosen = from_proto(chunk.logprobs).tolist()
+    top_ids, top_lp = from_proto(chunk.top_ids).tolist(), from_proto(chunk.top_logprobs).tolist()
+    if not len(chosen) == len(top_ids) == len(top_lp) == len(ids):
+        raise ValueError(f"{len(chosen)} logprobs for {len(ids)} tokens")
+    return [TokenLogprob(t, c, list(zip(i, lp))) for t, c, i, lp in zip(ids, chosen, top_ids, top_lp)]
+
+
 class GenerationStream:
     def __init__(self, client: SchedulerClient, prep: Prepared, assembler: OutputAssembler, metrics: GatewayMetrics,
-                 *, keepalive_s: float, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 *, keepalive_s: float, metadata: tuple[tuple[str, str], ...] = (), index: int = 0) -> None:
         self._client = client
         self.prep = prep
+        self.index = index
+        self.request = prep.requests[index]
         self.assembler = assembler
         self._metrics = metrics
         self._keepalive_s = keepalive_s
@@ -94,7 +106,7 @@ class GenerationStream:
         The scheduler answers admission at once (a status, or a first Progress event), so for a stream this
         turns 429 / 400 / 503 into HTTP statuses before the 200. A scheduler still busy after `wait_s` gets the
         200 and keepalives; an error after that is sent as an SSE error event."""
-        self._call = self._client.generate(self.prep.request, self._metadata)
+        self._call = self._client.generate(self.request, self._metadata)
         self._reader = asyncio.create_task(self._pump(self._call))
         deadline = time.monotonic() + wait_s
         while True:
@@ -138,7 +150,7 @@ class GenerationStream:
             return map_rpc_error(item, self.prep.prompt_param)
         if item is _END:
             return unavailable("the scheduler ended the stream without a Finished event")
-        log.error("%s: scheduler stream failed: %r", self.prep.request.request_id, item)
+        log.error("%s: scheduler stream failed: %r", self.request.request_id, item)
         return internal(f"scheduler stream failed: {item!r}")
 
     def _fail(self, err: GatewayError) -> GatewayError:
@@ -163,10 +175,11 @@ class GenerationStream:
             if kind == "tokens":
                 try:
                     new_ids = tensor_ids(item.tokens.ids)
+                    logprobs = _logprobs(item.tokens, new_ids) if self.request.logprobs else None
                 except ValueError as exc:
                     raise self._fail(internal(f"bad token chunk from the scheduler: {exc}")) from None
                 self._time_tokens(len(new_ids))
-                delta = self.assembler.add(new_ids)
+                delta = self.assembler.add(new_ids, logprobs)
                 if delta:
                     last_write = time.monotonic()
                     yield delta
@@ -202,9 +215,9 @@ class GenerationStream:
     async def _abort_and_drain(self) -> None:
         """A stop string ended the reply: stop the scheduler's work now, and take its Finished if it comes soon."""
         try:
-            await self._client.abort(self.prep.request.request_id, timeout_s=_DRAIN_S)
+            await self._client.abort(self.request.request_id, timeout_s=_DRAIN_S)
         except grpc.aio.AioRpcError as exc:
-            log.debug("%s: Abort failed (%s); cancelling", self.prep.request.request_id, exc.code().name)
+            log.debug("%s: Abort failed (%s); cancelling", self.request.request_id, exc.code().name)
             self._cancel_call()
             return
         deadline = time.monotonic() + _DRAIN_S
@@ -224,7 +237,8 @@ class GenerationStream:
                            completion_tokens=a.generated, cached_tokens=f.cached_tokens if f is not None else 0,
                            token_ids=list(a.token_ids), token_sha=token_sha(a.token_ids),
                            drafted_tokens=f.drafted_tokens if f is not None else 0,
-                           accepted_tokens=f.accepted_tokens if f is not None else 0)
+                           accepted_tokens=f.accepted_tokens if f is not None else 0, index=self.index,
+                           logprobs=list(a.logprobs) if self.request.logprobs else None)
         return self.final
 
     # ---------------------------------------------------------------------------------------------- closing

@@ -24,9 +24,19 @@ def token_sha(ids: list[int]) -> str:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's logprob and the most likely alternatives at its step (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # aligned with token_ids when asked for
 
     def __bool__(self) -> bool:
         return bool(self.text or self.token_ids)
@@ -39,7 +49,9 @@ class OutputAssembler:
         self._stops = StopStringMatcher(stops, include_stop_str)
         self._final_ids = final_ids  # ids after which the scheduler stops (EOS unless ignore_eos, stop_token_ids)
         self._held: int | None = None
+        self._held_lp: TokenLogprob | None = None
         self.token_ids: list[int] = []   # the completion as reported (stopping token excluded)
+        self.logprobs: list[TokenLogprob] = []  # aligned with token_ids when the request asked for logprobs
         self.text = ""                   # all text released so far
         self.stop_reason: str | int | None = None
         self.dropped_stop_token = False
@@ -53,21 +65,23 @@ class OutputAssembler:
         """Tokens the model produced that count for this reply (the hidden stopping token included)."""
         return len(self.token_ids) + int(self.dropped_stop_token)
 
-    def add(self, ids: list[int]) -> Delta:
-        """New ids from the scheduler; returns what the client may see now. Stops consuming at a stop string."""
+    def add(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> Delta:
+        """New ids (and their logprobs, when asked for) from the scheduler; returns what the client may see now.
+        Stops consuming at a stop string."""
         delta = Delta()
-        for tid in ids:
+        for i, tid in enumerate(ids):
+            lp = logprobs[i] if logprobs else None
             if self._stops.hit is not None:
                 break
             if self._held is not None:  # more output followed: the held id did not end generation after all
                 held, self._held = self._held, None
-                self._process(held, delta)
+                self._process(held, delta, self._held_lp)
                 if self._stops.hit is not None:
                     break
             if tid in self._final_ids:
-                self._held = tid
+                self._held, self._held_lp = tid, lp
                 continue
-            self._process(tid, delta)
+            self._process(tid, delta, lp)
         return delta
 
     def finish(self, stop_token_id: int | None) -> Delta:
@@ -81,7 +95,7 @@ class OutputAssembler:
                 self.dropped_stop_token = True
                 self.stop_reason = held
             else:
-                self._process(held, delta)
+                self._process(held, delta, self._held_lp)
         elif stop_token_id is not None:
             self.stop_reason = stop_token_id  # an id we did not know could stop; already shown (usually as "")
         if self._stops.hit is None:
@@ -92,9 +106,12 @@ class OutputAssembler:
                 self._emit_text(self._stops.flush(), delta)
         return delta
 
-    def _process(self, tid: int, delta: Delta) -> None:
+    def _process(self, tid: int, delta: Delta, lp: TokenLogprob | None = None) -> None:
         self.token_ids.append(tid)
         delta.token_ids.append(tid)
+        if lp is not None:
+            self.logprobs.append(lp)
+            delta.logprobs.append(lp)
         piece = self._detok.push(tid)
         if piece:
             self._emit_text(self._stops.feed(piece), delta)

@@ -8,6 +8,10 @@ All the choices where OpenAI, vLLM and twinspark differ are made here, in one pl
   completions too (OpenAI's completions default is 16; vLLM's is also the rest of the window).
 - `reasoning_effort`: "none" turns thinking off; any other level turns it on and is passed to the template as
   `reasoning_effort` (medium -> high, xhigh -> max, minimal -> low); `chat_template_kwargs` wins over it.
+- n > 1 (and completions' best_of): one scheduler request per choice, choice i with `seed_offset` i — so choice i
+  is exactly the single-choice request with seed `seed + i` (no seed: the prompt-derived key + i).
+- logprobs: chat `logprobs` + `top_logprobs`, completions `logprobs` = the top count; best_of > n asks for the
+  chosen tokens' logprobs to rank the choices by their sum (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from services.common.tensors import to_proto
 from twinspark.v1 import generate_pb2
 
 from .checkpoint import CheckpointInfo
+from .constraints import THINK_CLOSE, THINK_OPEN, GrammarBuilder, build_grammar
 from .errors import bad_request, context_length_exceeded
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .template import ChatTemplate
@@ -37,10 +42,14 @@ class ModelContext:
     template: ChatTemplate
     use_generation_config: bool = True
     max_model_len: int = 0  # the window in force (checkpoint / flag, narrowed by the scheduler's figure)
+    grammar: GrammarBuilder = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.max_model_len:
             self.max_model_len = self.checkpoint.max_model_len
+        self.grammar = GrammarBuilder(self.tokenizer.json, self.tokenizer.added_tokens, self.vocab_size,
+                                      sorted(self.checkpoint.eos_token_ids))
+        self.think_close_id = self.tokenizer.token_to_id(THINK_CLOSE)  # counts reasoning tokens when one id
 
     @property
     def vocab_size(self) -> int:
@@ -62,7 +71,16 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    requests: list[generate_pb2.GenerateRequest] = field(default_factory=list)  # one per choice (best_of of them)
+    n: int = 1                    # choices returned (the best n of `len(requests)` by summed logprob)
+    logprobs: int | None = None   # top logprobs per token the client asked for; None = no logprobs
+    reasoning: bool = False       # the prompt opened a think block: the reply starts with reasoning
+    tools: dict[str, dict[str, Any] | None] | None = None  # name -> parameters, when tool calls are parsed
+    think_close_id: int | None = None
 
+    def __post_init__(self) -> None:
+        if not self.requests:
+            self.requests = [self.request]
 
 def _new_ids(kind: str, client_id: str | None) -> tuple[str, str]:
     """(response id, scheduler request id). A client-chosen id (vLLM's `request_id`) is echoed back, but the
@@ -81,7 +99,8 @@ def _check_ids(ids: list[int], vocab: int, param: str) -> None:
 
 
 def render_chat(ctx: ModelContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None = None) -> str:
+                chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None = None,
+                tools: list[Any] | None = None) -> str:
     kwargs: dict[str, Any] = {}
     if reasoning_effort == "none":
         kwargs["enable_thinking"] = False
@@ -90,7 +109,8 @@ def render_chat(ctx: ModelContext, messages: list[ChatMessage], add_generation_p
         kwargs["reasoning_effort"] = _EFFORT[reasoning_effort]
     kwargs.update(chat_template_kwargs or {})
     dicts = [m.model_dump(exclude_none=True) for m in messages]
-    return ctx.template.render(dicts, add_generation_prompt=add_generation_prompt, kwargs=kwargs)
+    return ctx.template.render(dicts, add_generation_prompt=add_generation_prompt, kwargs=kwargs,
+                               tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None)
 
 
 def _sampling(ctx: ModelContext, req: ChatCompletionRequest | CompletionRequest) -> generate_pb2.Sampling:
@@ -110,7 +130,8 @@ def _sampling(ctx: ModelContext, req: ChatCompletionRequest | CompletionRequest)
 
 
 def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-           max_tokens: int | None, prompt_param: str) -> Prepared:
+           max_tokens: int | None, prompt_param: str, *, grammar: str | None = None, logprobs: int | None = None,
+           best_of: int = 1) -> Prepared:
     window = ctx.max_model_len
     n = len(prompt_ids)
     if n == 0:
@@ -132,23 +153,44 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     final = set(stop_ids) | (set() if req.ignore_eos else set(ctx.checkpoint.eos_token_ids))
     response_id, request_id = _new_ids(kind, req.request_id)
+    if best_of < req.n:
+        raise bad_request(f"best_of ({best_of}) must be >= n ({req.n})", param="best_of")
+    if req.stream and best_of > req.n:
+        raise bad_request("best_of > n cannot be streamed (the best choices are known only at the end)",
+                          param="best_of")
+    want_lp = logprobs is not None or best_of > req.n
     grpc_req = generate_pb2.GenerateRequest(
         request_id=request_id, prompt_ids=to_proto(prompt_ids), sampling=_sampling(ctx, req), max_tokens=max_tokens,
         stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
         priority=generate_pb2.PRIORITY_BACKGROUND if req.background else generate_pb2.PRIORITY_NORMAL,
-        no_draft=not req.draft)
+        no_draft=not req.draft, grammar=grammar or "", logprobs=want_lp, top_logprobs=logprobs or 0)
+    requests = [grpc_req]
+    for i in range(1, best_of):  # choice i: the same request keyed by seed + i, under its own scheduler id
+        choice = generate_pb2.GenerateRequest()
+        choice.CopyFrom(grpc_req)
+        choice.request_id, choice.seed_offset = f"{request_id}-{i}", i
+        requests.append(choice)
     return Prepared(kind=kind, response_id=response_id, prompt_ids=prompt_ids, request=grpc_req,
                     prompt_param=prompt_param, stops=stops, include_stop_str=req.include_stop_str_in_output,
                     skip_special_tokens=req.skip_special_tokens, final_ids=frozenset(final), stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    return_token_ids=req.return_token_ids)
+                    return_token_ids=req.return_token_ids, requests=requests, n=req.n, logprobs=logprobs,
+                    think_close_id=ctx.think_close_id)
 
 
 async def prepare_chat(ctx: ModelContext, req: ChatCompletionRequest) -> Prepared:
-    text = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.reasoning_effort)
+    text = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.reasoning_effort,
+                       req.tools)
     ids = await ctx.tokenizer.encode_async(text, add_special_tokens=req.add_special_tokens)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _build(ctx, "chat", req, ids, max_tokens, "messages")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    prep = _build(ctx, "chat", req, ids, max_tokens, "messages", grammar=build_grammar(ctx.grammar, req, text),
+                  logprobs=(req.top_logprobs or 0) if req.logprobs else None, best_of=req.n)
+    prep.reasoning = text.rstrip().endswith(THINK_OPEN)
+    if req.tools and req.tool_choice != "none":
+        prep.tools = {t.function.name: t.function.parameters for t in req.tools}
+    return prep
 
 
 async def prepare_completion(ctx: ModelContext, req: CompletionRequest) -> Prepared:
@@ -163,4 +205,5 @@ async def prepare_completion(ctx: ModelContext, req: CompletionRequest) -> Prepa
     else:
         ids = list(prompt)
         _check_ids(ids, ctx.vocab_size, "prompt")
-    return _build(ctx, "completion", req, ids, req.max_tokens, "prompt")
+    return _build(ctx, "completion", req, ids, req.max_tokens, "prompt", grammar=build_grammar(ctx.grammar, req, None),
+                  logprobs=req.logprobs, best_of=req.best_of or req.n)

@@ -59,6 +59,73 @@ class ChatMessage(_Strict):
     refusal: str | None = None
 
 
+# ------------------------------------------------------------------------------------- tools and structure
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class JsonSchemaSpec(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of json / regex / choice / grammar / json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    backend: str | None = None  # accepted and ignored: llguidance serves every kind
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "StructuredOutputs":
+        kinds = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar or json_object")
+        return self
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: Any = None
@@ -92,9 +159,16 @@ class _Generation(_Strict):
     metadata: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    n: int = Field(1, ge=1, le=16)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None    # vLLM's older spellings of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
     # Recognised, not implemented: only their neutral value is accepted (see _NEUTRAL).
-    n: Any = None
-    best_of: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
@@ -102,14 +176,6 @@ class _Generation(_Strict):
     logit_bias: Any = None
     min_tokens: Any = None
     priority: Any = None
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
     use_beam_search: Any = None
     prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
@@ -124,7 +190,6 @@ class _Generation(_Strict):
     service_tier: Any = None
     store: Any = None
     echo: Any = None
-    logprobs: Any = None
 
 
 class ChatCompletionRequest(_Generation):
@@ -134,10 +199,11 @@ class ChatCompletionRequest(_Generation):
     add_special_tokens: bool = False  # the template already writes [gMASK]<sop>
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max", "xhigh"] | None = None
-    top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools; accepted as clients send it by default
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None
@@ -155,6 +221,8 @@ class CompletionRequest(_Generation):
     # vLLM: a string, a token-id list, or a list holding one of either (batches of more than one are refused).
     prompt: str | list[int] | list[str] | list[list[int]]
     add_special_tokens: bool = True
+    logprobs: int | None = Field(None, ge=0, le=20)  # completions: the number of top logprobs (0 = chosen only)
+    best_of: int | None = Field(None, ge=1, le=16)
     suffix: Any = None
     prompt_embeds: Any = None
 
@@ -166,6 +234,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # default: true for `prompt`, false for `messages` (vLLM)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # rendered into the prompt as chat requests render them (vLLM)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -190,14 +259,8 @@ def _empty(v: Any) -> bool:
     return v is None or v == [] or v == {} or v is False
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or v == {"type": "text"}
-
-
 # field -> accepted-value predicate, and why the rest is refused
 _NEUTRAL: dict[str, Any] = {
-    "n": _is(None, 1),
-    "best_of": _is(None, 1),
     "presence_penalty": _is(None, 0, 0.0),
     "frequency_penalty": _is(None, 0, 0.0),
     "repetition_penalty": _is(None, 1, 1.0),
@@ -205,14 +268,6 @@ _NEUTRAL: dict[str, Any] = {
     "logit_bias": _empty,
     "min_tokens": _is(None, 0),
     "priority": _is(None, 0),
-    "response_format": _text_format,
-    "structured_outputs": _empty,
-    "guided_json": _empty,
-    "guided_regex": _empty,
-    "guided_choice": _empty,
-    "guided_grammar": _empty,
-    "guided_decoding_backend": _empty,
-    "guided_whitespace_pattern": _empty,
     "use_beam_search": _is(None, False),
     "prompt_logprobs": _is(None),
     "truncate_prompt_tokens": _is(None),
@@ -227,10 +282,6 @@ _NEUTRAL: dict[str, Any] = {
     "service_tier": _is(None, "auto", "default"),
     "store": _is(None, False),
     "echo": _is(None, False),
-    "logprobs": _is(None, False),
-    "top_logprobs": _is(None, 0),
-    "tools": _empty,
-    "tool_choice": _is(None, "none"),
     "functions": _empty,
     "function_call": _is(None, "none"),
     "chat_template": _is(None),
@@ -247,11 +298,7 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 _WHY: dict[str, str] = {
-    "n": "must be 1: one choice per request is served",
-    "best_of": "must be 1: one choice per request is served",
     "priority": "is not supported; send \"background\": true for background priority",
-    "logprobs": "is not supported by this server (no logprobs are returned)",
-    "top_logprobs": "is not supported by this server (no logprobs are returned)",
     "min_tokens": "is not supported by this server (min_tokens must be 0)",
 }
 
@@ -326,6 +373,7 @@ def parse(model: type[_Strict], raw: bytes) -> Any:
 
 
 __all__ = [
-    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "GatewayError",
+    "ChatCompletionRequest", "ChatMessage", "ChatTool", "CompletionRequest", "NamedToolChoice", "ResponseFormat",
+    "StructuredOutputs", "DetokenizeRequest", "GatewayError",
     "TokenizeRequest", "check_unsupported", "parse", "parse_json",
 ]

@@ -15,8 +15,9 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from .choices import Choices
 from .errors import GatewayError, internal
-from .generation import Final, GenerationStream, Keepalive
+from .generation import Final, Keepalive
 from .output import Delta
 from .responses import ChunkWriter
 
@@ -30,23 +31,23 @@ def sse_data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def sse_events(stream: GenerationStream, writer: ChunkWriter) -> AsyncIterator[str]:
-    """The whole SSE body of one streamed reply. Errors after the 200 become an error event, then [DONE]."""
+async def sse_events(stream: Choices, writer: ChunkWriter) -> AsyncIterator[str]:
+    """The whole SSE body of one streamed reply (OpenAI chat / completions chunks). Errors after the 200 become an
+    error event, then [DONE]."""
     try:
-        first = writer.first()
-        if first is not None:
-            yield sse_data(first)
-        async for event in stream.events():
+        for chunk in writer.first():
+            yield sse_data(chunk)
+        async for index, event in stream.events():
             if isinstance(event, Keepalive):
                 yield KEEPALIVE_COMMENT
             elif isinstance(event, Delta):
-                chunk = writer.delta(event)
-                if chunk is not None:
+                for chunk in writer.delta(index, event):
                     yield sse_data(chunk)
             elif isinstance(event, Final):
-                yield sse_data(writer.finish(event))
-                if writer.prep.include_usage:
-                    yield sse_data(writer.usage(event))
+                for chunk in writer.finish(index, event):
+                    yield sse_data(chunk)
+        if writer.prep.include_usage:
+            yield sse_data(writer.usage(stream.finals))
         yield DONE
     except GatewayError as err:
         yield sse_data(err.body())

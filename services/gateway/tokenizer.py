@@ -21,6 +21,7 @@ class TextTokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the gateway needs the checkpoint's tokenizer.json")
         self._tok = Tokenizer.from_file(str(path))
+        self.json = path.read_text(encoding="utf-8")  # llguidance builds its own view of the vocabulary from it
         # Ids the tokenizer knows; the model's vocab may be padded past it (those ids decode to nothing).
         self.size = self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -40,3 +41,35 @@ class TextTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    @property
+    def added_tokens(self) -> set[str]:
+        """Texts of the added tokens (special or not): each is one id, never split by the BPE."""
+        return {t.content for t in self._tok.get_added_tokens_decoder().values()}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (what OpenAI's logprobs `bytes` hold): byte-level BPE pieces mapped back
+        through GPT-2's byte alphabet; added tokens as their UTF-8 text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if piece in self.added_tokens or any(ch not in _BYTE_OF for ch in piece):
+            return piece.encode("utf-8")
+        return bytes(_BYTE_OF[ch] for ch in piece)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's reversible byte <-> printable character map (what byte-level BPE vocabularies are written in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_OF = _byte_alphabet()

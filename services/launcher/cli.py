@@ -54,6 +54,8 @@ def register(subparsers: Any) -> None:
                     default=env("KV_CACHE_DTYPE", "auto"),
                     help="rank cache storage: auto = the compute dtype; fp8 = e4m3 + per-row scale, about half the "
                          "bytes (env TWINSPARK_KV_CACHE_DTYPE)")
+    up.add_argument("--enforce-eager", action="store_true", default=env("ENFORCE_EAGER", "0") == "1",
+                    help="GPU ranks run decode rounds eagerly, without CUDA graphs (env TWINSPARK_ENFORCE_EAGER=1)")
     up.add_argument("--random-weights", default=env("RANDOM_WEIGHTS"), metavar="FORMAT",
                     help="the ranks draw random weights on the device instead of reading shards; --model gives the "
                          "config and the tokenizer (FORMAT, or EXPERTS+OTHER, from fp8, w4a16, exl3, bf16: see "
@@ -160,7 +162,8 @@ def run_up(args: argparse.Namespace) -> int:
         return _up_detached(args, sd, model, port, command)
     cfg = LaunchConfig(model=str(model), state_dir=str(sd), tp=args.tp, host=args.host, port=port,
                        device=args.device, command=command, drafter=args.drafter, kv_cache_dtype=args.kv_cache_dtype,
-                       random_weights=args.random_weights or "", random_block_size=args.random_block_size)
+                       enforce_eager=args.enforce_eager, random_weights=args.random_weights or "",
+                       random_block_size=args.random_block_size)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if args.background else None
@@ -174,7 +177,7 @@ def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, com
     sup_log = logs / "supervisor.log"
     argv = [sys.executable, "-m", "services.launcher", "up", "--model", str(model), "--tp", str(args.tp),
             "--host", args.host, "--port", str(port), "--device", args.device, "--drafter", args.drafter,
-            "--kv-cache-dtype", args.kv_cache_dtype,
+            "--kv-cache-dtype", args.kv_cache_dtype, *(["--enforce-eager"] if args.enforce_eager else []),
             *(["--random-weights", args.random_weights, "--random-block-size", str(args.random_block_size)]
               if args.random_weights else []),
             "--state-dir", str(sd),

@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", default=env("KV_CACHE_DTYPE", "auto"), choices=sorted(KV_CACHE_DTYPES),
                    help="storage of the MLA latent + indexer cache rows: auto = the compute dtype; fp8 (= fp8_e4m3) = "
                         "e4m3 with a per-row fp32 scale, about half the bf16 bytes (TWINSPARK_KV_CACHE_DTYPE)")
+    p.add_argument("--enforce-eager", action="store_true", default=env("ENFORCE_EAGER", "0") == "1",
+                   help="on a GPU, run decode rounds eagerly instead of replaying CUDA graphs (vLLM's flag; the "
+                        "same bits either way, graphs only save launch time) (TWINSPARK_ENFORCE_EAGER=1)")
     p.add_argument("--num-blocks", type=int, default=int(env("NUM_BLOCKS", "1024")), help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")), help="positions per block")
     p.add_argument("--num-slots", type=int, default=int(env("NUM_SLOTS", "32")), help="KDA state slots")
@@ -150,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=min(cfg.max_position_embeddings, args.num_blocks * args.block_size),
         model=os.path.basename(os.path.normpath(args.model)),
         instance_id=uuid.uuid4().hex)  # tells the scheduler a restarted group from the one it connected to
-    server = serve(RankService(Executor(model, cache), describe), args.host, args.port)
+    server = serve(RankService(Executor(model, cache, cuda_graphs=not args.enforce_eager), describe), args.host,
+                   args.port)
     log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", args.rank, args.host, args.port,
              args.num_blocks, args.block_size, args.num_slots)
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=1))

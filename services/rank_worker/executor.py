@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import SamplingParams, sample
+from kernels import gpu
+from kernels.sampling import SamplingParams, apply_token_bitmask, processed_logprobs, sample
 from services.common.tensors import from_proto
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.model import Glm5Model, accept_drafts
+from services.rank_worker.model.model import ForwardOutput, Glm5Model, accept_drafts
 from twinspark.v1.rank_pb2 import StepPlan
 
 
@@ -31,6 +32,25 @@ class StepOutput:
     sample_ms: float
     accepted: list[int] | None = None  # per sequence, when the plan has verify windows
     hidden: torch.Tensor | None = None  # [R, D] fp32, when the plan wants hidden states
+    logprobs: "RowLogprobs | None" = None  # when the plan asks for logprobs
+
+
+@dataclass
+class RowLogprobs:
+    """Per sample row: the sampled token's logprob [R], and the top-K ids / logprobs [R, K] (rows that asked
+    for fewer than K, or none, carry the same K columns; the scheduler reads only what each row asked for)."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def _flags(plan: StepPlan, name: str, n: int) -> list[bool] | None:
+    """A per-sequence int32 flag vector of the plan; None when the plan leaves it empty."""
+    msg = getattr(plan, name)
+    if not plan.HasField(name) or not msg.shape or not msg.shape[0]:
+        return None
+    return [bool(f) for f in _vec(msg, name, torch.int64, n).tolist()]
 
 
 def _vec(msg, name: str, dtype: torch.dtype, length: int | None = None) -> torch.Tensor:
@@ -44,9 +64,55 @@ def _vec(msg, name: str, dtype: torch.dtype, length: int | None = None) -> torch
 
 
 class Executor:
-    def __init__(self, model: Glm5Model, cache: PagedCache) -> None:
+    def __init__(self, model: Glm5Model, cache: PagedCache, *, cuda_graphs: bool = True) -> None:
+        """cuda_graphs: replay decode rounds from CUDA graphs on a GPU (vLLM's `--enforce-eager` turns it off)."""
         self.model = model
         self.cache = cache
+        self.graphs = None
+        if cuda_graphs and gpu.active(model.embed):
+            from services.rank_worker.model.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(model, cache)
+
+    def forward(self, batch: Batch) -> ForwardOutput:
+        """One forward of the (class-ordered) batch: a CUDA graph replay for decode rounds when enabled."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
+        return self.model.forward(batch, self.cache)
+
+    # -- structured output and logprobs (StepPlan.mask_index / bitmask / logprobs_k) -----------------------------
+    @staticmethod
+    def row_masks(plan: StepPlan, r: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The plan's grammar masks, validated: (mask_index int64 [R], bitmask int32 [M, W]); None when unmasked."""
+        if not plan.HasField("mask_index") or not plan.mask_index.shape or not plan.mask_index.shape[0]:
+            return None
+        index = _vec(plan.mask_index, "mask_index", torch.int64, r)
+        try:
+            bitmask = from_proto(plan.bitmask)
+        except ValueError as exc:
+            raise PlanError(f"bitmask: {exc}") from exc
+        if bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+            raise PlanError(f"bitmask must be int32 [M, W], got {bitmask.dtype}{list(bitmask.shape)}")
+        if bool((index >= bitmask.shape[0]).any()) or bool((index < -1).any()):
+            raise PlanError(f"mask_index must be in [-1, {bitmask.shape[0]})")
+        return index, bitmask
+
+    @staticmethod
+    def logprobs_k(plan: StepPlan, r: int) -> torch.Tensor | None:
+        """int64 [R]: per sample row -1 (no logprobs) or the number of top logprobs wanted; None when none asks."""
+        if not plan.HasField("logprobs_k") or not plan.logprobs_k.shape or not plan.logprobs_k.shape[0]:
+            return None
+        k = _vec(plan.logprobs_k, "logprobs_k", torch.int64, r)
+        if bool((k < -1).any()) or bool((k > 20).any()):
+            raise PlanError("logprobs_k must be in [-1, 20]")
+        return k if bool((k >= 0).any()) else None
+
+    @staticmethod
+    def row_logprobs(logits: torch.Tensor, params: SamplingParams, sampled: list[int], k: torch.Tensor
+                     ) -> RowLogprobs:
+        """Logprobs from the same fp32 (masked) logits and sampling parameters the draw used."""
+        ids = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
+        chosen, top_ids, top_lp = processed_logprobs(logits, params, ids, int(k.max()))
+        return RowLogprobs(chosen.cpu(), top_ids.to(torch.int32).cpu(), top_lp.cpu())
 
     def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, torch.Tensor]:
         dev = self.model.device
@@ -82,11 +148,13 @@ class Executor:
             min_p=_vec(plan.min_p, "min_p", torch.float32, r).to(dev),
             seed=_vec(plan.seed, "seed", torch.int64, r).to(dev),
         )
-        verify = None
-        if plan.HasField("verify") and plan.verify.shape and plan.verify.shape[0]:
-            verify = [bool(f) for f in _vec(plan.verify, "verify", torch.int64, b).tolist()]
+        verify = _flags(plan, "verify", b)
+        prompt = _flags(plan, "prompt", b)
+        if verify is not None and prompt is not None and any(v and p for v, p in zip(verify, prompt)):
+            raise PlanError("a sequence cannot be both a verify window and a prompt chunk")
         batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
-                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows.to(dev), verify=verify)
+                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows, verify=verify,
+                      prompt=prompt)
         if verify is not None:
             wanted = set(rows.tolist())
             for s, (o, n) in enumerate(zip(batch.offsets, batch.lengths)):
@@ -113,27 +181,42 @@ class Executor:
     def execute(self, plan: StepPlan) -> StepOutput:
         batch, params, rows = self.to_batch(plan)
         copies = self.state_copies(plan)  # validated with the rest before anything changes
+        # Decode-class sequences first: the GPU path runs each row class with its own fixed schedule over a
+        # contiguous run of rows. Sample rows keep the plan's order; `order` maps results back per sequence.
+        order = batch.class_order()
+        if order != list(range(batch.num_seqs)):
+            batch, row_map = batch.permuted(order)
+            rows = row_map[rows]
+        masks = self.row_masks(plan, rows.numel())
+        want_k = self.logprobs_k(plan, rows.numel())
         t0 = time.perf_counter()
         # Copies run before the forward: a snapshot is taken from a slot as the previous round left it, and a
         # resumed sequence starts this round's rows from the copied state.
         self.cache.copy_states(copies)
-        out = self.model.forward(batch, self.cache)
+        out = self.forward(batch)
         t1 = time.perf_counter()
         sampled: list[int] = []
+        logprobs = None
         if rows.numel():
             # The token sampled from the row at absolute position p sits at position p + 1: that is its key.
             positions = batch.positions[rows.to(batch.positions.device)] + 1
-            sampled = sample(out.logits, positions, params).tolist()
+            logits = out.logits if masks is None else apply_token_bitmask(out.logits, masks[1], masks[0])
+            sampled = sample(logits, positions, params).tolist()
+            if want_k is not None:
+                logprobs = self.row_logprobs(logits, params, sampled, want_k)
         accepted = None
         if batch.verify is not None:
             # Accept the longest draft prefix equal to our own samples, then keep the KDA state of that row only.
             by_row = dict(zip(rows.tolist(), sampled))
-            accepted = [0] * batch.num_seqs
+            mine = [0] * batch.num_seqs
             for s, (o, n) in enumerate(zip(batch.offsets, batch.lengths)):
                 if batch.verify[s]:
                     window = batch.token_ids[o : o + n].tolist()
-                    accepted[s] = accept_drafts(window, [by_row[o + i] for i in range(n)])
-            self.model.commit_verify(batch, self.cache, {s: a for s, a in enumerate(accepted) if batch.verify[s]})
+                    mine[s] = accept_drafts(window, [by_row[o + i] for i in range(n)])
+            self.model.commit_verify(batch, self.cache, {s: a for s, a in enumerate(mine) if batch.verify[s]})
+            accepted = [0] * batch.num_seqs  # in the plan's sequence order
+            for s, a in zip(order, mine):
+                accepted[s] = a
         hidden = out.hidden[rows.to(out.hidden.device)].float() if plan.want_hidden and rows.numel() else None
         t2 = time.perf_counter()
-        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden)
+        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden, logprobs)

@@ -80,6 +80,10 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                     res.accepted.CopyFrom(to_proto(out.accepted))
                 if out.hidden is not None:
                     res.hidden.CopyFrom(to_proto(out.hidden, "float32"))
+                if out.logprobs is not None:
+                    res.logprobs.CopyFrom(to_proto(out.logprobs.chosen, "float32"))
+                    res.top_ids.CopyFrom(to_proto(out.logprobs.top_ids, "int32"))
+                    res.top_logprobs.CopyFrom(to_proto(out.logprobs.top_logprobs, "float32"))
                 yield res
             log.info("rank %d: step stream closed after %d rounds", self.rank, expected - 1)
         finally:

@@ -5,7 +5,9 @@ Policy (continuous batching with chunked prefill):
    Normal priority before background; when the budget is smaller than the number of decoders, the ones served
    least recently go first, so nobody starves.
 2. The rest of the budget goes to prefill chunks, FCFS (normal before background). A prompt longer than what is
-   left is cut into chunks over several rounds; several short prompts can share a round.
+   left is cut into chunks over several rounds; several short prompts can share a round. A chunk that does not
+   finish its prompt always ends on the absolute 64-token KDA grid (DESIGN §5.1), so drafts leave room for one
+   whole grid chunk while a prompt waits, and the engine requires a budget of at least the running sequences + 64.
 
 A sequence's `start` is the number of its tokens already in the cache; the rows to sample are the last row of each
 sequence whose prompt is completely in the cache after this round (so every decode row, and the final chunk of a
@@ -36,6 +38,8 @@ class PlannedSeq:
     token_ids: list[int]
     sample: bool
     verify: bool = False  # token_ids = [last committed token, drafts...]; every row is sampled
+    prompt: bool = False  # token_ids are prompt tokens (a prefill chunk): the ranks use prefill arithmetic
+    masks: list[torch.Tensor] | None = None  # grammar masks, one per sample row (set by the engine)
 
     @property
     def num_drafts(self) -> int:
@@ -48,11 +52,11 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
     `drafts`: request id -> proposed drafts for its decode row (turns it into a verify window).
 
     A prefill chunk that does not finish its prompt ends at the request's next snapshot point when it reaches one
-    (the prefix index takes the KDA state there), else at a multiple of `align` when it crosses one and that keeps at
-    least half the chunk: the chunked KDA kernel chunks relative to each call's start, so 64-aligned chunk boundaries
-    give every prefill of a prompt the same chunk grid (a resumed prefill starts at a multiple of 64 too), which
-    makes resumed and fresh prefills bit-identical. A budget too small to keep the grid (less than 64 left, say)
-    gives up on it rather than on throughput: such a prefill is token-identical, not bit-identical."""
+    (the prefix index takes the KDA state there; snapshot points are multiples of `align`), else at the last
+    multiple of `align` it reaches; a prompt that cannot reach one this round waits. The chunked KDA kernel chunks
+    relative to each call's start, so 64-aligned chunk boundaries give every prefill of a prompt the same chunk
+    grid whatever the budget (a resumed prefill starts at a multiple of 64 too), which makes chunked, resumed and
+    whole prefills bit-identical."""
     bg = generate_pb2.PRIORITY_BACKGROUND
     decoders = sorted((r for r in running if not r.prefilling),
                       key=lambda r: (r.priority == bg, r.last_round, r.order))
@@ -65,9 +69,11 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
         start, toks = r.next_rows(1)
         out.append(PlannedSeq(r, start, toks, sample=True))
         left -= 1
+    # While a prompt waits, drafts leave room for one whole grid chunk (prefill must progress on the grid).
+    reserve = align if prefillers and align > 0 else 0
     for s in out:
         d = (drafts or {}).get(s.req.id) or []
-        d = d[: max(0, left)]
+        d = d[: max(0, left - reserve)]
         if d:
             s.token_ids = s.token_ids + list(d)
             s.verify = True
@@ -80,11 +86,12 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
         stop = next((p for p, _ in r.snap_points if p > start), None)
         if stop is not None and stop < end:
             end = stop
-        elif end < r.prompt_len and align > 0 and end // align * align > start and \
-                2 * (end // align * align - start) >= end - start:
-            end = end // align * align  # not when it would cost more than half the chunk (e.g. 63 -> 1 token)
+        elif end < r.prompt_len and align > 0:
+            end = end // align * align
+        if end <= start:
+            continue  # no whole grid chunk fits what is left this round
         start, toks = r.next_rows(end - start)
-        out.append(PlannedSeq(r, start, toks, sample=start + len(toks) >= r.prompt_len))
+        out.append(PlannedSeq(r, start, toks, sample=start + len(toks) >= r.prompt_len, prompt=True))
         left -= len(toks)
     return out
 
@@ -94,22 +101,32 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
     """The packed StepPlan for `seqs` (round and checksum are set by the sender); `state_copies` are the
     (source slot, target slot) KDA state copies the ranks do before the forward, in order."""
     token_ids: list[int] = []
-    starts, lengths, slots, tables, sample_rows, verify = [], [], [], [], [], []
+    starts, lengths, slots, tables, sample_rows, verify, prompt = [], [], [], [], [], [], []
     temperature, top_p, top_k, min_p, seed = [], [], [], [], []
+    mask_index: list[int] = []
+    bitmask: list[torch.Tensor] = []
+    logprobs_k: list[int] = []
     for s in seqs:
         res = s.req.reservation
         assert res is not None, f"request {s.req.id} is planned without a reservation"
         if s.sample:
             sp = s.req.sampling
             rows = range(len(s.token_ids)) if s.verify else [len(s.token_ids) - 1]
-            for r in rows:
+            for j, r in enumerate(rows):
                 sample_rows.append(len(token_ids) + r)
+                if s.masks is not None:
+                    mask_index.append(len(bitmask))
+                    bitmask.append(s.masks[j])
+                else:
+                    mask_index.append(-1)
+                logprobs_k.append(s.req.logprobs_k)
                 temperature.append(sp.temperature)
                 top_p.append(sp.top_p)
                 top_k.append(sp.top_k)
                 min_p.append(sp.min_p)
                 seed.append(sp.seed_i64)
         verify.append(1 if s.verify else 0)
+        prompt.append(1 if s.prompt else 0)
         token_ids.extend(s.token_ids)
         starts.append(s.start)
         lengths.append(len(s.token_ids))
@@ -126,10 +143,15 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
         block_tables=to_proto(padded), sample_rows=to_proto(sample_rows),
         temperature=to_proto(temperature, "float32"), top_p=to_proto(top_p, "float32"), top_k=to_proto(top_k),
         min_p=to_proto(min_p, "float32"), seed=to_proto(seed, "int64"),
-        request_ids=[s.req.id for s in seqs],
+        request_ids=[s.req.id for s in seqs], prompt=to_proto(prompt),
     )
     if state_copies:
         plan.state_copies.CopyFrom(to_proto(torch.tensor(state_copies, dtype=torch.int32).view(-1, 2)))
     if any(verify):
         plan.verify.CopyFrom(to_proto(verify))
+    if bitmask:
+        plan.mask_index.CopyFrom(to_proto(mask_index))
+        plan.bitmask.CopyFrom(to_proto(torch.stack(bitmask)))
+    if any(k >= 0 for k in logprobs_k):
+        plan.logprobs_k.CopyFrom(to_proto(logprobs_k))
     return plan

@@ -62,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a Propose may take; slower rounds go on without drafts (default 0.5)")
     p.add_argument("--draft-hidden", action="store_true", default=env("DRAFT_HIDDEN", "") in ("1", "true"),
                    help="ask the ranks for hidden states and pass them to the drafter (MTP drafts)")
+    p.add_argument("--tokenizer", default=env("TOKENIZER") or None,
+                   help="checkpoint directory (or tokenizer.json) whose tokenizer the grammar masks of structured "
+                        "output use; unset = structured output is refused (TWINSPARK_TOKENIZER)")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="TWINSPARK_LOG_LEVEL, default INFO")
     p.set_defaults(func=run)
 
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             enable_prefix_caching=args.enable_prefix_caching, max_snapshots=args.max_snapshots,
                             num_draft_tokens=max(0, args.num_draft_tokens), draft_hidden=args.draft_hidden),
-        drafter=args.drafter, draft_timeout_s=args.draft_timeout,
+        drafter=args.drafter, draft_timeout_s=args.draft_timeout, tokenizer=args.tokenizer,
         startup_timeout_s=args.startup_timeout, rank_timeout_s=args.rank_timeout or None)
     try:
         asyncio.run(serve(cfg))

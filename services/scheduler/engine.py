@@ -27,10 +27,11 @@ from services.common.tensors import ids
 from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.drafts import DrafterClient
+from services.scheduler.grammar import GrammarBook, GrammarError
 from services.scheduler.pool import BlockPool
-from services.scheduler.prefix import Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
+from services.scheduler.prefix import KDA_CHUNK, Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
 from services.scheduler.ranks import ModelInfo, RankError, RankSet
-from services.scheduler.request import Request, SamplingSpec, State, derive_seed
+from services.scheduler.request import Request, SamplingSpec, State, TokenLogprobs, derive_seed
 from services.scheduler.tracing import RequestSpans, propose_span, round_span
 from twinspark.v1 import generate_pb2
 
@@ -69,8 +70,8 @@ _REASON = {generate_pb2.FINISH_STOP: "stop", generate_pb2.FINISH_LENGTH: "length
 
 
 class Engine:
-    def __init__(self, ranks: RankSet, info: ModelInfo, cfg: EngineConfig, drafter: DrafterClient | None = None
-                 ) -> None:
+    def __init__(self, ranks: RankSet, info: ModelInfo, cfg: EngineConfig, drafter: DrafterClient | None = None,
+                 grammars: GrammarBook | None = None) -> None:
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.ranks = ranks
@@ -94,11 +95,14 @@ class Engine:
         self.live: dict[str, Request] = {}  # waiting + running, by request id
         # A running request holds a KDA slot, so the ranks' slot count caps concurrency too.
         self.max_running = min(cfg.max_num_seqs, self.pool.num_slots)
-        if cfg.max_num_batched_tokens < self.max_running:
-            log.warning("--max-num-batched-tokens %d < %d running sequences: some decode rows will wait a round",
-                        cfg.max_num_batched_tokens, self.max_running)
+        if cfg.max_num_batched_tokens < self.max_running + KDA_CHUNK:
+            # Prompts are cut only on the 64-token KDA grid (batcher.py): a round must hold every decode row and
+            # one whole grid chunk, or a long prompt could never make progress.
+            raise ValueError(f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be at least the running "
+                             f"sequences ({self.max_running}) + {KDA_CHUNK}")
         self.rounds = 0
         self.drafter = drafter
+        self.grammars = grammars  # None: no tokenizer given, structured output is refused
         self.drafted_total = 0  # drafts verified, all requests
         self.accepted_total = 0  # of which accepted
         self.windows_total = 0  # verify windows run
@@ -210,12 +214,23 @@ class Engine:
         if rid in self.live:
             raise InvalidRequest("duplicate_request_id", f"request {rid!r} is already in flight")
         seed = sp.seed if sp.HasField("seed") else derive_seed(prompt)
+        seed = (seed + msg.seed_offset) & 0xFFFF_FFFF_FFFF_FFFF  # choice i of an n > 1 request: seed + i
+        if msg.logprobs and not 0 <= msg.top_logprobs <= 20:
+            raise InvalidRequest("invalid_logprobs", f"top_logprobs must be in [0, 20], got {msg.top_logprobs}")
+        grammar = None
+        if msg.grammar:
+            if self.grammars is None:
+                raise InvalidRequest("invalid_grammar", "structured output needs the scheduler's --tokenizer")
+            try:
+                grammar = self.grammars.compile(msg.grammar)
+            except GrammarError as exc:
+                raise InvalidRequest("invalid_grammar", str(exc)) from None
         return Request(
             request_id=rid, prompt=prompt, max_tokens=msg.max_tokens,
             sampling=SamplingSpec(temperature=sp.temperature, top_p=top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed),
             stop_ids=frozenset(msg.stop_token_ids), eos_ids=frozenset() if msg.ignore_eos else self._eos,
             priority=msg.priority, order=next(self._order), max_model_len=info.max_model_len,
-            no_draft=msg.no_draft)
+            no_draft=msg.no_draft, grammar=grammar, logprobs_k=msg.top_logprobs if msg.logprobs else -1)
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Abort a live request; False when no such request is waiting or running."""
@@ -265,6 +280,7 @@ class Engine:
                     self._wake.clear()  # no await since the checks above, so no wake-up is lost
                     await self._wake.wait()
                     continue
+                self._grammar_masks(seqs)
                 plan = build_step_plan(seqs, self.pool.block_size, self._state_copies(seqs))
                 plan.want_hidden = self.drafter is not None and self.cfg.draft_hidden
                 self.rounds += 1
@@ -279,7 +295,8 @@ class Engine:
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", self.rounds, len(seqs),
                                   sum(len(s.token_ids) for s in seqs), len(sampled), (time.monotonic() - t0) * 1e3)
-                    self._commit(seqs, sampled, self.ranks.last_accepted, self.ranks.last_hidden)
+                    self._commit(seqs, sampled, self.ranks.last_accepted, self.ranks.last_hidden,
+                                 self.ranks.last_logprobs)
             except asyncio.CancelledError:
                 raise
             except RankError as err:
@@ -411,8 +428,24 @@ class Engine:
             return {}
         return {r.id: d for (r, _), d in zip(want, drafts) if d}
 
+    @staticmethod
+    def _grammar_masks(seqs: list[PlannedSeq]) -> None:
+        """Masks for the sample rows of constrained requests; a verify window keeps only the drafts its grammar
+        allows (a forbidden draft would be rejected anyway: the rank's masked sample can never equal it)."""
+        for s in seqs:
+            g = s.req.grammar
+            if g is None or not s.sample:
+                continue
+            if s.verify:
+                s.masks, kept = g.window(s.token_ids[1:])
+                s.token_ids = s.token_ids[: 1 + len(kept)]
+                s.verify = bool(kept)
+            else:
+                s.masks = [g.mask()]
+
     def _commit(self, seqs: list[PlannedSeq], sampled: list[int], accepted: list[int] | None = None,
-                hidden=None) -> None:
+                hidden=None, logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+                ) -> None:
         pos = 0  # index of the sequence's first sample in `sampled` (and `hidden`)
         for i, s in enumerate(seqs):
             n_samples = len(s.token_ids) if s.verify else (1 if s.sample else 0)
@@ -447,7 +480,18 @@ class Engine:
                     break
             if hidden is not None:
                 req.last_hidden = hidden[first + len(out) - 1]
-            req.emit_tokens(out)
+            lp = None
+            if logprobs is not None and req.logprobs_k >= 0:
+                rows_of = range(first, first + len(out))  # the token of sample row j is out[j - first]
+                k = req.logprobs_k
+                lp = TokenLogprobs([logprobs[0][j] for j in rows_of], [logprobs[1][j][:k] for j in rows_of],
+                                   [logprobs[2][j][:k] for j in rows_of])
+            req.emit_tokens(out, lp)
+            if req.grammar is not None and stop is None:
+                error = req.grammar.commit(out)
+                if error is not None:
+                    self._finish(req, generate_pb2.FINISH_ERROR, error=f"structured output: {error}")
+                    continue
             if stop is not None:
                 self._finish(req, stop[0], stop_token_id=stop[1])
         self._reap_aborted()

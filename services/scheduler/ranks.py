@@ -85,6 +85,19 @@ def _rpc_error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _logprobs(c: "RankClient", round_: int, res: rank_pb2.StepResult, n_sample: int
+              ) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """A StepResult's logprobs as lists, checked against the number of sample rows."""
+    try:
+        chosen, top_ids, top_lp = (from_proto(res.logprobs), from_proto(res.top_ids), from_proto(res.top_logprobs))
+    except ValueError as exc:
+        raise RankError(c.index, c.address, f"round {round_}: bad logprobs: {exc}") from exc
+    if chosen.shape != (n_sample,) or top_ids.dim() != 2 or top_ids.shape[0] != n_sample \
+            or top_lp.shape != top_ids.shape:
+        raise RankError(c.index, c.address, f"round {round_}: logprobs do not match the {n_sample} sample rows")
+    return chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+
+
 class RankClient:
     def __init__(self, index: int, address: str) -> None:
         self.index = index
@@ -112,6 +125,8 @@ class RankSet:
         self._round = 0
         self.last_accepted: list[int] = []  # rank 0's accepted drafts per sequence of the last round
         self.last_hidden = None  # rank 0's [R, D] hidden states of the last round (when the plan wanted them)
+        # rank 0's logprobs of the last round's sample rows (when the plan asked): chosen [R], top ids / logprobs [R, K]
+        self.last_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
         self._closing = False
         self._in_step = False
 
@@ -211,7 +226,7 @@ class RankSet:
         self._round += 1
         plan.round = self._round
         seal(plan)
-        self.last_accepted, self.last_hidden = [], None
+        self.last_accepted, self.last_hidden, self.last_logprobs = [], None, None
         n_sample = plan.sample_rows.shape[0] if plan.sample_rows.shape else 0
         tasks = [asyncio.ensure_future(self._exchange(c, plan, n_sample)) for c in self.clients]
         self._in_step = True
@@ -275,6 +290,8 @@ class RankSet:
                 self.last_hidden = from_proto(res.hidden) if plan.want_hidden and res.HasField("hidden") else None
             except ValueError as exc:
                 raise RankError(c.index, c.address, f"round {plan.round}: bad accepted/hidden: {exc}") from exc
+            if plan.HasField("logprobs_k") and plan.logprobs_k.shape and plan.logprobs_k.shape[0]:
+                self.last_logprobs = _logprobs(c, plan.round, res, n_sample)
             if plan.HasField("verify") and len(self.last_accepted) != n_seqs:
                 raise RankError(c.index, c.address,
                                 f"round {plan.round}: {len(self.last_accepted)} accepted counts for {n_seqs} sequences")

@@ -16,12 +16,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from services.common.tensors import to_proto
 from services.scheduler.pool import Reservation
 from services.scheduler.prefix import Snapshot
 from twinspark.v1 import generate_pb2
 
 if TYPE_CHECKING:
+    from services.scheduler.grammar import RequestGrammar
     from services.scheduler.tracing import RequestSpans
 
 _MASK64 = (1 << 64) - 1
@@ -32,6 +35,15 @@ def derive_seed(prompt: list[int]) -> int:
     as little-endian int32 — so the same request always gets the same reply (DESIGN §5.1)."""
     digest = hashlib.sha256(struct.pack(f"<{len(prompt)}i", *prompt)).digest()
     return int.from_bytes(digest[:8], "little")
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of committed tokens, in order: one entry per token, each with its top-k (k = what was asked)."""
+
+    chosen: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,8 @@ class State(enum.Enum):
 class Request:
     def __init__(self, *, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingSpec,
                  stop_ids: frozenset[int], eos_ids: frozenset[int], priority: int, order: int,
-                 max_model_len: int, no_draft: bool = False) -> None:
+                 max_model_len: int, no_draft: bool = False, grammar: RequestGrammar | None = None,
+                 logprobs_k: int = -1) -> None:
         self.id = request_id
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
@@ -71,6 +84,8 @@ class Request:
         self.max_model_len = max_model_len
         self.num_cached = 0
         self.no_draft = no_draft
+        self.grammar = grammar  # structured output: masks every sample row (drafts included)
+        self.logprobs_k = logprobs_k  # -1: no logprobs; k >= 0: each token's logprob and the top k
         self.drafted_tokens = 0  # drafts verified for this request
         self.accepted_tokens = 0  # of which the ranks accepted
         self.last_hidden = None  # the target's hidden state at the row that sampled the last token (MTP drafts)
@@ -141,10 +156,17 @@ class Request:
         return None
 
     # -- events ---------------------------------------------------------------------------------------------------
-    def emit_tokens(self, new: list[int]) -> None:
+    def emit_tokens(self, new: list[int], logprobs: TokenLogprobs | None = None) -> None:
         # A stopping EOS / stop id is streamed like any other token (the gateway hides it from text; it still
         # counts in completion_tokens and shows in return_token_ids, as vLLM does).
-        self.events.put_nowait(generate_pb2.GenerateEvent(tokens=generate_pb2.TokenChunk(ids=to_proto(new))))
+        chunk = generate_pb2.TokenChunk(ids=to_proto(new))
+        if logprobs is not None:
+            k = max(0, self.logprobs_k)
+            chunk.logprobs.CopyFrom(to_proto(logprobs.chosen, "float32"))
+            chunk.top_ids.CopyFrom(to_proto(torch.tensor(logprobs.top_ids, dtype=torch.int32).view(len(new), k)))
+            chunk.top_logprobs.CopyFrom(to_proto(
+                torch.tensor(logprobs.top_logprobs, dtype=torch.float32).view(len(new), k)))
+        self.events.put_nowait(generate_pb2.GenerateEvent(tokens=chunk))
 
     def progress_event(self) -> generate_pb2.GenerateEvent | None:
         """A keepalive while nothing else is streaming: queued or prefilling; None once tokens flow."""

@@ -17,6 +17,7 @@ import grpc
 from services.scheduler.admission import QueueFull
 from services.scheduler.engine import Engine, EngineConfig, InvalidRequest, Unavailable
 from services.scheduler.drafts import DrafterClient
+from services.scheduler.grammar import GrammarBook
 from services.scheduler.ranks import RankSet
 from services.scheduler.request import State
 from services.scheduler.tracing import generate_parent
@@ -115,6 +116,7 @@ class SchedulerConfig:
     progress_interval_s: float = 0.5  # keepalive Progress cadence while queued / prefilling
     drafter: str | None = None  # host:port of the drafter; None = no drafts
     draft_timeout_s: float = 0.5  # a Propose slower than this runs the round without drafts
+    tokenizer: str | None = None  # checkpoint dir / tokenizer.json for grammar masks; None = no structured output
 
 
 class Scheduler:
@@ -137,7 +139,9 @@ class Scheduler:
             raise
         self.drafter = DrafterClient(self.cfg.drafter, timeout_s=self.cfg.draft_timeout_s) \
             if self.cfg.drafter else None
-        self.engine = Engine(self.ranks, info, self.cfg.engine, self.drafter)
+        grammars = GrammarBook.load(self.cfg.tokenizer, info.vocab_size, list(info.eos_ids)) \
+            if self.cfg.tokenizer else None
+        self.engine = Engine(self.ranks, info, self.cfg.engine, self.drafter, grammars)
         self.engine.start()
         self.server = grpc.aio.server(options=_SERVER_OPTS)
         generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(

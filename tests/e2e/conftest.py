@@ -13,7 +13,7 @@ def stack_tp2(tiny_default, tmp_path_factory) -> Stack:
     # long prompt takes several rounds.
     stack = start(tiny_default, tmp_path_factory.mktemp("stack_tp2"), tp=2,
                   env={"TWINSPARK_MAX_NUM_SEQS": "16", "TWINSPARK_MAX_WAITING": "8",
-                       "TWINSPARK_MAX_NUM_BATCHED_TOKENS": "64"})
+                       "TWINSPARK_MAX_NUM_BATCHED_TOKENS": "80"})
     yield stack
     stack.down()
 

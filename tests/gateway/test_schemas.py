@@ -38,13 +38,6 @@ def test_accepts_supported_and_neutral_fields() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"n": 2}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
@@ -52,11 +45,23 @@ def test_accepts_supported_and_neutral_fields() -> None:
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"audio": {"voice": "x"}}, "audio"),
-    ({"best_of": 2}, "best_of"),
 ])
 def test_unsupported_fields_are_named(fields: dict, param: str) -> None:
     err = _param_of_error(ChatCompletionRequest, {"messages": MSG, **fields})
     assert err.param == param and err.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"n": 0}, "n"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+])
+def test_agent_fields_are_validated(fields: dict, param: str) -> None:
+    err = _param_of_error(ChatCompletionRequest, {"messages": MSG, **fields})
+    assert err.param is not None and err.param.startswith(param), err.param
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -21,6 +21,7 @@ from .conftest import WINDOW, GatewayServer
 from .standin_scheduler import EOS, Fail, Finish, Progress, Sleep, StandinServer, Tokens, wait_until
 
 MSG = [{"role": "user", "content": "hi"}]
+OFF = {"enable_thinking": False}  # replies are content (thinking on: reasoning until </think>)
 
 
 @pytest.fixture()
@@ -51,7 +52,8 @@ def test_chat_with_openai_client(oai: openai.OpenAI, standin: StandinServer, tok
     ids = _ids(tokenizer, "Hello 世界")
     standin.generator.push(Progress(), Tokens(ids[:2]), Tokens(ids[2:] + [EOS]),
                            Finish(stop_token_id=EOS, cached_tokens=4))
-    reply = oai.chat.completions.create(model="glm-tiny", messages=MSG, extra_body={"return_token_ids": True})
+    reply = oai.chat.completions.create(model="glm-tiny", messages=MSG,
+                                       extra_body={"return_token_ids": True, "chat_template_kwargs": OFF})
     assert reply.choices[0].message.content == "Hello 世界"
     assert reply.choices[0].finish_reason == "stop"
     extra = reply.model_extra
@@ -81,6 +83,7 @@ def test_completion_token_prompt_and_sampling_fields(http: httpx.Client, standin
     assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["stop_reason"] is None
     assert body["choices"][0]["prompt_token_ids"] == [5, 6, 7] == body["prompt_token_ids"]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "completion_tokens_details": {"reasoning_tokens": 0},
                              "prompt_tokens_details": {"cached_tokens": 0}, "twinspark": {"drafted": 4, "accepted": 3}}
     rec = standin.generator.last()
     req = rec.request
@@ -100,6 +103,7 @@ def test_chat_stream_with_openai_client(oai: openai.OpenAI, standin: StandinServ
     standin.generator.push(Progress(), Tokens(ids[:1]), Tokens(ids[1:]), Tokens([EOS]),
                            Finish(stop_token_id=EOS))
     chunks = list(oai.chat.completions.create(model="glm-tiny", messages=MSG, stream=True,
+                                              extra_body={"chat_template_kwargs": OFF},
                                               stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -134,7 +138,7 @@ def test_keepalive_while_scheduler_is_silent(http: httpx.Client, standin: Standi
     standin.generator.push(Sleep(1.0), Progress(generate_pb2.PHASE_PREFILLING, 3), Sleep(0.5), Tokens([71]),
                            Finish(generate_pb2.FINISH_LENGTH))
     t0 = time.monotonic()
-    with http.stream("POST", "/v1/chat/completions", json={"messages": MSG, "stream": True, "max_tokens": 1}) as r:
+    with http.stream("POST", "/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF, "stream": True, "max_tokens": 1}) as r:
         assert r.status_code == 200
         assert time.monotonic() - t0 < 1.4  # headers went out before the first token (due at 1.5 s)
         data, lines = _sse(r)
@@ -148,7 +152,7 @@ def test_stop_string_aborts_scheduler(http: httpx.Client, standin: StandinServer
     ids = _ids(tokenizer, "one END two")
     standin.generator.push(Progress(), *[Tokens([t]) for t in ids], Sleep(5), Finish(generate_pb2.FINISH_LENGTH))
     t0 = time.monotonic()
-    r = http.post("/v1/chat/completions", json={"messages": MSG, "stop": ["END"], "return_token_ids": True})
+    r = http.post("/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF, "stop": ["END"], "return_token_ids": True})
     assert time.monotonic() - t0 < 2
     choice = r.json()["choices"][0]
     assert choice["message"]["content"] == "one " and choice["finish_reason"] == "stop"
@@ -162,7 +166,7 @@ def test_stop_string_aborts_scheduler(http: httpx.Client, standin: StandinServer
 
 def test_429_before_stream_200(http: httpx.Client, oai: openai.OpenAI, standin: StandinServer) -> None:
     standin.generator.push(Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", retry_after="7"))
-    with http.stream("POST", "/v1/chat/completions", json={"messages": MSG, "stream": True}) as r:
+    with http.stream("POST", "/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF, "stream": True}) as r:
         assert r.status_code == 429 and r.headers["retry-after"] == "7"
         body = json.loads(r.read())
     assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "rate_limit_error"
@@ -175,10 +179,10 @@ def test_429_before_stream_200(http: httpx.Client, oai: openai.OpenAI, standin: 
 @pytest.mark.parametrize("stream", [False, True])
 def test_503_when_engine_down(http: httpx.Client, standin: StandinServer, stream: bool) -> None:
     standin.generator.push(Fail(grpc.StatusCode.UNAVAILABLE, "rank1 is down"))
-    r = http.post("/v1/chat/completions", json={"messages": MSG, "stream": stream})
+    r = http.post("/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF, "stream": stream})
     assert r.status_code == 503 and "rank1 is down" in r.json()["error"]["message"]
     standin.generator.push(Progress(), Finish(generate_pb2.FINISH_ERROR, error="rank0 crashed"))
-    r = http.post("/v1/chat/completions", json={"messages": MSG, "stream": stream})
+    r = http.post("/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF, "stream": stream})
     assert r.status_code == 503 and "rank0 crashed" in r.json()["error"]["message"]
 
 
@@ -194,22 +198,26 @@ def test_error_after_output(http: httpx.Client, oai: openai.OpenAI, standin: Sta
     with pytest.raises(openai.APIError):
         list(oai.chat.completions.create(model="glm-tiny", messages=MSG, stream=True))
     standin.generator.push(Tokens([71]), Fail(grpc.StatusCode.UNAVAILABLE, "gone"))
-    assert http.post("/v1/chat/completions", json={"messages": MSG}).status_code == 503
+    assert http.post("/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF}).status_code == 503
 
 
 def test_bad_requests(http: httpx.Client, oai: openai.OpenAI) -> None:
     r = http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    for body, param in [({"messages": MSG, "temperature": "x"}, "temperature"), ({"messages": MSG, "n": 2}, "n"),
-                        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                        ({"messages": MSG, "logprobs": True}, "logprobs"),
+    for body, param in [({"messages": MSG, "temperature": "x"}, "temperature"), ({"messages": MSG, "n": 0}, "n"),
+                        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f g"}}]},
+                         "tools[0].function.name"),
+                        ({"messages": MSG, "logprobs": "yes"}, "logprobs"),
+                        ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+                        ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+                        ({"messages": MSG, "structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
                         ({"messages": MSG, "stop_token_ids": [10**6]}, "stop_token_ids[0]")]:
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = http.post("/v1/completions", json={"prompt": ["a", "b"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as exc:
-        oai.chat.completions.create(model="glm-tiny", messages=MSG, n=2)
+        oai.chat.completions.create(model="glm-tiny", messages=MSG, n=0)
     assert exc.value.body["param"] == "n"
 
 
@@ -225,12 +233,12 @@ def test_context_length(http: httpx.Client, standin: StandinServer) -> None:
     r = http.post("/v1/completions", json={"prompt": list(range(WINDOW))})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
-    r = http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": WINDOW})
+    r = http.post("/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF, "max_tokens": WINDOW})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
     # the scheduler's own check (its window may be smaller than the gateway knows) maps the same way
     standin.generator.push(Fail(grpc.StatusCode.INVALID_ARGUMENT, "context_length_exceeded: 300 > 200"))
-    r = http.post("/v1/chat/completions", json={"messages": MSG, "stream": True})
+    r = http.post("/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF, "stream": True})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
 
@@ -240,7 +248,7 @@ def test_context_length(http: httpx.Client, standin: StandinServer) -> None:
 def test_client_disconnect_mid_stream_cancels(gateway: GatewayServer, standin: StandinServer) -> None:
     standin.generator.push(Progress(), Tokens([71]), Sleep(10), Finish(generate_pb2.FINISH_LENGTH))
     with httpx.Client(base_url=gateway.url, timeout=10) as client:
-        with client.stream("POST", "/v1/chat/completions", json={"messages": MSG, "stream": True}) as r:
+        with client.stream("POST", "/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF, "stream": True}) as r:
             lines = r.iter_lines()
             while '"content":"h"' not in next(lines):  # read until the first token arrived, then hang up
                 pass
@@ -262,7 +270,7 @@ def test_tokenize_detokenize_models(http: httpx.Client) -> None:
     r = http.post("/tokenize", json={"prompt": "hi 世"}).json()
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == WINDOW
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "hi 世"}
-    chat = http.post("/tokenize", json={"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    chat = http.post("/tokenize", json={"messages": MSG, "chat_template_kwargs": OFF, "chat_template_kwargs": {"enable_thinking": False}}).json()
     assert http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"] == \
         "[gMASK]<sop><|user|>\nhi<|assistant|><think></think>"
     r = http.post("/detokenize", json={"tokens": [1, -1]})
@@ -315,7 +323,7 @@ def test_concurrent_requests(gateway: GatewayServer) -> None:
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as client:
             return await asyncio.gather(*[
-                client.post("/v1/chat/completions", json={"messages": MSG, "stream": i % 2 == 1})
+                client.post("/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": OFF, "stream": i % 2 == 1})
                 for i in range(8)])
 
     replies = asyncio.run(burst())

@@ -398,3 +398,35 @@ def test_token_logprobs_match_log_softmax():
     assert bool((top_lp[:, :-1] >= top_lp[:, 1:]).all())
     c0, i0, l0 = token_logprobs(logits, ids, 0)
     assert i0.shape == (5, 0) and l0.shape == (5, 0)
+
+
+def test_bitmask_forbids_tokens_and_sampling_respects_it():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 70, generator=g)
+    words = torch.zeros(1, 3, dtype=torch.int32)
+    words[0, 0] = 1 << 5            # token 5
+    words[0, 2] = (1 << 1) | (1 << 3)  # tokens 65, 67
+    masked = S.apply_token_bitmask(logits, words, torch.tensor([0, -1, 0]))
+    assert torch.equal(masked[1], logits[1])
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [5, 65, 67]
+    params = SamplingParams.from_lists([0.0, 0.9, 1.3], [0, 0, 0], [1.0, 1.0, 0.9], [0.0] * 3, [1, 2, 3], "cpu")
+    ids = sample(masked, torch.tensor([4, 4, 4]), params).tolist()
+    assert ids[0] in (5, 65, 67) and ids[2] in (5, 65, 67)
+
+
+def test_processed_logprobs_are_the_sampled_distribution():
+    """log-softmax of logits / T after the filters, against a float64 reference, to 1e-5."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 300, generator=g) * 3
+    params = SamplingParams.from_lists([0.0, 0.7, 1.0, 1.5], [0, 20, 0, 0], [1.0, 1.0, 0.8, 1.0],
+                                       [0.0, 0.0, 0.0, 0.05], [1, 2, 3, 4], "cpu")
+    ids = sample(logits, torch.tensor([9, 9, 9, 9]), params)
+    chosen, top_ids, top_lp = S.processed_logprobs(logits, params, ids, 5)
+    z = S.filter_logits(logits, params).double()
+    ref = torch.log_softmax(z, dim=-1)
+    assert torch.allclose(chosen.double(), ref.gather(1, ids[:, None]).squeeze(1), atol=1e-5)
+    assert torch.allclose(top_lp.double(), ref.gather(1, top_ids), atol=1e-5)
+    assert bool((top_lp[:, :-1] >= top_lp[:, 1:]).all())
+    # Greedy row: T = 1 with no filters is the raw log-softmax.
+    raw = torch.log_softmax(logits[0].double(), dim=-1)
+    assert abs(float(chosen[0]) - float(raw[ids[0]])) < 1e-5 and int(ids[0]) == int(raw.argmax())

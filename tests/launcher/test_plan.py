@@ -29,7 +29,7 @@ def test_tp1_argv_per_role():
                           "--host", "127.0.0.1",
                           "--port", "5001", "--device", "cpu", "--kv-cache-dtype", "auto")
     assert sched.argv == (*PREFIX, "serve-scheduler", "--ranks", "127.0.0.1:5001", "--host", "127.0.0.1",
-                          "--port", "5002")
+                          "--port", "5002", "--tokenizer", "/models/glm")
     assert gw.argv == (*PREFIX, "serve-gateway", "--model", "/models/glm", "--scheduler", "127.0.0.1:5002",
                        "--host", "127.0.0.1", "--port", "8888")
     assert gw.public and not rank0.public
@@ -104,7 +104,7 @@ def test_drafter_role_and_scheduler_flag(method):
                             "127.0.0.1", "--port", "22", "--device", "cpu")
     hidden = ("--draft-hidden",) if method == "mtp" else ()
     assert sched.argv == (*PREFIX, "serve-scheduler", "--ranks", "127.0.0.1:21", "--host", "127.0.0.1", "--port",
-                          "23", "--drafter", "127.0.0.1:22", *hidden)
+                          "23", "--tokenizer", "/models/glm", "--drafter", "127.0.0.1:22", *hidden)
 
 
 def test_free_ports_distinct_and_bindable():

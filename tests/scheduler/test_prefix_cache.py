@@ -74,7 +74,7 @@ def test_identical_resend_is_cached_and_equal():
 def test_same_system_prompt_new_conversation_reuses_it():
     async def body():
         async with cluster(1, rank=dict(num_blocks=200, block_size=4, num_slots=8, max_model_len=512),
-                           max_num_seqs=4, max_num_batched_tokens=64, max_snapshots=4) as c:
+                           max_num_seqs=4, max_num_batched_tokens=68, max_snapshots=4) as c:
             system = _ids(150, 2)
             prompts = [system + _ids(100, 10 + i) for i in range(4)]
             replies = [await generate(c, prompts[0], 8, rid="q0")]
@@ -96,7 +96,7 @@ def test_two_conversations_alternating_stay_cached():
     cached (plain LRU would evict the other conversation's latest state: resuming touches one's own old state)."""
     async def body():
         async with cluster(1, rank=dict(num_blocks=136, block_size=4, num_slots=6, max_model_len=512),
-                           max_num_seqs=4, max_num_batched_tokens=64, max_snapshots=2) as c:
+                           max_num_seqs=4, max_num_batched_tokens=68, max_snapshots=2) as c:
             convs = {"x": _ids(130, 3), "y": _ids(130, 4)}
             cached: dict[str, list[int]] = {"x": [], "y": []}
             for turn in range(3):
@@ -117,7 +117,7 @@ def test_filling_the_pool_evicts_lru_and_replies_stay_correct():
         # 100 blocks of 4 = 400 positions: three 130-token prompts' cached prefixes (32 blocks each) fill it.
         async with cluster(1, rank=dict(num_blocks=100, block_size=4, num_slots=8, max_model_len=512,
                                         step_delay_s=0.001),
-                           max_num_seqs=3, max_num_batched_tokens=64, max_snapshots=5) as c:
+                           max_num_seqs=3, max_num_batched_tokens=67, max_snapshots=5) as c:
             prompts = [_ids(130, 20 + i) for i in range(8)]
             for i, p in enumerate(prompts[:4]):
                 r = await generate(c, p, 8, rid=f"a{i}")
@@ -142,7 +142,7 @@ def test_filling_the_pool_evicts_lru_and_replies_stay_correct():
 def test_prefix_caching_off():
     async def body():
         async with cluster(1, rank=dict(num_blocks=160, block_size=4, num_slots=8, max_model_len=512),
-                           max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False) as c:
+                           max_num_seqs=4, max_num_batched_tokens=68, enable_prefix_caching=False) as c:
             prompt = _ids(200, 1)
             a = await generate(c, prompt, 6)
             b = await generate(c, prompt, 6)

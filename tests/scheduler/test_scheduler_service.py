@@ -66,10 +66,10 @@ def test_sixteen_concurrent_requests_equal_alone_and_pool_empties():
         reqs.append(dict(prompt=prompt, max_tokens=rng.randint(1, 30), temperature=temp))
 
     async def body():
-        # A small pool (160 tokens of cache for ~540 wanted, 6 slots) and a 24-token budget: requests wait for
-        # blocks and slots, prompts are chunked, decodes and prefills share rounds.
+        # A small pool (160 tokens of cache for ~540 wanted, 6 slots) and a 70-token budget (6 decode rows + one
+        # 64-token grid chunk): requests wait for blocks and slots, decodes and prefills share rounds.
         async with cluster(1, rank=dict(num_blocks=40, block_size=4, num_slots=6, max_model_len=96,
-                                        step_delay_s=0.002), max_num_seqs=6, max_num_batched_tokens=24) as c:
+                                        step_delay_s=0.002), max_num_seqs=6, max_num_batched_tokens=70) as c:
             together = await asyncio.gather(*(generate(c, r["prompt"], r["max_tokens"], rid=f"r{i}",
                                                        temperature=r["temperature"]) for i, r in enumerate(reqs)))
             assert _pool_empty(await c.health())
@@ -95,13 +95,13 @@ def test_sixteen_concurrent_requests_equal_alone_and_pool_empties():
 
 def test_long_prompt_is_chunked_while_other_streams_decode_every_round():
     async def body():
-        async with cluster(1, rank=dict(num_blocks=64, block_size=4, step_delay_s=0.002),
-                           max_num_batched_tokens=16) as c:
+        async with cluster(1, rank=dict(num_blocks=96, block_size=4, step_delay_s=0.002),
+                           max_num_batched_tokens=80) as c:
             short = list(range(5))
             a = Reply()
             task_a = asyncio.ensure_future(collect(c.stub.Generate(make_request(short, 60, rid="A"), timeout=20), a))
             await wait_until(lambda: _true(len(a.tokens) > 0))
-            long_prompt = [(7 * i + 3) % VOCAB for i in range(100)]
+            long_prompt = [(7 * i + 3) % VOCAB for i in range(200)]
             b = await generate(c, long_prompt, 5, rid="B")
             await task_a
             assert a.tokens == standin_generate(short, 60, vocab=VOCAB)[0]
@@ -109,11 +109,11 @@ def test_long_prompt_is_chunked_while_other_streams_decode_every_round():
             chunks = []
             for rl in c.ranks[0].rounds:
                 rows = {rid: (start, n, sampled) for rid, start, n, sampled in rl.seqs}
-                if "B" in rows and rows["B"][0] < 100:  # a prefill round of B
+                if "B" in rows and rows["B"][0] < 200:  # a prefill round of B
                     chunks.append(rows["B"])
                     assert "A" in rows and rows["A"][1:] == (1, True), "A must decode in every round"
-            assert sum(n for _, n, _ in chunks) == 100 and len(chunks) >= 7
-            assert all(n <= 15 for _, n, _ in chunks)  # budget 16 minus A's decode row
+            # budget 80 minus A's decode row leaves 79: every chunk but the last ends on the 64-token KDA grid
+            assert [(s, n) for s, n, _ in chunks] == [(0, 64), (64, 64), (128, 72)]
             assert [s for s, _, _ in chunks] == [sum(n for _, n, _ in chunks[:i]) for i in range(len(chunks))]
             assert [smp for _, _, smp in chunks] == [False] * (len(chunks) - 1) + [True]
             assert any(e.HasField("progress") and e.progress.phase == generate_pb2.PHASE_PREFILLING

@@ -57,11 +57,14 @@ def test_plan_round_decodes_first_then_prefill_fcfs_under_budget():
     p_bg = _req("pbg", 30, order=2, priority=BG)
     p1 = _req("p1", 30, order=3, cached=10)
     p2 = _req("p2", 5, order=4)
-    seqs = plan_round([p_bg, p2, d2, p1, d1], budget=26)
-    got = [(s.req.id, s.start, len(s.token_ids), s.sample) for s in seqs]
-    assert got == [("d1", 4, 1, True), ("d2", 5, 1, True), ("p1", 10, 20, True), ("p2", 0, 4, False)]
+    seqs = plan_round([p_bg, p2, d2, p1, d1], budget=27)
+    got = [(s.req.id, s.start, len(s.token_ids), s.sample, s.prompt) for s in seqs]
+    assert got == [("d1", 4, 1, True, False), ("d2", 5, 1, True, False), ("p1", 10, 20, True, True),
+                   ("p2", 0, 5, True, True)]
     assert seqs[0].token_ids == [500] and seqs[1].token_ids == [501]  # the last sampled token is fed back
     assert seqs[2].token_ids == list(range(11, 31))
+    # 4 tokens left for p2's 5-token prompt: a chunk would end off the 64 grid, so p2 waits.
+    assert [s.req.id for s in plan_round([p_bg, p2, d2, p1, d1], budget=26)] == ["d1", "d2", "p1"]
     # Budget below the decoders: the least recently served go first.
     d1.last_round, d2.last_round = 5, 4
     assert [s.req.id for s in plan_round([d1, d2], budget=1)] == ["d1"]  # normal before background
@@ -70,20 +73,33 @@ def test_plan_round_decodes_first_then_prefill_fcfs_under_budget():
     assert [s.req.id for s in plan_round([d1, d3], budget=1)] == ["d3"]
 
 
+def test_prompt_chunks_end_on_the_kda_grid():
+    long = _req("long", 300, order=0, cached=64)
+    seqs = plan_round([long], budget=150)  # reaches 214: cut at 192, the last multiple of 64
+    assert [(s.start, len(s.token_ids), s.sample) for s in seqs] == [(64, 128, False)]
+    assert plan_round([long], budget=60) == []  # cannot reach 128: waits rather than leave the grid
+    long.snap_points = [(128, True)]  # a snapshot point (a multiple of 64) stops the chunk first
+    assert [(s.start, len(s.token_ids)) for s in plan_round([long], budget=150)] == [(64, 64)]
+    # drafts leave a whole grid chunk for a waiting prompt
+    d = _req("d", 4, order=1, cached=4, generated=1)
+    seqs = plan_round([d, long], budget=100, drafts={"d": list(range(90))})
+    assert [(s.req.id, len(s.token_ids)) for s in seqs] == [("d", 36), ("long", 64)]
+
+
 def test_step_plan_packing():
     pool = BlockPool(num_blocks=40, block_size=4, num_slots=4)
     d = _req("d", 6, order=0, cached=6, generated=1, seed=2**64 - 1)
-    p = _req("p", 10, order=1)
+    p = _req("p", 7, order=1)
     d.reservation, p.reservation = pool.reserve(d.reserve_tokens), pool.reserve(p.reserve_tokens)
     plan = build_step_plan(plan_round([p, d], budget=8), block_size=4)
     assert from_proto(plan.token_ids).tolist() == [500, 1, 2, 3, 4, 5, 6, 7]
     assert from_proto(plan.starts).tolist() == [6, 0] and from_proto(plan.lengths).tolist() == [1, 7]
-    assert from_proto(plan.slots).tolist() == [0, 1]
+    assert from_proto(plan.slots).tolist() == [0, 1] and from_proto(plan.prompt).tolist() == [0, 1]
     tables = from_proto(plan.block_tables)
     assert tables.shape == (2, 2) and tables.tolist() == [d.reservation.blocks[:2], p.reservation.blocks[:2]]
-    assert from_proto(plan.sample_rows).tolist() == [0]  # p's chunk does not finish its prompt
-    assert from_proto(plan.seed).tolist() == [-1]  # u64 bits carried as int64
-    assert from_proto(plan.top_k).tolist() == [7] and list(plan.request_ids) == ["d", "p"]
+    assert from_proto(plan.sample_rows).tolist() == [0, 7]  # d's decode row and the end of p's prompt
+    assert from_proto(plan.seed).tolist() == [-1, 1]  # u64 bits carried as int64
+    assert from_proto(plan.top_k).tolist() == [7, 7] and list(plan.request_ids) == ["d", "p"]
     seal(plan)
     assert verify(plan) and plan.checksum == plan_checksum(plan)
     plan.round += 1

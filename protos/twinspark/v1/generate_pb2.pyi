@@ -48,7 +48,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "priority", "no_draft", "trace_context")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "priority", "no_draft", "trace_context", "grammar", "logprobs", "top_logprobs", "seed_offset")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,10 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     NO_DRAFT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEED_OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _tensor_pb2.Tensor
     sampling: Sampling
@@ -74,7 +78,11 @@ class GenerateRequest(_message.Message):
     priority: Priority
     no_draft: bool
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., no_draft: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    grammar: str
+    logprobs: bool
+    top_logprobs: int
+    seed_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., no_draft: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., seed_offset: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("progress", "tokens", "finished")
@@ -95,10 +103,16 @@ class Progress(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., prefilled: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "logprobs", "top_ids", "top_logprobs")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ids: _tensor_pb2.Tensor
-    def __init__(self, ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    logprobs: _tensor_pb2.Tensor
+    top_ids: _tensor_pb2.Tensor
+    top_logprobs: _tensor_pb2.Tensor
+    def __init__(self, ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "prompt_tokens", "completion_tokens", "cached_tokens", "stop_token_id", "error", "queue_s", "prefill_s", "decode_s", "drafted_tokens", "accepted_tokens")

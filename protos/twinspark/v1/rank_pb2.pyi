@@ -47,7 +47,7 @@ class DescribeReply(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., fingerprint: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden", "trace_context")
+    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden", "trace_context", "mask_index", "bitmask", "logprobs_k", "prompt")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,10 @@ class StepPlan(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     WANT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MASK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BITMASK_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_K_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _tensor_pb2.Tensor
     starts: _tensor_pb2.Tensor
@@ -91,10 +95,14 @@ class StepPlan(_message.Message):
     verify: _tensor_pb2.Tensor
     want_hidden: bool
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    mask_index: _tensor_pb2.Tensor
+    bitmask: _tensor_pb2.Tensor
+    logprobs_k: _tensor_pb2.Tensor
+    prompt: _tensor_pb2.Tensor
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., mask_index: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bitmask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden")
+    __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden", "logprobs", "top_ids", "top_logprobs")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +111,9 @@ class StepResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     round: int
     rank: int
     sampled: _tensor_pb2.Tensor
@@ -111,4 +122,7 @@ class StepResult(_message.Message):
     error: str
     accepted: _tensor_pb2.Tensor
     hidden: _tensor_pb2.Tensor
-    def __init__(self, round: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., error: _Optional[str] = ..., accepted: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    logprobs: _tensor_pb2.Tensor
+    top_ids: _tensor_pb2.Tensor
+    top_logprobs: _tensor_pb2.Tensor
+    def __init__(self, round: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., error: _Optional[str] = ..., accepted: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...

@@ -26,6 +26,10 @@ class Batch:
     # sequence runs every row with one-row-decode arithmetic, the KDA layers keep each row's state, and nothing is
     # committed to its slot until `PagedCache`'s owner calls `commit_verify` with how many rows were accepted.
     verify: list[bool] | None = None
+    # Per sequence: True = its rows are prompt tokens (a prefill chunk, prefill arithmetic); False = generated rows (a
+    # decode step or a verify window). None: a sequence with several rows and no verify flag is a prompt chunk.
+    # The GPU fast path needs the decode-class sequences first (`class_order` / `permuted`); the CPU path does not.
+    prompt: list[bool] | None = None
     _positions: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -37,9 +41,46 @@ class Batch:
             raise ValueError("every sequence needs at least one new row and a non-negative start")
         if self.verify is not None and len(self.verify) != len(self.lengths):
             raise ValueError("verify must have one entry per sequence")
+        if self.prompt is not None and len(self.prompt) != len(self.lengths):
+            raise ValueError("prompt must have one entry per sequence")
+        if any(self.is_verify(s) and self.is_prompt(s) for s in range(self.num_seqs)):
+            raise ValueError("a verify window cannot be a prompt chunk")
 
     def is_verify(self, s: int) -> bool:
         return bool(self.verify[s]) if self.verify is not None else False
+
+    def is_prompt(self, s: int) -> bool:
+        if self.prompt is not None:
+            return bool(self.prompt[s])
+        return self.lengths[s] > 1 and not self.is_verify(s)
+
+    def class_order(self) -> list[int]:
+        """Sequence order with the decode-class ones (decode steps, verify windows) first, each group stable."""
+        seqs = range(self.num_seqs)
+        return [s for s in seqs if not self.is_prompt(s)] + [s for s in seqs if self.is_prompt(s)]
+
+    @property
+    def decode_rows(self) -> int:
+        """Rows of the decode-class sequences, which must come first (`class_order`)."""
+        n = sum(length for s, length in enumerate(self.lengths) if not self.is_prompt(s))
+        if self.class_order() != list(range(self.num_seqs)):
+            raise ValueError("decode-class sequences must come before prompt chunks (Batch.permuted)")
+        return n
+
+    def permuted(self, order: list[int]) -> tuple["Batch", torch.Tensor]:
+        """The same batch with its sequences in `order`, and old packed row -> new packed row ([T] int64)."""
+        offsets = self.offsets
+        rows = torch.cat([torch.arange(offsets[s], offsets[s] + self.lengths[s]) for s in order])
+        row_map = torch.empty_like(rows)
+        row_map[rows] = torch.arange(rows.numel())
+        dev = self.token_ids.device
+        pick = lambda xs: None if xs is None else [xs[s] for s in order]  # noqa: E731
+        batch = Batch(token_ids=self.token_ids[rows.to(dev)], starts=pick(self.starts), lengths=pick(self.lengths),
+                      block_tables=self.block_tables[torch.tensor(order, device=self.block_tables.device)],
+                      slots=pick(self.slots), logit_rows=row_map.to(self.logit_rows.device)[self.logit_rows],
+                      hidden=None if self.hidden is None else self.hidden[rows.to(self.hidden.device)],
+                      verify=pick(self.verify), prompt=[self.is_prompt(s) for s in order])
+        return batch, row_map
 
     @property
     def num_seqs(self) -> int:
@@ -75,4 +116,4 @@ class Batch:
         rows = torch.arange(n) if all_logits else torch.tensor([n - 1])
         return cls(token_ids=torch.tensor(token_ids, dtype=torch.long, device=device), starts=[start], lengths=[n],
                    block_tables=torch.tensor([block_table], dtype=torch.long, device=device), slots=[slot],
-                   logit_rows=rows.to(device))
+                   logit_rows=rows)  # host indices: the GPU path splits them by row class without a sync

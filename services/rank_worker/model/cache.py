@@ -4,6 +4,10 @@
   sequence's block table; full-indexer layers also keep each position's indexer key and k-pool gate score. Both are
   per-position rows (`RowStore`), stored in the compute dtype or, with `kv_dtype` fp8, as e4m3 + a per-row scale.
 - KDA layers: one recurrent state (local heads x dk x dv, fp32) and one short-conv history (K-1 inputs) per slot.
+- Full-indexer layers also keep one compressed key per complete k-pool (`pooled`, block_size / kpool rows per
+  block), written by the GPU path when a pool's last position is written (kernels/gpu/mla.py says why).
+- One scratch block and one scratch slot past the ones the scheduler owns (`scratch_block`, `scratch_slot`): the
+  padding rows of a CUDA-graph replay read and write there, so they can never touch a live sequence.
 The scheduler decides which blocks and slots a sequence uses; this class only stores and moves rows.
 """
 
@@ -23,20 +27,26 @@ class PagedCache:
                  kv_dtype: torch.dtype | None = None) -> None:
         """kv_dtype: storage of the latent and indexer rows (None = `dtype`; torch.float8_e4m3fn = fp8 + scale)."""
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # what the scheduler may address; the stores hold one scratch block more
         self.num_slots = num_slots
+        self.scratch_block = num_blocks
+        self.scratch_slot = num_slots
         mla = cfg.mla_layers + ([cfg.mtp_layer_index] if with_mtp and cfg.num_nextn_predict_layers else [])
         full = [i for i in cfg.mla_layers if cfg.indexer_types[i] == "full"] + mla[len(cfg.mla_layers):]
-        rows = dict(num_blocks=num_blocks, block_size=block_size, dtype=dtype, stored=kv_dtype, device=device)
+        rows = dict(num_blocks=num_blocks + 1, block_size=block_size, dtype=dtype, stored=kv_dtype, device=device)
         self.latent = {i: RowStore(width=cfg.kv_lora_rank, **rows) for i in mla}
         # The indexer rows are per position like the latent (key and gate score of each token), so they are KV
         # too: a third of an MLA layer's bytes per token at the release widths (2 x 128 next to 512).
         self.index_keys = {i: RowStore(width=2 * cfg.index_head_dim, **rows) for i in full}
+        self.kpool = cfg.index_kpool
+        self.pooled = ({i: torch.zeros(num_blocks + 1, block_size // cfg.index_kpool, cfg.index_head_dim, dtype=dtype,
+                                       device=device) for i in full}
+                       if block_size % cfg.index_kpool == 0 else {})
         heads = cfg.linear_num_heads * len(sharding.local) // sharding.virtual
         channels = 3 * heads * cfg.linear_head_dim
-        self.kda_state = {i: torch.zeros(num_slots, heads, cfg.linear_head_dim, cfg.linear_head_dim,
+        self.kda_state = {i: torch.zeros(num_slots + 1, heads, cfg.linear_head_dim, cfg.linear_head_dim,
                                          dtype=torch.float32, device=device) for i in cfg.kda_layers}
-        self.conv_state = {i: torch.zeros(num_slots, cfg.linear_conv_kernel_dim - 1, channels, dtype=dtype,
+        self.conv_state = {i: torch.zeros(num_slots + 1, cfg.linear_conv_kernel_dim - 1, channels, dtype=dtype,
                                           device=device) for i in cfg.kda_layers}
         # KDA layer -> per-row states of the verify windows of the forward just run, until the layer's commit.
         self.pending: dict[int, tuple] = {}

@@ -1,4 +1,7 @@
-"""One text layer: mHC around (attention, then FFN), with row-parallel results reduced over the TP group."""
+"""One text layer: mHC around (attention, then FFN), with row-parallel results reduced over the TP group.
+
+`forward` is the torch reference (the CPU path); `forward_gpu` runs the same layer through the fused kernels of
+kernels/gpu over a `GpuRows` description of the batch (rows ordered decode-class first)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ from kernels.norms import rms_norm
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
 from services.rank_worker.model.config import KDA, ModelConfig
-from services.rank_worker.model.ffn import build_ffn
+from services.rank_worker.model.ffn import Moe, build_ffn
+from services.rank_worker.model.gpu_rows import GpuRows
 from services.rank_worker.model.kda_attention import KdaAttention
 from services.rank_worker.model.mla_attention import MlaAttention, Selections
 from services.rank_worker.model.parallel import Collective
@@ -25,6 +29,13 @@ class HyperConnection:
 
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return mhc.hc_weights(streams, self.fn, self.base, self.scale, **self.kw)
+
+    def pre_gpu(self, streams: torch.Tensor, norm: torch.Tensor, rms_eps: float, decode_rows: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block input normed by `norm`, post, comb) in two launches (kernels/gpu/mhc.py)."""
+        from kernels.gpu import mhc as gpu_mhc
+        return gpu_mhc.pre(streams, self.fn, self.base, self.scale, norm, rms_eps=rms_eps, decode_rows=decode_rows,
+                           **self.kw)
 
 
 class DecoderLayer:
@@ -52,3 +63,18 @@ class DecoderLayer:
         pre, post, comb = self.ffn_hc.weights(streams)
         h = rms_norm(mhc.collapse(streams, pre), self.ffn_norm, self.eps)
         return mhc.expand(coll.sum_partials(self.ffn.forward(h)).to(streams.dtype), streams, post, comb)
+
+    def forward_gpu(self, streams: torch.Tensor, batch: Batch, rows: GpuRows, cache: PagedCache,
+                    selections: Selections, coll: Collective) -> torch.Tensor:
+        from kernels.gpu import mhc as gpu_mhc
+        d = rows.decode_rows
+        h, post, comb = self.attn_hc.pre_gpu(streams, self.attn_norm, self.eps, d)
+        if self.is_kda:
+            parts = self.attn.forward_gpu(h, batch, rows, cache)
+        else:
+            parts = self.attn.forward_gpu(h, rows, cache, selections)
+        streams = gpu_mhc.post(coll.gather_partials(parts), streams, post, comb)
+
+        h, post, comb = self.ffn_hc.pre_gpu(streams, self.ffn_norm, self.eps, d)
+        parts = self.ffn.forward_gpu(h, d, rows.n_real) if isinstance(self.ffn, Moe) else self.ffn.forward_gpu(h, d)
+        return gpu_mhc.post(coll.gather_partials(parts), streams, post, comb)

@@ -4,6 +4,10 @@ Replicated: q_a_proj + norm (the query latent), kv_a_proj + norm (the cached key
 shared by all heads) and the indexer. Split by heads over virtual shards: q_b_proj, kv_b_proj (folded into the query
 and the output, see kernels/mla.py) and o_proj (row-parallel partials). A "full" layer runs its indexer and leaves
 its per-sequence selection in `selections`; a "shared" layer reuses the nearest earlier full layer's selection.
+
+The projections that read the layer input (q_a, kv_a and the indexer's wk, k-pool gate and head weights) live in
+one tensor, so the GPU path reads it with one GEMM; the CPU twin reads views of it. The GPU path
+(`forward_gpu`) selects pools and attends with kernels/gpu/mla.py over every row at once.
 """
 
 from __future__ import annotations
@@ -17,22 +21,27 @@ from kernels.norms import layer_norm, rms_norm
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
 from services.rank_worker.model.config import ModelConfig
+from services.rank_worker.model.gpu_rows import GpuRows
 from services.rank_worker.model.weights import WeightReader
 
 QUERY_BLOCK = 1024
-Selections = dict[int, list[torch.Tensor]]  # full-indexer layer -> per-sequence [n, context] bool masks
+# full-indexer layer -> its selection: per-sequence [n, context] bool masks (CPU path), or (pools [T, W] int32
+# ascending, count [T] int32) per row (GPU path)
+Selections = dict[int, list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]]
 
 
 class Indexer:
-    def __init__(self, cfg: ModelConfig, reader: WeightReader, prefix: str) -> None:
+    # the indexer's part of the layer's fused input projection, in this order
+    X_PROJ = ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight")
+
+    def __init__(self, cfg: ModelConfig, reader: WeightReader, prefix: str, x_proj: list[torch.Tensor]) -> None:
+        """x_proj: views of wk, the k-pool gate and weights_proj inside the layer's fused input projection."""
         p = prefix + "self_attn.indexer."
         self.wq_b = reader.full(p + "wq_b.weight")
-        self.wk = reader.full(p + "wk.weight")
+        self.wk, self.gate, self.weights_proj = x_proj
         self.k_norm_w = reader.full(p + "k_norm.weight")
         self.k_norm_b = reader.full(p + "k_norm.bias")
-        self.weights_proj = reader.full(p + "weights_proj.weight")
         self.ape = reader.full(p + "index_kpool_compress_ape")
-        self.gate = reader.full(p + "index_kpool_compress_gate")
         self.heads = cfg.index_n_heads
         self.dim = cfg.index_head_dim
         self.kpool = cfg.index_kpool
@@ -66,6 +75,34 @@ class Indexer:
         return masks
 
 
+    def select_gpu(self, x_parts: list[torch.Tensor], q_resid: torch.Tensor, rows: GpuRows, cache: PagedCache,
+                   layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPU: write this batch's index rows and completed pool keys, then each row's selected pools.
+        x_parts: the layer input through wk, the k-pool gate and weights_proj (from the fused projection)."""
+        from kernels.gpu import gemm
+        from kernels.gpu import mla as gpu_mla
+        from kernels.gpu import norms as gpu_norms
+        if not self.tail:  # the GPU attention kernel always appends the tail pool, as every GLM release does
+            raise NotImplementedError("the GPU path needs index_kpool_always_select_tail")
+        wk_out, gate_out, w_out = x_parts
+        store = cache.index_keys[layer]
+        blocks, offsets = rows.addresses()
+        key = gpu_norms.layer_norm(wk_out, self.k_norm_w, self.k_norm_b, 1e-6)
+        store.write(blocks, offsets, torch.cat([key, gate_out], dim=-1))
+        pooled = cache.pooled[layer]
+        gpu_mla.write_pools(store.data, store.scale, pooled, self.ape, rows.tables, rows.positions, rows.row_seq,
+                            self.kpool)
+        keep = self.topk // self.kpool
+        if rows.max_pools <= keep:  # every row sees at most `keep` pools: it takes them all, no scores needed
+            return gpu_mla.select_pools(None, rows.positions, self.kpool, keep, rows.max_pools)
+        t = q_resid.shape[0]
+        q = gemm.matmul(q_resid, self.wq_b, rows.decode_rows).view(t, self.heads, self.dim)
+        w = w_out.float() * (self.heads ** -0.5)
+        scores = gpu_mla.index_scores(q, w, pooled, rows.tables, rows.positions, rows.row_seq, self.kpool,
+                                      rows.max_pools)
+        return gpu_mla.select_pools(scores, rows.positions, self.kpool, keep, rows.max_pools)
+
+
 class MlaAttention:
     def __init__(self, cfg: ModelConfig, reader: WeightReader, prefix: str, layer: int, full_indexer: bool,
                  shares_with: int | None) -> None:
@@ -75,10 +112,15 @@ class MlaAttention:
         self.dn, self.dv, self.r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.scale = cfg.qk_nope_head_dim ** -0.5
         p = prefix + "self_attn."
-        self.q_a = reader.full(p + "q_a_proj.weight")
+        parts = [reader.full(p + "q_a_proj.weight"), reader.full(p + "kv_a_proj_with_mqa.weight")]
+        if full_indexer:
+            parts += [reader.full(p + "indexer." + n) for n in Indexer.X_PROJ]
+        self.x_proj = torch.cat(parts)
+        self.x_split = [w.shape[0] for w in parts]
+        views = list(self.x_proj.split(self.x_split))
+        self.q_a, self.kv_a = views[:2]
         self.q_a_norm = reader.full(p + "q_a_layernorm.weight")
         self.q_b = reader.split(p + "q_b_proj.weight", 0)
-        self.kv_a = reader.full(p + "kv_a_proj_with_mqa.weight")
         self.kv_a_norm = reader.full(p + "kv_a_layernorm.weight")
         kv_b = reader.split(p + "kv_b_proj.weight", 0)
         self.heads = kv_b[0].shape[0] // (self.dn + self.dv)  # heads per virtual shard
@@ -87,7 +129,7 @@ class MlaAttention:
         self.w_uk = [w[:, : self.dn] for w in per_head]
         self.w_uv = [w[:, self.dn :] for w in per_head]
         self.o_w = reader.split(p + "o_proj.weight", 1)
-        self.indexer = Indexer(cfg, reader, prefix) if full_indexer else None
+        self.indexer = Indexer(cfg, reader, prefix, views[2:]) if full_indexer else None
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: PagedCache, selections: Selections) -> list[torch.Tensor]:
         q_resid = rms_norm(linear(x, self.q_a), self.q_a_norm, self.eps)
@@ -120,4 +162,31 @@ class MlaAttention:
                     o_lat = latent_attention(q_lat, latents[s], masks[s][b : b + QUERY_BLOCK], self.scale)
                     out[rows] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[j].float()).to(x.dtype)
             partials.append(linear_fp32(out.reshape(x.shape[0], -1), self.o_w[j]))
+        return partials
+
+    def forward_gpu(self, x: torch.Tensor, rows: GpuRows, cache: PagedCache, selections: Selections
+                    ) -> list[torch.Tensor]:
+        from kernels.gpu import gemm
+        from kernels.gpu import mla as gpu_mla
+        from kernels.gpu import norms as gpu_norms
+        d, t = rows.decode_rows, x.shape[0]
+        parts = gemm.matmul(x, self.x_proj, d).split(self.x_split, dim=-1)
+        q_resid = gpu_norms.rms_norm(parts[0], self.q_a_norm, self.eps)
+        latent = cache.latent[self.layer]
+        blocks, offsets = rows.addresses()
+        latent.write(blocks, offsets, gpu_norms.rms_norm(parts[1], self.kv_a_norm, self.eps))
+        if self.indexer is not None:
+            selections[self.layer] = self.indexer.select_gpu(list(parts[2:]), q_resid, rows, cache, self.layer)
+        sel, count = selections[self.shares_with if self.indexer is None else self.layer]
+        kpool = cache.kpool
+        max_positions = min(sel.shape[1], rows.max_pools) * kpool + kpool
+        partials = []
+        for j, q_b in enumerate(self.q_b):
+            q = gemm.matmul(q_resid, q_b, d).view(t, self.heads, self.dn)
+            q_lat = gemm.bmm(q.transpose(0, 1), self.w_uk[j].transpose(1, 2), d)  # [heads, T, r]
+            o_lat = torch.empty(t, self.heads, self.r, dtype=x.dtype, device=x.device)
+            gpu_mla.sparse_attention(q_lat.transpose(0, 1), latent.data, latent.scale, rows.tables, rows.positions,
+                                     rows.row_seq, sel, count, kpool, self.scale, o_lat, d, max_positions)
+            out = gemm.bmm(o_lat.transpose(0, 1), self.w_uv[j], d)  # [heads, T, dv]
+            partials.append(gemm.matmul(out.transpose(0, 1).reshape(t, -1), self.o_w[j], d, torch.float32))
         return partials

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch
 
+from kernels import gpu
 from kernels.linear import linear_fp32, pad_rows
 from kernels.norms import rms_norm
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
 from services.rank_worker.model.config import ModelConfig
+from services.rank_worker.model import gpu_rows
 from services.rank_worker.model.decoder_layer import DecoderLayer
 from services.rank_worker.model.mla_attention import Selections
 from services.rank_worker.model.mtp import MtpBlock
@@ -75,6 +77,11 @@ class Glm5Model:
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: PagedCache) -> ForwardOutput:
+        """Logits of batch.logit_rows and the final hidden state of every row: the fused GPU path on CUDA (it
+        needs the decode-class sequences first, see Batch.permuted), the torch reference elsewhere."""
+        if gpu.active(self.embed):
+            return self.forward_gpu(batch, cache, gpu_rows.build(batch, kpool=self.cfg.index_kpool,
+                                                                  block_size=cache.block_size))
         # Batch-wide tensors carry a multiple of ROW_TILE rows (zero-token padding rows that belong to no sequence)
         # so every row sees the same elementwise code paths whatever the batch size (kernels/linear.py).
         x = self.embed[pad_rows(batch.token_ids)]
@@ -84,6 +91,40 @@ class Glm5Model:
             streams = layer.forward(streams, batch, cache, selections, self.coll)
         hidden = rms_norm(streams.mean(dim=1), self.norm, self.cfg.rms_norm_eps)
         return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden[: batch.token_ids.numel()])
+
+    @torch.inference_mode()
+    def forward_gpu(self, batch: Batch, cache: PagedCache, rows: gpu_rows.GpuRows) -> ForwardOutput:
+        """The fused-kernel forward (no host sync inside; a CUDA graph captures it for decode batches)."""
+        from kernels.gpu import norms as gpu_norms
+        streams = self.embed[batch.token_ids].unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        selections: Selections = {}
+        for layer in self.layers:
+            streams = layer.forward_gpu(streams, batch, rows, cache, selections, self.coll)
+        # The streams' mean as elementwise adds in stream order (a torch mean reduces in a shape-chosen order).
+        total = streams[:, 0].float()
+        for i in range(1, streams.shape[1]):
+            total = total + streams[:, i].float()
+        hidden = gpu_norms.rms_norm((total / streams.shape[1]).to(streams.dtype), self.norm, self.cfg.rms_norm_eps)
+        return ForwardOutput(self._logits_gpu(hidden, batch.logit_rows, rows.decode_rows), hidden[: rows.n_rows])
+
+    def _logits_gpu(self, hidden: torch.Tensor, logit_rows: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        """lm_head over the wanted rows, decode-class rows with the decode schedule and prompt rows with theirs,
+        returned in logit_rows' order."""
+        from kernels.gpu import gemm
+        wanted = logit_rows.cpu()  # host indices (the executor builds them on the host: no sync there)
+        if torch.equal(wanted, torch.arange(hidden.shape[0])):  # every row, in order (a decode graph's batch)
+            return self.coll.gather_columns([gemm.matmul(hidden, w, decode_rows, torch.float32)
+                                             for w in self.lm_head])
+        decode = wanted < decode_rows
+        order = torch.sort((~decode).to(torch.int8), stable=True).indices
+        picked = hidden[wanted[order].to(hidden.device)]
+        n_decode = int(decode.sum())
+        logits = self.coll.gather_columns([gemm.matmul(picked, w, n_decode, torch.float32) for w in self.lm_head])
+        if torch.equal(order, torch.arange(order.numel())):
+            return logits
+        out = torch.empty_like(logits)
+        out[order.to(logits.device)] = logits
+        return out
 
     @torch.inference_mode()
     def commit_verify(self, batch: Batch, cache: PagedCache, accepted: dict[int, int]) -> None:

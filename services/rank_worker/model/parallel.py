@@ -50,13 +50,18 @@ class Collective:
         self.sharding = sharding
         self.group = group
 
-    def sum_partials(self, partials: list[torch.Tensor]) -> torch.Tensor:
-        """Sum of every virtual shard's partial result, in virtual-shard order, identical on every rank."""
+    def gather_partials(self, partials: list[torch.Tensor]) -> torch.Tensor:
+        """Every virtual shard's partial result, stacked in virtual-shard order ([S, ...] fp32), on every rank."""
         local = torch.stack([p.float() for p in partials])
         if self.sharding.world > 1:
             gathered = [torch.empty_like(local) for _ in range(self.sharding.world)]
             dist.all_gather(gathered, local.contiguous(), group=self.group)
             local = torch.cat(gathered)
+        return local
+
+    def sum_partials(self, partials: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of every virtual shard's partial result, in virtual-shard order, identical on every rank."""
+        local = self.gather_partials(partials)
         acc = local[0].clone()
         for part in local[1:]:
             acc += part

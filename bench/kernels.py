@@ -1,0 +1,361 @@
+"""Per-kernel speed and exactness of the Triton fast paths (kernels/gpu) at real GLM-5.3-Flash shapes, on a GPU.
+
+For every hot kernel: time (CUDA events via triton.testing.do_bench, L2 flushed between calls) against the
+bandwidth or matmul ceiling measured in the same run, and against the torch / cuBLAS op it replaces; then the
+exactness checks that only real shapes expose: a row alone vs packed with up to 2,048 other rows, bit for bit.
+Also a probe of fla-core's `chunk_kda` (prefill candidate): chunk-boundary and batch invariance, and parity with
+the torch twin.
+
+    python -m bench.kernels --out $OUT            # on a GPU; writes kernels-<date>.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+from bench import roofline
+
+BF16 = torch.bfloat16
+D, E, TOPK, MOE_I = 4096, 288, 8, 2048
+# (name, N, K) of the dense weights a decode step reads (fused where the fast path fuses them)
+GEMMS = [("kda q|k|v", 3 * 8192, D), ("kda o_proj", D, 8192), ("mla q_a|kv_a", 1536 + 512, D),
+         ("mla q_b", 16384, 1536), ("mla o_proj", D, 16384), ("dense gate|up", 2 * 12288, D),
+         ("dense down", D, 12288), ("lm_head", 154880, D), ("kda f_b", 8192, 128)]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def bench_ms(fn, reps: int = 50) -> float:
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=5, rep=reps, return_mode="median"))
+
+
+def gemm_rows(bw: float, mm: float) -> list[dict]:
+    from kernels.gpu import gemm
+    rows = []
+    for name, n, k in GEMMS:
+        w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+        for m in (1, 8, 64, 8192):
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            decode = m <= 64
+            ours = bench_ms(lambda: gemm.matmul(x, w, m if decode else 0))
+            peer = bench_ms(lambda: F.linear(x, w))
+            wbytes = n * k * 2
+            flops = 2 * m * n * k
+            ideal = max(wbytes / bw, flops / mm) * 1e3
+            tile = gemm.schedule(n, k, gemm.RowClass.DECODE if decode else gemm.RowClass.PREFILL)
+            rows.append(dict(kernel="gemm", name=name, m=m, n=n, k=k, ms=ours, cublas_ms=peer,
+                             roofline=ideal / ours, vs_cublas=peer / ours, tile=tile.__dict__))
+            log(f"gemm {name:14s} m={m:5d}: {ours * 1e3:8.1f} us (cuBLAS {peer * 1e3:8.1f} us) "
+                f"{ideal / ours:6.1%} of roofline, split {tile.split_k}")
+        del w
+    return rows
+
+
+def gemm_sweep(bw: float, mm: float) -> list[dict]:
+    """Candidate tiles per row class on three shapes, to choose `gemm.schedule`'s constants by measurement."""
+    import itertools
+
+    import triton
+
+    from kernels.gpu import gemm
+    rows = []
+    for name, n, k in (GEMMS[1], GEMMS[6], GEMMS[0]):
+        w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+        for m, cands in ((1, itertools.product((16, 64), (32, 64, 128), (64, 128, 256), (3, 5))),
+                         (8192, itertools.product((64, 128), (128, 256), (64,), (3, 4)))):
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            out = torch.empty(1, m, n, device="cuda", dtype=BF16)
+            for bm, bn, bk, st in cands:
+                split = 1
+                while m == 1 and triton.cdiv(n, bn) * split < 256 and k % (2 * split * bk) == 0 \
+                        and k // (2 * split) >= 4 * bk:
+                    split *= 2
+                for warps in ((4,) if m == 1 else (4, 8)):
+                    tile = gemm.Tile(bm, bn, bk, split, warps, st)
+                    try:
+                        ms = bench_ms(lambda: gemm._launch(x.unsqueeze(0), w.unsqueeze(0), out, tile), reps=20)
+                    except Exception as exc:  # e.g. out of shared memory
+                        log(f"sweep {name} m={m} {tile}: {type(exc).__name__}")
+                        continue
+                    ideal = max(n * k * 2 / bw, 2 * m * n * k / mm) * 1e3
+                    rows.append(dict(kernel="gemm sweep", name=name, m=m, tile=tile.__dict__, ms=ms,
+                                     roofline=ideal / ms))
+            best = sorted((r for r in rows if r["name"] == name and r["m"] == m), key=lambda r: r["ms"])[:3]
+            for r in best:
+                log(f"sweep best {name} m={m}: {r['ms'] * 1e3:8.1f} us {r['roofline']:6.1%} {r['tile']}")
+    return rows
+
+
+def gemm_invariance() -> list[dict]:
+    from kernels.gpu import gemm
+    out = []
+    for name, n, k in GEMMS[:2] + GEMMS[7:8]:
+        w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+        crowd = torch.randn(2048, k, device="cuda", dtype=BF16)
+        for cls, rows in (("decode", 1 << 30), ("prefill", 0)):
+            alone = gemm.matmul(crowd[:1], w, rows, torch.float32)
+            worst = 0.0
+            for m in (2, 7, 64, 300, 2048):
+                got = gemm.matmul(crowd[:m], w, rows, torch.float32)[:1]
+                worst = max(worst, float((got - alone).abs().max()))
+            out.append(dict(check="gemm row alone vs 2..2048 rows", name=name, rows=cls, max_abs_diff=worst))
+            log(f"invariance gemm {name} ({cls}): max |diff| {worst}")
+    return out
+
+
+def moe_setup():
+    gate = torch.randn(E + 1, MOE_I, D, device="cuda", dtype=BF16) * 0.02
+    up = torch.randn(E + 1, MOE_I, D, device="cuda", dtype=BF16) * 0.02
+    down = torch.randn(E + 1, D, MOE_I, device="cuda", dtype=BF16) * 0.02
+    router = torch.randn(E, D, device="cuda", dtype=BF16) * 0.02
+    bias = torch.randn(E, device="cuda") * 0.01
+    return gate, up, down, router, bias
+
+
+def moe_run(x, weights, decode_rows):
+    from kernels.gpu import gemm, moe
+    gate, up, down, router, bias = weights
+    logits = gemm.matmul(x, router, decode_rows, torch.float32)
+    ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5, n_real=x.shape[0])
+    return moe.experts(x, ids, rw, gate, up, down, 10.0, decode_rows), ids
+
+
+def moe_rows(bw: float, mm: float, weights) -> list[dict]:
+    rows = []
+    for t in (1, 8, 64, 8192):
+        x = torch.randn(t, D, device="cuda", dtype=BF16)
+        decode = t <= 64
+        ms = bench_ms(lambda: moe_run(x, weights, t if decode else 0))
+        _, ids = moe_run(x, weights, t if decode else 0)
+        hit = int(torch.unique(ids[:, :TOPK]).numel()) + 1
+        wbytes = hit * 3 * MOE_I * D * 2
+        flops = 2 * t * (TOPK + 1) * 3 * MOE_I * D
+        ideal = max(wbytes / bw, flops / mm) * 1e3
+        rows.append(dict(kernel="moe", tokens=t, experts_touched=hit, ms=ms, roofline=ideal / ms))
+        log(f"moe t={t:5d}: {ms * 1e3:8.1f} us, {hit} experts touched, {ideal / ms:6.1%} of roofline")
+    return rows
+
+
+def moe_sweep(bw: float, mm: float, weights) -> list[dict]:
+    """Prompt-row tiles of the grouped MoE kernels at 8,192 tokens, to choose `moe_schedule`'s by measurement."""
+    from kernels.gpu import gemm, moe
+    gate, up, down, router, bias = weights
+    x = torch.randn(8192, D, device="cuda", dtype=BF16)
+    logits = gemm.matmul(x, router, 0, torch.float32)
+    ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5, n_real=8192)
+    flops = 2 * 8192 * (TOPK + 1) * 3 * MOE_I * D
+    rows = []
+    for tile in (moe.MoeTile(64, 128, 64, 4, 3), moe.MoeTile(128, 128, 64, 8, 3), moe.MoeTile(64, 256, 64, 8, 3),
+                 moe.MoeTile(128, 256, 64, 8, 3), moe.MoeTile(128, 128, 64, 4, 4), moe.MoeTile(64, 128, 128, 8, 3)):
+        out = torch.empty(8192, D, device="cuda")
+        try:
+            ms = bench_ms(lambda: moe._experts_one_class(x, ids, rw, gate, up, down, 10.0, tile, out), reps=20)
+        except Exception as exc:  # e.g. out of shared memory
+            log(f"moe sweep {tile}: {type(exc).__name__}")
+            continue
+        rows.append(dict(kernel="moe sweep", tile=tile.__dict__, ms=ms, roofline=flops / mm * 1e3 / ms))
+        log(f"moe sweep {tile}: {ms * 1e3:8.1f} us, {flops / mm * 1e3 / ms:6.1%} of the matmul roofline")
+    return rows
+
+
+def moe_invariance(weights) -> list[dict]:
+    out = []
+    crowd = torch.randn(2048, D, device="cuda", dtype=BF16)
+    for cls, rows in (("decode", 1 << 30), ("prefill", 0)):
+        alone = moe_run(crowd[:1], weights, rows)[0]
+        worst = 0.0
+        for m in (2, 9, 64, 700, 2048):
+            worst = max(worst, float((moe_run(crowd[:m], weights, rows)[0][:1] - alone).abs().max()))
+        out.append(dict(check="moe row alone vs 2..2048 rows", rows=cls, max_abs_diff=worst))
+        log(f"invariance moe ({cls}): max |diff| {worst}")
+    return out
+
+
+def kda_rows(bw: float) -> list[dict]:
+    from kernels.gpu import kda
+    h, dk = 64, 128
+    c = h * dk
+    rows = []
+    for b in (1, 64):
+        slots = b + 1
+        state = torch.randn(slots, h, dk, dk, device="cuda") * 0.1
+        conv = torch.randn(slots, 3, 3 * c, device="cuda", dtype=BF16)
+        seqs = kda.DecodeSeqs.build(list(range(b)), [1] * b, list(range(b)), [False] * b, [-1] * b, "cuda")
+        args = dict(mixed=torch.randn(b, 3 * c, device="cuda", dtype=BF16),
+                    conv_w=torch.randn(3 * c, 4, device="cuda"), conv_state=conv, chan_off=0,
+                    g_raw=torch.randn(b, c, device="cuda", dtype=BF16), dt_bias=torch.randn(c, device="cuda"),
+                    a_log=torch.randn(h, device="cuda"), lower_bound=-5.0,
+                    beta_raw=torch.randn(b, h, device="cuda", dtype=BF16), state=state, head_off=0,
+                    core=torch.empty(b, c, device="cuda", dtype=BF16))
+        gate, o_norm = torch.randn(b, c, device="cuda", dtype=BF16), torch.ones(dk, device="cuda", dtype=BF16)
+
+        def step():
+            kda.decode(seqs, **args)
+            kda.gated_norm(args["core"], gate, o_norm, 1e-5)
+        ms = bench_ms(step)
+        ideal = 2 * b * h * dk * dk * 4 / bw * 1e3
+        rows.append(dict(kernel="kda decode", batch=b, ms=ms, roofline=ideal / ms))
+        log(f"kda decode b={b}: {ms * 1e3:8.1f} us, {ideal / ms:6.1%} of the state-traffic roofline")
+    return rows
+
+
+def mla_rows(bw: float) -> list[dict]:
+    from kernels.gpu import mla
+    h, r, bs, kp = 64, 512, 16, 4
+    rows = []
+    for b, ctx in ((1, 512), (1, 4096), (64, 512), (1, 8192)):
+        t = b if ctx != 8192 or b != 1 else 8192  # last case: a whole 8k prompt's rows
+        blocks = -(-ctx // bs)
+        latent = torch.randn(b * blocks + 1, bs, r, device="cuda", dtype=BF16)
+        tables = torch.arange(b * blocks, device="cuda", dtype=torch.int32).view(b, blocks)
+        if t == b:
+            pos = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)
+            seq = torch.arange(b, device="cuda", dtype=torch.int32)
+        else:
+            pos = torch.arange(t, device="cuda", dtype=torch.int32)
+            seq = torch.zeros(t, device="cuda", dtype=torch.int32)
+        n_pools = ctx // kp
+        keep = 2048 // kp
+        scores = torch.randn(t, n_pools, device="cuda")
+        sel, count = mla.select_pools(scores if n_pools > keep else None, pos, kp, keep, n_pools)
+        q = torch.randn(t, h, r, device="cuda", dtype=BF16)
+        out = torch.empty(t, h, r, device="cuda", dtype=BF16)
+        decode_rows = t if t == b else 0
+        ms = bench_ms(lambda: mla.sparse_attention(q, latent, None, tables, pos, seq, sel, count, kp, 0.0625, out,
+                                                   decode_rows, keep * kp + kp))
+        attended = float(torch.minimum(pos.float() + 1, torch.full_like(pos.float(), 2048 + kp)).sum())
+        flops = attended * h * r * 2 * 2
+        rows.append(dict(kernel="sparse mla", rows=t, context=ctx, ms=ms, tflops=flops / ms / 1e9))
+        log(f"sparse mla rows={t} ctx={ctx}: {ms * 1e3:8.1f} us, {flops / ms / 1e9:7.1f} TFLOP/s")
+    return rows
+
+
+def mhc_rows() -> list[dict]:
+    from kernels.gpu import mhc
+    rows = []
+    fn = torch.randn(24, 4 * D, device="cuda", dtype=BF16) * 0.01
+    base, scale = torch.randn(24, device="cuda"), torch.ones(3, device="cuda")
+    nw = torch.ones(D, device="cuda", dtype=BF16)
+    for t in (1, 64, 8192):
+        s = torch.randn(t, 4, D, device="cuda", dtype=BF16)
+        ms_pre = bench_ms(lambda: mhc.pre(s, fn, base, scale, nw, eps=1e-6, norm_eps=1e-5, rms_eps=1e-5, iters=20,
+                                          decode_rows=t if t <= 64 else 0))
+        parts = torch.randn(1, t, D, device="cuda")
+        post, comb = torch.rand(t, 4, device="cuda"), torch.rand(t, 4, 4, device="cuda")
+        ms_post = bench_ms(lambda: mhc.post(parts, s, post, comb))
+        rows.append(dict(kernel="mhc", tokens=t, pre_ms=ms_pre, post_ms=ms_post))
+        log(f"mhc t={t}: pre {ms_pre * 1e3:7.1f} us, post {ms_post * 1e3:7.1f} us")
+    return rows
+
+
+def fla_probe() -> list[dict]:
+    """chunk_kda from fla-core: is it chunk-boundary invariant on the 64 grid, batch invariant, close to our twin?"""
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as exc:  # the device kit may be missing
+        return [dict(check="fla chunk_kda", error=repr(exc))]
+    from kernels import kda as ref
+    torch.manual_seed(0)
+    h, dk, t, extra = 8, 128, 320, 81
+    inputs = [torch.randn(1, t + extra, h, dk, device="cuda", dtype=BF16) for _ in range(4)]  # q, k, v, g
+    inputs.append(torch.randn(1, t + extra, h, device="cuda", dtype=BF16))  # beta
+    a_log, dt_bias = torch.randn(h, device="cuda") * 0.3, torch.randn(h * dk, device="cuda") * 0.3
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              safe_gate=True, lower_bound=-5.0, A_log=a_log, dt_bias=dt_bias, output_final_state=True)
+
+    def run(spans: list[tuple[int, int]], state: torch.Tensor | None):
+        """One call over the given row spans as separate sequences; the first starts from `state`."""
+        parts = [torch.cat([x[:, lo:hi] for lo, hi in spans], dim=1) for x in inputs]
+        lens = torch.tensor([0] + [hi - lo for lo, hi in spans]).cumsum(0).to("cuda")
+        init = torch.zeros(len(spans), h, dk, dk, device="cuda")
+        if state is not None:
+            init[0] = state
+        o, st = chunk_kda(*parts, initial_state=init, cu_seqlens=lens, **kw)
+        return o, st
+
+    whole, st_whole = run([(0, t)], None)
+    a, st_a = run([(0, 128)], None)
+    b, st_b = run([(128, 256)], st_a[0])
+    c, st_c = run([(256, t)], st_b[0])
+    chunked = torch.cat([a, b, c], dim=1)
+    batched, _ = run([(0, t), (t, t + extra)], None)
+    q, k, v, g, beta = (x[0, :t].float() for x in inputs)
+    gf = -5.0 * torch.sigmoid(a_log.exp().view(1, h, 1) * (g + dt_bias.view(h, dk)))
+    o_ref, _ = ref.chunked(q, k, v, gf, torch.sigmoid(beta), torch.zeros(h, dk, dk, device="cuda"))
+    res = [dict(check="fla chunk_kda whole vs 64-grid chunks (output, final state)",
+                max_abs_diff=float((whole - chunked).abs().max()), state_diff=float((st_whole[0] - st_c[0]).abs().max())),
+           dict(check="fla chunk_kda alone vs with another sequence",
+                max_abs_diff=float((whole - batched[:, :t]).abs().max())),
+           dict(check="fla chunk_kda vs torch twin (fp32)", max_abs_diff=float((whole[0].float() - o_ref).abs().max()),
+                ref_scale=float(o_ref.abs().max()))]
+    for r in res:
+        log(f"{r}")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
+    p.add_argument("--only", default="", help="comma list of sections: gemm,sweep,moe,moesweep,kda,mla,mhc,invariance,fla")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    only = set(filter(None, args.only.split(",")))
+    want = lambda s: not only or s in only  # noqa: E731
+    dev = torch.device("cuda")
+    bw = roofline.hbm_copy_bandwidth(dev)["bytes_per_s"]
+    mm = roofline.matmul_rate(dev)["flops_per_s"]
+    log(f"ceilings: HBM copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    data: dict = {"meta": {"date": dt.datetime.now().isoformat(timespec="seconds"),
+                           "device": torch.cuda.get_device_name(), "torch": torch.__version__},
+                  "ceilings": {"hbm_bytes_per_s": bw, "matmul_flops_per_s": mm}, "rows": [], "checks": []}
+    with torch.inference_mode():
+        if want("gemm"):
+            data["rows"] += gemm_rows(bw, mm)
+        if want("invariance"):
+            data["checks"] += gemm_invariance()
+        if want("moe") or want("invariance") or want("moesweep"):
+            weights = moe_setup()
+            if want("moe"):
+                data["rows"] += moe_rows(bw, mm, weights)
+            if want("moesweep"):
+                data["rows"] += moe_sweep(bw, mm, weights)
+            if want("invariance"):
+                data["checks"] += moe_invariance(weights)
+            del weights
+        if want("kda"):
+            data["rows"] += kda_rows(bw)
+        if want("mla"):
+            data["rows"] += mla_rows(bw)
+        if want("mhc"):
+            data["rows"] += mhc_rows()
+        if want("fla"):
+            data["checks"] += fla_probe()
+        if want("sweep"):
+            data["rows"] += gemm_sweep(bw, mm)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"kernels-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    log(f"wrote {out / stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

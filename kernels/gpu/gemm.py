@@ -1,0 +1,161 @@
+"""Fixed-schedule GEMM: `out[b] = x[b] @ w[b].T` with a tile schedule that depends on (N, K) and the row class only.
+
+Why not cuBLAS: it picks kernels and split-K by the row count, so one row's bits change with how many rows share
+the call (REFERENCE §6 measured logits moving by 0.17 at real dims). Here every output element is reduced over K
+in the same order whatever M is: BLOCK_K steps in ascending K inside a split, splits summed in ascending order by
+`_sum_splits`. M only changes how many row tiles run, and the tensor-core product of a row never reads another
+row, so a row's result is the same alone or among 2,048 others.
+
+Two row classes get two schedules (DESIGN §5.1; TensorFold does the same): decode-class rows (decode steps and
+verify windows) are few and memory-bound, so their schedule splits K to put enough programs on the chip; prompt
+rows (prefill chunks) are compute-bound and use big tiles with no split. A row always belongs to one class, so
+each class's arithmetic is fixed; the classes differ from each other, as a decode row and a prompt row of the
+same position are allowed to (documented in DESIGN §5.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import triton
+import triton.language as tl
+
+# Programs the decode schedule aims for per GEMM (about two waves on an H200's 132 SMs). A constant, not the SM
+# count of the device at hand, so the schedule stays a function of the shapes.
+_DECODE_PROGRAMS = 256
+
+
+class RowClass(Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int
+    stages: int
+    group_m: int = 8  # row-tile swizzle for L2 reuse; changes which program runs a tile, never its arithmetic
+
+
+def schedule(n: int, k: int, rows: RowClass) -> Tile:
+    """The tile schedule for a weight of N outputs and K inputs (pure function of the shape and the row class).
+
+    Chosen by bench/kernels.py's sweep on an H200 (bench/results/kernels-20261130-235732.*): prompt rows reach
+    70-78% of the bf16 peak with 128x256 tiles; decode rows are bandwidth-bound, so their K is split until about
+    256 programs stream the weight, keeping at least 8 K steps per split (shorter splits measured 6x slower)."""
+    if rows is RowClass.PREFILL:
+        return Tile(block_m=128, block_n=256, block_k=64, split_k=1, warps=8, stages=3)
+    block_n, block_k = 64, 128
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < _DECODE_PROGRAMS and k % (2 * split * block_k) == 0 and k // (2 * split) >= 8 * block_k:
+        split *= 2
+    return Tile(block_m=64, block_n=block_n, block_k=block_k, split_k=split, warps=4, stages=3)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+                 sxb, sxm, sxk, swb, swn, swk, sob, sos, som, son,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    batch = tl.program_id(2)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row tiles sweep the N tiles together so their weight tiles stay in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_base = x_ptr + batch * sxb + rm[:, None] * sxm
+    w_base = w_ptr + batch * swb + rn[None, :] * swn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(x_base + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_base + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if IEEE:  # fp32 operands: true fp32 products (tl.dot would round them to tf32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    out = out_ptr + batch * sob + split * sos + rm[:, None] * som + rn[None, :] * son
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _sum_splits(ws_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out = ws[0] + ws[1] + ... in split order (fp32), cast to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile) -> None:
+    """x [B, M, K], w [B, N, K], out [B, M, N] (any strides)."""
+    b, m, k = x.shape
+    n = w.shape[1]
+    if m == 0:
+        return
+    per_split = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), tile.split_k, b)
+    if tile.split_k == 1:
+        target, sos = out, 0
+    else:
+        target = torch.empty(tile.split_k, b, m, n, dtype=torch.float32, device=x.device)
+        sos = target.stride(0)
+    tb = target if tile.split_k == 1 else target[0]
+    _gemm_kernel[grid](x, w, target, m, n, k, per_split,
+                       x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1), w.stride(2),
+                       tb.stride(0), sos, tb.stride(1), tb.stride(2),
+                       BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                       IEEE=x.dtype == torch.float32,
+                       num_warps=tile.warps, num_stages=tile.stages)
+    if tile.split_k > 1:
+        numel = b * m * n
+        block = 1024
+        dst = out if out.is_contiguous() else torch.empty(b, m, n, dtype=out.dtype, device=out.device)
+        _sum_splits[(triton.cdiv(numel, block),)](target, dst, numel, SPLIT=tile.split_k, BLOCK=block)
+        if dst is not out:
+            out.copy_(dst)
+
+
+def bmm(x: torch.Tensor, w: torch.Tensor, decode_rows: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Batched `x[b] @ w[b].T`: x [B, M, K], w [B, N, K] (views with any strides) -> [B, M, N] in `out_dtype`.
+
+    Rows [0, decode_rows) are decode-class, the rest prompt rows: one launch per class present, each with its own
+    fixed schedule (0 = all prompt rows; >= M = all decode rows)."""
+    b, m, k = x.shape
+    n = w.shape[1]
+    if w.shape[0] != b or w.shape[2] != k:
+        raise ValueError(f"bmm: x {list(x.shape)} and w {list(w.shape)} do not fit")
+    out = torch.empty(b, m, n, dtype=out_dtype or x.dtype, device=x.device)
+    split = min(max(decode_rows, 0), m)
+    if split:
+        _launch(x[:, :split], w, out[:, :split], schedule(n, k, RowClass.DECODE))
+    if split < m:
+        _launch(x[:, split:], w, out[:, split:], schedule(n, k, RowClass.PREFILL))
+    return out
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, decode_rows: int, out_dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
+    """`x @ w.T` over the last dim of x ([..., K] x [N, K] -> [..., N]); rows as in `bmm`."""
+    lead = x.shape[:-1]
+    out = bmm(x.reshape(-1, x.shape[-1]).unsqueeze(0), w.unsqueeze(0), decode_rows, out_dtype)
+    return out.reshape(*lead, w.shape[0])

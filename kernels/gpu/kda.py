@@ -1,0 +1,257 @@
+"""KDA decode and verify rows on the GPU: one fused program per (sequence, head) does the short conv + SiLU, the
+q/k l2 norms, the forget gate and beta, the fp32 recurrent state update and the gated output RMSNorm.
+
+The torch twin is the composition in `services/rank_worker/model/kda_attention.py` (kernels/kda.py
+`causal_conv` + `recurrent`, kernels/norms.py `gated_rms_norm`); the rounding points of the twin (conv output,
+beta and the core output rounded to the activation dtype) are kept so the two agree to float noise.
+
+A program owns every channel of its head (q, k and v columns, the whole dk x dv state), so it can update the conv
+history and the state in place. A verify window of L rows runs its rows in order with the same per-step code as a
+one-row decode (DESIGN §5.1: verify rows = decode arithmetic) and leaves each row's state and conv history in the
+pending buffers instead of the slot; `commit` later keeps the last accepted row's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+CONV_TAPS = 4  # GLM-5.3-Flash's short conv; the fused kernel keeps the three previous inputs in registers
+
+
+@dataclass
+class DecodeSeqs:
+    """The decode-class sequences of one batch, as device int32 vectors (one entry per sequence)."""
+    row0: torch.Tensor  # packed index of the sequence's first row
+    length: torch.Tensor  # rows (1 for a decode step, the window size for a verify window)
+    slot: torch.Tensor  # KDA state slot
+    fresh: torch.Tensor  # 1 = starts at position 0 (zero state and history)
+    pending: torch.Tensor  # index into the pending buffers for verify windows, -1 = commit into the slot
+    commit: torch.Tensor  # int64 indices (into these sequences) of the decode steps, whose conv history moves on
+
+    @classmethod
+    def build(cls, row0: list[int], length: list[int], slot: list[int], fresh: list[bool], pending: list[int],
+              device: torch.device | str) -> "DecodeSeqs":
+        def vec(v: list) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)
+        commit = torch.tensor([i for i, p in enumerate(pending) if p < 0], dtype=torch.int64)
+        return cls(vec(row0), vec(length), vec(slot), vec([int(f) for f in fresh]), vec(pending),
+                   commit.to(device, non_blocking=True))
+
+    @property
+    def count(self) -> int:
+        return self.row0.numel()
+
+
+@triton.jit
+def _conv_silu(h0, h1, h2, x, w_ptr, ch, act: tl.constexpr):
+    """silu(h0 w0 + h1 w1 + h2 w2 + x w3) over channels `ch` (taps summed oldest first), rounded like the twin."""
+    acc = h0 * tl.load(w_ptr + ch * 4 + 0)
+    acc += h1 * tl.load(w_ptr + ch * 4 + 1)
+    acc += h2 * tl.load(w_ptr + ch * 4 + 2)
+    acc += x * tl.load(w_ptr + ch * 4 + 3)
+    return (acc * tl.sigmoid(acc)).to(act).to(tl.float32)
+
+
+@triton.jit
+def _store_history(dst, s_row, ch, h0, h1, h2, act: tl.constexpr, mask):
+    tl.store(dst + ch, h0.to(act), mask=mask)
+    tl.store(dst + s_row + ch, h1.to(act), mask=mask)
+    tl.store(dst + 2 * s_row + ch, h2.to(act), mask=mask)
+
+
+@triton.jit
+def _kda_decode_kernel(mixed_ptr, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_conv_row, chan_off,
+                       graw_ptr, s_graw, dt_bias_ptr, a_log_ptr, braw_ptr, s_braw,
+                       state_ptr, s_state_slot, head_off, core_ptr, s_core, hist_out_ptr, s_hist_seq,
+                       row0_ptr, len_ptr, slot_ptr, fresh_ptr, pend_ptr, pstate_ptr, s_pstate_seq, s_pstate_row,
+                       pconv_ptr, s_pconv_seq, s_pconv_row, C, lower_bound,
+                       HAS_LB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """One (sequence, head, block of BV value columns). q and k are recomputed by every value block of a head
+    (cheap) so blocks never wait on each other; the value block 0 alone writes q/k conv history."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    vb = tl.program_id(2)
+    act = mixed_ptr.dtype.element_ty
+    row0 = tl.load(row0_ptr + seq)
+    n_rows = tl.load(len_ptr + seq)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    fresh = tl.load(fresh_ptr + seq) != 0
+    pend = tl.load(pend_ptr + seq)
+
+    ik = tl.arange(0, DK)
+    iv = vb * BV + tl.arange(0, BV)
+    qc = head * DK + ik  # this head's q columns in `mixed` and its conv-weight rows
+    kc = C + head * DK + ik
+    vc = 2 * C + head * DV + iv
+    hist = conv_ptr + slot * s_conv_slot + chan_off
+    # A fresh sequence starts from zero history and state, whatever its slot held before.
+    q0 = tl.where(fresh, 0.0, tl.load(hist + qc).to(tl.float32))
+    q1 = tl.where(fresh, 0.0, tl.load(hist + s_conv_row + qc).to(tl.float32))
+    q2 = tl.where(fresh, 0.0, tl.load(hist + 2 * s_conv_row + qc).to(tl.float32))
+    k0 = tl.where(fresh, 0.0, tl.load(hist + kc).to(tl.float32))
+    k1 = tl.where(fresh, 0.0, tl.load(hist + s_conv_row + kc).to(tl.float32))
+    k2 = tl.where(fresh, 0.0, tl.load(hist + 2 * s_conv_row + kc).to(tl.float32))
+    v0 = tl.where(fresh, 0.0, tl.load(hist + vc).to(tl.float32))
+    v1 = tl.where(fresh, 0.0, tl.load(hist + s_conv_row + vc).to(tl.float32))
+    v2 = tl.where(fresh, 0.0, tl.load(hist + 2 * s_conv_row + vc).to(tl.float32))
+
+    hd = head_off + head
+    st_ptr = state_ptr + slot * s_state_slot + hd * DK * DV + ik[:, None] * DV + iv[None, :]
+    s = tl.where(fresh, 0.0, tl.load(st_ptr))
+    rate = tl.exp(tl.load(a_log_ptr + head))
+    dt = tl.load(dt_bias_ptr + head * DK + ik)
+    first_block = ik < DK * (vb == 0).to(tl.int32)  # all-true in value block 0, all-false elsewhere
+
+    for r in range(0, n_rows):
+        row = (row0 + r).to(tl.int64)
+        xq = tl.load(mixed_ptr + row * s_mixed + qc).to(tl.float32)
+        xk = tl.load(mixed_ptr + row * s_mixed + kc).to(tl.float32)
+        xv = tl.load(mixed_ptr + row * s_mixed + vc).to(tl.float32)
+        q = _conv_silu(q0, q1, q2, xq, conv_w_ptr, qc, act)
+        k = _conv_silu(k0, k1, k2, xk, conv_w_ptr, kc, act)
+        v = _conv_silu(v0, v1, v2, xv, conv_w_ptr, vc, act)
+        q0, q1, q2 = q1, q2, xq
+        k0, k1, k2 = k1, k2, xk
+        v0, v1, v2 = v1, v2, xv
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (DK ** -0.5)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        g = tl.load(graw_ptr + row * s_graw + head * DK + ik).to(tl.float32) + dt
+        if HAS_LB:
+            g = lower_bound * tl.sigmoid(rate * g)
+        else:  # -rate * softplus(g), softplus with torch's threshold of 20
+            g = -rate * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
+        beta = tl.sigmoid(tl.load(braw_ptr + row * s_braw + head).to(tl.float32)).to(act).to(tl.float32)
+
+        s = s * tl.exp(g)[:, None]
+        kv = tl.sum(s * k[:, None], axis=0)
+        delta = (v - kv) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(core_ptr + row * s_core + head * DV + iv, o.to(act))
+
+        if pend >= 0:  # verify window: keep every row's state and history for the commit
+            p_state = pstate_ptr + pend * s_pstate_seq + r * s_pstate_row + hd * DK * DV
+            tl.store(p_state + ik[:, None] * DV + iv[None, :], s)
+            p_conv = pconv_ptr + pend * s_pconv_seq + r * s_pconv_row + chan_off
+            _store_history(p_conv, s_conv_row, qc, q0, q1, q2, act, first_block)
+            _store_history(p_conv, s_conv_row, kc, k0, k1, k2, act, first_block)
+            _store_history(p_conv, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
+
+    if pend < 0:  # decode step: the state moves on in place; the history goes through `hist_out` (see decode)
+        tl.store(st_ptr, s)
+        out = hist_out_ptr + seq * s_hist_seq + chan_off
+        _store_history(out, s_conv_row, qc, q0, q1, q2, act, first_block)
+        _store_history(out, s_conv_row, kc, k0, k1, k2, act, first_block)
+        _store_history(out, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
+
+
+def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, chan_off: int,
+           g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
+           beta_raw: torch.Tensor, state: torch.Tensor, head_off: int, core: torch.Tensor,
+           pend_state: torch.Tensor | None = None, pend_conv: torch.Tensor | None = None) -> None:
+    """Run every decode-class row of one virtual shard's heads, writing their core outputs (rounded to the
+    activation dtype, before the gated norm) into `core`.
+
+    mixed [T, 3C] (q|k|v before the conv, C = heads x dk of this shard); conv_w [3C, 4] fp32; conv_state [slots, 3,
+    channels of the rank] (this shard's columns start at chan_off); g_raw [T, heads*dk]; dt_bias [heads*dk] fp32;
+    a_log [heads] fp32; beta_raw [T, heads]; state [slots, rank heads, dk, dv] fp32 (this shard's heads start at
+    head_off); core [T, heads*dv]. Pending buffers (verify windows): pend_state [windows, L, rank heads, dk, dv]
+    fp32, pend_conv [windows, L, 3, channels of the rank].
+    """
+    if seqs.count == 0:
+        return
+    heads = a_log.numel()
+    dk = state.shape[-2]
+    dv = state.shape[-1]
+    if conv_w.shape[1] != CONV_TAPS or conv_state.shape[1] != CONV_TAPS - 1:
+        raise ValueError(f"the fused KDA decode kernel handles a {CONV_TAPS}-tap conv only")
+    c = heads * dk
+    for t in (mixed, g_raw, beta_raw, core):
+        if t.stride(-1) != 1:
+            raise ValueError("KDA decode operands need unit stride along their last dim")
+    # Value blocks of a head read the q/k history that block 0 rewrites, so new history goes to a side buffer and
+    # is copied into the decode steps' slots once every program is done.
+    hist_out = torch.empty(seqs.count, *conv_state.shape[1:], dtype=conv_state.dtype, device=conv_state.device)
+    ps = pend_state if pend_state is not None else state
+    pc = pend_conv if pend_conv is not None else conv_state
+    bv = min(32, dv)
+    _kda_decode_kernel[(seqs.count, heads, dv // bv)](
+        mixed, mixed.stride(0), conv_w.contiguous(), conv_state, conv_state.stride(0), conv_state.stride(1), chan_off,
+        g_raw, g_raw.stride(0), dt_bias, a_log, beta_raw, beta_raw.stride(0),
+        state, state.stride(0), head_off, core, core.stride(0), hist_out, hist_out.stride(0),
+        seqs.row0, seqs.length, seqs.slot, seqs.fresh, seqs.pending,
+        ps, ps.stride(0), ps.stride(1) if pend_state is not None else 0,
+        pc, pc.stride(0), pc.stride(1) if pend_conv is not None else 0,
+        c, float(lower_bound) if lower_bound is not None else 0.0,
+        HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, num_warps=4)
+    chans = slice(chan_off, chan_off + 3 * c)
+    commit_slots = seqs.slot.long()[seqs.commit]
+    conv_state[commit_slots, :, chans] = hist_out[seqs.commit][:, :, chans]
+
+
+@triton.jit
+def _gated_norm_kernel(core_ptr, s_core, gate_ptr, s_gate, w_ptr, out_ptr, s_out, eps, DV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    c = tl.arange(0, DV)
+    x = tl.load(core_ptr + row * s_core + head * DV + c).to(tl.float32)
+    gate = tl.load(gate_ptr + row * s_gate + head * DV + c).to(tl.float32)
+    w = tl.load(w_ptr + c).to(tl.float32)
+    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DV + eps))
+    tl.store(out_ptr + row * s_out + head * DV + c, (w * x * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
+
+
+def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA's output norm per (row, head): RMSNorm over dv of the core output, times sigmoid(gate) (twin:
+    kernels/norms.gated_rms_norm). core, gate [T, heads*dv] -> [T, heads*dv]."""
+    t = core.shape[0]
+    dv = weight.numel()
+    out = torch.empty_like(core)
+    if t:
+        _gated_norm_kernel[(t, core.shape[1] // dv)](core, core.stride(0), gate, gate.stride(0), weight, out,
+                                                     out.stride(0), float(eps), DV=dv, num_warps=2)
+    return out
+
+
+@triton.jit
+def _prompt_conv_kernel(x_ptr, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, chan_off, first_ptr, slot_ptr,
+                        fresh_ptr, out_ptr, s_out, C3, TAPS: tl.constexpr, BLOCK: tl.constexpr):
+    """One prompt row, BLOCK channels: silu(sum_j w_j * input[i - 3 + j]) over taps oldest first, reading the
+    sequence's conv history for the inputs before its first row of this chunk (zeros for a fresh sequence)."""
+    r = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = ch < C3
+    first = tl.load(first_ptr + r)
+    i = r - first
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    fresh = tl.load(fresh_ptr + r)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TAPS):
+        src = i - (TAPS - 1) + j
+        here = tl.load(x_ptr + (first + tl.maximum(src, 0)).to(tl.int64) * s_x + ch, mask=cm & (src >= 0), other=0.0)
+        past = tl.load(hist_ptr + slot * s_hist_slot + (TAPS - 1 + tl.minimum(src, -1)) * s_hist_row + chan_off + ch,
+                       mask=cm & (src < 0) & (fresh == 0), other=0.0)
+        acc += tl.where(src >= 0, here, past).to(tl.float32) * tl.load(w_ptr + ch * TAPS + j, mask=cm, other=0.0)
+    act = out_ptr.dtype.element_ty
+    tl.store(out_ptr + r.to(tl.int64) * s_out + ch, (acc * tl.sigmoid(acc)).to(act), mask=cm)
+
+
+def prompt_conv(x: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, chan_off: int,
+                first: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """KDA's short conv + SiLU over the rows of several prompt chunks at once (twin: kernels/kda.causal_conv).
+
+    x [T, C3] the chunks' inputs, sequence after sequence; per row (int32 [T]): `first` the row index of its
+    sequence's first row, `slot` its KDA slot, `fresh` 1 when the sequence starts at position 0. conv_state [slots,
+    3, channels of the rank], this shard's columns from chan_off. The history itself is not updated here."""
+    t, c3 = x.shape
+    out = torch.empty_like(x)
+    if t:
+        block = 1024
+        _prompt_conv_kernel[(t, triton.cdiv(c3, block))](
+            x, x.stride(0), conv_w.contiguous(), conv_state, conv_state.stride(0), conv_state.stride(1), chan_off,
+            first, slot, fresh, out, out.stride(0), c3, TAPS=CONV_TAPS, BLOCK=block, num_warps=4)
+    return out

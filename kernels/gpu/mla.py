@@ -1,0 +1,261 @@
+"""NoPE MLA with the DSA indexer on the GPU: k-pool compression, indexer scores, and sparse attention over the
+paged latent cache. Torch twins: kernels/dsa.py (pool_keys, index_scores, select) and kernels/mla.py
+(latent_attention), as services/rank_worker/model/mla_attention.py composes them.
+
+What differs from the twin, and why:
+- Compressed pool keys are computed once, when a pool's last position is written, and kept in the cache (one row
+  per pool beside the index rows), instead of being recomputed over the whole context at every step. A pool key is
+  a function of its own rows only, so keeping it changes no value; it makes a decode step's indexer cost
+  O(context / kpool) reads instead of re-pooling everything.
+- Every row (decode, verify or prompt) runs the same programs over its own selection: a row attends to its
+  selected pools in ascending order, then to its tail, with an online softmax in fp32. The schedule is a function
+  of the row's position and selection only, so a row's bits do not depend on its company (DESIGN §5.1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_address(bt_ptr, s_bt, seq, pos, BS: tl.constexpr):
+    """Flat row index (block * BS + offset) of absolute position(s) `pos` of sequence `seq` in a paged store."""
+    block = tl.load(bt_ptr + seq * s_bt + pos // BS)
+    return block.to(tl.int64) * BS + pos % BS
+
+
+@triton.jit
+def _load_rows(data_ptr, scale_ptr, rows, cols, row_ok, width, FP8: tl.constexpr, act: tl.constexpr):
+    """Cache rows [n, len(cols)] in the compute dtype (0 where not row_ok); fp8 rows are scaled back per row as the
+    twin (kernels/kv_quant.py) does."""
+    x = tl.load(data_ptr + rows[:, None] * width + cols[None, :], mask=row_ok[:, None], other=0.0)
+    if FP8:
+        scale = tl.load(scale_ptr + rows, mask=row_ok, other=1.0)
+        x = (x.to(tl.float32) * scale[:, None]).to(act)
+    return x
+
+
+@triton.jit
+def _pool_kernel(idx_ptr, idx_scale_ptr, pooled_ptr, ape_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, n_rows,
+                 DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr):
+    """For each row that completes a pool (its position is the pool's last): the pool's compressed key =
+    per-channel softmax over the pool's gate scores (+ ape) weighting its keys, stored in the pool store."""
+    r = tl.program_id(0)
+    if r >= n_rows:
+        return
+    pos = tl.load(pos_ptr + r)
+    if (pos + 1) % KP != 0:
+        return
+    seq = tl.load(seq_ptr + r)
+    act = pooled_ptr.dtype.element_ty
+    first = pos + 1 - KP
+    slots = tl.arange(0, KP)
+    rows = _row_address(bt_ptr, s_bt, seq, first + slots, BS)
+    c = tl.arange(0, DI)
+    full = slots >= 0
+    keys = _load_rows(idx_ptr, idx_scale_ptr, rows, c, full, 2 * DI, FP8, act).to(tl.float32)
+    gates = _load_rows(idx_ptr, idx_scale_ptr, rows, DI + c, full, 2 * DI, FP8, act).to(tl.float32)
+    logits = gates + tl.load(ape_ptr + slots[:, None] * DI + c[None, :]).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0)[None, :])
+    probs = (probs / tl.sum(probs, axis=0)[None, :]).to(act).to(tl.float32)
+    pooled = tl.sum((probs * keys).to(act).to(tl.float32), axis=0)
+    pool = pos // KP
+    prow = _row_address(bt_ptr, s_bt, seq, pool * KP, BS) // KP  # BS % KP == 0: a block holds BS / KP pools
+    tl.store(pooled_ptr + prow * DI + c, pooled.to(act))
+
+
+def write_pools(index_store: torch.Tensor, index_scale: torch.Tensor | None, pooled: torch.Tensor,
+                ape: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, row_seq: torch.Tensor,
+                kpool: int) -> None:
+    """Compress every pool completed by these rows (call after their index rows are in the cache).
+
+    index_store [blocks, BS, 2*DI] (+ fp8 scale [blocks, BS]); pooled [blocks, BS / kpool, DI]; ape [kpool, DI];
+    positions, row_seq [T] int32 of the packed rows (padding rows beyond len(positions) are not passed)."""
+    t = positions.numel()
+    if t == 0:
+        return
+    bs = index_store.shape[1]
+    di = pooled.shape[-1]
+    _pool_kernel[(t,)](index_store, index_scale if index_scale is not None else index_store, pooled, ape,
+                       block_tables, block_tables.stride(0), positions, row_seq, t,
+                       DI=di, KP=kpool, BS=bs, FP8=index_scale is not None)
+
+
+@triton.jit
+def _scores_kernel(q_ptr, s_q, w_ptr, s_w, pooled_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, out_ptr, s_out, n_pools,
+                   n_heads, scale, NH: tl.constexpr, DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
+                   BP: tl.constexpr):
+    """score[t, p] = sum_h w[t, h] * relu(q[t, h] . pooled[p] * scale) for the pools visible at t; -inf past them."""
+    r = tl.program_id(0)
+    pools = tl.program_id(1) * BP + tl.arange(0, BP)
+    pos = tl.load(pos_ptr + r)
+    seq = tl.load(seq_ptr + r)
+    visible = pools < (pos + 1) // KP
+    h = tl.arange(0, NH)  # NH: the head count padded to a tensor-core tile (>= 16)
+    c = tl.arange(0, DI)
+    q = tl.load(q_ptr + r * s_q + h[:, None] * DI + c[None, :], mask=h[:, None] < n_heads, other=0.0)
+    prow = _row_address(bt_ptr, s_bt, seq, tl.where(visible, pools, 0) * KP, BS) // KP
+    keys = tl.load(pooled_ptr + prow[:, None] * DI + c[None, :], mask=visible[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(keys)) * scale
+    w = tl.load(w_ptr + r * s_w + h, mask=h < n_heads, other=0.0).to(tl.float32)
+    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+    tl.store(out_ptr + r * s_out + pools, tl.where(visible, score, float("-inf")), mask=pools < n_pools)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Tensor,
+                 positions: torch.Tensor, row_seq: torch.Tensor, kpool: int, n_pools: int) -> torch.Tensor:
+    """q [T, NH, DI]; weights [T, NH] fp32 (already scaled) -> scores [T, n_pools] fp32 (-inf = not visible)."""
+    t, nh, di = q.shape
+    out = torch.empty(t, n_pools, dtype=torch.float32, device=q.device)
+    if t == 0 or n_pools == 0:
+        return out
+    q = q.reshape(t, nh * di)
+    bp = 64
+    _scores_kernel[(t, triton.cdiv(n_pools, bp))](
+        q, q.stride(0), weights, weights.stride(0), pooled, block_tables, block_tables.stride(0), positions, row_seq,
+        out, out.stride(0), n_pools, nh, di ** -0.5, NH=max(16, triton.next_power_of_2(nh)), DI=di, KP=kpool,
+        BS=pooled.shape[1] * kpool, BP=bp)
+    return out
+
+
+def select_pools(scores: torch.Tensor | None, positions: torch.Tensor, kpool: int, keep: int, n_pools: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's selected pools in ascending order, and how many: (sel [T, W] int32, count [T] int32).
+
+    A row sees the pools that end at or before it; when it sees at most `keep` of them it takes them all (then no
+    scores are needed: `scores` may be None when n_pools <= keep), else the `keep` best, ties to the lowest index
+    (a stable sort, as the twin's `dsa.select`)."""
+    visible = torch.div(positions.long() + 1, kpool, rounding_mode="floor").clamp(max=n_pools)
+    count = visible.clamp(max=keep).to(torch.int32)
+    if n_pools <= keep:
+        sel = torch.arange(n_pools, dtype=torch.int32, device=positions.device).expand(positions.numel(), n_pools)
+        return sel.contiguous(), count
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+    slot = torch.arange(keep, device=positions.device)
+    best = torch.where(slot < count.unsqueeze(1).long(), best, n_pools)  # invisible picks sort to the end
+    return torch.sort(best, dim=-1).values.to(torch.int32), count
+
+
+@triton.jit
+def _attention_kernel(q_ptr, s_qt, s_qh, lat_ptr, lat_scale_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, sel_ptr, s_sel,
+                      count_ptr, out_ptr, s_ot, s_oh, m_ptr, l_ptr, n_heads, scale, split_len,
+                      R: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                      FP8: tl.constexpr, PARTIAL: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """One row, HB heads, one split of the row's attended positions.
+
+    A row attends to a virtual list: its selected pools' positions in ascending pool order, then its tail (the
+    incomplete pool it sits in). Split `sp` covers list entries [sp * split_len, (sp + 1) * split_len) with an fp32
+    online softmax. PARTIAL: write the split's (max, sum, unnormalised output) for `_combine_kernel`; otherwise
+    the row has one split and the normalised output is written directly."""
+    r = tl.program_id(0)
+    heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    sp = tl.program_id(2)
+    has_head = heads < n_heads
+    pos = tl.load(pos_ptr + r)
+    seq = tl.load(seq_ptr + r)
+    n_sel = tl.load(count_ptr + r)
+    in_pools = n_sel * KP
+    tail_start = (pos + 1) // KP * KP
+    total = in_pools + pos + 1 - tail_start
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, total)
+    act = q_ptr.dtype.element_ty
+    c = tl.arange(0, R)
+    m = tl.full((HB,), -1.0e30, tl.float32)  # finite start: a block with nothing visible adds exp(-inf) = 0
+    l = tl.zeros((HB,), tl.float32)
+    acc = tl.zeros((HB, R), tl.float32)
+    if lo < hi:
+        q = tl.load(q_ptr + r * s_qt + heads[:, None] * s_qh + c[None, :], mask=has_head[:, None], other=0.0)
+        j = tl.arange(0, BN)
+        for b in range(lo, hi, BN):
+            v = b + j
+            ok = v < hi
+            is_pool = v < in_pools
+            pool = tl.load(sel_ptr + r * s_sel + v // KP, mask=ok & is_pool, other=0)
+            p = tl.where(is_pool, pool * KP + v % KP, tail_start + v - in_pools)
+            rows = _row_address(bt_ptr, s_bt, seq, tl.where(ok, p, 0), BS)
+            kv = _load_rows(lat_ptr, lat_scale_ptr, rows, c, ok, R, FP8, act)
+            s = tl.dot(q, tl.trans(kv)) * scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            prob = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(prob, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(act), kv)
+            m = m_new
+    if PARTIAL:
+        if lo < hi:
+            part = (r * n_heads + heads) * MAX_SPLITS + sp
+            tl.store(m_ptr + part, m, mask=has_head)
+            tl.store(l_ptr + part, l, mask=has_head)
+            tl.store(out_ptr + part[:, None] * R + c[None, :], acc, mask=has_head[:, None])
+    else:
+        o = acc / l[:, None]
+        tl.store(out_ptr + r * s_ot + heads[:, None] * s_oh + c[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=has_head[:, None])
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, count_ptr, out_ptr, s_ot, s_oh, n_heads, split_len,
+                    R: tl.constexpr, KP: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Merge one row's split partials for one head, in split order (a function of the row's own list length)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + r)
+    total = tl.load(count_ptr + r) * KP + pos + 1 - (pos + 1) // KP * KP
+    n_splits = tl.cdiv(total, split_len)
+    base = (r * n_heads + h) * MAX_SPLITS
+    c = tl.arange(0, R)
+    big = tl.load(m_ptr + base)
+    for sp in range(1, n_splits):
+        big = tl.maximum(big, tl.load(m_ptr + base + sp))
+    den = 0.0
+    o = tl.zeros((R,), tl.float32)
+    for sp in range(0, n_splits):
+        w = tl.exp(tl.load(m_ptr + base + sp) - big)
+        den += tl.load(l_ptr + base + sp) * w
+        o += tl.load(acc_ptr + (base + sp) * R + c) * w
+    tl.store(out_ptr + r * s_ot + h * s_oh + c, (o / den).to(out_ptr.dtype.element_ty))
+
+
+DECODE_SPLIT = 256  # attended positions per program for decode-class rows (a constant: the split is fixed)
+
+
+def sparse_attention(q_lat: torch.Tensor, latent: torch.Tensor, latent_scale: torch.Tensor | None,
+                     block_tables: torch.Tensor, positions: torch.Tensor, row_seq: torch.Tensor, sel: torch.Tensor,
+                     count: torch.Tensor, kpool: int, scale: float, out: torch.Tensor, decode_rows: int,
+                     max_positions: int, decode_split: int = DECODE_SPLIT) -> None:
+    """q_lat [T, H, R] (any strides, unit last); latent [blocks, BS, R] (+ fp8 scale [blocks, BS]); sel, count
+    from `select_pools` -> out [T, H, R] (attention-weighted latent rows).
+
+    Rows [0, decode_rows) are decode-class: their list is cut into fixed splits of DECODE_SPLIT positions run in
+    parallel and merged in order (few rows, so the chip needs the splits). Prompt rows run their whole list in one
+    program. max_positions bounds any row's list length (selected pools x kpool + tail), sizing the split grid.
+    decode_split is a parameter only so the tests can exercise many splits on small contexts."""
+    t, h, r_dim = q_lat.shape
+    hb = 16  # heads per program: the M side of the tensor-core tiles (missing heads are masked)
+    bs = latent.shape[1]
+    bn = 32 if r_dim >= 256 else 64
+    common = dict(R=r_dim, HB=hb, KP=kpool, BS=bs, BN=max(bn, kpool), FP8=latent_scale is not None)
+    lat_scale = latent_scale if latent_scale is not None else latent
+    split = min(max(decode_rows, 0), t)
+    if split:
+        n_splits = triton.cdiv(max_positions, decode_split)
+        part = torch.empty(split, h, n_splits, r_dim, dtype=torch.float32, device=q_lat.device)
+        m = torch.empty(split, h, n_splits, dtype=torch.float32, device=q_lat.device)
+        l = torch.empty_like(m)
+        _attention_kernel[(split, triton.cdiv(h, hb), n_splits)](
+            q_lat, q_lat.stride(0), q_lat.stride(1), latent, lat_scale, block_tables, block_tables.stride(0),
+            positions, row_seq, sel, sel.stride(0), count, part, 0, 0, m, l, h, float(scale), decode_split,
+            PARTIAL=True, MAX_SPLITS=n_splits, num_warps=4, num_stages=2, **common)
+        _combine_kernel[(split, h)](m, l, part, positions, count, out, out.stride(0), out.stride(1), h, decode_split,
+                                    R=r_dim, KP=kpool, MAX_SPLITS=n_splits, num_warps=4)
+    if split < t:
+        rows = slice(split, t)
+        _attention_kernel[(t - split, triton.cdiv(h, hb), 1)](
+            q_lat[rows], q_lat.stride(0), q_lat.stride(1), latent, lat_scale, block_tables, block_tables.stride(0),
+            positions[rows], row_seq[rows], sel[rows], sel.stride(0), count[rows], out[rows], out.stride(0),
+            out.stride(1), out, out, h, float(scale), 1 << 30, PARTIAL=False, MAX_SPLITS=1, num_warps=4,
+            num_stages=2, **common)

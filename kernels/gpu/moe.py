@@ -1,0 +1,242 @@
+"""Fused mixture-of-experts on the GPU: router top-k, tokens grouped by expert, one launch per projection for every
+expert hit, and a combine in fixed expert order. The torch twin is `kernels/moe.py` (route + experts + the shared
+expert added last).
+
+Layout: the shared expert is stored as one more expert (index E, after the E routed ones) that every real row
+takes with weight 1, so it rides in the same grouped launches. Each row therefore has `k + 1` (token, expert)
+pairs, its routed experts in ascending index order and the shared one last; padding rows (past `n_real`) get a
+sentinel expert id and are never routed (DESIGN §5.1).
+
+Exactness: every (token, expert) product is one row of a tensor-core tile whose K order is fixed by the schedule,
+so it does not depend on which other tokens share the expert's tile; the combine adds a row's pair outputs in its
+own pair order (ascending expert, shared last) — the order of the torch twin. Nothing here syncs with the host:
+the grouping is built with device-side sorts and scans, and the grouped launches cover an upper bound of blocks,
+the unused ones returning at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gpu.gemm import RowClass
+
+
+@dataclass(frozen=True)
+class MoeTile:
+    block_m: int  # pairs per grouped tile (one expert per tile)
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def moe_schedule(rows: RowClass) -> MoeTile:
+    """Grouped-GEMM tiles per row class (pure function of the class; the shapes come from the weights). The prompt
+    tile won bench/kernels.py's sweep at 8,192 tokens on an H200 (10.2 ms vs 12.0 ms for 64x128x64, 4 warps)."""
+    if rows is RowClass.PREFILL:
+        return MoeTile(block_m=128, block_n=128, block_k=64, warps=8, stages=3)
+    return MoeTile(block_m=16, block_n=64, block_k=128, warps=4, stages=4)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, E, scaling,
+                  TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per row: sigmoid scores, + correction bias for the choice, top-k (ties -> lowest index), weights =
+    unbiased scores normalised over the chosen and scaled. Writes k+1 pairs: routed ascending, then shared."""
+    row = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    out_ids = ids_ptr + row * (TOP_K + 1)
+    out_w = w_ptr + row * (TOP_K + 1)
+    if row >= tl.load(n_real_ptr):  # padding row: no pairs at all
+        for j in tl.static_range(TOP_K + 1):
+            tl.store(out_ids + j, E + 1)
+            tl.store(out_w + j, 0.0)
+        return
+    logit = tl.load(logits_ptr + row * E + e, mask=valid, other=0.0)
+    score = tl.sigmoid(logit)
+    choice = tl.where(valid, score + tl.load(bias_ptr + e, mask=valid, other=0.0), float("-inf"))
+    chosen = e < 0
+    for _ in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        first = tl.min(tl.where(choice == best, e, BLOCK_E), axis=0)  # lowest index among the maxima
+        chosen = chosen | (e == first)
+        choice = tl.where(e == first, float("-inf"), choice)
+    weight = tl.where(chosen, score, 0.0)
+    if NORM:
+        weight = weight / (tl.sum(weight, axis=0) + 1e-20)
+    weight = weight * scaling
+    rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending expert order
+    tl.store(out_ids + rank, e.to(tl.int32), mask=chosen)
+    tl.store(out_w + rank, weight, mask=chosen)
+    tl.store(out_ids + TOP_K, E)
+    tl.store(out_w + TOP_K, 1.0)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, norm_topk_prob: bool, scaling: float,
+          n_real: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (ids [T, k+1] int32, weights [T, k+1] fp32); id E = the shared expert, E+1 = none.
+    Rows from n_real on are padding (an int, or an int32 device scalar a CUDA graph can refill)."""
+    t, e = logits.shape
+    if not isinstance(n_real, torch.Tensor):
+        n_real = torch.tensor([n_real], dtype=torch.int32, device=logits.device)
+    ids = torch.empty(t, top_k + 1, dtype=torch.int32, device=logits.device)
+    w = torch.empty(t, top_k + 1, dtype=torch.float32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits.contiguous(), bias.float().contiguous(), ids, w, n_real, e, float(scaling),
+                            TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(e))
+    return ids, w
+
+
+@dataclass
+class Groups:
+    """Pairs grouped by expert into tiles of `block_m` slots (device tensors, sized by an upper bound)."""
+    pair_of_slot: torch.Tensor  # [blocks * block_m] int32: pair index (row * (k+1) + j) in each slot, -1 = empty
+    expert_of_block: torch.Tensor  # [blocks] int32: the tile's expert, num_experts for unused tiles
+    blocks: int
+
+
+def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Groups:
+    """Sort (row, slot) pairs by expert (stable: ascending row within an expert) and pad each expert's run to
+    whole tiles. num_experts counts the shared expert; ids == num_experts marks a pair that does not exist."""
+    flat = ids.reshape(-1).long()
+    pairs = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.sort(flat, stable=True).indices
+    expert = flat[order]
+    real = expert < num_experts
+    safe = expert.clamp(max=num_experts - 1)
+    rank = torch.arange(pairs, device=dev) - start[safe]
+    # Upper bound of slots: every pair, plus a partly empty tile for each expert that can be hit.
+    blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+    cap = blocks * block_m
+    dest = torch.where(real, padded_start[safe] + rank, cap)  # non-pairs land in a dump slot past the end
+    pair_of_slot = torch.full((cap + 1,), -1, dtype=torch.int32, device=dev)
+    pair_of_slot.scatter_(0, dest, order.to(torch.int32))
+    tile_start = torch.arange(blocks, device=dev) * block_m
+    expert_of_block = torch.searchsorted(padded_end, tile_start, right=True).to(torch.int32)
+    return Groups(pair_of_slot[:cap], expert_of_block, blocks)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, h_ptr, pair_ptr, expert_ptr, num_experts, I, D, limit,
+                    PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """h[slot] = silu(min(x g^T, limit)) * clamp(x u^T, -limit, limit) for each slot of one expert tile."""
+    blk = tl.program_id(0)
+    expert = tl.load(expert_ptr + blk)
+    if expert >= num_experts:
+        return
+    slots = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + slots)
+    has = pair >= 0
+    token = tl.where(has, pair // PAIRS_PER_ROW, 0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    w_off = expert.to(tl.int64) * I * D
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(x_ptr + token[:, None] * D + kk[None, :], mask=has[:, None] & (kk[None, :] < D), other=0.0)
+        wmask = (rn[None, :] < I) & (kk[:, None] < D)
+        g = tl.load(gate_ptr + w_off + rn[None, :] * D + kk[:, None], mask=wmask, other=0.0)
+        u = tl.load(up_ptr + w_off + rn[None, :] * D + kk[:, None], mask=wmask, other=0.0)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+    # The torch twin rounds each projection to the activation dtype, then SiLU, then the product: do the same.
+    act = x_ptr.dtype.element_ty
+    g = tl.minimum(acc_g.to(act).to(tl.float32), limit)
+    u = tl.minimum(tl.maximum(acc_u.to(act).to(tl.float32), -limit), limit)
+    s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
+    h = (s * u).to(act)
+    tl.store(h_ptr + slots[:, None] * I + rn[None, :], h, mask=has[:, None] & (rn[None, :] < I))
+
+
+@triton.jit
+def _down_kernel(h_ptr, down_ptr, y_ptr, pair_ptr, expert_ptr, rw_ptr, num_experts, I, D,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[pair] = (h[slot] @ down[expert]^T) * routing weight, in fp32, stored by pair (row-major per row)."""
+    blk = tl.program_id(0)
+    expert = tl.load(expert_ptr + blk)
+    if expert >= num_experts:
+        return
+    slots = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + slots)
+    has = pair >= 0
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    w_off = expert.to(tl.int64) * D * I
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(h_ptr + slots[:, None] * I + kk[None, :], mask=has[:, None] & (kk[None, :] < I), other=0.0)
+        b = tl.load(down_ptr + w_off + rn[None, :] * I + kk[:, None], mask=(rn[None, :] < D) & (kk[:, None] < I),
+                    other=0.0)
+        acc = tl.dot(a, b, acc)
+    weight = tl.load(rw_ptr + tl.where(has, pair, 0), mask=has, other=0.0)
+    y = acc * weight[:, None]
+    tl.store(y_ptr + tl.where(has, pair, 0).to(tl.int64)[:, None] * D + rn[None, :], y,
+             mask=has[:, None] & (rn[None, :] < D))
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, PAIRS_PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """out[row] = sum of the row's pair outputs in pair order (routed ascending, shared last); 0 for padding."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(PAIRS_PER_ROW):
+        expert = tl.load(ids_ptr + row * PAIRS_PER_ROW + j)
+        part = tl.load(y_ptr + (row * PAIRS_PER_ROW + j).to(tl.int64) * D + cols,
+                       mask=mask & (expert < num_experts), other=0.0)
+        acc += part
+    tl.store(out_ptr + row.to(tl.int64) * D + cols, acc, mask=mask)
+
+
+def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor,
+                       up: torch.Tensor, down: torch.Tensor, limit: float, tile: MoeTile, out: torch.Tensor) -> None:
+    t, d = x.shape
+    n_exp, i_dim, _ = gate.shape
+    pairs_per_row = ids.shape[1]
+    groups = group_pairs(ids, n_exp, tile.block_m)
+    h = torch.empty(groups.blocks * tile.block_m, i_dim, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(groups.blocks, triton.cdiv(i_dim, tile.block_n))](
+        x, gate, up, h, groups.pair_of_slot, groups.expert_of_block, n_exp, i_dim, d, float(limit),
+        PAIRS_PER_ROW=pairs_per_row, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.warps, num_stages=tile.stages)
+    y = torch.empty(t * pairs_per_row, d, dtype=torch.float32, device=x.device)
+    _down_kernel[(groups.blocks, triton.cdiv(d, tile.block_n))](
+        h, down, y, groups.pair_of_slot, groups.expert_of_block, weights, n_exp, i_dim, d,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
+        num_stages=tile.stages)
+    block = 1024
+    _combine_kernel[(t, triton.cdiv(d, block))](y, ids, out, n_exp, d, PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+            down: torch.Tensor, limit: float, decode_rows: int) -> torch.Tensor:
+    """Grouped experts: x [T, D]; ids, weights [T, P] from `route` (P = k + 1 pairs per row); gate, up
+    [E+1, I, D]; down [E+1, D, I] (the shared expert last) -> [T, D] fp32, this slice of I's share of the routed +
+    shared outputs. Rows [0, decode_rows) are decode-class and the rest prompt rows; each class is grouped and run
+    with its own fixed schedule."""
+    t = x.shape[0]
+    out = torch.empty(t, x.shape[1], dtype=torch.float32, device=x.device)
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    split = min(max(decode_rows, 0), t)
+    for rows, part in ((RowClass.DECODE, slice(0, split)), (RowClass.PREFILL, slice(split, t))):
+        if part.stop > part.start:
+            _experts_one_class(x[part], ids[part], weights[part], gate, up, down, limit, moe_schedule(rows),
+                               out[part])
+    return out

@@ -1,0 +1,65 @@
+"""Row-wise normalisations on the GPU, one program per row (DESIGN §5.1: norms run one program per row, so a row's
+statistics are summed in the same order whatever the batch). Torch twins: kernels/norms.py.
+
+torch's own reductions choose how many threads and blocks share a row from the tensor's shape, the row count
+included, so their bits can move with the batch; these kernels fix the order: the whole row in one program.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, s_x, w_ptr, out_ptr, s_out, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < D
+    x = tl.load(x_ptr + row * s_x + c, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    act = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + c, mask=mask, other=0.0)
+    # As the twin: normalise in fp32, round to the activation dtype, then apply the weight in that dtype.
+    y = (w.to(tl.float32) * (x * rstd).to(act).to(tl.float32)).to(act)
+    tl.store(out_ptr + row * s_out + c, y, mask=mask)
+
+
+@triton.jit
+def _layer_norm_kernel(x_ptr, s_x, w_ptr, b_ptr, out_ptr, s_out, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < D
+    x = tl.load(x_ptr + row * s_x + c, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / D
+    diff = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / D + eps)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * s_out + c, (diff * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        d = x2.shape[1]
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2.stride(0), weight, out, out.stride(0), d, float(eps),
+                                         BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
+    return out.reshape(x.shape)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        d = x2.shape[1]
+        _layer_norm_kernel[(x2.shape[0],)](x2, x2.stride(0), weight, bias, out, out.stride(0), d, float(eps),
+                                           BLOCK=triton.next_power_of_2(d), num_warps=4)
+    return out.reshape(x.shape)

@@ -1,0 +1,217 @@
+"""What a request constrains its output to, as one llguidance grammar (`GenerateRequest.grammar`).
+
+Sources, at most one per request: `response_format` json_object / json_schema, vLLM's `structured_outputs` (json,
+regex, choice, grammar — Lark or GBNF — json_object) and its older `guided_*` spellings, and tool calls that
+`tool_choice` makes mandatory (`required`: one or more calls of any tool, or one when `parallel_tool_calls` is
+false; a named function: exactly one call of it). `auto` is not constrained: the model's own output is parsed.
+
+The grammar covers the whole reply, so it also says where the constrained part starts: after the reasoning when the
+prompt opened a think block (`<think>` ends it: free text, then `</think>`), else at once (after an optional
+newline, as history turns render `</think>\\n`). JSON is compact and single-line unless the request gives a
+`whitespace_pattern`: a free-whitespace grammar lets a weak model write whitespace for ever.
+
+Tool calls follow GLM's format, `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`, with
+the arguments typed by the tool's JSON schema: a string argument is raw text (no `<`; `enum`, `pattern`,
+`minLength` / `maxLength` honoured), any other value is JSON for its schema. Required properties come first, in the
+schema's order, then the optional ones, each at most once — so the parsed arguments validate against the schema.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llguidance import LLMatcher, LLTokenizer
+
+from .errors import bad_request
+from .schemas import ChatCompletionRequest, ChatTool, CompletionRequest, NamedToolChoice
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+TOOL_TAGS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarBuilder:
+    """Builds and checks grammars against the checkpoint's tokenizer (tags that are single added tokens are
+    referenced as tokens, which is how llguidance sees them)."""
+
+    def __init__(self, tokenizer_json: str, added_tokens: set[str], vocab_size: int, eos_ids: list[int]) -> None:
+        self._added = added_tokens
+        self._tok = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_ids)
+
+    def tag(self, text: str) -> str:
+        """A literal tag in Lark: the token itself when the vocabulary has it as one added token."""
+        return text if text in self._added else json.dumps(text)
+
+    def check(self, grammar: str, param: str) -> str:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
+        if is_error:
+            raise bad_request(f"invalid {param}: {messages[0] if messages else 'the grammar does not compile'}",
+                              param=param, code="invalid_grammar")
+        return grammar
+
+    # -- the body: what the constrained part of the reply is -----------------------------------------------------
+    def reply(self, body: dict[str, Any], reasoning: bool) -> str:
+        """The whole reply: [reasoning `</think>`] or [newline], then the body grammar (named "body")."""
+        head = f"start: THINK {self.tag(THINK_CLOSE)} NL? @body\nTHINK: /(?s:.*)/\n" if reasoning \
+            else "start: NL? @body\n"
+        top = {"name": "reply", "lark_grammar": head + "NL: /\\n/\n"}
+        return json.dumps({"grammars": [top, {**body, "name": "body"}]})
+
+    @staticmethod
+    def _first(grammar_json: str) -> dict[str, Any]:
+        return json.loads(grammar_json)["grammars"][0]
+
+    def json_schema(self, schema: dict[str, Any] | str, whitespace_pattern: str | None = None) -> dict[str, Any]:
+        options = dict(_JSON_OPTIONS)
+        if whitespace_pattern is not None:
+            options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
+        try:
+            return self._first(LLMatcher.grammar_from_json_schema(schema, defaults=options))
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"invalid JSON schema: {exc}", param="response_format", code="invalid_grammar") \
+                from None
+
+    def lark(self, text: str) -> dict[str, Any]:
+        return {"lark_grammar": text}
+
+    def regex(self, pattern: str) -> dict[str, Any]:
+        return self._first(LLMatcher.grammar_from_regex(pattern))
+
+    def choice(self, options: list[str]) -> dict[str, Any]:
+        return {"lark_grammar": "start: " + " | ".join(json.dumps(o) for o in options)}
+
+    def grammar(self, text: str) -> dict[str, Any]:
+        """vLLM `grammar`: Lark (llguidance's dialect) or GBNF, told apart the way llguidance does."""
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            return {"lark_grammar": any_to_lark(text)}
+        except Exception as exc:  # noqa: BLE001 — the converter raises plain Exceptions on bad input
+            raise bad_request(f"invalid grammar: {exc}", param="structured_outputs.grammar",
+                              code="invalid_grammar") from None
+
+    def tool_calls(self, tools: list[ChatTool], one: bool) -> dict[str, Any]:
+        """One call (`one`) or one or more calls of the given tools, in GLM's format."""
+        lines = [f"start: call{'' if one else '+'}", "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            lines += self._tool_rules(i, tool)
+        lines.append("FREE_STR: /[^<]*/")
+        return {"lark_grammar": "\n".join(lines)}
+
+    def _tool_rules(self, i: int, tool: ChatTool) -> list[str]:
+        params = tool.function.parameters or {}
+        props: dict[str, Any] = params.get("properties") or {}
+        required = [k for k in params.get("required") or [] if k in props]
+        optional = [k for k in props if k not in required]
+        t = self.tag
+        rules: list[str] = []
+        parts: list[str] = []
+        for j, key in enumerate(required + optional):
+            rule = f"arg_{i}_{j}"
+            rules.append(f"{rule}: {t('<arg_key>')} {json.dumps(key)} {t('</arg_key>')} {t('<arg_value>')} "
+                         f"{self._value(props[key], f'{rule}_v', rules)} {t('</arg_value>')}")
+            parts.append(rule if key in required else f"{rule}?")
+        if not props and params.get("additionalProperties", True) is not False:
+            rules.append(f"arg_{i}_any: {t('<arg_key>')} /[^<]+/ {t('</arg_key>')} {t('<arg_value>')} FREE_STR "
+                         f"{t('</arg_value>')}")
+            parts.append(f"arg_{i}_any*")
+        head = f"call_{i}: {t('<tool_call>')} {json.dumps(tool.function.name)} {' '.join(parts)} {t('</tool_call>')}"
+        return [head] + rules
+
+    @staticmethod
+    def _value(schema: Any, name: str, rules: list[str]) -> str:
+        """The grammar of one argument value: raw text for strings, JSON for everything else."""
+        if not isinstance(schema, dict):
+            return "FREE_STR"
+        if schema.get("type") == "string" and "const" not in schema:
+            if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+                rules.append(f"{name}: " + " | ".join(json.dumps(v) for v in schema["enum"]))
+                return name
+            if isinstance(schema.get("pattern"), str):
+                pattern = schema["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/")
+                rules.append(f"{name.upper()}: /{pattern}/")
+                return name.upper()
+            lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+            if lo or hi is not None:
+                rules.append(f"{name.upper()}: /[^<]{{{lo},{'' if hi is None else int(hi)}}}/")
+                return name.upper()
+            return "FREE_STR"
+        rules.append(f"{name}: %json {json.dumps(schema)}")
+        return name
+
+
+def _thinking(prompt_text: str) -> bool:
+    """The prompt opened a think block: the reply starts with reasoning, ended by </think>."""
+    return prompt_text.rstrip().endswith(THINK_OPEN)
+
+
+def request_body(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest
+                 ) -> tuple[dict[str, Any], str] | None:
+    """(body grammar, the field it came from), or None when the output is free."""
+    so, rf = req.structured_outputs, req.response_format
+    legacy = [(k, getattr(req, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")
+              if getattr(req, f"guided_{k}") is not None]
+    given = [name for name, on in (("response_format", rf is not None and rf.type != "text"),
+                                   ("structured_outputs", so is not None), ("guided_*", bool(legacy))) if on]
+    if len(given) > 1:
+        raise bad_request(f"give only one of {', '.join(given)}", param=given[1])
+    ws = req.guided_whitespace_pattern
+    if rf is not None and rf.type == "json_object":
+        return b.json_schema({"type": "object"}, ws), "response_format"
+    if rf is not None and rf.type == "json_schema":
+        assert rf.json_schema is not None
+        return b.json_schema(rf.json_schema.schema_, ws), "response_format"
+    if so is not None:
+        ws = so.whitespace_pattern if so.whitespace_pattern is not None else ws
+        if so.json_ is not None:
+            return b.json_schema(so.json_, ws), "structured_outputs.json"
+        if so.json_object:
+            return b.json_schema({"type": "object"}, ws), "structured_outputs.json_object"
+        if so.regex is not None:
+            return b.regex(so.regex), "structured_outputs.regex"
+        if so.choice is not None:
+            return b.choice(so.choice), "structured_outputs.choice"
+        assert so.grammar is not None
+        return b.grammar(so.grammar), "structured_outputs.grammar"
+    if legacy:
+        kind, value = legacy[0]
+        body = {"json": lambda: b.json_schema(value, ws), "regex": lambda: b.regex(value),
+                "choice": lambda: b.choice(value), "grammar": lambda: b.grammar(value)}[kind]()
+        return body, f"guided_{kind}"
+    return None
+
+
+def tool_body(b: GrammarBuilder, req: ChatCompletionRequest) -> tuple[dict[str, Any], str] | None:
+    """The forced tool call(s) of `tool_choice` required / named; None for auto / none / no tools."""
+    choice, tools = req.tool_choice, req.tools or []
+    if isinstance(choice, NamedToolChoice):
+        named = [t for t in tools if t.function.name == choice.function.name]
+        if not named:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                              param="tool_choice")
+        return b.tool_calls(named, one=True), "tool_choice"
+    if choice == "required":
+        if not tools:
+            raise bad_request("tool_choice 'required' needs tools", param="tool_choice")
+        return b.tool_calls(tools, one=req.parallel_tool_calls is False), "tool_choice"
+    return None
+
+
+def build_grammar(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest, prompt_text: str | None
+                  ) -> str | None:
+    """The request's grammar (llguidance JSON), checked against the tokenizer; None when unconstrained."""
+    body = request_body(b, req)
+    if isinstance(req, ChatCompletionRequest):
+        forced = tool_body(b, req)
+        if forced is not None and body is not None:
+            raise bad_request("a forced tool call (tool_choice) cannot be combined with a response format",
+                              param="tool_choice")
+        body = body or forced
+    if body is None:
+        return None
+    grammar, param = body
+    if prompt_text is None:  # completions: the grammar is the whole output
+        return b.check(json.dumps({"grammars": [grammar]}), param)
+    return b.check(b.reply(grammar, _thinking(prompt_text)), param)

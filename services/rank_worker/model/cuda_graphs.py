@@ -1,0 +1,138 @@
+"""CUDA graphs for decode rounds: the whole fused forward of a batch of one-row decode steps, captured once per
+(batch bucket, block-table width bucket) and replayed with its input buffers refilled.
+
+A batch of B decode rows replays the graph of the smallest bucket >= B; the rows past B are inert padding: token 0
+at position 0 of the rank's scratch slot and scratch block (PagedCache), and they take no part in expert routing
+(`n_real`). Every kernel of the fast path is row-invariant (DESIGN §5.1), so a real row's bits are the same in the
+graph as in the eager forward of the same batch (tests/gpu checks replay == eager bit for bit). Graphs are captured
+lazily, the first time a shape is seen, and share one memory pool. vLLM's name for turning them off is kept:
+`--enforce-eager`.
+
+Outputs are views into the graph's static buffers: valid until the next replay (the executor samples at once).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kernels.gpu.kda import DecodeSeqs
+from services.rank_worker.model.batch import Batch
+from services.rank_worker.model.cache import PagedCache
+from services.rank_worker.model.gpu_rows import GpuRows
+from services.rank_worker.model.model import ForwardOutput, Glm5Model
+
+log = logging.getLogger("twinspark.rank")
+
+# vLLM's capture sizes: 1, 2, 4, then every 8 up to 256
+BATCH_BUCKETS = (1, 2, 4, *range(8, 257, 8))
+
+
+def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:
+    return next((b for b in sizes if b >= n), None)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    packed: torch.Tensor  # int32 device buffer the host-filled inputs are views of (one copy refills them)
+    host: torch.Tensor  # pinned int32 staging buffer of the same layout
+    tokens: torch.Tensor  # int64 [B] (refilled on the device from the batch's device tensor)
+    tables: torch.Tensor  # int32 [B, W] (likewise)
+    out: ForwardOutput
+    # What the captured kernels read besides the above (row numbers, per-sequence vectors): the graph holds their
+    # addresses, so they must live as long as it does.
+    rows: GpuRows
+    batch: Batch
+
+
+class DecodeGraphs:
+    def __init__(self, model: Glm5Model, cache: PagedCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.max_width = cache.num_blocks  # no sequence addresses more blocks than the cache has
+
+    def fits(self, batch: Batch) -> bool:
+        """A round of one-row decode steps only (no prompt chunk, no verify window), within the largest bucket."""
+        if batch.hidden is not None or batch.num_seqs > BATCH_BUCKETS[-1]:
+            return False
+        if batch.verify is not None and any(batch.verify):
+            return False
+        return all(n == 1 and not batch.is_prompt(s) for s, n in enumerate(batch.lengths))
+
+    def run(self, batch: Batch) -> ForwardOutput:
+        b = batch.num_seqs
+        bucket = _bucket(b, BATCH_BUCKETS)
+        width = min(self.max_width, 1 << max(0, (batch.block_tables.shape[1] - 1).bit_length()))
+        key = (bucket, width)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._capture(bucket, width)
+            self.graphs[key] = g
+            log.info("captured a CUDA graph for %d decode rows, block tables of %d (%d graphs)", bucket, width,
+                     len(self.graphs))
+        self._fill(g, batch, bucket)
+        g.graph.replay()
+        return ForwardOutput(g.out.logits[:b], g.out.hidden[:b])
+
+    # ----- host-filled static inputs: [positions B | slots B | fresh B | n_real 1] -----
+
+    @staticmethod
+    def _layout(bucket: int) -> list[int]:
+        return [bucket, bucket, bucket, 1]
+
+    def _fill(self, g: _Graph, batch: Batch, bucket: int) -> None:
+        """Refill the inputs: the host facts through the pinned buffer (one copy), token ids and block tables
+        device to device (the batch holds them on the GPU; reading them back would sync)."""
+        b = batch.num_seqs
+        pad = bucket - b
+        positions, slots, fresh, n_real = torch.split(g.host, self._layout(bucket))
+        positions.copy_(torch.tensor(batch.starts + [0] * pad, dtype=torch.int32))
+        slots.copy_(torch.tensor(batch.slots + [self.cache.scratch_slot] * pad, dtype=torch.int32))
+        fresh.copy_(torch.tensor([int(s == 0) for s in batch.starts] + [1] * pad, dtype=torch.int32))
+        n_real[0] = b
+        g.packed.copy_(g.host, non_blocking=True)
+        g.tokens[b:].zero_()
+        g.tokens[:b].copy_(batch.token_ids)
+        g.tables.fill_(self.cache.scratch_block)
+        g.tables[:b, : batch.block_tables.shape[1]].copy_(batch.block_tables)
+
+    def _capture(self, bucket: int, width: int) -> _Graph:
+        dev = self.model.device
+        n = sum(self._layout(bucket))
+        packed = torch.zeros(n, dtype=torch.int32, device=dev)
+        host = torch.zeros(n, dtype=torch.int32).pin_memory()
+        positions, slots, fresh, n_real = torch.split(packed, self._layout(bucket))
+        tokens = torch.zeros(bucket, dtype=torch.int64, device=dev)
+        tables = torch.zeros(bucket, width, dtype=torch.int32, device=dev)
+        arange = torch.arange(bucket, dtype=torch.int32, device=dev)
+        kda = DecodeSeqs(row0=arange, length=torch.ones_like(arange), slot=slots, fresh=fresh,
+                         pending=torch.full_like(arange, -1), commit=arange.long())
+        cfg = self.model.cfg
+        keep = cfg.index_topk // cfg.index_kpool
+        max_pools = max(keep, width * self.cache.block_size // cfg.index_kpool)
+        rows = GpuRows(n_rows=bucket, decode_rows=bucket, positions=positions, row_seq=arange, tables=tables,
+                       n_real=n_real, kda=kda, verify=[], window=0, prompt=None, max_pools=max_pools,
+                       block_size=self.cache.block_size)
+        batch = Batch(token_ids=tokens, starts=[0] * bucket, lengths=[1] * bucket, block_tables=tables,
+                      slots=[self.cache.scratch_slot] * bucket, logit_rows=torch.arange(bucket),
+                      prompt=[False] * bucket)
+        # Inputs as padding while warming up (Triton compiles, cuBLAS-free, allocator settles): scratch only.
+        tables.fill_(self.cache.scratch_block)
+        slots.fill_(self.cache.scratch_slot)
+        fresh.fill_(1)
+        n_real.fill_(0)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.model.forward_gpu(batch, self.cache, rows)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.model.forward_gpu(batch, self.cache, rows)
+        return _Graph(graph, packed, host, tokens, tables, out, rows, batch)

@@ -1,0 +1,105 @@
+"""What the GPU fast path needs to know about a batch's rows, as device tensors, built once per forward.
+
+The CPU path reads `Batch`'s Python lists inside the layers; on the GPU that would mean host syncs and per-sequence
+launches. `GpuRows` moves the row and sequence facts to the device once (one pinned host buffer, one copy), so the
+layers launch a fixed set of kernels whatever the batch, and a CUDA graph can replay them with the same buffers
+refilled (services/rank_worker/model/cuda_graphs.py builds a `GpuRows` over static buffers).
+
+Rows are ordered decode-class first (Batch.class_order): rows [0, decode_rows) are decode steps and verify windows,
+the rest prompt chunks, so every kernel runs each class with its own fixed schedule on a contiguous run of rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.gpu.kda import DecodeSeqs
+from services.rank_worker.model.batch import Batch
+
+
+@dataclass
+class PromptSeqs:
+    """The prompt chunks of a batch, for the chunked KDA kernel (one varlen call over all of them)."""
+    seqs: list[int]  # batch sequence indices
+    cu_seqlens: torch.Tensor  # int64 [P+1] row offsets relative to the first prompt row
+    slots: torch.Tensor  # int64 [P] KDA state slots
+    fresh: torch.Tensor  # bool [P] starts at position 0
+    # per prompt row (int32 [T_prompt]), for the short conv: its sequence's first prompt row, slot, fresh flag
+    row_first: torch.Tensor
+    row_slot: torch.Tensor
+    row_fresh: torch.Tensor
+
+
+@dataclass
+class GpuRows:
+    n_rows: int  # real packed rows (graph padding rows come after them)
+    decode_rows: int
+    positions: torch.Tensor  # int32 [T] absolute position of every row
+    row_seq: torch.Tensor  # int32 [T] sequence of every row
+    tables: torch.Tensor  # int32 [B, W] block tables
+    n_real: torch.Tensor  # int32 [1] rows that route through the experts (graph padding rows do not)
+    kda: DecodeSeqs  # the decode-class sequences (decode steps and verify windows)
+    verify: list[int]  # sequences that are verify windows, in pending-buffer order
+    window: int  # longest verify window (rows)
+    prompt: PromptSeqs | None
+    max_pools: int  # most complete k-pools any row sees (sizes the indexer's score matrix)
+    block_size: int
+
+    def addresses(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of every row's cache position, computed on the device."""
+        pos = self.positions.long()
+        blocks = self.tables[self.row_seq.long(), pos // self.block_size].long()
+        return blocks, pos % self.block_size
+
+
+def _device(values: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Several int32 vectors to the device with one pinned host buffer and one asynchronous copy."""
+    sizes = [len(v) for v in values]
+    host = torch.tensor([x for v in values for x in v], dtype=torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    return list(torch.split(dev, sizes))
+
+
+def build(batch: Batch, *, kpool: int, block_size: int) -> GpuRows:
+    """GpuRows of an eager forward (decode-class sequences must come first: Batch.permuted)."""
+    dev = batch.token_ids.device
+    decode_rows = batch.decode_rows
+    offsets = batch.offsets
+    positions: list[int] = []
+    row_seq: list[int] = []
+    for s, (st, n) in enumerate(zip(batch.starts, batch.lengths)):
+        positions.extend(range(st, st + n))
+        row_seq.extend([s] * n)
+    decode = [s for s in range(batch.num_seqs) if not batch.is_prompt(s)]
+    verify = [s for s in decode if batch.is_verify(s)]
+    prompt = [s for s in range(batch.num_seqs) if batch.is_prompt(s)]
+    pending = [verify.index(s) if s in verify else -1 for s in decode]
+    commit = [i for i, p in enumerate(pending) if p < 0]
+    cu = [0]
+    row_first: list[int] = []
+    row_slot: list[int] = []
+    row_fresh: list[int] = []
+    for s in prompt:
+        n = batch.lengths[s]
+        row_first.extend([cu[-1]] * n)
+        row_slot.extend([batch.slots[s]] * n)
+        row_fresh.extend([int(batch.starts[s] == 0)] * n)
+        cu.append(cu[-1] + n)
+    (pos_t, seq_t, row0, length, slot, fresh, pend, commit_t, n_real, cu_t, p_slots, p_fresh, r_first, r_slot,
+     r_fresh) = _device([
+        positions, row_seq, [offsets[s] for s in decode], [batch.lengths[s] for s in decode],
+        [batch.slots[s] for s in decode], [int(batch.starts[s] == 0) for s in decode], pending, commit,
+        [len(positions)], cu, [batch.slots[s] for s in prompt], [int(batch.starts[s] == 0) for s in prompt],
+        row_first, row_slot, row_fresh], dev)
+    kda = DecodeSeqs(row0, length, slot, fresh, pend, commit_t.long())
+    prompt_seqs = PromptSeqs(prompt, cu_t.long(), p_slots.long(), p_fresh.bool(), r_first, r_slot,
+                             r_fresh) if prompt else None
+    ends = [st + n for st, n in zip(batch.starts, batch.lengths)]
+    return GpuRows(n_rows=len(positions), decode_rows=decode_rows, positions=pos_t, row_seq=seq_t,
+                   tables=batch.block_tables.to(torch.int32), n_real=n_real, kda=kda, verify=verify,
+                   window=max((batch.lengths[s] for s in verify), default=0), prompt=prompt_seqs,
+                   max_pools=max(ends) // kpool, block_size=block_size)

@@ -1,0 +1,97 @@
+"""Structured output in the scheduler: one llguidance matcher per constrained request, and its token masks.
+
+The gateway turns JSON schemas, regexes, choices, grammars and tool calls into an llguidance grammar (JSON text,
+`GenerateRequest.grammar`); here it is compiled against the checkpoint's tokenizer (`--tokenizer`) and walked with
+the request's tokens. A mask is a pure function of the grammar and the tokens so far (exactness: the same request
+gets the same masks, alone or in any batch, with or without drafts). Why llguidance and not xgrammar:
+bench/results/grammar_mask.md.
+
+Drafts: the masks of a verify window's rows are those of the grammar after the drafts before each row. A draft the
+grammar forbids is cut off together with everything after it — the rank's own masked sample at that row could never
+equal it, so it would be rejected anyway; cutting it saves the rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from llguidance import LLMatcher, LLTokenizer
+
+log = logging.getLogger("twinspark.scheduler.grammar")
+
+
+class GrammarError(ValueError):
+    """The grammar does not compile (its text says why)."""
+
+
+def _allows(mask: torch.Tensor, token: int) -> bool:
+    word = token // 32
+    return 0 <= word < mask.numel() and bool((int(mask[word]) >> (token % 32)) & 1)
+
+
+class RequestGrammar:
+    """One request's matcher: the state after its generated tokens so far."""
+
+    def __init__(self, matcher: LLMatcher) -> None:
+        self._m = matcher
+
+    def mask(self) -> torch.Tensor:
+        """int32 [ceil(V / 32)]: the tokens allowed next."""
+        return torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32)
+
+    def window(self, drafts: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """Masks for a decode row followed by `drafts` (one per row), and the drafts the grammar allows (a prefix
+        of `drafts`). The matcher is back in its current state afterwards."""
+        masks = [self.mask()]
+        kept: list[int] = []
+        for d in drafts:
+            if not _allows(masks[-1], d) or not self._m.consume_token(d):
+                break
+            kept.append(d)
+            masks.append(self.mask())
+        if kept:
+            self._m.rollback(len(kept))
+        return masks[: len(kept) + 1], kept
+
+    def commit(self, tokens: list[int]) -> str | None:
+        """Advance past committed tokens; an error text if the grammar rejects one (cannot happen with masks)."""
+        if self._m.is_stopped():  # past the grammar's end only stop ids follow; nothing left to check
+            return None
+        if not self._m.consume_tokens(tokens):
+            return self._m.get_error() or "the grammar rejected a token"
+        return None
+
+
+class GrammarBook:
+    """The tokenizer's llguidance view, built once; compiles each request's grammar."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]) -> None:
+        # n_vocab: the model's (padded) vocabulary, so masks cover every id the ranks can sample; ids the
+        # tokenizer lacks are never allowed. The stop ids are the grammar's end-of-sequence tokens: once the
+        # grammar is complete, only they are allowed.
+        self._tok = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def load(cls, path: str, vocab_size: int, eos_ids: list[int]) -> "GrammarBook":
+        """`path`: a checkpoint directory (its tokenizer.json) or the tokenizer.json file."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        text = p.read_text(encoding="utf-8")
+        json.loads(text)  # a clear error for a file that is not a tokenizer
+        book = cls(text, vocab_size, eos_ids)
+        log.info("structured output on: llguidance over %s (%d ids)", p, vocab_size)
+        return book
+
+    def compile(self, grammar: str) -> RequestGrammar:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
+        if is_error:
+            raise GrammarError(messages[0] if messages else "invalid grammar")
+        matcher = LLMatcher(self._tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return RequestGrammar(matcher)

@@ -1,0 +1,96 @@
+"""The fused GPU forward at real GLM-5.3-Flash widths (hidden 4096, 288 experts top-8, MLA 64 heads with the DSA
+indexer, KDA 64x128; two layers KM: a KDA layer with a dense FFN, an MLA layer with the MoE), random bf16 weights:
+
+- a decode row alone = the same row packed with up to 2,048 other rows (decode rows, a verify window, prompt chunks
+  of many lengths): bit-identical logits (DESIGN §5.1);
+- a prompt prefilled whole = in chunks on the 64-token grid: bit-identical logits, and the decode step after it too
+  (so the KDA state and the cache rows are identical);
+- a CUDA-graph replay of a decode round = the eager forward of the same round: bit-identical.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+BLOCK = 16
+CAP = 4096  # positions per sequence in these tests
+
+
+@pytest.fixture(scope="module")
+def model():
+    from bench.random_weights import bench_spec, build_model
+    spec = bench_spec(layers=2, layer_pattern="KM")
+    m, _ = build_model(spec, device="cuda", dtype=torch.bfloat16, seed=0)
+    return m
+
+
+def _batch(seqs, device="cuda"):
+    """seqs: (slot, ids, start, prompt, verify) in decode-class-first order."""
+    from services.rank_worker.model.batch import Batch
+    ids = [i for _, new, *_ in seqs for i in new]
+    nb = CAP // BLOCK
+    return Batch(token_ids=torch.tensor(ids, device=device), starts=[st for _, _, st, _, _ in seqs],
+                 lengths=[len(new) for _, new, *_ in seqs],
+                 block_tables=torch.tensor([list(range(s * nb, (s + 1) * nb)) for s, *_ in seqs], device=device),
+                 slots=[s for s, *_ in seqs], logit_rows=torch.arange(len(ids)), verify=[v for *_, v in seqs],
+                 prompt=[p for *_, p, _ in seqs])
+
+
+def _cache(model, slots: int):
+    return model.new_cache(num_blocks=slots * CAP // BLOCK, block_size=BLOCK, num_slots=slots)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 150000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_decode_row_alone_equals_row_among_2048(model):
+    slots = 24
+    cache = _cache(model, slots)
+    prompts = [_ids(300 + 37 * s, seed=s) for s in range(slots)]
+    for s in range(0, slots, 6):  # prefill every sequence's context
+        model.forward(_batch([(t, prompts[t], 0, True, False) for t in range(s, s + 6)]), cache)
+    target = (5, [123], len(prompts[5]), False, False)
+    alone = model.forward(_batch([target]), copy.deepcopy(cache)).logits[0]
+    others_decode = [(t, [7 + t], len(prompts[t]), False, False) for t in range(6, 16)]
+    verify = [(3, [11, 12, 13, 14, 15], len(prompts[3]), False, True)]
+    chunks = [(16 + i, _ids(n, seed=100 + i), len(prompts[16 + i]), True, False)
+              for i, n in enumerate((1, 37, 64, 200, 700, 1030))]
+    packed = others_decode[:5] + [target] + others_decode[5:] + verify + chunks
+    rows = sum(len(x[1]) for x in packed)
+    assert rows == 2048
+    batch = _batch(packed)
+    together = model.forward(batch, copy.deepcopy(cache)).logits[5]
+    assert torch.equal(alone, together)
+
+
+def test_prompt_whole_equals_grid_chunks(model):
+    prompt = _ids(300, seed=7)
+    whole_cache, chunk_cache = _cache(model, 1), _cache(model, 1)
+    whole = model.forward(_batch([(0, prompt, 0, True, False)]), whole_cache).logits
+    parts, start = [], 0
+    for n in (64, 128, 108):
+        parts.append(model.forward(_batch([(0, prompt[start:start + n], start, True, False)]), chunk_cache).logits)
+        start += n
+    assert torch.equal(whole, torch.cat(parts))
+    step = [(0, [42], 300, False, False)]
+    assert torch.equal(model.forward(_batch(step), whole_cache).logits, model.forward(_batch(step), chunk_cache).logits)
+
+
+def test_graph_replay_equals_eager(model):
+    from services.rank_worker.model.cuda_graphs import DecodeGraphs
+    cache = _cache(model, 8)
+    prompts = [_ids(100 + 11 * s, seed=20 + s) for s in range(5)]
+    model.forward(_batch([(s, prompts[s], 0, True, False) for s in range(5)]), cache)
+    graphs = DecodeGraphs(model, cache)
+    for step in range(3):
+        batch = _batch([(s, [3 + s + step], len(prompts[s]) + step, False, False) for s in range(5)])
+        assert graphs.fits(batch)
+        eager = model.forward(batch, copy.deepcopy(cache)).logits.clone()
+        replay = graphs.run(batch).logits.clone()
+        assert torch.equal(eager, replay)

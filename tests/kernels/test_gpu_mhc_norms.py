@@ -1,0 +1,66 @@
+"""GPU mHC (kernels/gpu/mhc.py) and row-wise norms (kernels/gpu/norms.py) against their torch twins, and their row
+invariance."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.kernels.gpu_support import DEVICE, HALF, HALF_TOL, randn
+
+from kernels import mhc as ref  # noqa: E402
+from kernels.gpu import mhc, norms  # noqa: E402
+from kernels.norms import layer_norm, rms_norm  # noqa: E402
+
+T, HC, D = 9, 4, 96
+KW = dict(eps=1e-6, norm_eps=1e-5, iters=20)
+GPU_KW = dict(rms_eps=1e-5, decode_rows=1 << 30, **KW)
+
+
+def params() -> dict[str, torch.Tensor]:
+    return dict(fn=randn(HC * (2 + HC), HC * D, seed=1, scale=0.05),
+                base=randn(HC * (2 + HC), dtype=torch.float32, seed=2, scale=0.1),
+                scale=randn(3, dtype=torch.float32, seed=3, scale=0.1) + 1,
+                norm=1 + randn(D, seed=4, scale=0.1))
+
+
+def twin_pre(streams, p):
+    c = lambda t: t.cpu()  # noqa: E731
+    pre, post, comb = ref.hc_weights(c(streams).float(), c(p["fn"]), c(p["base"]), c(p["scale"]), **KW)
+    h = rms_norm(ref.collapse(c(streams), pre), c(p["norm"]), 1e-5)
+    return h, post, comb
+
+
+def test_pre_matches_twin() -> None:
+    streams, p = randn(T, HC, D, seed=5), params()
+    h, post, comb = mhc.pre(streams, p["fn"], p["base"], p["scale"], p["norm"], **GPU_KW)
+    want_h, want_post, want_comb = twin_pre(streams, p)
+    torch.testing.assert_close(post.cpu(), want_post, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(comb.cpu(), want_comb, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(h.cpu().float(), want_h.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_post_matches_twin() -> None:
+    residual, partials = randn(T, HC, D, seed=6), randn(3, T, D, dtype=torch.float32, seed=7)
+    post_w, comb = torch.rand(T, HC, device=DEVICE), torch.rand(T, HC, HC, device=DEVICE)
+    out = mhc.post(partials, residual, post_w, comb)
+    block_out = (partials[0] + partials[1] + partials[2]).to(HALF)
+    want = ref.expand(block_out.cpu(), residual.cpu(), post_w.cpu(), comb.cpu())
+    torch.testing.assert_close(out.cpu().float(), want.float(), **HALF_TOL)
+
+
+def test_norms_match_twin() -> None:
+    x, w, b = randn(T, D, seed=8), 1 + randn(D, seed=9, scale=0.1), randn(D, seed=10, scale=0.1)
+    torch.testing.assert_close(norms.rms_norm(x, w, 1e-5).cpu().float(), rms_norm(x.cpu(), w.cpu(), 1e-5).float(),
+                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(norms.layer_norm(x, w, b, 1e-6).cpu().float(),
+                               layer_norm(x.cpu().float(), w.cpu().float(), b.cpu().float(), 1e-6),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_rows_alone_equal_rows_in_company() -> None:
+    streams, p = randn(T, HC, D, seed=11), params()
+    alone = mhc.pre(streams[4:5], p["fn"], p["base"], p["scale"], p["norm"], **GPU_KW)
+    together = mhc.pre(streams, p["fn"], p["base"], p["scale"], p["norm"], **GPU_KW)
+    assert all(torch.equal(a[0], b[4]) for a, b in zip(alone, together))
+    x, w = randn(T, D, seed=12), 1 + randn(D, seed=13, scale=0.1)
+    assert torch.equal(norms.rms_norm(x[4:5], w, 1e-5)[0], norms.rms_norm(x, w, 1e-5)[4])

@@ -1,0 +1,146 @@
+"""The GPU DSA indexer and sparse MLA kernels (kernels/gpu/mla.py) against their torch twins (kernels/dsa.py,
+kernels/mla.py): pool keys, scores, the selection, attention over the paged latent cache, and row invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.gpu_support import DEVICE, HALF, HALF_TOL, randn
+
+from kernels import dsa  # noqa: E402
+from kernels.gpu import mla  # noqa: E402
+from kernels.kv_quant import FP8, quantize_rows  # noqa: E402
+from kernels.mla import latent_attention  # noqa: E402
+
+BS, KP, DI, NH, R, H = 16, 4, 16, 16, 32, 4
+LENS = [37, 70]  # two sequences' context lengths
+TABLES = [[5, 2, 7], [1, 8, 0, 3, 6]]  # their (shuffled) physical blocks
+BLOCKS = 9
+
+
+class Paged:
+    """Two sequences' index rows and latent rows in a paged store, plus the dense copies the twins read."""
+
+    def __init__(self, fp8: bool = False) -> None:
+        self.tables = torch.tensor([t + [0] * (5 - len(t)) for t in TABLES], dtype=torch.int32, device=DEVICE)
+        self.index = torch.zeros(BLOCKS, BS, 2 * DI, dtype=HALF, device=DEVICE)
+        self.latent = torch.zeros(BLOCKS, BS, R, dtype=FP8 if fp8 else HALF, device=DEVICE)
+        self.latent_scale = torch.ones(BLOCKS, BS, device=DEVICE) if fp8 else None
+        self.dense_index, self.dense_latent = [], []
+        for s, n in enumerate(LENS):
+            idx, lat = randn(n, 2 * DI, seed=10 + s), randn(n, R, seed=20 + s)
+            blocks = torch.tensor(TABLES[s], device=DEVICE)[torch.arange(n, device=DEVICE) // BS]
+            offs = torch.arange(n, device=DEVICE) % BS
+            self.index[blocks, offs] = idx
+            if fp8:
+                q, scale = quantize_rows(lat)
+                self.latent[blocks, offs], self.latent_scale[blocks, offs] = q, scale
+                lat = (q.float() * scale.unsqueeze(-1)).to(HALF)
+            else:
+                self.latent[blocks, offs] = lat
+            self.dense_index.append(idx)
+            self.dense_latent.append(lat)
+        self.pooled = torch.zeros(BLOCKS, BS // KP, DI, dtype=HALF, device=DEVICE)
+        self.ape = randn(KP, DI, seed=30)
+
+
+def rows_of(queries: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = torch.tensor([s for s, _ in queries], dtype=torch.int32, device=DEVICE)
+    pos = torch.tensor([p for _, p in queries], dtype=torch.int32, device=DEVICE)
+    return pos, seq
+
+
+@pytest.fixture(scope="module")
+def paged() -> Paged:
+    cache = Paged()
+    every = [(s, p) for s, n in enumerate(LENS) for p in range(n)]
+    pos, seq = rows_of(every)
+    mla.write_pools(cache.index, None, cache.pooled, cache.ape, cache.tables, pos, seq, KP)
+    return cache
+
+
+def test_pool_keys_match_twin(paged: Paged) -> None:
+    for s, n in enumerate(LENS):
+        keys, gates = paged.dense_index[s].split(DI, dim=-1)
+        want = dsa.pool_keys(keys.cpu().float(), gates.cpu().float(), paged.ape.cpu().float(), KP)
+        for p in range(n // KP):
+            block, slot = TABLES[s][p * KP // BS], (p * KP % BS) // KP
+            torch.testing.assert_close(paged.pooled[block, slot].cpu().float(), want[p], rtol=1e-2, atol=1e-2)
+
+
+QUERIES = [(0, 36), (1, 69), (1, 3), (0, 15), (1, 40)]
+MAX_POSITIONS = max(LENS) + KP
+# decode-class rows in several splits (16 positions each), or every row a prompt row in one program
+CLASSES = {"decode": dict(decode_rows=1 << 30, decode_split=16), "prefill": dict(decode_rows=0)}
+
+
+def attend(q_lat, cache: Paged, pos, seq, sel, count, **cls) -> torch.Tensor:
+    out = torch.empty(q_lat.shape, dtype=HALF, device=DEVICE)
+    mla.sparse_attention(q_lat, cache.latent, cache.latent_scale, cache.tables, pos, seq, sel, count, KP, 0.25, out,
+                         max_positions=MAX_POSITIONS, **cls)
+    return out
+
+
+@pytest.mark.parametrize("cls", CLASSES.values(), ids=CLASSES.keys())
+def test_scores_selection_and_attention_match_twin(paged: Paged, cls: dict) -> None:
+    pos, seq = rows_of(QUERIES)
+    q_idx, w = randn(len(QUERIES), NH, DI, seed=40), randn(len(QUERIES), NH, dtype=torch.float32, seed=41)
+    n_pools = max(LENS) // KP
+    scores = mla.index_scores(q_idx, w, paged.pooled, paged.tables, pos, seq, KP, n_pools)
+    keep = 5  # topk 20 / kpool 4: fewer than the pools most rows see, so selection drops some
+    sel, count = mla.select_pools(scores, pos, KP, keep, n_pools)
+    q_lat = randn(len(QUERIES), H, R, seed=42)
+    out = attend(q_lat, paged, pos, seq, sel, count, **cls)
+    for i, (s, p) in enumerate(QUERIES):
+        keys, gates = paged.dense_index[s][: p + 1].split(DI, dim=-1)
+        pooled = dsa.pool_keys(keys.cpu().float(), gates.cpu().float(), paged.ape.cpu().float(), KP)
+        ref_scores = dsa.index_scores(q_idx[i : i + 1].cpu().float(), w[i : i + 1].cpu(), pooled)
+        got = scores[i, : (p + 1) // KP].cpu()
+        torch.testing.assert_close(got, ref_scores[0], **HALF_TOL)
+        assert torch.all(scores[i, (p + 1) // KP :].cpu() == float("-inf"))
+        mask = dsa.select(got.unsqueeze(0), torch.tensor([p]), p + 1, KP, keep * KP, True)
+        chosen = sel[i, : count[i]].long().cpu()
+        assert torch.equal(chosen, torch.sort(chosen).values)
+        mine = torch.zeros(p + 1, dtype=torch.bool)
+        for pool in chosen.tolist():
+            mine[pool * KP : pool * KP + KP] = True
+        mine[(p + 1) // KP * KP : p + 1] = True
+        assert torch.equal(mine, mask[0])
+        want = latent_attention(q_lat[i : i + 1].cpu().float(), paged.dense_latent[s][: p + 1].cpu().float(), mask,
+                                0.25)
+        torch.testing.assert_close(out[i].cpu().float(), want[0], **HALF_TOL)
+
+
+def test_select_takes_everything_when_few_pools(paged: Paged) -> None:
+    pos, _ = rows_of([(0, 3), (0, 36)])
+    sel, count = mla.select_pools(None, pos, KP, keep=16, n_pools=9)
+    assert count.tolist() == [1, 9] and sel[1].tolist() == list(range(9))
+
+
+@pytest.mark.parametrize("cls", CLASSES.values(), ids=CLASSES.keys())
+def test_fp8_latent_rows(cls: dict) -> None:
+    cache = Paged(fp8=True)
+    pos, seq = rows_of(QUERIES)
+    sel, count = mla.select_pools(None, pos, KP, keep=64, n_pools=max(LENS) // KP)
+    q_lat = randn(len(QUERIES), H, R, seed=43)
+    out = attend(q_lat, cache, pos, seq, sel, count, **cls)
+    for i, (s, p) in enumerate(QUERIES):
+        want = latent_attention(q_lat[i : i + 1].cpu().float(), cache.dense_latent[s][: p + 1].cpu().float(),
+                                torch.ones(1, p + 1, dtype=torch.bool), 0.25)
+        torch.testing.assert_close(out[i].cpu().float(), want[0], **HALF_TOL)
+
+
+@pytest.mark.parametrize("cls", CLASSES.values(), ids=CLASSES.keys())
+def test_row_alone_equals_row_in_company(paged: Paged, cls: dict) -> None:
+    q_lat = randn(len(QUERIES), H, R, seed=44)
+    n_pools = max(LENS) // KP
+
+    def run(rows: list[int]) -> torch.Tensor:
+        pos, seq = rows_of([QUERIES[i] for i in rows])
+        sel, count = mla.select_pools(None, pos, KP, keep=64, n_pools=n_pools)
+        return attend(q_lat[rows].contiguous(), paged, pos, seq, sel, count, **cls)
+
+    alone = run([1])[0]
+    assert torch.equal(run([0, 1, 2, 3, 4])[1], alone)
+    assert torch.equal(run([3, 1])[1], alone)

@@ -1,0 +1,82 @@
+"""The GPU fast path (`Glm5Model.forward_gpu`: the Triton kernels of kernels/gpu, here in Triton's CPU interpreter)
+against the torch reference forward on a tiny checkpoint in fp32: the same logits for prompt chunks, decode rows and
+verify windows, and a decode row's logits bit-identical alone and packed with other rows.
+
+On a GPU the same comparison runs in bf16 at real dims (tests/gpu); here it checks the fast path's logic —
+metadata, cache addressing, pool keys, selection, the fused KDA decode — on every CPU test run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.gpu_support import triton  # noqa: F401  (skips the module without Triton)
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA; on a "
+                                "GPU tests/gpu/test_fast_path.py covers this at real dims")
+
+from services.rank_worker.model import gpu_rows  # noqa: E402
+from services.rank_worker.model.batch import Batch  # noqa: E402
+from services.rank_worker.model.model import Glm5Model  # noqa: E402
+from services.rank_worker.model.parallel import Sharding  # noqa: E402
+from services.rank_worker.model.tiny import make_tiny  # noqa: E402
+from tests.model.reference import clone_cache, fresh_cache, random_ids, table  # noqa: E402
+
+CAP = 96
+
+
+def step(model, cache, seqs: list[tuple[int, list[int], int, bool, bool]], *, gpu: bool) -> list[torch.Tensor]:
+    """One packed forward; seqs: (slot, new ids, start, prompt, verify) in decode-class-first order -> logits of
+    every row, per sequence."""
+    ids = [i for _, new, _, _, _ in seqs for i in new]
+    batch = Batch(token_ids=torch.tensor(ids), starts=[st for _, _, st, _, _ in seqs],
+                  lengths=[len(new) for _, new, _, _, _ in seqs],
+                  block_tables=torch.tensor([table(slot, CAP) for slot, _, _, _, _ in seqs]),
+                  slots=[slot for slot, _, _, _, _ in seqs], logit_rows=torch.arange(len(ids)),
+                  verify=[v for *_, v in seqs], prompt=[p for *_, p, _ in seqs])
+    if gpu:
+        out = model.forward_gpu(batch, cache, gpu_rows.build(batch, kpool=model.cfg.index_kpool,
+                                                             block_size=cache.block_size))
+    else:
+        out = model.forward(batch, cache)
+    if any(v for *_, v in seqs):
+        model.commit_verify(batch, cache, {s: 1 for s, (*_, v) in enumerate(seqs) if v})
+    return list(out.logits.split(batch.lengths))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """5 layers KMKKM (dense FFNs then MoE; layer 4 reuses layer 1's DSA selection), index_topk 16 so selection
+    drops pools, one virtual shard: the interpreter runs every kernel launch in Python, so fewer launches keep this
+    test to seconds."""
+    path = make_tiny(tmp_path_factory.mktemp("gpu_path") / "ckpt", seed=4, layers=5, index_topk=16,
+                     layer_pattern="KMKKM", indexer_pattern="FFFFS")
+    return Glm5Model.load(path, dtype=torch.float32, progress=False, sharding=Sharding(virtual=1))
+
+
+def test_fast_path_matches_reference(model) -> None:
+    a, b, c = random_ids(80, seed=1), random_ids(80, seed=2), random_ids(80, seed=3)
+    rounds = [  # (slot, new ids, start, prompt, verify)
+        [(0, a[:64], 0, True, False), (1, b[:21], 0, True, False)],  # prompt chunks, one ending on the 64 grid
+        [(1, b[21:22], 21, False, False), (0, a[64:70], 64, True, False), (2, c[:1], 0, True, False)],
+        [(1, b[22:25], 22, False, True), (0, a[70:71], 70, False, False), (2, c[1:9], 1, True, False)],
+    ]
+    caches = [fresh_cache(model, CAP, slots=3), None]
+    caches[1] = clone_cache(caches[0])
+    for seqs in rounds:
+        want = step(model, caches[0], seqs, gpu=False)
+        got = step(model, caches[1], seqs, gpu=True)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_row_alone_equals_row_in_batch(model) -> None:
+    ids = [random_ids(40, seed=10 + s) for s in range(4)]
+    cache = fresh_cache(model, CAP, slots=4)
+    step(model, cache, [(s, ids[s][:26 + s], 0, True, False) for s in range(4)], gpu=True)
+    alone = step(model, clone_cache(cache), [(2, ids[2][28:29], 28, False, False)], gpu=True)[0]
+    together = step(model, clone_cache(cache), [(0, ids[0][26:27], 26, False, False),
+                                                (3, ids[3][29:32], 29, False, True),
+                                                (2, ids[2][28:29], 28, False, False),
+                                                (1, ids[1][27:33], 27, True, False)], gpu=True)[2]
+    assert torch.equal(alone, together)
