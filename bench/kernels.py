@@ -87,7 +87,7 @@ def gemm_sweep(bw: float, mm: float) -> list[dict]:
                 for warps in ((4,) if m == 1 else (4, 8)):
                     tile = gemm.Tile(bm, bn, bk, split, warps, st)
                     try:
-                        ms = bench_ms(lambda: gemm._launch(x.unsqueeze(0), w.unsqueeze(0), out, tile), reps=20)
+                        ms = bench_ms(lambda: gemm._launch(x.unsqueeze(0), gemm.dense(w), out, tile), reps=20)
                     except Exception as exc:  # e.g. out of shared memory
                         log(f"sweep {name} m={m} {tile}: {type(exc).__name__}")
                         continue

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from deploy.ctl import checks, plan
-from deploy.ctl.settings import Settings, SettingsError, load
+from deploy.ctl.settings import SECRETS, Settings, SettingsError, load
 
 RECORD = "deploy.json"  # what start did, under STATE_DIR: stop reads it
 
@@ -31,10 +31,17 @@ def _run(step: plan.Step, s: Settings, compose_env: dict[str, str]) -> None:
     if step.machine.ssh is None:
         r = subprocess.run(step.argv, env={**os.environ, **env}, cwd=plan.REPO)
     else:
-        remote = "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(step.argv)
+        # Secrets go over ssh's stdin into the remote shell's environment: never on a command line, which every
+        # user of the worker can read in its process list.
+        secret = [k for k in env if k in SECRETS and env[k]]
+        plain = {k: v for k, v in env.items() if k not in secret}
+        remote = "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plain.items()) + " " + shlex.join(step.argv)
         if step.cwd:
             remote = f"cd {shlex.quote(step.cwd)} && {remote}"
-        r = subprocess.run([*checks.SSH, step.machine.ssh, remote])
+        if secret:
+            remote = "".join(f"IFS= read -r {k}; " for k in secret) + f"export {' '.join(secret)}; {remote}"
+        r = subprocess.run([*checks.SSH, step.machine.ssh, remote], text=True,
+                           input="".join(env[k] + "\n" for k in secret))
     if r.returncode != 0:
         raise RuntimeError(f"{step.title}: exit code {r.returncode}")
 
@@ -80,8 +87,7 @@ def start(s: Settings, dry_run: bool) -> None:
     steps = plan.start_docker(s) if launcher == "docker" else plan.start_native(s)
     compose_env = plan.compose_env(s)
     if dry_run and launcher == "docker":
-        print("settings passed to every compose command: " +
-              " ".join(f"{k}={shlex.quote(v)}" for k, v in compose_env.items()))
+        print("settings passed to every compose command: " + plan.show_env(compose_env))
     execute(steps, s, compose_env, dry_run)
     if dry_run:
         return

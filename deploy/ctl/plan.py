@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from deploy.ctl import checks, probe
-from deploy.ctl.settings import DEPLOY, REPO, Machine, Settings
+from deploy.ctl.settings import DEPLOY, REPO, SECRETS, Machine, Settings
 
 COMPOSE_DIR = DEPLOY / "compose"
 HEAD = COMPOSE_DIR / "head.yml"
@@ -54,11 +54,18 @@ class Step:
             return self.title
         cmd = shlex.join(self.argv)
         if self.env:
-            cmd = "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items()) + " " + cmd
+            cmd = "env " + show_env(self.env) + " " + cmd
         where = self.machine.name if self.machine is not None else "head"
         if self.cwd:
             cmd = f"cd {shlex.quote(self.cwd)} && {cmd}"
         return f"{self.title}\n      [{where}] $ {cmd}"
+
+
+def show_env(env: dict[str, str]) -> str:
+    """K=V pairs for the eye, secrets masked (a setting in SECRETS, also under its TWINSPARK_ name)."""
+    def secret(k: str) -> bool:
+        return k.removeprefix("TWINSPARK_") in SECRETS
+    return " ".join(f"{k}={'***' if secret(k) and v else shlex.quote(v)}" for k, v in env.items())
 
 
 def endpoint(s: Settings) -> str:
@@ -131,8 +138,15 @@ def _finish(s: Settings) -> list[Step]:
         Step(f"wait for {base}/health (up to {s['HEALTH_TIMEOUT']} s)",
              action=lambda: probe.wait_healthy(base, float(s["HEALTH_TIMEOUT"]))),
         Step(f"smoke test: greedy {probe.SMOKE_PROMPT!r} through every rank (fails on an empty or one-character reply)",
-             action=lambda: print(f"  reply: {probe.smoke_test(base, s['API_KEY'])!r}")),
+             action=lambda: _smoke(base, probe.plain_key(s["API_KEY"]))),
     ]
+
+
+def _smoke(base: str, key: str | None) -> None:
+    if key is None:
+        print("  skipped: API_KEY lists only sha256 digests, so there is no key to send")
+        return
+    print(f"  reply: {probe.smoke_test(base, key)!r}")
 
 
 def tiny_model_path(s: Settings) -> str:
@@ -181,7 +195,7 @@ def native_state_dir(s: Settings) -> Path:
 def native_env(s: Settings) -> dict[str, str]:
     """Scheduler and rank settings for `twinspark up`'s children (their flags default from TWINSPARK_*)."""
     keys = ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "MAX_WAITING", "NUM_DRAFT_TOKENS", "NUM_BLOCKS", "BLOCK_SIZE",
-            "NUM_SLOTS", "DTYPE", "SERVED_MODEL_NAME", "API_KEY", "PEER_TIMEOUT", "LOG_LEVEL")
+            "NUM_SLOTS", "DTYPE", "SERVED_MODEL_NAME", "API_KEY", "INTERNAL_TOKEN", "PEER_TIMEOUT", "LOG_LEVEL")
     env = {f"TWINSPARK_{k}": s[k] for k in keys if s[k]}
     env["TWINSPARK_STARTUP_TIMEOUT"] = s["HEALTH_TIMEOUT"]  # the scheduler waits as long for the ranks to load
     if s["OTEL_EXPORTER_OTLP_ENDPOINT"]:

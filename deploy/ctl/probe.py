@@ -10,6 +10,15 @@ import urllib.request
 SMOKE_PROMPT = "Reply with OK."
 
 
+def plain_key(spec: str) -> str | None:
+    """A key the probes can send from API_KEY's list: its first entry that is not a `sha256:` digest ("" when the
+    list is empty: no key needed; None when it holds digests only)."""
+    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    if not entries:
+        return ""
+    return next((e for e in entries if not e.startswith("sha256:")), None)
+
+
 def _headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ DRAFTERS = ("copy", "mtp", "none")
 KV_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("cpu", "cuda")
 LAUNCHERS = ("auto", "docker", "native")
+SECRETS = ("API_KEY", "INTERNAL_TOKEN")  # never printed, never on a command line (ssh gets them on stdin)
 
 
 class SettingsError(ValueError):
@@ -161,5 +163,9 @@ def check(s: Settings) -> None:
         v["CONTAINER_RUNTIME"] = "nvidia" if v["DEVICE"] == "cuda" else "runc"
     if not v["IMAGE"]:
         v["IMAGE"] = "twinspark:gpu" if v["DEVICE"] == "cuda" else "twinspark:cpu"
+    if not v["RANK_HOST"]:
+        v["RANK_HOST"] = "0.0.0.0" if workers else "127.0.0.1"
+    if not v["INTERNAL_TOKEN"]:
+        v["INTERNAL_TOKEN"] = secrets.token_hex(32)  # a new one per start: every role of this start gets it
     v["DRAFTER_ADDRESS"] = "" if v["DRAFTER"] == "none" else f"127.0.0.1:{v['DRAFTER_PORT']}"
     v["DRAFT_HIDDEN"] = "1" if v["DRAFTER"] == "mtp" else ""

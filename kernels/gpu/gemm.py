@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu.wtiles import WeightArgs, dense, weight_tile
+
 # Programs the decode schedule aims for per GEMM (about two waves on an H200's 132 SMs). A constant, not the SM
 # count of the device at hand, so the schedule stays a function of the shapes.
 _DECODE_PROGRAMS = 256
@@ -60,10 +62,10 @@ def schedule(n: int, k: int, rows: RowClass) -> Tile:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
-                 sxb, sxm, sxk, swb, swn, swk, sob, sos, som, son,
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
+                 sxb, sxm, sxk, swb, swn, swk, ssb, ssn, ssk, sob, sos, som, son,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     batch = tl.program_id(2)
@@ -80,13 +82,15 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     x_base = x_ptr + batch * sxb + rm[:, None] * sxm
-    w_base = w_ptr + batch * swb + rn[None, :] * swn
+    w_b = w_ptr + batch * swb
+    s_b = s_ptr + batch * ssb
+    act = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = split * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         kk = k0 + rk
         a = tl.load(x_base + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_base + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        b = weight_tile(w_b, s_b, rn, k0, N, K, swn, swk, ssn, ssk, FMT, BLOCK_N, BLOCK_K, SB_N, SB_K, act)
         if IEEE:  # fp32 operands: true fp32 products (tl.dot would round them to tf32)
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -106,12 +110,14 @@ def _sum_splits(ws_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile) -> None:
-    """x [B, M, K], w [B, N, K], out [B, M, N] (any strides)."""
+def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> None:
+    """x [B, M, K], w [B, N, K] (a stack of dense or quantized weights), out [B, M, N] (any strides)."""
     b, m, k = x.shape
-    n = w.shape[1]
+    n = w.n
     if m == 0:
         return
+    if w.max_block_k() % tile.block_k:
+        raise ValueError(f"a {tile.block_k}-wide K step straddles the weight's {w.max_block_k()}-wide scale groups")
     per_split = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), tile.split_k, b)
     if tile.split_k == 1:
@@ -120,11 +126,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile) -> 
         target = torch.empty(tile.split_k, b, m, n, dtype=torch.float32, device=x.device)
         sos = target.stride(0)
     tb = target if tile.split_k == 1 else target[0]
-    _gemm_kernel[grid](x, w, target, m, n, k, per_split,
-                       x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1), w.stride(2),
+    _gemm_kernel[grid](x, w.data, w.scale, target, m, n, k, per_split,
+                       x.stride(0), x.stride(1), x.stride(2), *w.strides(),
                        tb.stride(0), sos, tb.stride(1), tb.stride(2),
                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                       IEEE=x.dtype == torch.float32,
+                       IEEE=x.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n, SB_K=w.block_k,
                        num_warps=tile.warps, num_stages=tile.stages)
     if tile.split_k > 1:
         numel = b * m * n
@@ -135,15 +141,18 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile) -> 
             out.copy_(dst)
 
 
-def bmm(x: torch.Tensor, w: torch.Tensor, decode_rows: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Batched `x[b] @ w[b].T`: x [B, M, K], w [B, N, K] (views with any strides) -> [B, M, N] in `out_dtype`.
+def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dtype: torch.dtype | None = None
+        ) -> torch.Tensor:
+    """Batched `x[b] @ w[b].T`: x [B, M, K], w [B, N, K] (views with any strides, or quantized: WeightArgs)
+    -> [B, M, N] in `out_dtype`.
 
     Rows [0, decode_rows) are decode-class, the rest prompt rows: one launch per class present, each with its own
     fixed schedule (0 = all prompt rows; >= M = all decode rows)."""
+    w = w if isinstance(w, WeightArgs) else dense(w)
     b, m, k = x.shape
-    n = w.shape[1]
-    if w.shape[0] != b or w.shape[2] != k:
-        raise ValueError(f"bmm: x {list(x.shape)} and w {list(w.shape)} do not fit")
+    n = w.n
+    if w.data.shape[0] != b or w.k != k:
+        raise ValueError(f"bmm: x {list(x.shape)} and a [{w.data.shape[0]}, {n}, {w.k}] weight do not fit")
     out = torch.empty(b, m, n, dtype=out_dtype or x.dtype, device=x.device)
     split = min(max(decode_rows, 0), m)
     if split:
@@ -153,9 +162,10 @@ def bmm(x: torch.Tensor, w: torch.Tensor, decode_rows: int, out_dtype: torch.dty
     return out
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, decode_rows: int, out_dtype: torch.dtype | None = None
+def matmul(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dtype: torch.dtype | None = None
            ) -> torch.Tensor:
-    """`x @ w.T` over the last dim of x ([..., K] x [N, K] -> [..., N]); rows as in `bmm`."""
+    """`x @ w.T` over the last dim of x ([..., K] x [N, K] -> [..., N], w dense or quantized); rows as in `bmm`."""
+    w = w if isinstance(w, WeightArgs) else dense(w)
     lead = x.shape[:-1]
-    out = bmm(x.reshape(-1, x.shape[-1]).unsqueeze(0), w.unsqueeze(0), decode_rows, out_dtype)
-    return out.reshape(*lead, w.shape[0])
+    out = bmm(x.reshape(-1, x.shape[-1]).unsqueeze(0), w, decode_rows, out_dtype)
+    return out.reshape(*lead, w.n)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.gpu.gemm import RowClass
+from kernels.gpu.wtiles import WeightArgs, dense, weight_tile
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,10 @@ def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Groups:
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, h_ptr, pair_ptr, expert_ptr, num_experts, I, D, limit,
-                    PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_ptr, expert_ptr, num_experts, I, D,
+                    limit, swe, swn, swk, sse, ssn, ssk,
+                    PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
     """h[slot] = silu(min(x g^T, limit)) * clamp(x u^T, -limit, limit) for each slot of one expert tile."""
     blk = tl.program_id(0)
     expert = tl.load(expert_ptr + blk)
@@ -143,19 +145,20 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, h_ptr, pair_ptr, expert_ptr, num_ex
     token = tl.where(has, pair // PAIRS_PER_ROW, 0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    w_off = expert.to(tl.int64) * I * D
+    e = expert.to(tl.int64)
+    act = x_ptr.dtype.element_ty
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         kk = k0 + rk
         a = tl.load(x_ptr + token[:, None] * D + kk[None, :], mask=has[:, None] & (kk[None, :] < D), other=0.0)
-        wmask = (rn[None, :] < I) & (kk[:, None] < D)
-        g = tl.load(gate_ptr + w_off + rn[None, :] * D + kk[:, None], mask=wmask, other=0.0)
-        u = tl.load(up_ptr + w_off + rn[None, :] * D + kk[:, None], mask=wmask, other=0.0)
+        g = weight_tile(gate_ptr + e * swe, gate_s_ptr + e * sse, rn, k0, I, D, swn, swk, ssn, ssk, FMT, BLOCK_N,
+                        BLOCK_K, SB_N, SB_K, act)
+        u = weight_tile(up_ptr + e * swe, up_s_ptr + e * sse, rn, k0, I, D, swn, swk, ssn, ssk, FMT, BLOCK_N,
+                        BLOCK_K, SB_N, SB_K, act)
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
     # The torch twin rounds each projection to the activation dtype, then SiLU, then the product: do the same.
-    act = x_ptr.dtype.element_ty
     g = tl.minimum(acc_g.to(act).to(tl.float32), limit)
     u = tl.minimum(tl.maximum(acc_u.to(act).to(tl.float32), -limit), limit)
     s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
@@ -164,8 +167,10 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, h_ptr, pair_ptr, expert_ptr, num_ex
 
 
 @triton.jit
-def _down_kernel(h_ptr, down_ptr, y_ptr, pair_ptr, expert_ptr, rw_ptr, num_experts, I, D,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_ptr, num_experts, I, D,
+                 swe, swn, swk, sse, ssn, ssk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
     """y[pair] = (h[slot] @ down[expert]^T) * routing weight, in fp32, stored by pair (row-major per row)."""
     blk = tl.program_id(0)
     expert = tl.load(expert_ptr + blk)
@@ -176,13 +181,14 @@ def _down_kernel(h_ptr, down_ptr, y_ptr, pair_ptr, expert_ptr, rw_ptr, num_exper
     has = pair >= 0
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    w_off = expert.to(tl.int64) * D * I
+    e = expert.to(tl.int64)
+    act = h_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + rk
         a = tl.load(h_ptr + slots[:, None] * I + kk[None, :], mask=has[:, None] & (kk[None, :] < I), other=0.0)
-        b = tl.load(down_ptr + w_off + rn[None, :] * I + kk[:, None], mask=(rn[None, :] < D) & (kk[:, None] < I),
-                    other=0.0)
+        b = weight_tile(down_ptr + e * swe, down_s_ptr + e * sse, rn, k0, D, I, swn, swk, ssn, ssk, FMT, BLOCK_N,
+                        BLOCK_K, SB_N, SB_K, act)
         acc = tl.dot(a, b, acc)
     weight = tl.load(rw_ptr + tl.where(has, pair, 0), mask=has, other=0.0)
     y = acc * weight[:, None]
@@ -205,32 +211,41 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, PAIRS_PER_ROW: tl.c
     tl.store(out_ptr + row.to(tl.int64) * D + cols, acc, mask=mask)
 
 
-def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor,
-                       up: torch.Tensor, down: torch.Tensor, limit: float, tile: MoeTile, out: torch.Tensor) -> None:
+def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,
+                       up: WeightArgs, down: WeightArgs, limit: float, tile: MoeTile, out: torch.Tensor) -> None:
     t, d = x.shape
-    n_exp, i_dim, _ = gate.shape
+    n_exp, i_dim = gate.data.shape[0], gate.n
     pairs_per_row = ids.shape[1]
+    for w in (gate, down):
+        if w.max_block_k() % tile.block_k:
+            raise ValueError(f"a {tile.block_k}-wide K step straddles the experts' {w.max_block_k()}-wide groups")
     groups = group_pairs(ids, n_exp, tile.block_m)
     h = torch.empty(groups.blocks * tile.block_m, i_dim, dtype=x.dtype, device=x.device)
+    gs, us = gate.strides(), up.strides()
+    if gs != us or gate.fmt != up.fmt:
+        raise ValueError("gate and up experts must share one storage layout")
     _gate_up_kernel[(groups.blocks, triton.cdiv(i_dim, tile.block_n))](
-        x, gate, up, h, groups.pair_of_slot, groups.expert_of_block, n_exp, i_dim, d, float(limit),
-        PAIRS_PER_ROW=pairs_per_row, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.warps, num_stages=tile.stages)
+        x, gate.data, gate.scale, up.data, up.scale, h, groups.pair_of_slot, groups.expert_of_block, n_exp, i_dim, d,
+        float(limit), *gs, PAIRS_PER_ROW=pairs_per_row, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, FMT=int(gate.fmt), SB_N=gate.block_n, SB_K=gate.block_k, num_warps=tile.warps,
+        num_stages=tile.stages)
     y = torch.empty(t * pairs_per_row, d, dtype=torch.float32, device=x.device)
     _down_kernel[(groups.blocks, triton.cdiv(d, tile.block_n))](
-        h, down, y, groups.pair_of_slot, groups.expert_of_block, weights, n_exp, i_dim, d,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
-        num_stages=tile.stages)
+        h, down.data, down.scale, y, groups.pair_of_slot, groups.expert_of_block, weights, n_exp, i_dim, d,
+        *down.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FMT=int(down.fmt),
+        SB_N=down.block_n, SB_K=down.block_k, num_warps=tile.warps, num_stages=tile.stages)
     block = 1024
     _combine_kernel[(t, triton.cdiv(d, block))](y, ids, out, n_exp, d, PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
 
 
-def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-            down: torch.Tensor, limit: float, decode_rows: int) -> torch.Tensor:
+def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | WeightArgs,
+            up: torch.Tensor | WeightArgs, down: torch.Tensor | WeightArgs, limit: float, decode_rows: int
+            ) -> torch.Tensor:
     """Grouped experts: x [T, D]; ids, weights [T, P] from `route` (P = k + 1 pairs per row); gate, up
-    [E+1, I, D]; down [E+1, D, I] (the shared expert last) -> [T, D] fp32, this slice of I's share of the routed +
-    shared outputs. Rows [0, decode_rows) are decode-class and the rest prompt rows; each class is grouped and run
-    with its own fixed schedule."""
+    [E+1, I, D]; down [E+1, D, I] (the shared expert last; dense, or quantized stacks as WeightArgs) -> [T, D] fp32,
+    this slice of I's share of the routed + shared outputs. Rows [0, decode_rows) are decode-class and the rest
+    prompt rows; each class is grouped and run with its own fixed schedule."""
+    gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in (gate, up, down))
     t = x.shape[0]
     out = torch.empty(t, x.shape[1], dtype=torch.float32, device=x.device)
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -34,7 +36,7 @@ def from_proto(msg: Tensor) -> torch.Tensor:
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise ValueError(f"negative dimension in shape {shape}")
-    count = int(np.prod(shape)) if shape else 1
+    count = math.prod(shape)  # Python ints: a hostile shape cannot wrap around to match the bytes
     if len(msg.data) != count * np.dtype(np_dtype).itemsize:
         raise ValueError(f"{len(msg.data)} bytes do not hold {msg.dtype}{list(shape)}")
     arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(shape)

@@ -37,6 +37,9 @@ class CopyDrafter:
     def __init__(self, max_ngram: int = 3) -> None:
         self.max_ngram = max_ngram
 
+    def check(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        """Any token ids will do: drafts are copies of them, verified by the ranks."""
+
     def propose(self, request_id: str, tokens: list[int], k: int, hidden: torch.Tensor | None = None) -> list[int]:
         if k < 1:
             return []
@@ -76,6 +79,14 @@ class MtpDrafter:
         self.table = torch.arange(self.capacity // self.block_size, device=self.model.device)[None]
         self._hist: OrderedDict[str, list[tuple[torch.Tensor, int]]] = OrderedDict()
         self._lock = threading.Lock()  # one scratch cache: calls run one at a time
+
+    def check(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        """Raise ValueError for ids outside the vocabulary or a hidden state of the wrong size."""
+        cfg = self.model.cfg
+        if tokens and max(tokens) >= cfg.vocab_size:
+            raise ValueError(f"token id {max(tokens)} is outside the vocabulary [0, {cfg.vocab_size})")
+        if hidden is not None and hidden.numel() != cfg.hidden_size:
+            raise ValueError(f"hidden has {hidden.numel()} values, the model's hidden size is {cfg.hidden_size}")
 
     def forget(self, request_id: str) -> None:
         self._hist.pop(request_id, None)

@@ -8,14 +8,20 @@ import threading
 from concurrent import futures
 
 import grpc
+import torch
 from opentelemetry import trace
 
 from services.common import telemetry
+from services.common.internal_auth import server_interceptors
 from services.common.tensors import from_proto, ids, to_proto
 from twinspark.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("twinspark.drafter")
 _tracer = trace.get_tracer("twinspark.drafter")
+# Bounds no honest scheduler reaches (it asks for --num-draft-tokens drafts for at most its running requests).
+MAX_DRAFT = 64
+MAX_SEQUENCES = 4096
+MAX_TOKENS = 1 << 21  # twice the real model's window
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
@@ -35,24 +41,49 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     def _propose(self, request: drafter_pb2.ProposeRequest, context: grpc.ServicerContext
                  ) -> drafter_pb2.ProposeReply:
-        drafts = []
-        for seq in request.sequences:
+        try:
+            drafts = [to_proto(d) for d in self._drafts(request)]
+        except ValueError as exc:  # a malformed request: refused whole, the drafter keeps serving
+            log.warning("refused a Propose: %s", exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.calls += 1
+        return drafter_pb2.ProposeReply(drafts=drafts)
+
+    def _drafts(self, request: drafter_pb2.ProposeRequest) -> list[list[int]]:
+        """Every sequence checked before any is drafted; raises ValueError naming the first bad one."""
+        if len(request.sequences) > MAX_SEQUENCES:
+            raise ValueError(f"{len(request.sequences)} sequences in one call (at most {MAX_SEQUENCES})")
+        todo = []
+        for i, seq in enumerate(request.sequences):
+            where = f"sequence {i} ({seq.request_id[:64]!r})"
+            if not 0 <= seq.max_draft <= MAX_DRAFT:
+                raise ValueError(f"{where}: max_draft {seq.max_draft} is outside [0, {MAX_DRAFT}]")
             try:
                 tokens = ids(seq.tokens)
                 hidden = from_proto(seq.hidden) if seq.HasField("hidden") and seq.hidden.shape else None
             except ValueError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sequence {seq.request_id}: {exc}")
-            d = self.method.propose(seq.request_id, tokens, seq.max_draft, hidden) if seq.max_draft > 0 else []
+                raise ValueError(f"{where}: {exc}") from None
+            if len(tokens) > MAX_TOKENS:
+                raise ValueError(f"{where}: {len(tokens)} tokens (at most {MAX_TOKENS})")
+            if any(t < 0 for t in tokens):
+                raise ValueError(f"{where}: negative token id")
+            if hidden is not None and hidden.dtype != torch.float32:
+                raise ValueError(f"{where}: hidden must be float32, got {seq.hidden.dtype}")
+            self.method.check(tokens, hidden)  # what the method needs (vocabulary, hidden size)
+            todo.append((seq, tokens, hidden))
+        drafts = []
+        for seq, tokens, hidden in todo:
+            d = self.method.propose(seq.request_id, tokens, seq.max_draft, hidden) if seq.max_draft else []
             self.proposed += len(d)
-            drafts.append(to_proto(d))
-        self.calls += 1
-        return drafter_pb2.ProposeReply(drafts=drafts)
+            drafts.append(d)
+        return drafts
 
 
-def serve(method, host: str, port: int) -> tuple[grpc.Server, int]:
+def serve(method, host: str, port: int, token: str | None = None) -> tuple[grpc.Server, int]:
     # One worker: the MTP method owns one scratch cache, and the scheduler sends one Propose per round anyway.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1),
-                         options=[("grpc.max_receive_message_length", 256 << 20)])
+                         options=[("grpc.max_receive_message_length", 256 << 20)],
+                         interceptors=server_interceptors(token, "drafter"))
     drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterService(method), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
@@ -61,8 +92,8 @@ def serve(method, host: str, port: int) -> tuple[grpc.Server, int]:
     return server, bound
 
 
-def serve_forever(method, host: str, port: int) -> None:
-    server, bound = serve(method, host, port)
+def serve_forever(method, host: str, port: int, token: str | None = None) -> None:
+    server, bound = serve(method, host, port, token)
     log.info("drafter (%s) listening on %s:%d", method.name, host, bound)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

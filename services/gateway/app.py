@@ -2,20 +2,21 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET /v1/responses/{id}), Anthropic's
 POST /v1/messages and /v1/messages/count_tokens, GET /v1/models, POST /tokenize, POST /detokenize, GET /health,
-GET /metrics. Every error leaves in OpenAI's shape (`errors.py`; Anthropic's routes in Anthropic's shape); no
-exception escapes a handler.
+GET /metrics, GET /openapi.json. Every error leaves in OpenAI's shape (`errors.py`; Anthropic's routes in
+Anthropic's shape); no exception escapes a handler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import functools
+import importlib.metadata
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +27,22 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive
 
 from services.common import telemetry
 from twinspark.v1 import generate_pb2
 
 from . import anthropic_messages as anthropic
 from . import openai_responses as responses_api
+from . import openapi
+from .api_keys import ApiKeyMiddleware, parse_keys
 from .checkpoint import CheckpointInfo
 from .choices import Choices
-from .errors import GatewayError, bad_request, internal
+from .errors import GatewayError, bad_request, internal, log_refused
 from .generation import Final
+from .limits import InputLimits, InputLimitsMiddleware
 from .metrics import GatewayMetrics
+from .openapi import request_body
 from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, render_chat
 from .responses import ChunkWriter, full_response
 from .scheduler_client import SchedulerClient
@@ -48,8 +53,9 @@ from .tokenizer import TextTokenizer
 
 log = logging.getLogger("twinspark.gateway")
 
-# Reachable without the API key: probes and scrapers carry no credentials (vLLM guards /v1/* the same way).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Reachable without the API key: probes and scrapers carry no credentials (vLLM guards /v1/* the same way), and the
+# API's description is public.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 @dataclass
@@ -57,11 +63,13 @@ class GatewaySettings:
     model_dir: str
     scheduler: str = "127.0.0.1:50051"
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # comma-separated keys and `sha256:<hex>` digests (api_keys.py)
     keepalive_s: float = 1.0
     max_model_len: int | None = None
     generation_config: str = "auto"  # "auto": checkpoint sampling defaults; "vllm": OpenAI defaults only
     health_timeout_s: float = 2.0
+    limits: InputLimits = field(default_factory=InputLimits)
+    internal_token: str | None = None  # sent with every call to the scheduler (services/common/internal_auth.py)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -79,7 +87,7 @@ class Gateway:
         # The served name, and the checkpoint as vLLM would name it without --served-model-name (its path).
         self.accepted_names = {self.model_name, model_dir.resolve().name, str(settings.model_dir),
                                str(model_dir.resolve())}
-        self.client = SchedulerClient(settings.scheduler)
+        self.client = SchedulerClient(settings.scheduler, settings.internal_token)
         self.metrics = GatewayMetrics(self.model_name)
         self.created = int(time.time())
         self.store = responses_api.ResponseStore()  # `store: true` responses, for previous_response_id
@@ -209,12 +217,14 @@ class Gateway:
         return finals
 
     # ---------------------------------------------------------------------------------------------- routes
+    @request_body(ChatCompletionRequest)
     async def chat_completions(self, request: Request) -> Response:
         started = time.monotonic()
         req = parse(ChatCompletionRequest, await request.body())
         self.check_model(req.model)
         return await self._generate(request, await prepare_chat(self.ctx, req), started)
 
+    @request_body(CompletionRequest)
     async def completions(self, request: Request) -> Response:
         started = time.monotonic()
         req = parse(CompletionRequest, await request.body())
@@ -292,6 +302,7 @@ class Gateway:
             "root": str(self.settings.model_dir), "parent": None, "max_model_len": self.ctx.max_model_len,
             "permission": []}]})
 
+    @request_body(TokenizeRequest)
     async def tokenize(self, request: Request) -> Response:
         req = parse(TokenizeRequest, await request.body())
         self.check_model(req.model)
@@ -309,6 +320,7 @@ class Gateway:
             body["token_strs"] = [self.ctx.tokenizer.id_to_token(t) for t in ids]
         return JSONResponse(body)
 
+    @request_body(DetokenizeRequest)
     async def detokenize(self, request: Request) -> Response:
         req = parse(DetokenizeRequest, await request.body())
         self.check_model(req.model)
@@ -356,6 +368,13 @@ class Gateway:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("twinspark")
+    except importlib.metadata.PackageNotFoundError:
+        return "source"
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -364,40 +383,19 @@ async def _wait_disconnect(receive: Receive) -> None:
 def _handled(fn: Handler) -> Handler:
     """Every error becomes an OpenAI-shaped response; a bug is a 500, never a dropped connection."""
 
+    @functools.wraps(fn)  # keeps the handler's name and its `request_body` declaration (openapi.py)
     async def endpoint(request: Request) -> Response:
         try:
             return await fn(request)
         except GatewayError as err:
             if not err.logged:  # refused before reaching the scheduler (validation, model name, ...)
-                log.info("%s %s status=%d %s", request.method, request.url.path, err.status, err.message)
+                log_refused(request.method, request.url.path, err)
             return err.response()
         except Exception:
             log.exception("%s %s failed", request.method, request.url.path)
             return internal().response()
 
-    endpoint.__name__ = fn.__name__
     return endpoint
-
-
-class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every route but the probes."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-        self._key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"")
-            if not (hmac.compare_digest(given, self._expected)
-                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)):
-                err = GatewayError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
-                                   type="invalid_request_error", code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _add_tracing(app: Starlette) -> None:
@@ -406,8 +404,11 @@ def _add_tracing(app: Starlette) -> None:
     probes are left out too: a scraper would fill the trace store with them."""
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 
+    # Should an operator capture request headers on spans (OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_*), the keys
+    # are still written as "[REDACTED]".
     app.add_middleware(OpenTelemetryMiddleware, excluded_urls=",".join(OPEN_PATHS),
-                       exclude_spans=["receive", "send"])
+                       exclude_spans=["receive", "send"],
+                       http_capture_headers_sanitize_fields=["authorization", "x-api-key"])
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -431,9 +432,18 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/health", _handled(gw.health), methods=["GET"]),
         Route("/metrics", _handled(gw.metrics_endpoint), methods=["GET"]),
     ]
+    document: dict[str, Any] = {}  # filled below, once every route is in the list (its own route included)
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(document)
+
+    routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
+    document.update(openapi.build(routes, "twinspark", _version()))
     app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})
+    # Middleware added last runs first: tracing, then the key check (before a large body is read), then the limits.
+    app.add_middleware(InputLimitsMiddleware, limits=settings.limits)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(ApiKeyMiddleware, digests=parse_keys(settings.api_key), open_paths=OPEN_PATHS)
     if telemetry.enabled():
         _add_tracing(app)
     app.state.gateway = gw

@@ -9,7 +9,8 @@ import argparse
 import logging
 import sys
 
-from services.common.env import env
+from services.common.env import add_internal_token_flag, env
+from services.gateway.limits import InputLimits
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,8 +32,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model name clients send and see (env TWINSPARK_SERVED_MODEL_NAME; default the checkpoint "
                         "directory's name)")
     p.add_argument("--api-key", default=env("API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-                        "(env TWINSPARK_API_KEY)")
+                   help="require one of these keys, comma-separated (an entry 'sha256:HEX' is a key's digest), as "
+                        "'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but /health, /metrics and "
+                        "/openapi.json (env TWINSPARK_API_KEY)")
+    limits = InputLimits()
+    for name, what in (("max_body_bytes", "request body bytes (413 beyond)"),
+                       ("max_json_depth", "nesting levels of a JSON body (400 beyond)"),
+                       ("max_string_chars", "characters of one JSON string (400 beyond)"),
+                       ("max_array_items", "items of one JSON array (400 beyond)"),
+                       ("max_header_bytes", "bytes of all request headers (431 beyond)")):
+        flag = name.upper()
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=int(env(flag, str(getattr(limits, name)))),
+                       help=f"{what} (env TWINSPARK_{flag}; default %(default)s)")
+    add_internal_token_flag(p)
     p.add_argument("--keepalive-s", type=float, default=float(env("KEEPALIVE_S", "1.0") or 1.0),
                    help="SSE keepalive comment interval while nothing else is sent; also how long a stream waits "
                         "for the scheduler's first answer before sending its 200 (env TWINSPARK_KEEPALIVE_S; "
@@ -60,17 +72,23 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("twinspark-gateway")  # before create_app: it adds the HTTP span middleware when on
-    settings = GatewaySettings(model_dir=args.model, scheduler=args.scheduler,
-                               served_model_name=args.served_model_name, api_key=args.api_key or None,
-                               keepalive_s=args.keepalive_s, max_model_len=args.max_model_len,
-                               generation_config=args.generation_config)
     try:
+        limits = InputLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                             max_string_chars=args.max_string_chars, max_array_items=args.max_array_items,
+                             max_header_bytes=args.max_header_bytes)
+        settings = GatewaySettings(model_dir=args.model, scheduler=args.scheduler,
+                                   served_model_name=args.served_model_name, api_key=args.api_key or None,
+                                   keepalive_s=args.keepalive_s, max_model_len=args.max_model_len,
+                                   generation_config=args.generation_config, limits=limits,
+                                   internal_token=args.internal_token)
         app = create_app(settings)
     except (FileNotFoundError, ValueError) as exc:
         print(f"serve-gateway: {exc}", file=sys.stderr)
         return 2
-    # uvicorn's access log is replaced by our one line per generation request (id, status, tokens, latency).
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    # uvicorn's access log is replaced by our one line per generation request (id, status, tokens, latency). h11's
+    # own bound on a request head sits above ours, so oversized headers get our OpenAI-shaped 431.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                h11_max_incomplete_event_size=limits.max_header_bytes + (16 << 10))
     return 0
 
 

@@ -6,9 +6,12 @@ see the same shape and the right status, whatever went wrong underneath.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.responses import JSONResponse
+
+log = logging.getLogger("twinspark.gateway")
 
 
 class GatewayError(Exception):
@@ -62,3 +65,11 @@ def unavailable(message: str) -> GatewayError:
 
 def internal(message: str = "internal server error") -> GatewayError:
     return GatewayError(500, message, code="internal_error")
+
+
+def log_refused(method: str, path: str, err: GatewayError) -> None:
+    """The log line of a request refused before it reached the scheduler. The message goes to DEBUG only: it may
+    quote what the client sent (a prompt's text must never reach the log at INFO)."""
+    param = err.param if err.param is None or len(err.param) <= 120 else err.param[:120] + "…"
+    log.info("%s %s status=%d code=%s param=%s", method, path, err.status, err.code, param)
+    log.debug("%s %s status=%d: %s", method, path, err.status, err.message)

@@ -6,6 +6,7 @@ import re
 
 import grpc
 
+from services.common.internal_auth import aio_channel
 from twinspark.v1 import generate_pb2, generate_pb2_grpc
 
 from .errors import GatewayError, context_length_exceeded, internal, unavailable
@@ -24,14 +25,15 @@ _CHANNEL_OPTIONS = [
 
 
 class SchedulerClient:
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, token: str | None = None) -> None:
         self.target = target
+        self._token = token
         self._channel: grpc.aio.Channel | None = None
         self._stub: generate_pb2_grpc.GeneratorStub | None = None
 
     async def start(self) -> None:
         # The channel binds to the running event loop, so it is made here (in the server's lifespan), not in __init__.
-        self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._channel = aio_channel(self.target, self._token, _CHANNEL_OPTIONS)
         self._stub = generate_pb2_grpc.GeneratorStub(self._channel)
 
     async def close(self) -> None:
@@ -89,6 +91,8 @@ def map_rpc_error(err: grpc.aio.AioRpcError, prompt_param: str) -> GatewayError:
         if not details or "failed to connect" in details:  # grpc's own text names internal addresses
             return unavailable("the model is unavailable: the scheduler is unreachable")
         return unavailable(f"the model is unavailable: {details}")
+    if code == grpc.StatusCode.UNAUTHENTICATED:  # a deployment mistake: the roles were given different tokens
+        return unavailable("the model is unavailable: the scheduler refused the gateway's internal token")
     if code == grpc.StatusCode.CANCELLED:
         return unavailable(f"the scheduler cancelled the request: {details}")
     return internal(f"scheduler error {code.name}: {details}")

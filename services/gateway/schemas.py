@@ -9,7 +9,7 @@ and refused otherwise by `check_unsupported`, again naming the field.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -133,32 +133,38 @@ class StreamOptions(_Strict):
 
 # ------------------------------------------------------------------------------------------ generation requests
 
+# Bounds on small fields (the structural limits on any body are in limits.py): a stop string is matched against
+# every chunk of output, and identifiers are echoed in errors and logs.
+StopString = Annotated[str, Field(max_length=4096)]
+Identifier = Annotated[str, Field(max_length=512)]
+
 class _Generation(_Strict):
     """Fields shared by chat and completions."""
 
-    model: str | None = None  # optional as in vLLM: the one served model
+    model: Identifier | None = None  # optional as in vLLM: the one served model
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 (or 0) = off
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # vLLM: -1 (or 0) = off; int32 on the wire
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=64)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     background: bool = False  # twinspark: PRIORITY_BACKGROUND, served after every normal request
     draft: bool = True        # twinspark: false turns speculative drafts off for this request
-    request_id: str | None = Field(None, min_length=1, max_length=200)  # vLLM
+    # vLLM; echoed in the x-request-id header, hence printable ASCII only
+    request_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[\x20-\x7e]+$")
     # Accepted and ignored: identifiers and cache hints that change nothing in the output.
-    user: str | None = None
+    user: Identifier | None = None
     metadata: dict[str, Any] | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    prompt_cache_key: Identifier | None = None
+    safety_identifier: Identifier | None = None
     n: int = Field(1, ge=1, le=16)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -228,7 +234,7 @@ class CompletionRequest(_Generation):
 
 
 class TokenizeRequest(_Strict):
-    model: str | None = None
+    model: Identifier | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
@@ -245,7 +251,7 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
-    model: str | None = None
+    model: Identifier | None = None
     tokens: list[int]
 
 
@@ -355,6 +361,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:  # limits.py refuses deep bodies first; this keeps parse() safe on its own
+        raise bad_request("the JSON body nests too deeply", code="json_too_deep") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     return data

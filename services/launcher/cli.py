@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -25,6 +26,8 @@ from .plan import DEFAULT_COMMAND, WILDCARD_HOSTS, LaunchConfig, internal_ports_
 from .ports import free_ports, port_free
 from .supervisor import Supervisor, format_banner, kill_leftovers, log, recorded_alive, tail
 
+INTERNAL_TOKEN_ENV = "TWINSPARK_INTERNAL_TOKEN"  # services/common/internal_auth.py (not imported: it needs grpc)
+
 
 def register(subparsers: Any) -> None:
     """Add `up` and `down` to the `twinspark` parser."""
@@ -35,7 +38,9 @@ def register(subparsers: Any) -> None:
                     "supervise: a child that exits is restarted with the same argv and ports (the ranks as one group, "
                     "every other role alone) up to --max-restarts times per role, after which it stops everything "
                     "(exit 1); SIGINT/SIGTERM stop everything (exit 0). "
-                    "Each child's output goes to <state-dir>/logs/<name>.log. Without --model a tiny checkpoint is "
+                    "Each child's output goes to <state-dir>/logs/<name>.log. The roles' gRPC ports listen on "
+                    "127.0.0.1 and require this run's internal token, made at random unless TWINSPARK_INTERNAL_TOKEN "
+                    "is set, and given to the children in their environment only. Without --model a tiny checkpoint is "
                     "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     up.add_argument("--model", default=env("MODEL"), metavar="DIR",
@@ -167,8 +172,11 @@ def run_up(args: argparse.Namespace) -> int:
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if args.background else None
+    # Every role gets the run's internal token in its environment (never in an argv, which up.json and the logs
+    # record): a new random one per run unless the caller set TWINSPARK_INTERNAL_TOKEN (start.sh may).
+    token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(32)
     return Supervisor(plan, stop_grace=args.stop_grace, startup_timeout=args.startup_timeout,
-                      max_restarts=args.max_restarts, out=out).run()
+                      max_restarts=args.max_restarts, env={**os.environ, INTERNAL_TOKEN_ENV: token}, out=out).run()
 
 
 def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, command: tuple[str, ...]) -> int:

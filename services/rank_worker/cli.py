@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import torch
 
-from services.common.env import env
+from services.common.env import add_internal_token_flag, env
 from services.rank_worker.model.row_store import KV_CACHE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,7 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer-timeout", type=float, default=float(env("PEER_TIMEOUT", "3")),
                    help="seconds a peer may stay silent before this rank leaves the group with exit code 5 "
                         "(TWINSPARK_PEER_TIMEOUT, default 3)")
-    p.add_argument("--host", default=env("RANK_HOST", "0.0.0.0"), help="gRPC listen address")
+    p.add_argument("--host", default=env("RANK_HOST", "127.0.0.1"),
+                   help="gRPC listen address (TWINSPARK_RANK_HOST; default loopback; another address needs "
+                        "--internal-token)")
     p.add_argument("--port", type=int, default=int(env("RANK_PORT", "50061")), help="gRPC port")
     p.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=env("DTYPE"), choices=sorted(_DTYPES),
@@ -62,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(TWINSPARK_RANDOM_WEIGHTS)")
     p.add_argument("--random-block-size", type=int, default=int(env("RANDOM_BLOCK_SIZE", "128")), metavar="N",
                    help="with --random-weights: fp8 block edge and w4a16 group size (TWINSPARK_RANDOM_BLOCK_SIZE)")
+    add_internal_token_flag(p)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
     p.set_defaults(func=run)
 
@@ -89,6 +92,7 @@ def _leave(code: int) -> NoReturn:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.common.internal_auth import check_bind, group_digest
     from services.common.telemetry import setup_tracing
     from services.rank_worker import fingerprint as fp
     from services.rank_worker.distributed import join_group, rank_device
@@ -99,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
     from twinspark.v1 import rank_pb2
 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
+    try:
+        check_bind(args.host, args.internal_token)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     setup_tracing(f"twinspark-rank{args.rank}")
     dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     recipe = None
@@ -122,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                            random_weights=f"{args.random_weights} block {args.random_block_size}"
                            if args.random_weights else "")
     try:
-        fp.check_group(settings, args.rank, args.world)
+        fp.check_group(settings, args.rank, args.world, token_digest=group_digest(args.internal_token))
     except RuntimeError as exc:
         log.error("%s", exc)
         _leave(4)
@@ -154,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         model=os.path.basename(os.path.normpath(args.model)),
         instance_id=uuid.uuid4().hex)  # tells the scheduler a restarted group from the one it connected to
     server = serve(RankService(Executor(model, cache, cuda_graphs=not args.enforce_eager), describe), args.host,
-                   args.port)
+                   args.port, args.internal_token)
     log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", args.rank, args.host, args.port,
              args.num_blocks, args.block_size, args.num_slots)
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=1))

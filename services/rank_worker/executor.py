@@ -21,6 +21,10 @@ from services.rank_worker.model.model import ForwardOutput, Glm5Model, accept_dr
 from twinspark.v1.rank_pb2 import StepPlan
 
 
+# A token id of StepPlan.token_ids meaning "the token this rank sampled last for this sequence's slot".
+PENDING_TOKEN = -1
+
+
 class PlanError(ValueError):
     """The plan is malformed or addresses memory this rank does not have."""
 
@@ -50,17 +54,69 @@ def _flags(plan: StepPlan, name: str, n: int) -> list[bool] | None:
     msg = getattr(plan, name)
     if not plan.HasField(name) or not msg.shape or not msg.shape[0]:
         return None
-    return [bool(f) for f in _vec(msg, name, torch.int64, n).tolist()]
+    flags = _vec(msg, name, torch.int64, n)
+    if bool(((flags != 0) & (flags != 1)).any()):
+        raise PlanError(f"{name} flags must be 0 or 1")
+    return [bool(f) for f in flags.tolist()]
 
 
-def _vec(msg, name: str, dtype: torch.dtype, length: int | None = None) -> torch.Tensor:
+# ------------------------------------------------------------------------------------------------- validation
+# A plan is checked whole before anything runs (PlanError): every rank refuses the same plan alike. Beyond shapes and
+# ranges, counts are bounded by what the cache can hold, so no plan makes a rank allocate or loop without end.
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _tensor(msg, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Unpack a plan tensor whose wire dtype is of `dtype`'s kind (integers for ids, float32 for sampling values:
+    a float token id or an integer temperature is a malformed plan, not something to round)."""
     try:
         t = from_proto(msg)
     except ValueError as exc:
         raise PlanError(f"{name}: {exc}") from exc
+    ok = t.dtype in _INT_DTYPES if dtype in _INT_DTYPES else t.dtype == torch.float32
+    if not ok:
+        raise PlanError(f"{name}: {msg.dtype} is not a valid dtype here (expected "
+                        f"{'int32 or int64' if dtype in _INT_DTYPES else 'float32'})")
+    return t.to(dtype)
+
+
+def _vec(msg, name: str, dtype: torch.dtype, length: int | None = None) -> torch.Tensor:
+    t = _tensor(msg, name, dtype)
     if t.dim() != 1 or (length is not None and t.numel() != length):
         raise PlanError(f"{name}: expected a vector of {length if length is not None else 'n'} values, got {list(t.shape)}")
-    return t.to(dtype)
+    return t
+
+
+def check_counts(tokens: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, cache: PagedCache) -> None:
+    """Sizes no honest plan exceeds: rows that fit the cache, tables no wider than the cache, and at most one sample
+    per row."""
+    capacity = cache.num_blocks * cache.block_size
+    if tokens.numel() > capacity:
+        raise PlanError(f"{tokens.numel()} token rows exceed the cache's {capacity} positions")
+    if tables.shape[1] > cache.num_blocks:
+        raise PlanError(f"block tables of width {tables.shape[1]} exceed the cache's {cache.num_blocks} blocks")
+    if rows.numel() > tokens.numel():
+        raise PlanError(f"{rows.numel()} sample rows for {tokens.numel()} token rows")
+
+
+def check_positions(starts: torch.Tensor, lengths: torch.Tensor, max_positions: int) -> None:
+    """Every row inside the model's window (starts first: near the int64 limit, starts + lengths would wrap)."""
+    if bool((starts > max_positions).any()) or bool(((starts + lengths) > max_positions).any()):
+        raise PlanError(f"a sequence runs past the model's {max_positions} positions")
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """The ranges the scheduler validates requests against (services/scheduler/engine.py)."""
+    t, p, m = params.temperature, params.top_p, params.min_p
+    if not bool((torch.isfinite(t) & (t >= 0)).all()):
+        raise PlanError("temperature must be finite and >= 0")
+    if not bool(((p > 0) & (p <= 1)).all()):
+        raise PlanError("top_p must be in (0, 1]")
+    if bool((params.top_k < 0).any()):
+        raise PlanError("top_k must be >= 0")
+    if not bool(((m >= 0) & (m <= 1)).all()):
+        raise PlanError("min_p must be in [0, 1]")
 
 
 class Executor:
@@ -68,6 +124,8 @@ class Executor:
         """cuda_graphs: replay decode rounds from CUDA graphs on a GPU (vLLM's `--enforce-eager` turns it off)."""
         self.model = model
         self.cache = cache
+        self.last_sampled: dict[int, int] = {}  # slot -> the token sampled for it last (see `_fill_pending`)
+        self.slot_end: dict[int, int] = {}  # slot -> the position after the rows of that sampling round
         self.graphs = None
         if cuda_graphs and gpu.active(model.embed):
             from services.rank_worker.model.cuda_graphs import DecodeGraphs
@@ -114,6 +172,37 @@ class Executor:
         chosen, top_ids, top_lp = processed_logprobs(logits, params, ids, int(k.max()))
         return RowLogprobs(chosen.cpu(), top_ids.to(torch.int32).cpu(), top_lp.cpu())
 
+    def _fill_pending(self, tokens: torch.Tensor, starts: list[int], lengths: list[int], slots: list[int],
+                      prompt: list[bool] | None, verify: list[bool] | None) -> torch.Tensor:
+        """Replace PENDING_TOKEN ids: a scheduler that plans round n+1 before round n's result has come back sends
+        a decode step whose input is the token this rank sampled last for the sequence's slot (rounds run in
+        order on a stream, so that token is known here by now). It must continue exactly where the slot's last
+        round ended: after a refused round it does not, and every rank refuses this plan alike."""
+        if not bool((tokens == PENDING_TOKEN).any()):
+            return tokens
+        tokens = tokens.clone()
+        row = 0
+        for s, (start, n, slot) in enumerate(zip(starts, lengths, slots)):
+            if bool((tokens[row : row + n] == PENDING_TOKEN).any()):
+                if n != 1 or (prompt is not None and prompt[s]) or (verify is not None and verify[s]):
+                    raise PlanError(f"sequence {s}: a pending token id is only valid as a decode step's one row")
+                if slot not in self.last_sampled or self.slot_end.get(slot) != start:
+                    raise PlanError(f"sequence {s}: a pending token id at position {start}, but slot {slot}'s last "
+                                    f"sampling round ended at {self.slot_end.get(slot)}")
+                tokens[row] = self.last_sampled[slot]
+            row += n
+        return tokens
+
+    def _remember_samples(self, batch: Batch, rows: torch.Tensor, sampled: list[int], accepted: list[int] | None
+                          ) -> None:
+        """Each sampling sequence's next input token, by slot (what a later PENDING_TOKEN stands for)."""
+        by_row = dict(zip(rows.tolist(), sampled))
+        for s, (o, start, n, slot) in enumerate(zip(batch.offsets, batch.starts, batch.lengths, batch.slots)):
+            kept = accepted[s] + 1 if batch.is_verify(s) and accepted is not None else n
+            if o + kept - 1 in by_row:
+                self.last_sampled[slot] = by_row[o + kept - 1]
+                self.slot_end[slot] = start + kept
+
     def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, torch.Tensor]:
         dev = self.model.device
         tokens = _vec(plan.token_ids, "token_ids", torch.int64)
@@ -121,14 +210,16 @@ class Executor:
         b = lengths.numel()
         starts = _vec(plan.starts, "starts", torch.int64, b)
         slots = _vec(plan.slots, "slots", torch.int64, b)
-        try:
-            tables = from_proto(plan.block_tables).to(torch.int64)
-        except ValueError as exc:
-            raise PlanError(f"block_tables: {exc}") from exc
+        tables = _tensor(plan.block_tables, "block_tables", torch.int64)
         if b == 0 or tables.dim() != 2 or tables.shape[0] != b:
             raise PlanError(f"block_tables must be [{b}, W] for {b} sequences, got {list(tables.shape)}")
         if int(lengths.sum()) != tokens.numel() or bool((lengths < 1).any()) or bool((starts < 0).any()):
             raise PlanError("lengths must be >= 1 and sum to the number of token ids; starts must be >= 0")
+        verify = _flags(plan, "verify", b)
+        prompt = _flags(plan, "prompt", b)
+        if verify is not None and prompt is not None and any(v and p for v, p in zip(verify, prompt)):
+            raise PlanError("a sequence cannot be both a verify window and a prompt chunk")
+        tokens = self._fill_pending(tokens, starts.tolist(), lengths.tolist(), slots.tolist(), prompt, verify)
         if bool((tokens < 0).any()) or bool((tokens >= self.model.cfg.vocab_size).any()):
             raise PlanError("a token id is outside the vocabulary")
         if bool((slots < 0).any()) or bool((slots >= self.cache.num_slots).any()) or len(set(slots.tolist())) != b:
@@ -137,7 +228,9 @@ class Executor:
             raise PlanError(f"block ids must be in [0, {self.cache.num_blocks})")
         if bool(((starts + lengths) > tables.shape[1] * self.cache.block_size).any()):
             raise PlanError("a sequence runs past the end of its block table")
+        check_positions(starts, lengths, self.model.cfg.max_position_embeddings)
         rows = _vec(plan.sample_rows, "sample_rows", torch.int64)
+        check_counts(tokens, tables, rows, self.cache)
         r = rows.numel()
         if bool((rows < 0).any()) or bool((rows >= tokens.numel()).any()):
             raise PlanError("a sample row is outside the batch")
@@ -148,10 +241,7 @@ class Executor:
             min_p=_vec(plan.min_p, "min_p", torch.float32, r).to(dev),
             seed=_vec(plan.seed, "seed", torch.int64, r).to(dev),
         )
-        verify = _flags(plan, "verify", b)
-        prompt = _flags(plan, "prompt", b)
-        if verify is not None and prompt is not None and any(v and p for v, p in zip(verify, prompt)):
-            raise PlanError("a sequence cannot be both a verify window and a prompt chunk")
+        check_sampling(params)
         batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
                       block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows, verify=verify,
                       prompt=prompt)
@@ -166,14 +256,13 @@ class Executor:
         """The plan's (source slot, target slot) KDA state copies, validated; an empty tensor means none."""
         if not plan.HasField("state_copies") or not plan.state_copies.dtype:
             return []
-        try:
-            t = from_proto(plan.state_copies).to(torch.int64)
-        except ValueError as exc:
-            raise PlanError(f"state_copies: {exc}") from exc
+        t = _tensor(plan.state_copies, "state_copies", torch.int64)
         if t.numel() == 0:
             return []
         if t.dim() != 2 or t.shape[1] != 2:
             raise PlanError(f"state_copies must be [K, 2] (source slot, target slot), got {list(t.shape)}")
+        if t.shape[0] > 2 * self.cache.num_slots:  # a take and a resume per slot at most
+            raise PlanError(f"{t.shape[0]} state copies for {self.cache.num_slots} slots")
         if bool((t < 0).any()) or bool((t >= self.cache.num_slots).any()):
             raise PlanError(f"state_copies: slots must be in [0, {self.cache.num_slots})")
         return [(int(a), int(b)) for a, b in t.tolist()]
@@ -204,7 +293,7 @@ class Executor:
             sampled = sample(logits, positions, params).tolist()
             if want_k is not None:
                 logprobs = self.row_logprobs(logits, params, sampled, want_k)
-        accepted = None
+        accepted = mine = None
         if batch.verify is not None:
             # Accept the longest draft prefix equal to our own samples, then keep the KDA state of that row only.
             by_row = dict(zip(rows.tolist(), sampled))
@@ -217,6 +306,7 @@ class Executor:
             accepted = [0] * batch.num_seqs  # in the plan's sequence order
             for s, a in zip(order, mine):
                 accepted[s] = a
+        self._remember_samples(batch, rows, sampled, mine)
         hidden = out.hidden[rows.to(out.hidden.device)].float() if plan.want_hidden and rows.numel() else None
         t2 = time.perf_counter()
         return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden, logprobs)

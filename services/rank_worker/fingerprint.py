@@ -47,12 +47,19 @@ def fingerprint(values: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
-def check_group(values: dict[str, str], rank: int, world: int) -> None:
-    """All-gather every rank's settings; raise naming each setting that differs (on every rank alike)."""
+def check_group(values: dict[str, str], rank: int, world: int, token_digest: str = "") -> None:
+    """All-gather every rank's settings; raise naming each setting that differs (on every rank alike).
+    `token_digest` (internal_auth.group_digest) is compared too, and never printed: a rank started with another
+    internal token is refused like one with other settings."""
     if world == 1:
         return
-    gathered: list[dict[str, str] | None] = [None] * world
-    dist.all_gather_object(gathered, values)
+    pairs: list[tuple[dict[str, str], str] | None] = [None] * world
+    dist.all_gather_object(pairs, (values, token_digest))
+    gathered = [p[0] for p in pairs if p is not None]
+    others = [r for r, p in enumerate(pairs) if p is not None and p[1] != token_digest]
+    if others:
+        raise RuntimeError(f"rank {rank} and rank(s) {others} were started with different internal tokens; refusing "
+                           "to start (give every role the same --internal-token / TWINSPARK_INTERNAL_TOKEN)")
     diffs = []
     for key in sorted(values):
         seen = {r: g.get(key) for r, g in enumerate(gathered) if g is not None}

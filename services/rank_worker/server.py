@@ -1,8 +1,13 @@
 """The rank worker's gRPC service: Describe, and the Step stream that executes one StepPlan per round.
 
-A rank refuses a plan whose round is not the next one or whose checksum does not match, answers with the error
-and then stops the process (exit code 3): its peers cannot safely continue without it, and a supervisor restarts
-the group. Only one Step stream runs at a time (one scheduler drives a rank).
+Two kinds of bad plans:
+- malformed content (wrong lengths or dtypes, ids out of range, counts beyond the cache: `PlanError`, found before
+  anything runs): the rank answers the error with `refused = true` and goes on serving the stream. Every rank checks
+  the same plan the same way, so they all refuse it together and stay in lock-step; nothing changed.
+- a round that is not the next one, a checksum mismatch, or a failure inside the forward: this rank may no longer
+  agree with its peers (it missed a plan, got another plan, or left a collective half-way). It answers the error and
+  stops the process (exit code 3), and a supervisor restarts the group.
+Only one Step stream runs at a time (one scheduler drives a rank).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common import telemetry
+from services.common.internal_auth import server_interceptors
 from services.common.plan_checksum import plan_checksum
 from services.common.tensors import to_proto
 from services.rank_worker.executor import Executor, PlanError
@@ -70,7 +76,13 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                                                  "twinspark.forward_ms": out.forward_ms,
                                                  "twinspark.sample_ms": out.sample_ms})
                 except PlanError as exc:
-                    error = f"round {plan.round}: bad plan: {exc}"
+                    log.warning("rank %d: refused round %d: %s", self.rank, plan.round, exc)
+                    yield rank_pb2.StepResult(round=plan.round, rank=self.rank, refused=True,
+                                              error=f"round {plan.round}: bad plan: {exc}")
+                    continue
+                except Exception as exc:  # noqa: BLE001 — the forward failed half-way: the group must restart
+                    log.exception("rank %d: round %d failed", self.rank, plan.round)
+                    error = f"round {plan.round}: the forward failed: {type(exc).__name__}: {exc}"
                     yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=error)
                     self._stop(error)
                     return
@@ -90,9 +102,11 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
             self._stream_lock.release()
 
 
-def serve(service: RankService, host: str, port: int) -> grpc.Server:
+def serve(service: RankService, host: str, port: int, token: str | None = None) -> grpc.Server:
+    """Listen on host:port; with `token`, every call must carry it (services/common/internal_auth.py)."""
     opts = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=opts)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=opts,
+                         interceptors=server_interceptors(token, f"rank{service.rank}"))
     rank_pb2_grpc.add_RankWorkerServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:

@@ -58,9 +58,9 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
     grid whatever the budget (a resumed prefill starts at a multiple of 64 too), which makes chunked, resumed and
     whole prefills bit-identical."""
     bg = generate_pb2.PRIORITY_BACKGROUND
-    decoders = sorted((r for r in running if not r.prefilling),
+    decoders = sorted((r for r in running if not r.prompt_left and r.wants_rows),
                       key=lambda r: (r.priority == bg, r.last_round, r.order))
-    prefillers = sorted((r for r in running if r.prefilling), key=lambda r: (r.priority == bg, r.order))
+    prefillers = sorted((r for r in running if r.prompt_left), key=lambda r: (r.priority == bg, r.order))
     out: list[PlannedSeq] = []
     left = budget
     for r in decoders:
@@ -81,7 +81,7 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
     for r in prefillers:
         if left < 1:
             break
-        start = r.num_cached
+        start = r.planned
         end = start + min(left, r.prompt_len - start)
         stop = next((p for p, _ in r.snap_points if p > start), None)
         if stop is not None and stop < end:

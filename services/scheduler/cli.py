@@ -9,7 +9,7 @@ import argparse
 import asyncio
 import logging
 
-from services.common.env import env
+from services.common.env import add_internal_token_flag, env
 
 
 def _positive_int(text: str) -> int:
@@ -27,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ranks = env("RANKS")
     p.add_argument("--ranks", default=ranks, required=ranks is None,
                    help="rank worker addresses host:port,host:port in rank order (TWINSPARK_RANKS)")
-    p.add_argument("--host", default=env("SCHEDULER_HOST", "0.0.0.0"), help="listen address (TWINSPARK_SCHEDULER_HOST)")
+    p.add_argument("--host", default=env("SCHEDULER_HOST", "127.0.0.1"),
+                   help="listen address (TWINSPARK_SCHEDULER_HOST, default loopback; another address needs "
+                        "--internal-token)")
     p.add_argument("--port", type=int, default=int(env("SCHEDULER_PORT", "50051")),
                    help="listen port (TWINSPARK_SCHEDULER_PORT, default 50051)")
     p.add_argument("--max-waiting", type=int, default=int(env("MAX_WAITING", "64")),
@@ -65,17 +67,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=env("TOKENIZER") or None,
                    help="checkpoint directory (or tokenizer.json) whose tokenizer the grammar masks of structured "
                         "output use; unset = structured output is refused (TWINSPARK_TOKENIZER)")
+    add_internal_token_flag(p)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="TWINSPARK_LOG_LEVEL, default INFO")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.common.internal_auth import check_bind
     from services.common.telemetry import setup_tracing
     from services.scheduler.engine import EngineConfig
     from services.scheduler.ranks import StartupError
     from services.scheduler.server import SchedulerConfig, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
+    try:
+        check_bind(args.host, args.internal_token)
+    except ValueError as exc:
+        logging.getLogger("twinspark.scheduler").error("%s", exc)
+        return 2
     setup_tracing("twinspark-scheduler")
     addresses = [a.strip() for a in args.ranks.split(",") if a.strip()]
     if not addresses:
@@ -88,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                             enable_prefix_caching=args.enable_prefix_caching, max_snapshots=args.max_snapshots,
                             num_draft_tokens=max(0, args.num_draft_tokens), draft_hidden=args.draft_hidden),
         drafter=args.drafter, draft_timeout_s=args.draft_timeout, tokenizer=args.tokenizer,
+        internal_token=args.internal_token,
         startup_timeout_s=args.startup_timeout, rank_timeout_s=args.rank_timeout or None)
     try:
         asyncio.run(serve(cfg))

@@ -15,6 +15,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
+from services.common.internal_auth import aio_channel
 from services.common.tensors import ids, to_proto
 from twinspark.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -22,11 +23,12 @@ log = logging.getLogger("twinspark.scheduler.drafts")
 
 
 class DrafterClient:
-    def __init__(self, address: str, *, timeout_s: float = 0.5, retry_s: float = 2.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 0.5, retry_s: float = 2.0, token: str | None = None
+                 ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 256 << 20)])
+        self.channel = aio_channel(address, token, [("grpc.max_send_message_length", 256 << 20)])
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.alive = True  # until a call says otherwise
         self.detail = address

@@ -14,6 +14,8 @@ request starts at position 0 with a fresh slot state — and the loop goes on: e
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -28,9 +30,9 @@ from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.drafts import DrafterClient
 from services.scheduler.grammar import GrammarBook, GrammarError
-from services.scheduler.pool import BlockPool
+from services.scheduler.pool import BlockPool, PoolExhausted
 from services.scheduler.prefix import KDA_CHUNK, Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
-from services.scheduler.ranks import ModelInfo, RankError, RankSet
+from services.scheduler.ranks import ModelInfo, RankError, RankSet, Round
 from services.scheduler.request import Request, SamplingSpec, State, TokenLogprobs, derive_seed
 from services.scheduler.tracing import RequestSpans, propose_span, round_span
 from twinspark.v1 import generate_pb2
@@ -38,6 +40,23 @@ from twinspark.v1 import generate_pb2
 log = logging.getLogger("twinspark.scheduler")
 
 __all__ = ["Engine", "EngineConfig", "InvalidRequest", "QueueFull", "Unavailable"]
+
+
+# Bounds on a Generate request's small fields (ids end up in every log line of the request).
+MAX_REQUEST_ID = 256
+MAX_STOP_IDS = 4096
+
+
+# Rounds in flight at most: the next one is planned and sent while the ranks compute the current one (`_overlap`).
+PIPELINE_DEPTH = 2
+
+
+@dataclass
+class _InFlight:
+    seqs: list[PlannedSeq]
+    round: Round
+    span: contextlib.ExitStack  # the round's trace span, closed when its result is committed
+    t0: float
 
 
 class InvalidRequest(ValueError):
@@ -180,18 +199,22 @@ class Engine:
             raise InvalidRequest("invalid_prompt", f"prompt_ids: {exc}") from exc
         if not prompt:
             raise InvalidRequest("invalid_prompt", "the prompt is empty")
-        for i, t in enumerate(prompt):
-            if not 0 <= t < info.vocab_size:
-                raise InvalidRequest("invalid_token_id",
-                                     f"prompt token {i} is {t}, outside the vocabulary [0, {info.vocab_size})")
+        if len(msg.request_id) > MAX_REQUEST_ID:
+            raise InvalidRequest("invalid_request_id", f"request_id is longer than {MAX_REQUEST_ID} characters")
+        if len(msg.stop_token_ids) > MAX_STOP_IDS:
+            raise InvalidRequest("invalid_stop_token_ids", f"more than {MAX_STOP_IDS} stop_token_ids")
         if msg.max_tokens < 1:
             raise InvalidRequest("invalid_max_tokens", f"max_tokens must be >= 1, got {msg.max_tokens}")
         total = len(prompt) + msg.max_tokens
-        if total > info.max_model_len:
+        if total > info.max_model_len:  # before the per-token check below: a huge prompt is refused at once
             raise InvalidRequest(
                 "context_length_exceeded",
                 f"this model's maximum context length is {info.max_model_len} tokens; the request needs {total} "
                 f"({len(prompt)} in the prompt, {msg.max_tokens} max_tokens)")
+        for i, t in enumerate(prompt):
+            if not 0 <= t < info.vocab_size:
+                raise InvalidRequest("invalid_token_id",
+                                     f"prompt token {i} is {t}, outside the vocabulary [0, {info.vocab_size})")
         if not self.pool.fits_ever(total):
             raise InvalidRequest(
                 "context_length_exceeded",
@@ -266,50 +289,94 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------------------------------------
     async def _loop(self) -> None:
+        # Rounds submitted to the ranks and not yet committed, oldest first (see `_overlap`).
+        inflight: collections.deque[_InFlight] = collections.deque()
         while not self._stopping:
             try:
                 self._reap_aborted()
                 if self.ranks.failure is None:
                     self._admit()
-                drafts = await self._propose() if self.ranks.failure is None else {}
+                if inflight and (len(inflight) >= PIPELINE_DEPTH or not self._overlap()):
+                    await self._collect(inflight.popleft())
+                    continue
+                drafts = await self._propose() if self.ranks.failure is None and not inflight else {}
                 if drafts:
                     self._reap_aborted()  # the Propose call awaited: an abort may have come in meanwhile
                 seqs = plan_round(self.running, self.cfg.max_num_batched_tokens, drafts) \
                     if self.ranks.failure is None else []
                 if not seqs:
+                    if inflight:
+                        await self._collect(inflight.popleft())
+                        continue
                     self._wake.clear()  # no await since the checks above, so no wake-up is lost
                     await self._wake.wait()
                     continue
-                self._grammar_masks(seqs)
-                plan = build_step_plan(seqs, self.pool.block_size, self._state_copies(seqs))
-                plan.want_hidden = self.drafter is not None and self.cfg.draft_hidden
-                self.rounds += 1
-                now = time.monotonic()
-                for s in seqs:
-                    s.req.last_round = self.rounds
-                    if s.req.t_scheduled is None:
-                        s.req.t_scheduled = now
-                t0 = time.monotonic()
-                with round_span(self.rounds, seqs, plan):  # before ranks.step seals the plan
-                    sampled = await self.ranks.step(plan)
-                    if log.isEnabledFor(logging.DEBUG):
-                        log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", self.rounds, len(seqs),
-                                  sum(len(s.token_ids) for s in seqs), len(sampled), (time.monotonic() - t0) * 1e3)
-                    self._commit(seqs, sampled, self.ranks.last_accepted, self.ranks.last_hidden,
-                                 self.ranks.last_logprobs)
+                inflight.append(await self._submit(seqs))
             except asyncio.CancelledError:
                 raise
             except RankError as err:
+                inflight.clear()  # the streams are gone with the ranks; recovery starts them over from round 1
                 self._on_rank_failure(err)  # idempotent: the rank set usually called it already
             except Exception as exc:  # noqa: BLE001 — the loop must survive its own bugs
                 log.exception("scheduler loop error; failing the running requests")
                 self.loop_error = f"{type(exc).__name__}: {exc}"
                 for req in list(self.running):
                     self._finish(req, generate_pb2.FINISH_ERROR, error=f"scheduler error: {self.loop_error}")
+                await self._drain(inflight)
                 if self.prefix is not None:  # a state copy planned this round may never have run: trust no snapshot
                     self.prefix.clear()
                     self._takes_next = []
                 await asyncio.sleep(0.05)  # never spin hot on a repeating failure
+
+    def _overlap(self) -> bool:
+        """Whether the next round may be planned before the previous one's result is in. Its decode rows then say
+        "the token you sampled last" (the ranks fill it in), so it must need nothing else from that result: no
+        drafts (they start from the last token), no grammar masks (they depend on it), no hidden states."""
+        if self.drafter is not None and self.cfg.num_draft_tokens > 0 and self.drafter.usable:
+            return False
+        return not self.cfg.draft_hidden and not any(r.grammar is not None for r in self.running)
+
+    async def _submit(self, seqs: list[PlannedSeq]) -> "_InFlight":
+        self._grammar_masks(seqs)
+        plan = build_step_plan(seqs, self.pool.block_size, self._state_copies(seqs))
+        plan.want_hidden = self.drafter is not None and self.cfg.draft_hidden
+        self.rounds += 1
+        now = time.monotonic()
+        for s in seqs:
+            s.req.last_round = self.rounds
+            if s.req.t_scheduled is None:
+                s.req.t_scheduled = now
+        span = contextlib.ExitStack()
+        span.enter_context(round_span(self.rounds, seqs, plan))  # before the rank set seals the plan
+        try:
+            rnd = await self.ranks.submit(plan)
+        except BaseException:
+            span.close()
+            raise
+        for s in seqs:
+            s.req.plan_rows(s)
+        return _InFlight(seqs, rnd, span, time.monotonic())
+
+    async def _collect(self, f: "_InFlight") -> None:
+        try:
+            sampled = await self.ranks.collect(f.round)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", f.round.plan.round, len(f.seqs),
+                          sum(len(s.token_ids) for s in f.seqs), len(sampled), (time.monotonic() - f.t0) * 1e3)
+            self._commit(f.seqs, sampled, self.ranks.last_accepted, self.ranks.last_hidden,
+                         self.ranks.last_logprobs)
+        finally:
+            f.span.close()
+
+    async def _drain(self, inflight: collections.deque["_InFlight"]) -> None:
+        """After a loop error with the ranks still in lock-step: read what is still in flight (each stream must stay
+        in round order) and drop it; its requests are finished already."""
+        while inflight:
+            f = inflight.popleft()
+            try:
+                await self._collect(f)
+            except Exception:  # noqa: BLE001 — the round's requests are failed already
+                log.warning("dropped round %d after a loop error", f.round.plan.round)
 
     # -- prefix cache ---------------------------------------------------------------------------------------------
     def _match(self, req: Request) -> Match | None:
@@ -341,9 +408,19 @@ class Engine:
         shared: list[int] = []
         if m.snapshot is not None:
             shared = prefix.acquire(m.snapshot)
+        need = self.pool.blocks_for(req.reserve_tokens) - len(shared)
+        prefix.make_room(need)
+        if need > self.pool.free_blocks:
+            # `_fits` counted cached blocks that eviction could not free after all (a request that needs nearly the
+            # whole pool, say): give the snapshot back and let the request wait instead of failing it.
+            for b in shared:
+                self.pool.drop(b)
+            if m.snapshot is not None:
+                prefix.copied_out(m.snapshot)
+            raise PoolExhausted(f"need {need} free blocks, {self.pool.free_blocks} after evicting what can be")
+        if m.snapshot is not None:
             req.resume = m.snapshot
             req.num_cached = req.cached_tokens = m.pos
-        prefix.make_room(self.pool.blocks_for(req.reserve_tokens) - len(shared))
         req.reservation = self.pool.reserve(req.reserve_tokens, shared)
         prefix.queries += req.prompt_len
         prefix.hits += m.pos
@@ -394,8 +471,12 @@ class Engine:
             head = self.queue.head()
             if head is None or not self._fits(head):
                 return  # strict order: nobody overtakes a head that does not fit yet
+            try:
+                self._reserve(head)
+            except PoolExhausted as exc:
+                log.info("%s waits for blocks: %s", head.id, exc)
+                return
             self.queue.pop_head()
-            self._reserve(head)
             head.state = State.RUNNING
             if head.spans is not None:
                 head.spans.admitted()
@@ -453,8 +534,13 @@ class Engine:
             first = pos
             pos += n_samples
             req = s.req
+            req.rows_back(s)
+            if req.release_deferred and req.pending_rows == 0 and req.reservation is not None:
+                req.release_deferred = False  # the last round writing its blocks and slot is done
+                self.pool.release(req.reservation)
+                self._wake.set()
             if req.state is not State.RUNNING or req.abort_reason is not None:
-                continue  # aborted meanwhile: its rows are dropped, it is reaped below
+                continue  # finished or aborted meanwhile: its rows are dropped (an abort is reaped below)
             if not s.sample:
                 req.commit(len(s.token_ids), None)
                 req.emit_progress()  # one more prefill chunk is in
@@ -511,7 +597,10 @@ class Engine:
             self.prefix.copied_out(req.resume)
             req.resume = None
         if req.reservation is not None:
-            self.pool.release(req.reservation)
+            if req.pending_rows:  # a round in flight still writes its blocks and slot: free them once it is back
+                req.release_deferred = True
+            else:
+                self.pool.release(req.reservation)
         if was_running:
             self.running.remove(req)
         else:
@@ -534,6 +623,8 @@ class Engine:
             self._finish(req, generate_pb2.FINISH_ERROR, error=error)
 
     def _on_rank_failure(self, err: RankError) -> None:
+        for req in self.running:  # rounds in flight died with the ranks: nothing of them will come back
+            req.pending_rows = req.pending_samples = 0
         self._fail_all(err.public)
         self._wake.set()
         if not self._stopping and (self._recovery is None or self._recovery.done()):

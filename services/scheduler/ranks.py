@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
 
+from services.common.internal_auth import aio_channel
 from services.common.plan_checksum import seal
 from services.common.tensors import from_proto, ids
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
@@ -36,6 +37,27 @@ PROBE_INTERVAL_S = 1.0  # Describe cadence while waiting for a failed group to c
 
 class StartupError(RuntimeError):
     """The ranks cannot be served together (unreachable, mismatched fingerprints, wrong order)."""
+
+
+class PlanRefused(RuntimeError):
+    """Every rank refused this round's plan as malformed before running anything (StepResult.refused): the ranks
+    are still in lock-step, so only the round's requests fail. A scheduler bug, never a rank failure."""
+
+
+@dataclass
+class Round:
+    """A submitted round: its sealed plan and each rank's pending answer."""
+    plan: rank_pb2.StepPlan
+    reads: list[asyncio.Future]
+
+
+@dataclass
+class _Answer:
+    """One rank's answer to a round (rank 0 also carries the round's extras)."""
+    sampled: list[int]
+    accepted: list[int] = field(default_factory=list)
+    hidden: object = None
+    logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
 
 
 class RankError(RuntimeError):
@@ -72,6 +94,10 @@ class ModelInfo:
                    eos_ids=tuple(d.eos_token_ids), max_model_len=d.max_model_len)
 
 
+class _Refused(str):
+    """One rank's answer refusing a malformed plan (it keeps serving); see PlanRefused."""
+
+
 def _differences(name_a: str, a: rank_pb2.DescribeReply, name_b: str, b: rank_pb2.DescribeReply) -> str:
     """Two Describe replies' fingerprints and every setting that differs, by name."""
     keys = sorted(k for k in set(a.settings) | set(b.settings) if a.settings.get(k) != b.settings.get(k))
@@ -99,11 +125,11 @@ def _logprobs(c: "RankClient", round_: int, res: rank_pb2.StepResult, n_sample: 
 
 
 class RankClient:
-    def __init__(self, index: int, address: str) -> None:
+    def __init__(self, index: int, address: str, token: str | None = None) -> None:
         self.index = index
         self.address = address
         self.name = f"rank{index}"
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTS)
+        self.channel = aio_channel(address, token, _CHANNEL_OPTS)
         self.stub = rank_pb2_grpc.RankWorkerStub(self.channel)
         self.call: grpc.aio.StreamStreamCall | None = None
 
@@ -112,10 +138,11 @@ class RankClient:
 
 
 class RankSet:
-    def __init__(self, addresses: list[str], *, rank_timeout_s: float | None = 300.0) -> None:
+    def __init__(self, addresses: list[str], *, rank_timeout_s: float | None = 300.0,
+                 token: str | None = None) -> None:
         if not addresses:
             raise ValueError("at least one rank address is needed")
-        self.clients = [RankClient(i, a.strip()) for i, a in enumerate(addresses)]
+        self.clients = [RankClient(i, a.strip(), token) for i, a in enumerate(addresses)]
         self.rank_timeout_s = rank_timeout_s
         self.info: ModelInfo | None = None
         self.described: list[rank_pb2.DescribeReply] = []  # the connected group's Describe replies, in rank order
@@ -128,7 +155,8 @@ class RankSet:
         # rank 0's logprobs of the last round's sample rows (when the plan asked): chosen [R], top ids / logprobs [R, K]
         self.last_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
         self._closing = False
-        self._in_step = False
+        self._in_flight = 0  # rounds submitted and not yet collected
+        self._last_read: list[asyncio.Future | None] = []  # per client: the read of the newest submitted round
 
     # -- startup --------------------------------------------------------------------------------------------------
     async def connect(self, startup_timeout_s: float = 120.0) -> ModelInfo:
@@ -147,6 +175,9 @@ class RankSet:
                              replies[c.index].model, replies[c.index].rank, replies[c.index].world,
                              replies[c.index].fingerprint[:12])
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # waiting will not change it
+                        raise StartupError(f"{c.name} at {c.address} refused the scheduler's internal token: start "
+                                           "every role with the same --internal-token") from None
                     last_error[c.index] = _rpc_error_text(exc)
             missing = [c for c in self.clients if replies[c.index] is None]
             if not missing:
@@ -187,6 +218,8 @@ class RankSet:
     def _open_streams(self) -> None:
         """A Step stream per rank, from round 1."""
         self._round = 0
+        self._in_flight = 0
+        self._last_read = [None] * len(self.clients)
         for c in self.clients:
             self._open_stream(c)
 
@@ -196,7 +229,7 @@ class RankSet:
         def ended(call: grpc.aio.StreamStreamCall, c: RankClient = c) -> None:
             # A stream that ends between rounds means the rank went away; during a round the exchange itself sees
             # the end and reports the rank's own error text, which is the better message.
-            if not self._closing and not self._in_step:
+            if not self._closing and not self._in_flight:
                 asyncio.ensure_future(self._note_stream_end(c, call))
 
         c.call.add_done_callback(ended)
@@ -221,15 +254,35 @@ class RankSet:
     # -- rounds ---------------------------------------------------------------------------------------------------
     async def step(self, plan: rank_pb2.StepPlan) -> list[int]:
         """Run one round on every rank; rank 0's sampled ids. Raises RankError (and the set is dead) on failure."""
+        return await self.collect(await self.submit(plan))
+
+    async def submit(self, plan: rank_pb2.StepPlan) -> "Round":
+        """Send one round's plan to every rank without waiting for its result (`collect` does). Rounds may be
+        submitted while earlier ones are in flight: every stream carries them in order, and their results come
+        back in order."""
         if self.failure is not None:
             raise self.failure
         self._round += 1
         plan.round = self._round
         seal(plan)
-        self.last_accepted, self.last_hidden, self.last_logprobs = [], None, None
         n_sample = plan.sample_rows.shape[0] if plan.sample_rows.shape else 0
-        tasks = [asyncio.ensure_future(self._exchange(c, plan, n_sample)) for c in self.clients]
-        self._in_step = True
+        self._in_flight += 1
+        try:
+            await asyncio.gather(*(self._write(c, plan) for c in self.clients))
+        except RankError as err:
+            self._in_flight -= 1
+            self._fail(err)
+            raise self.failure or err
+        reads = []
+        for i, c in enumerate(self.clients):
+            reads.append(asyncio.ensure_future(self._read(c, plan, n_sample, self._last_read[i])))
+            self._last_read[i] = reads[-1]
+        return Round(plan, reads)
+
+    async def collect(self, rnd: "Round") -> list[int]:
+        """Wait for a submitted round's answers (in submission order); rank 0's sampled ids, its accepted counts,
+        hidden states and logprobs in `last_*`. Raises RankError (the set is dead) or PlanRefused."""
+        plan, tasks = rnd.plan, rnd.reads
         try:
             done, pending = await asyncio.wait(tasks, timeout=self.rank_timeout_s,
                                                return_when=asyncio.FIRST_EXCEPTION)
@@ -238,7 +291,7 @@ class RankSet:
                 t.cancel()
             raise
         finally:
-            self._in_step = False
+            self._in_flight -= 1
         for t in tasks:  # the first error wins; a rank that never answered is named too
             if t in done and t.exception() is not None:
                 for p in pending:
@@ -256,23 +309,44 @@ class RankSet:
             self._fail(RankError(c.index, c.address, f"no answer to round {plan.round} within {self.rank_timeout_s} s"))
             raise self.failure  # type: ignore[misc]
         results = [t.result() for t in tasks]
+        refused = [(c, r) for c, r in zip(self.clients, results) if isinstance(r, _Refused)]
+        if refused and len(refused) == len(results):
+            raise PlanRefused(f"round {plan.round}: every rank refused the plan: {refused[0][1]}")
+        if refused:  # some ranks ran a plan the others refused: they no longer agree
+            c, r = refused[0]
+            self._fail(RankError(c.index, c.address, f"round {plan.round}: refused a plan its peers ran: {r}"))
+            raise self.failure  # type: ignore[misc]
         first = results[0]
         for c, r in zip(self.clients[1:], results[1:]):
-            if r and r != first:  # ranks must hold the same bits (DESIGN §5.3); rank 0 decides, but say so
+            if r.sampled and r.sampled != first.sampled:  # ranks must hold the same bits (DESIGN §5.3); say so
                 log.error("round %d: %s sampled %s but rank0 sampled %s (rank invariance broken)", plan.round,
-                          c.name, r, first)
-        return first
+                          c.name, r.sampled, first.sampled)
+        self.last_accepted, self.last_hidden, self.last_logprobs = first.accepted, first.hidden, first.logprobs
+        return first.sampled
 
-    async def _exchange(self, c: RankClient, plan: rank_pb2.StepPlan, n_sample: int) -> list[int]:
+    async def _write(self, c: RankClient, plan: rank_pb2.StepPlan) -> None:
         assert c.call is not None
         try:
             await c.call.write(plan)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise RankError(c.index, c.address, f"round {plan.round}: {_rpc_error_text(exc)}") from exc
+
+    async def _read(self, c: RankClient, plan: rank_pb2.StepPlan, n_sample: int,
+                    after: asyncio.Future | None) -> "_Answer | _Refused":
+        assert c.call is not None
+        if after is not None:  # the previous round's answer comes first on this stream
+            await asyncio.wait([after])
+            if self.failure is not None:
+                raise self.failure
+        try:
             res = await c.call.read()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise RankError(c.index, c.address, f"round {plan.round}: {_rpc_error_text(exc)}") from exc
         if res is grpc.aio.EOF:
             raise RankError(c.index, c.address, f"round {plan.round}: the Step stream closed without an answer")
         if res.error:
+            if res.refused:
+                return _Refused(res.error)
             raise RankError(c.index, c.address, f"round {plan.round}: {res.error}")
         if res.round != plan.round:
             raise RankError(c.index, c.address, f"answered round {res.round} to round {plan.round}")
@@ -280,22 +354,23 @@ class RankSet:
             sampled = ids(res.sampled) if res.HasField("sampled") else []
         except ValueError as exc:
             raise RankError(c.index, c.address, f"round {plan.round}: bad sampled tensor: {exc}") from exc
+        answer = _Answer(sampled)
         if c.index == 0 and len(sampled) != n_sample:
             raise RankError(c.index, c.address, f"round {plan.round}: {len(sampled)} sampled ids for {n_sample} rows")
         if c.index == 0:
             # Verify windows and MTP drafts: rank 0's accepted counts and hidden states (every rank agrees).
             n_seqs = plan.lengths.shape[0] if plan.lengths.shape else 0
             try:
-                self.last_accepted = ids(res.accepted) if res.HasField("accepted") else []
-                self.last_hidden = from_proto(res.hidden) if plan.want_hidden and res.HasField("hidden") else None
+                answer.accepted = ids(res.accepted) if res.HasField("accepted") else []
+                answer.hidden = from_proto(res.hidden) if plan.want_hidden and res.HasField("hidden") else None
             except ValueError as exc:
                 raise RankError(c.index, c.address, f"round {plan.round}: bad accepted/hidden: {exc}") from exc
             if plan.HasField("logprobs_k") and plan.logprobs_k.shape and plan.logprobs_k.shape[0]:
-                self.last_logprobs = _logprobs(c, plan.round, res, n_sample)
-            if plan.HasField("verify") and len(self.last_accepted) != n_seqs:
+                answer.logprobs = _logprobs(c, plan.round, res, n_sample)
+            if plan.HasField("verify") and len(answer.accepted) != n_seqs:
                 raise RankError(c.index, c.address,
-                                f"round {plan.round}: {len(self.last_accepted)} accepted counts for {n_seqs} sequences")
-        return sampled
+                                f"round {plan.round}: {len(answer.accepted)} accepted counts for {n_seqs} sequences")
+        return answer
 
     # -- recovery -------------------------------------------------------------------------------------------------
     def _is_new(self, c: RankClient, d: rank_pb2.DescribeReply) -> bool:

@@ -61,6 +61,10 @@ class SamplingSpec:
         return s - (1 << 64) if s >= 1 << 63 else s
 
 
+# StepPlan.token_ids' "the token you sampled last for this slot" (services/rank_worker/executor.py)
+PENDING_TOKEN = -1
+
+
 class State(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -97,6 +101,11 @@ class Request:
         self.block_hashes: list[bytes] | None = None
         self.resume: Snapshot | None = None
         self.snap_points: list[tuple[int, bool]] = []
+        # Rows and samples of rounds submitted to the ranks but not committed yet (the engine plans round n+1 while
+        # round n computes); a finished request whose rows are still in flight frees its blocks after them.
+        self.pending_rows = 0
+        self.pending_samples = 0
+        self.release_deferred = False
         self.state = State.WAITING
         self.abort_reason: str | None = None  # set by Abort / cancellation; acted on at the next round boundary
         self.last_round = 0  # last round this request had rows in (fair order when the budget is short)
@@ -116,6 +125,25 @@ class Request:
         return self.num_cached < self.prompt_len
 
     @property
+    def planned(self) -> int:
+        """Positions covered by committed rows and rows in flight: where the next planned row starts."""
+        return self.num_cached + self.pending_rows
+
+    @property
+    def prompt_left(self) -> bool:
+        """Prompt rows remain to be planned."""
+        return self.planned < self.prompt_len
+
+    @property
+    def wants_rows(self) -> bool:
+        """Whether a new round may give this request rows: prompt left, or tokens still allowed once every sample in
+        flight is counted (a request stopping at an EOS in flight gets one row too many, dropped at commit)."""
+        if self.prompt_left:
+            return True
+        n = len(self.tokens) + self.pending_samples
+        return n - self.prompt_len < self.max_tokens and n < self.max_model_len
+
+    @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
@@ -126,10 +154,24 @@ class Request:
         return self.prompt_len + self.max_tokens
 
     def next_rows(self, budget: int) -> tuple[int, list[int]]:
-        """(start, token ids) of this request's rows for a round with `budget` tokens left for it."""
-        if self.prefilling:
-            return self.num_cached, self.tokens[self.num_cached : self.num_cached + budget]
-        return self.num_cached, self.tokens[-1:]
+        """(start, token ids) of this request's rows for a round with `budget` tokens left for it. A decode row whose
+        input is a sample still in flight says PENDING_TOKEN: the ranks put in the token they sampled last."""
+        start = self.planned
+        if self.prompt_left:
+            return start, self.tokens[start : start + budget]
+        return start, [PENDING_TOKEN] if self.pending_samples else self.tokens[-1:]
+
+    def plan_rows(self, seq) -> None:
+        """A round with this request's rows (`seq`, a PlannedSeq) was sent to the ranks."""
+        if not seq.verify:  # verify windows are never pipelined: nothing to count ahead
+            self.pending_rows += len(seq.token_ids)
+            self.pending_samples += 1 if seq.sample else 0
+
+    def rows_back(self, seq) -> None:
+        """That round's result is in (committed or dropped)."""
+        if not seq.verify:
+            self.pending_rows -= len(seq.token_ids)
+            self.pending_samples -= 1 if seq.sample else 0
 
     # -- commit ---------------------------------------------------------------------------------------------------
     def commit(self, n_rows: int, sampled: int | None) -> None:

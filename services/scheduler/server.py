@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.internal_auth import server_interceptors
 from services.scheduler.admission import QueueFull
 from services.scheduler.engine import Engine, EngineConfig, InvalidRequest, Unavailable
 from services.scheduler.drafts import DrafterClient
@@ -108,7 +109,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
 @dataclass
 class SchedulerConfig:
     ranks: list[str]
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 50051
     engine: EngineConfig = field(default_factory=EngineConfig)
     startup_timeout_s: float = 120.0
@@ -117,6 +118,7 @@ class SchedulerConfig:
     drafter: str | None = None  # host:port of the drafter; None = no drafts
     draft_timeout_s: float = 0.5  # a Propose slower than this runs the round without drafts
     tokenizer: str | None = None  # checkpoint dir / tokenizer.json for grammar masks; None = no structured output
+    internal_token: str | None = None  # required from callers, sent to ranks and drafter (common/internal_auth.py)
 
 
 class Scheduler:
@@ -124,7 +126,7 @@ class Scheduler:
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
-        self.ranks = RankSet(cfg.ranks, rank_timeout_s=cfg.rank_timeout_s)
+        self.ranks = RankSet(cfg.ranks, rank_timeout_s=cfg.rank_timeout_s, token=cfg.internal_token)
         self.engine: Engine | None = None
         self.server: grpc.aio.Server | None = None
         self.drafter: DrafterClient | None = None
@@ -137,13 +139,14 @@ class Scheduler:
         except BaseException:
             await self.ranks.close()
             raise
-        self.drafter = DrafterClient(self.cfg.drafter, timeout_s=self.cfg.draft_timeout_s) \
-            if self.cfg.drafter else None
+        self.drafter = DrafterClient(self.cfg.drafter, timeout_s=self.cfg.draft_timeout_s,
+                                     token=self.cfg.internal_token) if self.cfg.drafter else None
         grammars = GrammarBook.load(self.cfg.tokenizer, info.vocab_size, list(info.eos_ids)) \
             if self.cfg.tokenizer else None
         self.engine = Engine(self.ranks, info, self.cfg.engine, self.drafter, grammars)
         self.engine.start()
-        self.server = grpc.aio.server(options=_SERVER_OPTS)
+        self.server = grpc.aio.server(options=_SERVER_OPTS,
+                                      interceptors=server_interceptors(self.cfg.internal_token, "scheduler", aio=True))
         generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(
             self.engine, self.ranks, progress_interval_s=self.cfg.progress_interval_s), self.server)
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")

@@ -79,7 +79,7 @@ def _parent_and_links(spans: Sequence[trace.Span]) -> tuple[Context, list[trace.
 
 @contextlib.contextmanager
 def round_span(number: int, seqs: Sequence[PlannedSeq], plan: rank_pb2.StepPlan) -> Iterator[None]:
-    """Trace one round (its block: sending the plan to the ranks and committing the results). Writes the round
+    """Trace one round (its block: from sending the plan to the ranks to committing the results). Writes the round
     span's context into `plan.trace_context`, so call it before the plan is sealed; a plan stays byte-identical
     when nothing is traced."""
     traced = [s for s in seqs if s.req.spans is not None] if telemetry.enabled() else []
@@ -90,17 +90,20 @@ def round_span(number: int, seqs: Sequence[PlannedSeq], plan: rank_pb2.StepPlan)
     attrs = {"twinspark.round": number, "twinspark.seqs": len(seqs),
              "twinspark.rows": sum(len(s.token_ids) for s in seqs),
              "twinspark.request_ids": [s.req.id for s in seqs]}
-    with _tracer.start_as_current_span("round", context=parent, links=links, attributes=attrs):
-        telemetry.inject(plan.trace_context)
-        chunks = [_tracer.start_span("prefill chunk", context=trace.set_span_in_context(s.req.spans.phase),
-                                     attributes={"twinspark.round": number, "twinspark.start": s.start,
-                                                 "twinspark.length": len(s.token_ids)})
-                  for s in traced if s.req.prefilling]
-        try:
-            yield
-        finally:
-            for c in chunks:
-                c.end()
+    # Not made the current span: rounds overlap (the next is sent before this one's result is committed), so their
+    # contexts are passed explicitly rather than attached and detached out of order.
+    span = _tracer.start_span("round", context=parent, links=links, attributes=attrs)
+    telemetry.inject(plan.trace_context, trace.set_span_in_context(span))
+    chunks = [_tracer.start_span("prefill chunk", context=trace.set_span_in_context(s.req.spans.phase),
+                                 attributes={"twinspark.round": number, "twinspark.start": s.start,
+                                             "twinspark.length": len(s.token_ids)})
+              for s in traced if s.req.prefilling]
+    try:
+        yield
+    finally:
+        for c in chunks:
+            c.end()
+        span.end()
 
 
 @contextlib.contextmanager

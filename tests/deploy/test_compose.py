@@ -38,6 +38,7 @@ def interpolate(text: str, values: dict[str, str]) -> str:
 def example_values() -> dict[str, str]:
     values = read_env_file(EXAMPLE)
     values.update(IMAGE="twinspark:cpu", MODEL="/models/glm", RANK_ADDRESSES="127.0.0.1:50061,spark2:50062",
+                  INTERNAL_TOKEN="derived-by-start.sh",
                   TP="2", MASTER_ADDR="192.168.100.10")
     return values
 

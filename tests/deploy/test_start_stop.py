@@ -44,9 +44,12 @@ def test_dry_run_two_machines(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    r = sh("start.sh", "--dry-run", env={**TWO, "MODEL": str(model), "STATE_DIR": str(tmp_path)})
+    secrets = {"INTERNAL_TOKEN": "sekrit-internal-token", "API_KEY": "sekrit-key-1,sekrit-key-2"}
+    r = sh("start.sh", "--dry-run", env={**TWO, **secrets, "MODEL": str(model), "STATE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     out = r.stdout
+    assert "sekrit" not in out and "INTERNAL_TOKEN=***" in out and "API_KEY=***" in out  # masked
+    assert "RANK_HOST=0.0.0.0" in out  # the worker's rank must be reachable from the head
     assert "docker launcher, 2 machine(s) (head: ranks [0], me@spark2: ranks [1])" in out
     assert "RANK_ADDRESSES=127.0.0.1:50061,spark2:50062" in out
     assert "check me@spark2: ssh, docker compose, the checkpoint, MASTER_ADDR 192.168.100.10" in out
@@ -84,6 +87,11 @@ def test_checks_stop_the_start_before_anything_runs(tmp_path):
     assert r.returncode == 1
     assert f"port {port} (PORT (gateway)) is in use" in r.stdout + r.stderr
     assert "start every role" in r.stdout and not (tmp_path / "native").exists()  # listed, never run
+
+
+def test_smoke_test_key_from_the_api_key_list():
+    assert probe.plain_key("") == "" and probe.plain_key(" a , b") == "a"
+    assert probe.plain_key("sha256:" + "0" * 64 + ",k") == "k" and probe.plain_key("sha256:" + "0" * 64) is None
 
 
 def test_smoke_test_rejects_degenerate_replies():

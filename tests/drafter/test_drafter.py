@@ -81,3 +81,41 @@ def test_verify_window_packing_and_budget():
     assert from_proto(plan.verify).tolist() == [1, 0]
     assert from_proto(plan.starts).tolist() == [4, 3]
     assert not build_step_plan(plan_round([a, b], budget=5), 16).HasField("verify")
+
+
+def test_hostile_proposes_are_refused_and_the_drafter_keeps_serving(tiny_default):
+    from services.common.internal_auth import metadata
+    from services.drafter.server import MAX_DRAFT, MAX_SEQUENCES
+    from twinspark.v1.tensor_pb2 import Tensor
+
+    def seq(**kw) -> drafter_pb2.DraftSequence:
+        base = dict(request_id="r", tokens=to_proto([1, 2, 3, 1, 2]), max_draft=2)
+        return drafter_pb2.DraftSequence(**{**base, **kw})
+
+    bad = [
+        [seq(max_draft=2**31 - 1)], [seq(max_draft=MAX_DRAFT + 1)], [seq(max_draft=-1)],
+        [seq(tokens=to_proto([1, -5, 3]))], [seq(tokens=to_proto([1.0, 2.0], "float32"))],
+        [seq(tokens=Tensor(dtype="int32", shape=[4], data=b"\0" * 3))],
+        [seq(tokens=Tensor(dtype="int32", shape=[2**33, 2**31], data=b""))],
+        [seq(hidden=to_proto([1, 2, 3]))],
+        [seq()] * (MAX_SEQUENCES + 1),
+    ]
+    mtp_bad = [[seq(tokens=to_proto([1, 10**7]))], [seq(hidden=to_proto(torch.zeros(3)))]]
+    for method, cases in ((CopyDrafter(), bad), (MtpDrafter(tiny_default), mtp_bad)):
+        server, port = serve(method, "127.0.0.1", 0, token="drafter-token")
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = drafter_pb2_grpc.DrafterStub(ch)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Propose(drafter_pb2.ProposeRequest(sequences=[seq()]), timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                for sequences in cases:
+                    with pytest.raises(grpc.RpcError) as err:
+                        stub.Propose(drafter_pb2.ProposeRequest(sequences=sequences), timeout=10,
+                                     metadata=metadata("drafter-token"))
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, sequences[0]
+                reply = stub.Propose(drafter_pb2.ProposeRequest(sequences=[seq()]), timeout=10,
+                                     metadata=metadata("drafter-token"))
+                assert len(reply.drafts) == 1  # still serving
+        finally:
+            server.stop(0)

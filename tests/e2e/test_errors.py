@@ -29,11 +29,11 @@ def test_bad_requests(stack_tp2):
     _error(_post(stack_tp2, "/completions", json={"model": "no-such-model", "prompt": "hi"}), 404)
     err = _error(_post(stack_tp2, "/completions", json={"prompt": "hi", "max_tokens": 10**6}), 400)
     assert err["code"] == "context_length_exceeded" and err["param"]
-    err = _error(_post(stack_tp2, "/completions", json={"prompt": "hi", "n": 2}), 400)
+    err = _error(_post(stack_tp2, "/completions", json={"prompt": "hi", "n": 0}), 400)
     assert err["param"] == "n"
     err = _error(_post(stack_tp2, "/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                             "tools": [{"type": "function", "function": {"name": "f"}}]}), 400)
-    assert err["param"] == "tools"
+                                                             "tools": [{"type": "function"}]}), 400)
+    assert err["param"].startswith("tools")
     _error(_post(stack_tp2, "/completions", json={"prompt": [10**7]}), 400)  # token id outside the vocabulary
     assert httpx.get(stack_tp2.url + "/health", timeout=10).status_code == 200  # nothing crashed
 

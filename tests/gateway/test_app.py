@@ -58,3 +58,28 @@ def test_cli_flags(monkeypatch: pytest.MonkeyPatch, tiny_default: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["serve-gateway", "--help"])
     assert exc.value.code == 0
+
+
+def test_several_api_keys_as_digests_and_x_api_key(tiny_default: Path, standin: StandinServer, caplog) -> None:
+    import hashlib
+    import logging
+
+    from services.gateway.api_keys import parse_keys
+
+    second = hashlib.sha256(b"second-key").hexdigest()
+    app = create_app(GatewaySettings(model_dir=str(tiny_default), scheduler=standin.target,
+                                     api_key=f"first-key, sha256:{second}"))
+    body = {"prompt": "hi", "max_tokens": 1}
+    caplog.set_level(logging.DEBUG, logger="twinspark")
+    with TestClient(app) as client:
+        for headers in ({"Authorization": "Bearer first-key"}, {"authorization": "bearer second-key"},
+                        {"x-api-key": "first-key"}, {"x-api-key": "second-key"}):
+            assert client.post("/v1/completions", json=body, headers=headers).status_code == 200, headers
+        for headers in ({"x-api-key": "third"}, {"Authorization": "Bearer " + second}, {"Authorization": "first-key"},
+                        {"x-api-key": f"sha256:{second}"}):
+            assert client.post("/v1/completions", json=body, headers=headers).status_code == 401, headers
+        assert client.get("/openapi.json").status_code == 200  # the API's description is public
+    assert "first-key" not in caplog.text and "second-key" not in caplog.text
+    assert parse_keys("a,,b") == parse_keys(" a , b ")
+    with pytest.raises(ValueError):
+        parse_keys("sha256:nothex")

@@ -67,3 +67,46 @@ def test_batched_strided_weights() -> None:
 def test_output_dtype_follows_input_by_default() -> None:
     out = gemm.matmul(randn(2, 256, seed=11), randn(32, 256, seed=12), 0)
     assert out.dtype == HALF and out.device.type == DEVICE
+
+
+def _fp8_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight as e4m3 + one fp32 scale per block (the layout kernels/quant/fp8.py stores)."""
+    n, k = w.shape
+    s = w.float().abs().view(n // block, block, k // block, block).amax(dim=(1, 3)).clamp_min(1e-8) / 448
+    q = (w.float() / s.repeat_interleave(block, 0).repeat_interleave(block, 1)).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def _int4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [N, K] weight as int32 words of 8 nibbles (q + 8, lowest first) + fp16 scales per group; and q."""
+    n, k = w.shape
+    s = (w.float().abs().view(n, k // group, group).amax(-1) / 7).clamp_min(1e-8).half()
+    q = (w.float() / s.float().repeat_interleave(group, 1)).round().clamp(-8, 7).to(torch.int64)
+    nib = (q + 8).view(n, k // 8, 8) << (torch.arange(8) * 4)
+    words = nib.sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32), s, q
+
+
+@pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
+def test_quantized_weights_equal_their_dequantized_twin_bit_for_bit(rows: int) -> None:
+    """fp8 (block and channel scales) and int4 weights: the same schedule over the dequantized tiles, so the product
+    equals the dense GEMM of the twin's dequantized weight exactly."""
+    from kernels.gpu import wtiles
+    n, k = 256, 512
+    w = randn(n, k, seed=20, scale=0.05).float().cpu()
+    x = randn(33, k, seed=21)
+    q8, s8 = _fp8_block(w)
+    fp8 = wtiles.quantized("fp8", {"weight": q8.to(DEVICE), "weight_scale_inv": s8.to(DEVICE)},
+                           {"block": (128, 128)})
+    deq8 = (q8.float() * s8.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(HALF).to(DEVICE)
+    assert torch.equal(gemm.matmul(x, fp8, rows, torch.float32), gemm.matmul(x, deq8, rows, torch.float32))
+    cs = (w.abs().amax(1, keepdim=True) / 448)
+    qc = (w / cs).to(torch.float8_e4m3fn)
+    chan = wtiles.quantized("fp8", {"weight": qc.to(DEVICE), "weight_scale": cs.to(DEVICE)}, {"block": None})
+    assert torch.equal(gemm.matmul(x, chan, rows, torch.float32),
+                       gemm.matmul(x, (qc.float() * cs).to(HALF).to(DEVICE), rows, torch.float32))
+    words, s4, q4 = _int4(w)
+    int4 = wtiles.quantized("w4a16", {"weight_packed": words.to(DEVICE), "weight_scale": s4.to(DEVICE)},
+                            {"group": 128})
+    deq4 = (q4.float() * s4.float().repeat_interleave(128, 1)).to(HALF).to(DEVICE)
+    assert torch.equal(gemm.matmul(x, int4, rows, torch.float32), gemm.matmul(x, deq4, rows, torch.float32))

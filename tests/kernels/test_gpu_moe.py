@@ -82,3 +82,38 @@ def test_mixed_classes_split_by_row(weights: dict[str, torch.Tensor]) -> None:
     mixed = gpu_moe(x, weights, 6)
     assert torch.equal(mixed[:6], gpu_moe(x[:6], weights, CLASSES["decode"]))
     assert torch.equal(mixed[6:], gpu_moe(x[6:], weights, CLASSES["prefill"]))
+
+
+@pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
+def test_quantized_experts_equal_their_dequantized_twin_bit_for_bit(rows: int) -> None:
+    """int4 (group 128) and fp8 (128-blocks) expert stacks: the grouped kernels dequantize each tile as the twin
+    does, so the result equals the dense kernels' on the dequantized stacks exactly."""
+    from kernels.gpu import wtiles
+    from tests.kernels.test_gpu_gemm import _fp8_block, _int4
+    e, d, i = 5, 256, 128
+    dense = {n: randn(e, *shape, seed=30 + j, scale=0.05).float().cpu()
+             for j, (n, shape) in enumerate((("gate", (i, d)), ("up", (i, d)), ("down", (d, i))))}
+    x = randn(24, d, seed=34)
+    router = randn(e - 1, d, seed=35, scale=0.3)
+    logits = gemm.matmul(x, router, rows, torch.float32)
+    ids, rw = moe.route(logits, torch.zeros(e - 1, device=DEVICE), top_k=2, norm_topk_prob=True, scaling=1.0,
+                        n_real=x.shape[0])
+
+    def stack(fn):
+        parts = [fn(w) for w in dense["gate"]], [fn(w) for w in dense["up"]], [fn(w) for w in dense["down"]]
+        return parts
+
+    fp8 = stack(_fp8_block)
+    quant = [wtiles.quantized("fp8", {"weight": torch.stack([q for q, _ in p]).to(DEVICE),
+                                      "weight_scale_inv": torch.stack([s for _, s in p]).to(DEVICE)},
+                              {"block": (128, 128)}) for p in fp8]
+    deq = [torch.stack([(q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)) for q, s in p])
+           .to(HALF).to(DEVICE) for p in fp8]
+    assert torch.equal(moe.experts(x, ids, rw, *quant, LIMIT, rows), moe.experts(x, ids, rw, *deq, LIMIT, rows))
+    int4 = stack(_int4)
+    quant = [wtiles.quantized("w4a16", {"weight_packed": torch.stack([w for w, _, _ in p]).to(DEVICE),
+                                        "weight_scale": torch.stack([s for _, s, _ in p]).to(DEVICE)},
+                              {"group": 128}) for p in int4]
+    deq = [torch.stack([q.float() * s.float().repeat_interleave(128, 1) for _, s, q in p]).to(HALF).to(DEVICE)
+           for p in int4]
+    assert torch.equal(moe.experts(x, ids, rw, *quant, LIMIT, rows), moe.experts(x, ids, rw, *deq, LIMIT, rows))

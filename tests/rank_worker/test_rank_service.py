@@ -104,21 +104,18 @@ def test_round_gap_stops_the_rank(tiny_default, tmp_path):
         procs[0].kill()
 
 
-def test_bad_checksum_and_bad_plan_are_refused(tiny_default, tmp_path):
-    for bad in ("checksum", "block"):
-        procs, ports = _start_ranks(tiny_default, 1, tmp_path)
-        try:
-            plan = _plan(1, [1, 2, 3], 0)
-            if bad == "checksum":
-                plan.checksum = "0" * 64
-            else:
-                plan.block_tables.CopyFrom(to_proto(torch.tensor([[BLOCKS + 5]], dtype=torch.int32)))
-                seal(plan)
-            out = list(_stub(ports[0]).Step(iter([plan])))
-            assert out[0].error and (bad in out[0].error or "block ids" in out[0].error)
-            assert procs[0].wait(timeout=30) == 3
-        finally:
-            procs[0].kill()
+def test_bad_checksum_stops_the_rank(tiny_default, tmp_path):
+    """A checksum mismatch may mean this rank got another plan than its peers: it stops (malformed plans that every
+    rank refuses alike are tests/rank_worker/test_hostile_plans.py)."""
+    procs, ports = _start_ranks(tiny_default, 1, tmp_path)
+    try:
+        plan = _plan(1, [1, 2, 3], 0)
+        plan.checksum = "0" * 64
+        out = list(_stub(ports[0]).Step(iter([plan])))
+        assert "checksum" in out[0].error and not out[0].refused
+        assert procs[0].wait(timeout=30) == 3
+    finally:
+        procs[0].kill()
 
 
 def test_settings_mismatch_refuses_to_start(tiny_default, tmp_path):

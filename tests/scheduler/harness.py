@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
+from services.common.internal_auth import aio_channel
 from services.common.tensors import ids, to_proto
 from services.scheduler.engine import EngineConfig
 from services.scheduler.server import Scheduler, SchedulerConfig
@@ -31,18 +32,19 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(n_ranks: int = 1, *, rank: dict[str, Any] | None = None, per_rank: list[dict[str, Any]] | None = None,
-                  progress_interval_s: float = 0.5, **engine: Any) -> AsyncIterator[Cluster]:
-    """`n_ranks` stand-in ranks (shared kwargs `rank`, per-rank overrides `per_rank`) behind a real scheduler."""
-    ranks = [StandinRank(rank=i, world=n_ranks, **(rank or {}), **((per_rank or [{}] * n_ranks)[i]))
+                  progress_interval_s: float = 0.5, token: str | None = None, **engine: Any) -> AsyncIterator[Cluster]:
+    """`n_ranks` stand-in ranks (shared kwargs `rank`, per-rank overrides `per_rank`) behind a real scheduler; with
+    `token`, every server requires it and every client (the test's included) sends it."""
+    ranks = [StandinRank(rank=i, world=n_ranks, token=token, **(rank or {}), **((per_rank or [{}] * n_ranks)[i]))
              for i in range(n_ranks)]
     addrs = [await r.start() for r in ranks]
     sched = Scheduler(SchedulerConfig(ranks=addrs, host="127.0.0.1", port=0, engine=EngineConfig(**engine),
                                       startup_timeout_s=5, rank_timeout_s=10,
-                                      progress_interval_s=progress_interval_s))
+                                      progress_interval_s=progress_interval_s, internal_token=token))
     channel = None
     try:
         port = await sched.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        channel = aio_channel(f"127.0.0.1:{port}", token)
         yield Cluster(generate_pb2_grpc.GeneratorStub(channel), sched, ranks)
     finally:
         if channel is not None:

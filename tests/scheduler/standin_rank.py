@@ -25,6 +25,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
+from services.common.internal_auth import server_interceptors
 from services.common.plan_checksum import plan_checksum
 from services.common.tensors import from_proto, to_proto
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
@@ -56,6 +57,10 @@ def standin_generate(prompt: Sequence[int], max_tokens: int, *, vocab: int, seed
     return out, "length", -1
 
 
+class StandinRefusal(RuntimeError):
+    """A plan the stand-in refuses before running anything, as a real rank refuses a malformed one."""
+
+
 class StandinError(RuntimeError):
     pass
 
@@ -80,7 +85,10 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
     step_delay_s: float = 0.0
     fail_at_round: int | None = None
     port: int = 0  # 0: any free port
-    fail_mode: str = "stop"  # "stop": the server dies; "error": answers StepResult.error; "raise": stream breaks
+    # "stop": the server dies; "error": answers StepResult.error; "raise": stream breaks; "refuse": answers a refusal
+    # of a malformed plan (StepResult.refused) and goes on serving, as a real rank does
+    fail_mode: str = "stop"
+    token: str | None = None  # the internal token its server requires (None: none)
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # per stand-in, like a rank process start
     rounds: list[RoundLog] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -89,12 +97,15 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
     def __post_init__(self) -> None:
         self.store = np.full((self.num_blocks, self.block_size), -1, dtype=np.int64)
         self.slot_pos = [0] * self.num_slots
+        self.last_sampled: dict[int, int] = {}  # slot -> its last sampled token (what a pending token id means)
+        self.pending_filled = 0  # decode rows sent before the token they continue from came back (pipelined)
         self.slot_hash = [hashlib.sha256() for _ in range(self.num_slots)]
         self.server: grpc.aio.Server | None = None
         self.address = ""
 
     async def start(self) -> str:
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=server_interceptors(self.token, f"stand-in rank{self.rank}",
+                                                                       aio=True))
         rank_pb2_grpc.add_RankWorkerServicer_to_server(self, self.server)
         port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
         await self.server.start()
@@ -122,6 +133,11 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
                     return
                 if self.fail_mode == "raise":
                     raise RuntimeError("stand-in: injected stream failure")
+                if self.fail_mode == "refuse":
+                    expected += 1
+                    yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error="stand-in: refused plan",
+                                              refused=True)
+                    continue
                 asyncio.ensure_future(self.stop())  # "stop": the whole rank goes away mid-round
                 await asyncio.sleep(30)
                 return
@@ -131,6 +147,10 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
                 if plan.checksum != plan_checksum(plan):
                     raise StandinError(f"round {plan.round}: checksum mismatch")
                 sampled = self._execute(plan)
+            except StandinRefusal as exc:
+                expected += 1
+                yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=str(exc), refused=True)
+                continue
             except StandinError as exc:
                 self.errors.append(str(exc))
                 yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=str(exc))
@@ -157,6 +177,12 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
             raise StandinError(f"round {plan.round}: bad lengths or repeated slots")
         if not (len(rows) == len(temps) == len(seeds) == len(from_proto(plan.top_p).tolist())):
             raise StandinError(f"round {plan.round}: sampling tensors disagree with sample_rows")
+        offset = 0
+        for s in range(b):  # a pipelined decode step must continue where its slot's last round ended (as a rank)
+            if -1 in tokens[offset : offset + lengths[s]] and self.slot_pos[slots[s]] != starts[s]:
+                raise StandinRefusal(f"{plan.request_ids[s]}: a pending token id at {starts[s]}, slot {slots[s]} "
+                                     f"is at {self.slot_pos[slots[s]]}")
+            offset += lengths[s]
         copies: list[tuple[int, int]] = []
         if plan.HasField("state_copies") and plan.state_copies.dtype:
             t = from_proto(plan.state_copies)
@@ -181,6 +207,11 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
                 raise StandinError(f"{plan.request_ids[s]}: slot {slot} holds position {self.slot_pos[slot]}, "
                                    f"the plan starts at {start}")
             new = tokens[offset : offset + n]
+            if -1 in new:  # a pipelined decode step: the token this rank sampled last for the slot
+                if n != 1 or slot not in self.last_sampled:
+                    raise StandinError(f"{plan.request_ids[s]}: a pending token id where none can be filled in")
+                new = [self.last_sampled[slot]]
+                self.pending_filled += 1
             for i, tok in enumerate(new):
                 pos = start + i
                 blk = self._block(table, pos, plan.request_ids[s])
@@ -203,6 +234,8 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
                 raise StandinError(f"{plan.request_ids[s]}: cache read back through the block table disagrees with "
                                    f"slot {slots[s]}'s state")
             out.append(standin_token(prefix, seeds[r], temps[r], self.vocab))
+            if pos == starts[s] + lengths[s] - 1:
+                self.last_sampled[slots[s]] = out[-1]
         return out
 
     def _block(self, table: list[int], pos: int, rid: str) -> int:

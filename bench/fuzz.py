@@ -1,0 +1,128 @@
+"""Fuzz bench: N hostile HTTP requests (bench/malformed.py, seeded) against a running `twinspark up`; counts 5xx,
+hangs (no answer within --timeout) and restarts (up.json's pids and restart counts before and after).
+
+    python -m bench.fuzz --requests 10000 --out bench/results            # starts a CPU stack (tiny model), TP 2
+    python -m bench.fuzz --state-dir ~/.local/state/twinspark --requests 10000 --out DIR   # a running stack
+
+Writes fuzz-<time>.json and .md. A request whose body is over the body limit may find the connection closed after
+the gateway's early 413 (the client is still sending): counted as 413, as the gateway answered it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+from tqdm import tqdm
+
+from bench.malformed import Case, cases
+from bench.stack import Stack, add_stack_args, attach_or_start, load_line, machine_load, write_results
+from services.gateway.limits import InputLimits
+
+
+async def _one(client: httpx.AsyncClient, case: Case, timeout_s: float) -> str:
+    """The outcome: the status code as text, "hang", or "closed_after_413"."""
+    try:
+        r = await asyncio.wait_for(client.request(case.method, case.path, content=case.body, headers=case.headers),
+                                   timeout_s)
+        return str(r.status_code)
+    except asyncio.TimeoutError:
+        return "hang"
+    except (httpx.RemoteProtocolError, httpx.WriteError, httpx.ReadError):
+        if len(case.body) > InputLimits().max_body_bytes:
+            return "413"
+        return "connection_error"
+
+
+async def run(stack: Stack, n: int, seed: int, concurrency: int, timeout_s: float) -> dict:
+    statuses: Counter[str] = Counter()
+    by_kind: dict[str, Counter[str]] = {}
+    server_errors: list[str] = []
+    queue: asyncio.Queue = asyncio.Queue(maxsize=concurrency * 2)
+    bar = tqdm(total=n, desc="fuzz", unit="req", file=sys.stderr)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while (case := await queue.get()) is not None:
+            outcome = await _one(client, case, timeout_s)
+            statuses[outcome] += 1
+            by_kind.setdefault(case.kind, Counter())[outcome] += 1
+            if outcome.startswith("5") or outcome in ("hang", "connection_error"):
+                server_errors.append(f"{outcome} {case.describe()}")
+            bar.update()
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=None, limits=limits) as client:
+        workers = [asyncio.create_task(worker(client)) for _ in range(concurrency)]
+        for case in cases(seed, n):
+            await queue.put(case)
+        for _ in workers:
+            await queue.put(None)
+        await asyncio.gather(*workers)
+    bar.close()
+    return {"statuses": dict(sorted(statuses.items())),
+            "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())},
+            "server_errors": server_errors[:50]}
+
+
+def markdown(result: dict) -> str:
+    r, s = result, result["summary"]
+    lines = [f"# Fuzz bench {r['when']}", "",
+             f"{s['requests']} hostile requests (bench/malformed.py, seed {r['seed']}, {r['concurrency']} at a time) "
+             f"against `twinspark up` (TP {r['tp']}, CPU, tiny model) in {s['seconds']:.0f} s.", "",
+             "| 5xx | hangs | connection errors | restarts | /health after |", "|---:|---:|---:|---:|---:|",
+             f"| {s['5xx']} | {s['hangs']} | {s['connection_errors']} | {s['restarts']} | {s['health_after']} |", "",
+             "| status | requests |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in r["statuses"].items()]
+    lines += ["", "| kind | answers |", "|---|---|"]
+    lines += [f"| {k} | {', '.join(f'{c}: {n}' for c, n in v.items())} |" for k, v in r["by_kind"].items()]
+    lines += ["", load_line(r["load_before"], r["load_after"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
+    add_stack_args(ap)
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=13)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds without an answer that count as a hang")
+    ap.add_argument("--out", type=Path, default=None, help="directory for fuzz-<time>.json and .md")
+    args = ap.parse_args(argv)
+    # A short window keeps the odd accidentally-valid request short; the fuzz is about the input, not decoding.
+    stack = attach_or_start(args.state_dir, tp=args.tp, model=args.model, env={"TWINSPARK_MAX_MODEL_LEN": "256"})
+    try:
+        pids, restarts = stack.processes(), stack.restarts()
+        load_before, t0 = machine_load(), time.monotonic()
+        result = asyncio.run(run(stack, args.requests, args.seed, args.concurrency, args.timeout))
+        seconds = time.monotonic() - t0
+        health = httpx.get(stack.url + "/health", timeout=10).status_code
+        restarted = sum(stack.restarts().values()) - sum(restarts.values()) + \
+            sum(1 for k, v in stack.processes().items() if pids.get(k) != v and k != "supervisor")
+    finally:
+        stack.down()
+    st = result["statuses"]
+    summary = {"requests": sum(st.values()), "seconds": round(seconds, 1),
+               "5xx": sum(v for k, v in st.items() if k.startswith("5")), "hangs": st.get("hang", 0),
+               "connection_errors": st.get("connection_error", 0), "restarts": restarted, "health_after": health}
+    out = {"bench": "fuzz", "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "seed": args.seed, "concurrency": args.concurrency, "tp": args.tp, "summary": summary, **result,
+           "load_before": load_before, "load_after": machine_load()}
+    print(json.dumps(summary))
+    write_results(args.out, "fuzz", out, markdown(out))
+    ok = summary["5xx"] == 0 and summary["hangs"] == 0 and summary["restarts"] == 0 and health == 200 \
+        and summary["connection_errors"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The stack a load bench drives: a running `twinspark up` (its state dir's up.json), or one started for the bench;
+plus what the benches record about it (process RSS, restarts, /health, the machine's load)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from services.launcher.ports import free_ports
+
+
+@dataclass
+class Stack:
+    state_dir: Path
+    started_here: bool  # stop it at the end
+
+    def up_json(self) -> dict:
+        return json.loads((self.state_dir / "up.json").read_text())
+
+    @property
+    def url(self) -> str:
+        return self.up_json()["endpoint"].removesuffix("/v1")
+
+    def processes(self) -> dict[str, int]:
+        """name -> pid of the supervisor and every role."""
+        info = self.up_json()
+        return {"supervisor": info["supervisor_pid"], **{c["name"]: c["pid"] for c in info["children"]}}
+
+    def restarts(self) -> dict[str, int]:
+        return dict(self.up_json().get("restarts", {}))
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def down(self) -> None:
+        if self.started_here:
+            subprocess.run([_twinspark(), "down", "--state-dir", str(self.state_dir)], capture_output=True,
+                           timeout=120)
+
+
+def _twinspark() -> str:
+    return str(Path(sys.executable).parent / "twinspark")
+
+
+def attach_or_start(state_dir: str | None, *, tp: int, model: str | None, env: dict[str, str] | None = None) -> Stack:
+    """The run recorded in `state_dir`, or (None) a new `twinspark up --detach` in a temporary state dir."""
+    if state_dir:
+        return Stack(Path(state_dir), started_here=False)
+    sd = Path(tempfile.mkdtemp(prefix="twinspark-bench-"))
+    argv = [_twinspark(), "up", "--detach", "--tp", str(tp), "--port", str(free_ports(1)[0]), "--state-dir", str(sd)]
+    if model:
+        argv += ["--model", model]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        raise RuntimeError(f"twinspark up failed:\n{proc.stdout}\n{proc.stderr}")
+    return Stack(sd, started_here=True)
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of a process (Linux /proc), None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def machine_load() -> dict:
+    """The load averages and the busiest processes on the machine (it is shared: say what else ran)."""
+    one, five, fifteen = os.getloadavg()
+    top = subprocess.run(["ps", "-eo", "pcpu,rss,comm", "--sort=-pcpu"], capture_output=True, text=True).stdout
+    return {"loadavg_1_5_15": [round(one, 2), round(five, 2), round(fifteen, 2)], "cpus": os.cpu_count(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "top_processes": [" ".join(line.split()) for line in top.splitlines()[1:9]]}
+
+
+def add_stack_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that choose the stack a bench drives."""
+    ap.add_argument("--state-dir", help="a running `twinspark up`'s state dir (default: start one for the bench)")
+    ap.add_argument("--tp", type=int, default=2, help="ranks of the stack started for the bench (default 2)")
+    ap.add_argument("--model", help="checkpoint of the stack started for the bench (default the tiny one)")
+
+
+def load_line(before: dict, after: dict) -> str:
+    """The markdown sentence saying how busy the shared machine was."""
+    return (f"Machine (shared): load {before['loadavg_1_5_15']} before, {after['loadavg_1_5_15']} after, "
+            f"{before['cpus']} CPUs; busiest processes before: {'; '.join(before['top_processes'][:4])}.")
+
+
+def write_results(out: Path | None, name: str, data: dict, md: str) -> None:
+    """<out>/<name>-<time>.json and .md (nothing without `out`)."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"{name}-{stamp}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / f"{name}-{stamp}.md").write_text(md)

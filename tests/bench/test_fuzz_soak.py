@@ -1,0 +1,50 @@
+"""bench/fuzz.py and bench/soak.py, short, against one real stack (`twinspark up`, TP = 1): they run, count, and
+write their JSON + markdown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.stack import Stack, start
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_default, tmp_path_factory) -> Stack:
+    s = start(tiny_default, tmp_path_factory.mktemp("stack_bench"), tp=1, env={"TWINSPARK_MAX_MODEL_LEN": "256"})
+    yield s
+    s.down()
+
+
+def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_fuzz_bench(stack, tmp_path):
+    r = _run("bench.fuzz", "--state-dir", str(stack.state_dir), "--requests", "80", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads(next(tmp_path.glob("fuzz-*.json")).read_text())
+    s = data["summary"]
+    assert s["requests"] == 80 and s["5xx"] == 0 and s["hangs"] == 0 and s["restarts"] == 0
+    assert set(data["by_kind"]) == {"types", "missing", "broken_json", "deep_json", "content_type", "huge_string",
+                                    "numbers", "unknown_field", "headers", "method_path"}
+    assert "| 5xx | hangs |" in next(tmp_path.glob("fuzz-*.md")).read_text()
+
+
+def test_soak_bench(stack, tmp_path):
+    r = _run("bench.soak", "--state-dir", str(stack.state_dir), "--duration", "25", "--clients", "6", "--out",
+             str(tmp_path))
+    data = json.loads(next(tmp_path.glob("soak-*.json")).read_text())
+    s = data["summary"]
+    assert s["requests"] > 0 and s["replies"] > 0 and s["lost"] == 0, (s, data["lost_examples"])
+    assert s["kv_cache_usage_perc_end"] == 0 and s["restarts"] == 0
+    assert {"gateway", "scheduler", "rank0"} <= set(data["rss_samples"])
+    assert all(len(v) >= 3 for v in data["rss_samples"].values())  # every 10 s over 25 s
+    assert r.returncode in (0, 1), r.stderr[-2000:]  # 1 only when memory moved > 5% in so short a run
