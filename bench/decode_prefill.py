@@ -32,6 +32,7 @@ import torch
 
 from bench import roofline
 from bench.random_weights import build_model, bench_spec, spec_dims
+from services.rank_worker.model.quantize.select import Recipe
 from kernels import moe
 
 try:
@@ -79,8 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "transformers; none: skip)")
     p.add_argument("--peer-iters", type=int, default=3, help="timed iterations per peer config (default 3)")
     p.add_argument("--profile", action="store_true",
-                   help="after timing, run one forward of each prefill length under torch.profiler and record the "
-                        "kernels that take the most GPU time (the results' 'profile' section)")
+                   help="after timing, run one eager forward of each decode batch and prefill length under "
+                        "torch.profiler and record the kernels that take the most GPU time (the results' 'profile' "
+                        "section)")
+    p.add_argument("--random-weights", default=None, metavar="RECIPE",
+                   help="draw the linears a quantize recipe selects packed (e.g. w4a16+bf16; see serve-rank --help); "
+                        "the roofline figures still count weights at --dtype's size")
     p.add_argument("--enforce-eager", action="store_true",
                    help="time decode steps eagerly (default on a GPU: replay CUDA graphs, as serve-rank does)")
     p.add_argument("--seed", type=int, default=0)
@@ -157,7 +162,10 @@ class Results:
                  f"- model: random {m['dtype']} weights at {'make-tiny' if m['tiny'] else 'real GLM-5.3-Flash'} "
                  f"dims, {m['layers']} layers `{m['layer_pattern']}` (K = KDA, M = MLA+DSA), FFNs "
                  f"`{m['mlp_pattern']}`, lm_head; {si(m['text_params'])} params stored "
-                 f"({si(m['text_bytes'], 'B')}), built in {m.get('build_s', float('nan')):.1f} s",
+                 f"({si(m['text_bytes'], 'B')}), built in {m.get('build_s', float('nan')):.1f} s"
+                 + (f"; quantize recipe {m['random_weights']} (packed linears drawn as such: the byte counts and "
+                    f"rooflines below still count them at {m['dtype']}, so they overstate the bytes read)"
+                    if m.get("random_weights") else ""),
                  f"- dims: hidden {m['dims']['hidden_size']}, inter {m['dims']['intermediate_size']}, moe_inter "
                  f"{m['dims']['moe_intermediate_size']}, {m['dims']['n_routed_experts']} experts top-"
                  f"{m['dims']['num_experts_per_tok']} + {m['dims']['n_shared_experts']} shared, MLA "
@@ -350,6 +358,10 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
                        weights_only_fraction=need["weight_bytes"] / bw * 1e3 / med)
             log(f"decode batch {b}: median {med:.2f} ms ({b / (med / 1e3):.1f} tok/s), ideal {ideal_ms:.3f} ms -> "
                 f"{ideal_ms / med:.2%} of roofline; experts hit {experts_hit}")
+            if args.profile and device.type == "cuda":
+                res.data.setdefault("profile", {})[f"decode {b}"] = profile_kernels(
+                    lambda: model.forward(make(0), cache))
+                advance(1)
         except Exception as e:  # noqa: BLE001
             if not is_oom(e):
                 raise
@@ -530,7 +542,10 @@ def main(argv: list[str] | None = None) -> int:
 
     log("building the model from random weights on the device")
     t0 = time.perf_counter()
-    model, reader = build_model(spec, device=device, dtype=dtype, seed=args.seed, virtual=args.virtual, log=log)
+    recipe = Recipe.parse(args.random_weights) if args.random_weights else None
+    meta["random_weights"] = args.random_weights
+    model, reader = build_model(spec, device=device, dtype=dtype, seed=args.seed, virtual=args.virtual,
+                                recipe=recipe, log=log)
     roofline.sync(device)
     meta["build_s"] = time.perf_counter() - t0
     meta["bytes_drawn"] = reader.bytes_made

@@ -5,6 +5,9 @@
 #   bash bench/gpu_check.sh            # tests/gpu + the Triton kernel tests, decode/prefill vs transformers,
 #                                      # per-kernel bench, the served bench on CUDA
 #   bash bench/gpu_check.sh tests      # only the tests
+#   bash bench/gpu_check.sh whole [LAYERS] [TP] [FORMATS]
+#                                      # only bench/whole_model.py: the release config (45 layers + MTP by
+#                                      # default) served on random quantized weights (default w4a16+bf16)
 #
 # What the machine lacks comes along in git-ignored folders named in the call's `carry`:
 #   .device-kit    a copy of shared/device (the stack's wheels, fla-core, exllamav3 + its sm_90 extension)
@@ -25,6 +28,15 @@ export PYTHONPATH="$PWD:$PWD/protos:/tmp/site"
 bin=$(python3 -c "import os, sys; print(os.path.dirname(sys.executable))")
 printf '#!/bin/sh\nexec python3 -m services.cli "$@"\n' > "$bin/twinspark" && chmod +x "$bin/twinspark"
 nvidia-smi -L | tee "$OUT/gpus.txt"
+
+if [ "${1:-}" = "whole" ]; then
+    layers=${2:-45}
+    python3 -m bench.whole_model --write-dir /tmp/whole-model-config --layers "$layers" > /dev/null
+    python3 -m bench.whole_model --model /tmp/whole-model-config --tp "${3:-2}" --formats "${4:-w4a16+bf16}" \
+        --out "$OUT" > "$OUT/whole_model.log" 2>&1
+    tail -12 "$OUT/whole_model.log"
+    exit 0
+fi
 
 python3 -m pytest -q -s -rA -p no:cacheprovider tests/gpu tests/kernels > "$OUT/gpu_tests.log" 2>&1
 grep -E "identical|inter-token|passed|failed" "$OUT/gpu_tests.log" | tail -8

@@ -131,7 +131,7 @@ def moe_run(x, weights, decode_rows):
     gate, up, down, router, bias = weights
     logits = gemm.matmul(x, router, decode_rows, torch.float32)
     ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5, n_real=x.shape[0])
-    return moe.experts(x, ids, rw, gate, up, down, 10.0, decode_rows), ids
+    return moe.experts(x, ids, rw, gate, up, down, 10.0, decode_rows)[0], ids
 
 
 def moe_rows(bw: float, mm: float, weights) -> list[dict]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -46,20 +47,28 @@ def _ints(s: str) -> list[int]:
 
 
 async def one(client: httpx.AsyncClient, body: dict) -> Sample:
+    """One streamed completion. Tokens are counted from the chunks' `token_ids` (the body asks for them: a random-
+    weight model over a small tokenizer emits many ids that decode to no text), else one per chunk with text."""
     t0 = time.perf_counter()
     stamps: list[float] = []
+    tokens = 0
     try:
-        async with client.stream("POST", "/completions", json=body) as r:
+        async with client.stream("POST", "/completions", json={**body, "return_token_ids": True}) as r:
             if r.status_code != 200:
                 return Sample(False, error=f"HTTP {r.status_code}")
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"text"' in line:
+                if not line.startswith("data: {"):
+                    continue
+                choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+                n = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
+                if n:
                     stamps.append(time.perf_counter())
+                    tokens += n
     except httpx.HTTPError as exc:
         return Sample(False, error=type(exc).__name__)
     if not stamps:
         return Sample(False, error="no tokens")
-    return Sample(True, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], stamps[-1] - t0, len(stamps))
+    return Sample(True, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], stamps[-1] - t0, tokens)
 
 
 async def level(url: str, bodies: list[dict], concurrency: int) -> tuple[list[Sample], float]:

@@ -172,12 +172,14 @@ def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_p
 
 
 @triton.jit
-def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_ptr, num_experts, I, D,
+def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_ptr, num_experts, I, D, n_pairs,
                  swe, swn, swk, sse, ssn, ssk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
-    """y[pair] = (h[slot] @ down[expert]^T) * routing weight, in fp32, stored by pair (row-major per row)."""
+    """y[shard, pair] = (h[slot, shard's I columns] @ down[shard, expert]^T) * routing weight, in fp32, stored by
+    pair (row-major per row). Shard s reads columns [s*I, (s+1)*I) of h and expert block s*num_experts + e."""
     blk = tl.program_id(0)
+    shard = tl.program_id(2)
     expert = tl.load(expert_ptr + blk)
     if expert >= num_experts:
         return
@@ -186,38 +188,47 @@ def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_pt
     has = pair >= 0
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    e = expert.to(tl.int64)
+    e = (shard * num_experts + expert).to(tl.int64)
+    h_width = I * tl.num_programs(2)
     act = h_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(h_ptr + slots[:, None] * I + kk[None, :], mask=has[:, None] & (kk[None, :] < I), other=0.0)
+        a = tl.load(h_ptr + slots[:, None] * h_width + shard * I + kk[None, :], mask=has[:, None] & (kk[None, :] < I),
+                    other=0.0)
         b = weight_tile(down_ptr + e * swe, down_s_ptr + e * sse, rn, k0, D, I, swn, swk, ssn, ssk, FMT, BLOCK_N,
                         BLOCK_K, SB_N, SB_K, act)
         acc = tl.dot(a, b, acc)
     weight = tl.load(rw_ptr + tl.where(has, pair, 0), mask=has, other=0.0)
     y = acc * weight[:, None]
-    tl.store(y_ptr + tl.where(has, pair, 0).to(tl.int64)[:, None] * D + rn[None, :], y,
+    out = y_ptr + shard.to(tl.int64) * n_pairs * D
+    tl.store(out + tl.where(has, pair, 0).to(tl.int64)[:, None] * D + rn[None, :], y,
              mask=has[:, None] & (rn[None, :] < D))
 
 
 @triton.jit
-def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, PAIRS_PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
-    """out[row] = sum of the row's pair outputs in pair order (routed ascending, shared last); 0 for padding."""
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, T, out_rows, row0, PAIRS_PER_ROW: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """out[shard, row0 + row] = sum of the row's pair outputs in pair order (routed ascending, shared last); 0 for
+    padding. (out has out_rows rows per shard: this call's T rows are one row class's run of them.)"""
     row = tl.program_id(0)
+    shard = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
+    y_ptr += shard * T * PAIRS_PER_ROW * D
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(PAIRS_PER_ROW):
         expert = tl.load(ids_ptr + row * PAIRS_PER_ROW + j)
         part = tl.load(y_ptr + (row * PAIRS_PER_ROW + j).to(tl.int64) * D + cols,
                        mask=mask & (expert < num_experts), other=0.0)
         acc += part
-    tl.store(out_ptr + row.to(tl.int64) * D + cols, acc, mask=mask)
+    tl.store(out_ptr + (shard * out_rows + row0 + row) * D + cols, acc, mask=mask)
 
 
 def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,
-                       up: WeightArgs, down: WeightArgs, limit: float, tile: MoeTile, out: torch.Tensor) -> None:
+                       up: WeightArgs, down: WeightArgs, limit: float, tile: MoeTile, shards: int,
+                       out: torch.Tensor, row0: int) -> None:
+    """One row class's rows (out[:, row0 : row0 + T])."""
     t, d = x.shape
     n_exp, i_dim = gate.data.shape[0], gate.n
     pairs_per_row = ids.shape[1]
@@ -234,29 +245,37 @@ def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         float(limit), *gs, PAIRS_PER_ROW=pairs_per_row, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, FMT=int(gate.fmt), SB_N=gate.block_n, SB_K=gate.block_k, num_warps=tile.warps,
         num_stages=tile.stages)
-    y = torch.empty(t * pairs_per_row, d, dtype=torch.float32, device=x.device)
-    _down_kernel[(groups.blocks, triton.cdiv(d, tile.block_n))](
-        h, down.data, down.scale, y, groups.pair_of_slot, groups.expert_of_block, weights, n_exp, i_dim, d,
-        *down.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FMT=int(down.fmt),
-        SB_N=down.block_n, SB_K=down.block_k, num_warps=tile.warps, num_stages=tile.stages)
+    n_pairs = t * pairs_per_row
+    y = torch.empty(shards, n_pairs, d, dtype=torch.float32, device=x.device)
+    _down_kernel[(groups.blocks, triton.cdiv(d, tile.block_n), shards)](
+        h, down.data, down.scale, y, groups.pair_of_slot, groups.expert_of_block, weights, n_exp, i_dim // shards, d,
+        n_pairs, *down.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        FMT=int(down.fmt), SB_N=down.block_n, SB_K=down.block_k, num_warps=tile.warps, num_stages=tile.stages)
     block = 1024
-    _combine_kernel[(t, triton.cdiv(d, block))](y, ids, out, n_exp, d, PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
+    _combine_kernel[(t, triton.cdiv(d, block), shards)](y, ids, out, n_exp, d, t, out.shape[1], row0,
+                                                        PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | WeightArgs,
-            up: torch.Tensor | WeightArgs, down: torch.Tensor | WeightArgs, limit: float, decode_rows: int
-            ) -> torch.Tensor:
-    """Grouped experts: x [T, D]; ids, weights [T, P] from `route` (P = k + 1 pairs per row); gate, up
-    [E+1, I, D]; down [E+1, D, I] (the shared expert last; dense, or quantized stacks as WeightArgs) -> [T, D] fp32,
-    this slice of I's share of the routed + shared outputs. Rows [0, decode_rows) are decode-class and the rest
-    prompt rows; each class is grouped and run with its own fixed schedule."""
+            up: torch.Tensor | WeightArgs, down: torch.Tensor | WeightArgs, limit: float, decode_rows: int,
+            shards: int = 1) -> torch.Tensor:
+    """Grouped experts: x [T, D]; ids, weights [T, P] from `route` (P = k + 1 pairs per row, or k); gate, up
+    [E+1, I, D]; down [shards * (E+1), D, I / shards] (the shared expert last in each shard's block; dense, or
+    quantized stacks as WeightArgs) -> [shards, T, D] fp32: each virtual shard's partial of the routed + shared
+    outputs. The shards' slices of I lie side by side in gate / up (one launch computes all of them); shard s's
+    partial reads its own I columns and down block. Every element is computed as a one-shard call on that shard's
+    weights would compute it: the tiles are fixed per row class, never by how many shards share the launch.
+    Rows [0, decode_rows) are decode-class and the rest prompt rows; each class is grouped and run with its own
+    fixed schedule."""
     gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in (gate, up, down))
+    if gate.n % shards or down.data.shape[0] != shards * gate.data.shape[0]:
+        raise ValueError(f"{shards} shards: gate/up need I divisible by it and down one expert block per shard")
     t = x.shape[0]
-    out = torch.empty(t, x.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.empty(shards, t, x.shape[1], dtype=torch.float32, device=x.device)
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     split = min(max(decode_rows, 0), t)
     for rows, part in ((RowClass.DECODE, slice(0, split)), (RowClass.PREFILL, slice(split, t))):
         if part.stop > part.start:
-            _experts_one_class(x[part], ids[part], weights[part], gate, up, down, limit, moe_schedule(rows),
-                               out[part])
+            _experts_one_class(x[part], ids[part], weights[part], gate, up, down, limit, moe_schedule(rows), shards,
+                               out, part.start)
     return out

@@ -118,3 +118,18 @@ def stack_quantized(parts: list) -> WeightArgs:
         raise ValueError("stacked weights must share one format, its parameters and their shape")
     tensors = {name: torch.stack([p.tensors[name] for p in parts]) for name in first.tensors}
     return quantized(first.format, tensors, dict(first.params))
+
+
+def cat(parts: list[WeightArgs], dim: int) -> WeightArgs:
+    """Same-format weights joined along the batch (0) or the N (1) dim: data and scales alike (along N every part
+    must be whole scale blocks, so each keeps its own scales)."""
+    first = parts[0]
+    if any(p.fmt != first.fmt or p.block_n != first.block_n or p.block_k != first.block_k for p in parts):
+        raise ValueError("joined weights must share one format and its block sizes")
+    if dim == 1 and any(p.n % first.block_n for p in parts):
+        raise ValueError(f"a part of {[p.n for p in parts]} rows is not whole {first.block_n}-row scale blocks")
+    if len(parts) == 1:
+        return first
+    data = torch.cat([p.data for p in parts], dim=dim)
+    scale = data if first.fmt is Fmt.DENSE else torch.cat([p.scale for p in parts], dim=dim)
+    return WeightArgs(first.fmt, data, scale, first.block_n, first.block_k)

@@ -26,6 +26,7 @@ from services.common.internal_auth import server_interceptors
 from services.common.plan_checksum import plan_checksum
 from services.common.tensors import to_proto
 from services.rank_worker.executor import Executor, PlanError
+from services.rank_worker.round_profiler import RoundProfiler
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("twinspark.rank")
@@ -39,6 +40,7 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
         self.describe = describe
         self.rank = describe.rank
         self._stream_lock = threading.Lock()
+        self.profiler = RoundProfiler.from_env(self.rank)  # TWINSPARK_TORCH_PROFILER_DIR: off by default
 
     def Describe(self, request: rank_pb2.DescribeRequest, context: grpc.ServicerContext) -> rank_pb2.DescribeReply:
         return self.describe
@@ -69,6 +71,8 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                     # A child of the scheduler's round span; no span when the plan carries no trace context.
                     with telemetry.server_span(_tracer, "step", plan.trace_context,
                                                {"twinspark.rank": self.rank, "twinspark.round": plan.round}) as span:
+                        if self.profiler is not None:
+                            self.profiler.before(plan.round)
                         out = self.executor.execute(plan)
                         if span is not None:
                             span.set_attributes({"twinspark.seqs": len(plan.request_ids),
@@ -96,6 +100,8 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                     res.logprobs.CopyFrom(to_proto(out.logprobs.chosen, "float32"))
                     res.top_ids.CopyFrom(to_proto(out.logprobs.top_ids, "int32"))
                     res.top_logprobs.CopyFrom(to_proto(out.logprobs.top_logprobs, "float32"))
+                if self.profiler is not None:
+                    self.profiler.after(plan.round)
                 yield res
             log.info("rank %d: step stream closed after %d rounds", self.rank, expected - 1)
         finally:

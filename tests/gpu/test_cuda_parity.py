@@ -23,7 +23,6 @@ No transformers import: this runs on the GPU host as is.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -32,13 +31,12 @@ import torch
 from kernels.linear import pad_rows
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.tiny import DTYPES, VOCAB_MULTIPLE
-from services.rank_worker.model.tiny.config_builder import generation_config, model_config, round_up
+from services.rank_worker.model.tiny import DTYPES, VOCAB_MULTIPLE, write_model_files
+from services.rank_worker.model.tiny.config_builder import round_up
 from services.rank_worker.model.tiny.shards import plan_shards, write_shards
 from services.rank_worker.model.tiny.spec import TinySpec
 from services.rank_worker.model.tiny.tensor_spec import materialize
-from services.rank_worker.model.tiny.tokenizer_builder import (PAD_TOKEN, STOP_TOKENS, build_tokenizer, token_ids,
-                                                               write_tokenizer)
+from services.rank_worker.model.tiny.tokenizer_builder import build_tokenizer
 from services.rank_worker.model.tiny.weights import TEXT, all_tensors
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -63,20 +61,15 @@ def write_wide_tiny(out: Path, *, seed: int = 0, dtype: str = "bfloat16", embed_
     """`write_tiny` with TinySpec dimensions replaced (WIDE + overrides) and optionally scaled embeddings."""
     torch_dtype = DTYPES[dtype]
     tok = build_tokenizer()
-    ids = token_ids(tok)
     spec = TinySpec(**{**WIDE, **overrides})
     spec = dataclasses.replace(spec, vocab_size=round_up(tok.get_vocab_size(), VOCAB_MULTIPLE))
     out.mkdir(parents=True, exist_ok=True)
-    pad, eos = ids[PAD_TOKEN], [ids[t] for t in STOP_TOKENS]
-    cfg = model_config(spec, token_ids=ids, pad_token_id=pad, eos_token_ids=eos, dtype=dtype)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation_config(pad_token_id=pad, eos_token_ids=eos)))
-    write_tokenizer(tok, out)
+    write_model_files(out, spec, tok, dtype=dtype)
     specs = all_tensors(spec)
 
-    def make(s):
+    def make(s) -> dict[str, torch.Tensor]:
         t = materialize(s, seed, torch_dtype)
-        return t * embed_gain if s.key == TEXT + "embed_tokens.weight" and embed_gain != 1.0 else t
+        return {s.key: t * embed_gain if s.key == TEXT + "embed_tokens.weight" and embed_gain != 1.0 else t}
 
     cap = -(-sum(s.nbytes(torch_dtype) for s in specs) // 3) + max(s.nbytes(torch_dtype) for s in specs)
     write_shards(out, plan_shards(specs, torch_dtype, cap), torch_dtype, make, progress=False)

@@ -29,6 +29,17 @@ def model():
     return m
 
 
+@pytest.fixture(scope="module")
+def quantized_model():
+    """The same two layers with W4A16 (int4, group 128) experts, kept packed by the GPU path, the rest bf16."""
+    from bench.random_weights import bench_spec, build_model
+    from services.rank_worker.model.quantize.select import Recipe
+    spec = bench_spec(layers=2, layer_pattern="KM")
+    m, reader = build_model(spec, device="cuda", dtype=torch.bfloat16, seed=0, recipe=Recipe.parse("w4a16+bf16"))
+    assert reader.quantized_made > 0
+    return m
+
+
 def _batch(seqs, device="cuda"):
     """seqs: (slot, ids, start, prompt, verify) in decode-class-first order."""
     from services.rank_worker.model.batch import Batch
@@ -50,6 +61,14 @@ def _ids(n: int, seed: int) -> list[int]:
 
 
 def test_decode_row_alone_equals_row_among_2048(model):
+    _decode_row_alone_vs_2048(model)
+
+
+def test_quantized_experts_decode_row_alone_equals_row_among_2048(quantized_model):
+    _decode_row_alone_vs_2048(quantized_model)
+
+
+def _decode_row_alone_vs_2048(model) -> None:
     slots = 24
     cache = _cache(model, slots)
     prompts = [_ids(300 + 37 * s, seed=s) for s in range(slots)]

@@ -110,3 +110,24 @@ def test_quantized_weights_equal_their_dequantized_twin_bit_for_bit(rows: int) -
                             {"group": 128})
     deq4 = (q4.float() * s4.float().repeat_interleave(128, 1)).to(HALF).to(DEVICE)
     assert torch.equal(gemm.matmul(x, int4, rows, torch.float32), gemm.matmul(x, deq4, rows, torch.float32))
+
+
+@pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
+def test_quantized_row_alone_equals_row_in_company(rows: int) -> None:
+    from kernels.gpu import wtiles
+    n, k = 256, 1024
+    w = randn(n, k, seed=22, scale=0.05).float().cpu()
+    q8, s8 = _fp8_block(w)
+    words, s4, _ = _int4(w)
+    formats = {"fp8": wtiles.quantized("fp8", {"weight": q8.to(DEVICE), "weight_scale_inv": s8.to(DEVICE)},
+                                       {"block": (128, 128)}),
+               "w4a16": wtiles.quantized("w4a16", {"weight_packed": words.to(DEVICE), "weight_scale": s4.to(DEVICE)},
+                                         {"group": 128})}
+    crowd = randn(150, k, seed=23)
+    for name, wq in formats.items():
+        alone = gemm.matmul(crowd[77:78], wq, rows, out_dtype=torch.float32)
+        for m in (2, 17, 78, 150):
+            together = gemm.matmul(crowd[:m] if m > 77 else torch.cat([crowd[77:78], crowd[:m - 1]]), wq, rows,
+                                   out_dtype=torch.float32)
+            row = together[77] if m > 77 else together[0]
+            assert torch.equal(row, alone[0]), f"{name}: row changed beside {m - 1} others"

@@ -44,10 +44,15 @@ class Moe:
                    for e in range(cfg.n_routed_experts)] for n in names]
         shared = [read(p + f"shared_experts.{n}.weight", 0 if n != "down_proj" else 1) for n in names]
         self.packed = not isinstance(routed[0][0][0], torch.Tensor)
+        self.shards = len(shared[0])
+        # Stored for one launch over every local virtual shard (kernels/gpu/moe.experts): gate / up [E+1, I_local,
+        # D] with the shards' I slices side by side, down [shards * (E+1), D, I_local / shards] shard-major; the
+        # shared expert last in each. The reference path reads per-shard views of the same tensors.
         if not self.packed:
-            # [shard][E+1, ...]: each shard's slice of every expert, the shared expert last.
-            self.gate, self.up, self.down = ([torch.stack([w[j] for w in ws + [sh]]) for j in range(len(sh))]
-                                             for ws, sh in zip(routed, shared))
+            stacks = [[torch.stack([w[j] for w in ws + [sh]]) for j in range(self.shards)]
+                      for ws, sh in zip(routed, shared)]
+            self.gate, self.up = (torch.cat(st, dim=1) for st in stacks[:2])
+            self.down = torch.cat(stacks[2], dim=0)
             self.shared_apart = None
             return
         from kernels.gpu import wtiles
@@ -55,8 +60,10 @@ class Moe:
         together = all(not isinstance(sh[0], torch.Tensor) and sh[0].format == ws[0][0].format
                        and dict(sh[0].params) == dict(ws[0][0].params) and sh[0].shape == ws[0][0].shape
                        for ws, sh in zip(routed, shared))
-        self.gate, self.up, self.down = ([wtiles.stack_quantized([w[j] for w in ws + ([sh] if together else [])])
-                                          for j in range(len(sh))] for ws, sh in zip(routed, shared))
+        stacks = [[wtiles.stack_quantized([w[j] for w in ws + ([sh] if together else [])]) for j in range(self.shards)]
+                  for ws, sh in zip(routed, shared)]
+        self.gate, self.up = (wtiles.cat(st, dim=1) for st in stacks[:2])
+        self.down = wtiles.cat(stacks[2], dim=0)
         if together:
             self.shared_apart = None
         else:
@@ -71,7 +78,10 @@ class Moe:
         ids, w = moe.route(x, self.router, self.bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
                            topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
         out = []
-        for g, u, d in zip(self.gate, self.up, self.down):
+        width = self.gate.shape[1] // self.shards
+        for j in range(self.shards):
+            g, u = (t[:, j * width : (j + 1) * width] for t in (self.gate, self.up))
+            d = self.down[j * (e + 1) : (j + 1) * (e + 1)]
             routed = moe.experts(x, ids, w, g[:e], u[:e], d[:e], c.swiglu_limit)
             shared = linear_fp32(moe.swiglu(linear(x, g[e]), linear(x, u[e]), c.swiglu_limit), d[e])
             out.append(routed + shared)
@@ -86,8 +96,8 @@ class Moe:
         logits = gemm.matmul(x, self.router, decode_rows, torch.float32)
         ids, w = gpu_moe.route(logits, self.bias, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
                                scaling=c.routed_scaling_factor, n_real=n_real, shared=self.shared_apart is None)
-        out = [gpu_moe.experts(x, ids, w, g, u, d, c.swiglu_limit, decode_rows)
-               for g, u, d in zip(self.gate, self.up, self.down)]
+        out = list(gpu_moe.experts(x, ids, w, self.gate, self.up, self.down, c.swiglu_limit, decode_rows,
+                                   shards=self.shards))
         if self.shared_apart is not None:  # added after the routed sum, the twin's order
             out = [o + self.shared_apart.partial_gpu(x, j, decode_rows) for j, o in enumerate(out)]
         return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from kernels.quant import exl3
 
@@ -67,7 +68,6 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
                     layer_pattern=layer_pattern or "", indexer_pattern=indexer_pattern or "",
                     **(EXL3_DIMS if recipe is not None else {}))
     tok = build_tokenizer()
-    ids = token_ids(tok)
     spec = dataclasses.replace(spec, vocab_size=round_up(tok.get_vocab_size(), VOCAB_MULTIPLE))
 
     out = Path(out_dir)
@@ -76,17 +76,8 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
     for old in [*out.glob("model*.safetensors"), out / INDEX_NAME]:
         if old.exists():
             old.unlink()
-    pad_id = ids[PAD_TOKEN]
-    eos_ids = [ids[t] for t in STOP_TOKENS]
-
-    files: list[Path] = []
-    cfg = model_config(spec, token_ids=ids, pad_token_id=pad_id, eos_token_ids=eos_ids, dtype=dtype)
-    if recipe is not None:
-        cfg["quantization_config"] = exl3_quant_config(exl3_bits, exl3_codebook)
-    files.append(_write_json(out / "config.json", cfg))
-    files.append(_write_json(out / "generation_config.json", generation_config(pad_token_id=pad_id, eos_token_ids=eos_ids)))
-    files.append(_write_json(out / "processor_config.json", processor_config(spec)))
-    files += write_tokenizer(tok, out)
+    files = write_model_files(out, spec, tok, dtype=dtype, quantization_config=(
+        exl3_quant_config(exl3_bits, exl3_codebook) if recipe is not None else None))
 
     specs = all_tensors(spec)
     total = sum(s.nbytes(torch_dtype) for s in specs)
@@ -107,6 +98,22 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
         dtype=dtype,
         format=format,
     )
+
+
+def write_model_files(out: Path, spec: TinySpec, tok: Tokenizer, *, dtype: str,
+                      quantization_config: dict | None = None) -> list[Path]:
+    """Everything of a checkpoint but its weights: config.json (+ `quantization_config`), generation and processor
+    configs, the tokenizer and chat template. Also what a `--random-weights` model directory holds."""
+    ids = token_ids(tok)
+    pad_id = ids[PAD_TOKEN]
+    eos_ids = [ids[t] for t in STOP_TOKENS]
+    cfg = model_config(spec, token_ids=ids, pad_token_id=pad_id, eos_token_ids=eos_ids, dtype=dtype)
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    return [_write_json(out / "config.json", cfg),
+            _write_json(out / "generation_config.json", generation_config(pad_token_id=pad_id, eos_token_ids=eos_ids)),
+            _write_json(out / "processor_config.json", processor_config(spec)),
+            *write_tokenizer(tok, out)]
 
 
 def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: int = 8, index_topk: int = 64,

@@ -1,0 +1,163 @@
+"""The whole GLM-5.3-Flash (45 layers + the MTP layer, real dimensions) as a served stack on random quantized
+weights: `twinspark up --device cuda --tp N --model DIR --random-weights FORMAT` per format, then through HTTP the
+batch-1 decode rate (streamed, greedy, random-token prompts, drafts off), a small concurrency sweep, GPU memory per
+device once warm, and the 12-request burst / staggered = serial check (bench/exactness.py).
+
+DIR holds what a checkpoint holds but its weights: the release's text config (REFERENCE §1: 45 layers 3:1 KDA / MLA,
+layers 0-2 dense, 288 experts, vocabulary 154,880, one MTP layer) with make-tiny's tokenizer and chat template (the
+release's tokenizer is not on this machine; the ids it produces all fall inside the vocabulary). `--write-dir`
+writes it and stops, so it can be made on a CPU machine.
+
+    python -m bench.whole_model --write-dir /tmp/glm53-config
+    python -m bench.whole_model --model /tmp/glm53-config --tp 2 --formats w4a16+bf16 --out bench/results
+
+Writes whole_model-<time>.json and .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import exactness
+from bench.random_weights import REAL_DIMS
+from bench.serve import level, summarize
+from bench.stack import attach_or_start, write_results
+
+LAYERS = 45
+DENSE_LAYERS = 3
+
+
+def write_model_dir(out: Path, *, layers: int = LAYERS) -> Path:
+    """The release's config (+ one MTP layer) with make-tiny's tokenizer, no weights."""
+    from services.rank_worker.model.tiny import write_model_files
+    from services.rank_worker.model.tiny.spec import TinySpec
+    from services.rank_worker.model.tiny.tokenizer_builder import build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = TinySpec(num_hidden_layers=layers, dense_layers=DENSE_LAYERS, num_nextn_predict_layers=1, **REAL_DIMS)
+    write_model_files(out, spec, build_tokenizer(), dtype="bfloat16")
+    return out
+
+
+def gpu_memory_mib() -> list[dict]:
+    """Used / total MiB per GPU (nvidia-smi: the ranks are other processes)."""
+    q = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True, check=True).stdout
+    return [{"gpu": int(i), "used_mib": int(u), "total_mib": int(t)}
+            for i, u, t in (line.split(", ") for line in q.strip().splitlines())]
+
+
+def _bodies(n: int, prompt_len: int, output_len: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": [rng.randrange(5, 1000) for _ in range(prompt_len)], "max_tokens": output_len,
+             "ignore_eos": True, "temperature": 0, "stream": True, "draft": False} for _ in range(n)]
+
+
+def run_format(fmt: str, args: argparse.Namespace) -> dict:
+    env = {"TWINSPARK_DEVICE": "cuda", "TWINSPARK_RANDOM_WEIGHTS": fmt, "TWINSPARK_DRAFTER": "none",
+           **({"TWINSPARK_NUM_BLOCKS": str(args.num_blocks)} if args.num_blocks else {})}
+    t0 = time.perf_counter()
+    stack = attach_or_start(None, tp=args.tp, model=str(args.model), env=env)
+    row: dict = {"format": fmt, "ready_s": round(time.perf_counter() - t0, 1)}
+    print(f"{fmt}: stack ready in {row['ready_s']} s", flush=True)
+    try:
+        url = stack.url + "/v1"
+        asyncio.run(level(url, _bodies(1, 16, 8, seed=1), 1))  # warm-up: first prefill, first decode graph
+        levels = []
+        for c in args.concurrency:
+            samples, wall = asyncio.run(level(url, _bodies(max(2, c), args.prompt_len, args.output_len, seed=c), c))
+            s = summarize(samples, wall, args.prompt_len)
+            s["concurrency"] = c
+            s["decode_tok_s_per_request"] = 1e3 / s["itl"]["median_ms"] if s["itl"] else 0.0
+            levels.append(s)
+            print(f"{fmt} concurrency {c}: {s['completed']}/{s['requests']} ok, output {s['output_throughput']:.1f} "
+                  f"tok/s, ITL median {s['itl'].get('median_ms', float('nan')):.2f} ms "
+                  f"({s['decode_tok_s_per_request']:.1f} tok/s per request), TTFT median "
+                  f"{s['ttft'].get('median_ms', float('nan')):.0f} ms", flush=True)
+        row["levels"] = levels
+        row["gpu_memory"] = gpu_memory_mib()
+        print(f"{fmt}: GPU memory {row['gpu_memory']}", flush=True)
+        check = exactness.check(url)
+        row["exact"] = {"staggered_same": check.staggered_same, "burst_same": check.burst_same,
+                        "n": len(check.serial)}
+        print(check.line(fmt), flush=True)
+    except Exception as exc:  # a failed format is recorded and the next one still runs
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"{fmt}: {row['error']}", flush=True)
+    finally:
+        stack.down()
+    return row
+
+
+def markdown(data: dict) -> str:
+    lines = [f"# whole model — {data['date']}", "",
+             f"- {data['model']}: {data['config'].get('num_hidden_layers', '?')} layers + MTP at real dims, random weights drawn on the GPUs, TP "
+             f"{data['tp']}; served through `twinspark up --device cuda` (drafter off), completions of "
+             f"{data['prompt_len']} random token ids, {data['output_len']} tokens out, greedy, streamed", "",
+             "| format (experts+rest) | ready s | concurrency | output tok/s | ITL median / p99 ms | decode tok/s "
+             "per request | TTFT median ms | GPU memory used MiB | burst / staggered = serial |",
+             "|---|---:|---:|---:|---|---:|---:|---|---|"]
+    for r in data["formats"]:
+        if "levels" not in r:
+            lines.append(f"| {r['format']} | {r['ready_s']} | failed: {r.get('error', '?')} | | | | | | |")
+            continue
+        mem = ", ".join(f"{g['used_mib']}/{g['total_mib']}" for g in r.get("gpu_memory", []))
+        ex = r.get("exact")
+        exact = f"{ex['burst_same']}/{ex['n']} / {ex['staggered_same']}/{ex['n']}" if ex else r.get("error", "-")
+        for s in r["levels"]:
+            itl = s["itl"]
+            lines.append(f"| {r['format']} | {r['ready_s']} | {s['concurrency']} | {s['output_throughput']:.1f} | "
+                         f"{itl.get('median_ms', 0):.2f} / {itl.get('p99_ms', 0):.2f} | "
+                         f"{s['decode_tok_s_per_request']:.1f} | {s['ttft'].get('median_ms', 0):.0f} | {mem} | "
+                         f"{exact} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.whole_model", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write-dir", type=Path, help="write the config + tokenizer directory here and stop")
+    ap.add_argument("--layers", type=int, default=LAYERS, help=f"text layers of the written config (default {LAYERS})")
+    ap.add_argument("--model", type=Path, help="a directory written by --write-dir (or any checkpoint's config)")
+    ap.add_argument("--tp", type=int, default=2, help="ranks, one GPU each (default 2)")
+    ap.add_argument("--formats", default="w4a16+bf16",
+                    help="--random-weights recipes, comma-separated (default w4a16+bf16; non-expert linears read packed only by the MoE path so far, so a quantized rest is loaded dense)")
+    ap.add_argument("--concurrency", type=_ints, default=[1, 8], help="levels (default 1,8)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks per rank (default: serve-rank's)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for whole_model-<time>.json/.md")
+    args = ap.parse_args(argv)
+    if args.write_dir:
+        print(f"wrote {write_model_dir(args.write_dir, layers=args.layers)}")
+        return 0
+    if not args.model:
+        ap.error("--model DIR (or --write-dir DIR first)")
+    os.environ.setdefault("TWINSPARK_LOG_LEVEL", "INFO")
+    rows = [run_format(f.strip(), args) for f in args.formats.split(",") if f.strip()]
+    data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": str(args.model), "tp": args.tp,
+            "prompt_len": args.prompt_len, "output_len": args.output_len, "formats": rows,
+            "config": json.loads((args.model / "config.json").read_text()).get("text_config", {})}
+    md = markdown(data)
+    print(md)
+    write_results(args.out, "whole_model", data, md)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

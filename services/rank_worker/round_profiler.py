@@ -1,0 +1,81 @@
+"""torch.profiler over a window of served rounds on a rank (vLLM's VLLM_TORCH_PROFILER_DIR for the rank worker).
+
+    TWINSPARK_TORCH_PROFILER_DIR=/tmp/prof TWINSPARK_PROFILE_ROUNDS=200:50 twinspark up --device cuda ...
+
+profiles rounds 201..250 of each rank's step stream (skip 200 for warm-up and graph captures) and writes
+rank<R>-rounds.txt: where the window's wall time went (time inside `execute` vs between rounds: the gRPC hop, the
+scheduler, a rank waiting for the next plan), then torch's operator tables sorted by GPU and by CPU time; and
+rank<R>-rounds.json, a Chrome trace (chrome://tracing, Perfetto). Off unless the directory is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class RoundProfiler:
+    def __init__(self, out_dir: Path, rank: int, skip: int, count: int) -> None:
+        self.out_dir = out_dir
+        self.rank = rank
+        self.first = skip + 1
+        self.last = skip + count
+        self._prof: torch.profiler.profile | None = None
+        self._t0 = 0.0
+        self._exec_s = 0.0
+        self._started = 0.0
+
+    @classmethod
+    def from_env(cls, rank: int) -> RoundProfiler | None:
+        out = os.environ.get("TWINSPARK_TORCH_PROFILER_DIR")
+        if not out:
+            return None
+        skip, _, count = os.environ.get("TWINSPARK_PROFILE_ROUNDS", "200:50").partition(":")
+        try:
+            return cls(Path(out), rank, int(skip), int(count or 50))
+        except ValueError:
+            log.error("TWINSPARK_PROFILE_ROUNDS must be SKIP:COUNT, got %r: not profiling",
+                      os.environ["TWINSPARK_PROFILE_ROUNDS"])
+            return None
+
+    def before(self, round_no: int) -> None:
+        if round_no == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.__enter__()
+            self._t0 = time.perf_counter()
+            log.info("rank %d: profiling rounds %d..%d", self.rank, self.first, self.last)
+        self._started = time.perf_counter()
+
+    def after(self, round_no: int) -> None:
+        if self._prof is None:
+            return
+        self._exec_s += time.perf_counter() - self._started
+        if round_no < self.last:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        n = self.last - self.first + 1
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        avg = prof.key_averages()
+        head = (f"rank {self.rank}, rounds {self.first}..{self.last} ({n}): {wall * 1e3:.1f} ms wall = "
+                f"{wall * 1e3 / n:.2f} ms per round; inside execute {self._exec_s * 1e3 / n:.2f} ms per round, "
+                f"between rounds {(wall - self._exec_s) * 1e3 / n:.2f} ms per round\n")
+        sort_gpu = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        text = (head + "\n# by GPU time\n" + avg.table(sort_by=sort_gpu, row_limit=40)
+                + "\n# by CPU time (self)\n" + avg.table(sort_by="self_cpu_time_total", row_limit=40))
+        path = self.out_dir / f"rank{self.rank}-rounds.txt"
+        path.write_text(text)
+        prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}-rounds.json"))
+        log.info("rank %d: %s (profile in %s)", self.rank, head.strip(), path)

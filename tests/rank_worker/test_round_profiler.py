@@ -1,0 +1,36 @@
+"""The rank's round profiler (TWINSPARK_TORCH_PROFILER_DIR): a window of rounds after a warm-up skip, written as
+operator tables with the wall-time split, and a Chrome trace."""
+
+from __future__ import annotations
+
+import torch
+
+from services.rank_worker.round_profiler import RoundProfiler
+
+
+def test_window_after_skip_writes_tables_and_trace(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TWINSPARK_TORCH_PROFILER_DIR", str(tmp_path))
+    monkeypatch.setenv("TWINSPARK_PROFILE_ROUNDS", "2:3")
+    prof = RoundProfiler.from_env(rank=1)
+    assert prof is not None
+    x = torch.randn(64, 64)
+    for r in range(1, 5):
+        prof.before(r)
+        x = torch.tanh(x @ x)
+        prof.after(r)
+    assert not (tmp_path / "rank1-rounds.txt").exists()  # the window (rounds 3..5) is still open
+    prof.before(5)
+    torch.tanh(x @ x)
+    prof.after(5)
+    text = (tmp_path / "rank1-rounds.txt").read_text()
+    assert text.startswith("rank 1, rounds 3..5 (3):") and "between rounds" in text
+    assert "aten::mm" in text and "aten::tanh" in text
+    assert (tmp_path / "rank1-rounds.json").stat().st_size > 0
+
+
+def test_off_without_the_directory_and_on_a_bad_window(monkeypatch) -> None:
+    monkeypatch.delenv("TWINSPARK_TORCH_PROFILER_DIR", raising=False)
+    assert RoundProfiler.from_env(0) is None
+    monkeypatch.setenv("TWINSPARK_TORCH_PROFILER_DIR", "/tmp/x")
+    monkeypatch.setenv("TWINSPARK_PROFILE_ROUNDS", "ten")
+    assert RoundProfiler.from_env(0) is None
