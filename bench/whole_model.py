@@ -102,7 +102,8 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict:
 
 def markdown(data: dict) -> str:
     lines = [f"# whole model — {data['date']}", "",
-             f"- {data['model']}: {data['config'].get('num_hidden_layers', '?')} layers + MTP at real dims, random weights drawn on the GPUs, TP "
+             f"- {data['model']}: {data['config'].get('num_hidden_layers', '?')} layers + MTP at real dims, random "
+             f"weights drawn on the GPUs, TP "
              f"{data['tp']}; served through `twinspark up --device cuda` (drafter off), completions of "
              f"{data['prompt_len']} random token ids, {data['output_len']} tokens out, greedy, streamed", "",
              "| format (experts+rest) | ready s | concurrency | output tok/s | ITL median / p99 ms | decode tok/s "
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="a directory written by --write-dir (or any checkpoint's config)")
     ap.add_argument("--tp", type=int, default=2, help="ranks, one GPU each (default 2)")
     ap.add_argument("--formats", default="w4a16+bf16",
-                    help="--random-weights recipes, comma-separated (default w4a16+bf16; non-expert linears read packed only by the MoE path so far, so a quantized rest is loaded dense)")
+                    help="--random-weights recipes, comma-separated (default w4a16+bf16; on a GPU only the routed "
+                         "experts stay packed so far, so a quantized rest is loaded dense)")
     ap.add_argument("--concurrency", type=_ints, default=[1, 8], help="levels (default 1,8)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)

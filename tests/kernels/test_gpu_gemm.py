@@ -34,17 +34,32 @@ def test_decode_schedule_splits_k_and_sums_in_order() -> None:
     torch.testing.assert_close(out.double(), reference(x, w), rtol=1e-3, atol=0.1)
 
 
+def _weight(fmt: str, n: int, k: int, seed: int):
+    """A [N, K] weight as the kernels read it: dense, fp8 (128-blocks) or int4 (group 128)."""
+    from kernels.gpu import wtiles
+    if fmt == "dense":
+        return randn(n, k, seed=seed)
+    w = randn(n, k, seed=seed, scale=0.05).float().cpu()
+    if fmt == "fp8":
+        q, s = _fp8_block(w)
+        return wtiles.quantized("fp8", {"weight": q.to(DEVICE), "weight_scale_inv": s.to(DEVICE)},
+                                {"block": (128, 128)})
+    words, s4, _ = _int4(w)
+    return wtiles.quantized("w4a16", {"weight_packed": words.to(DEVICE), "weight_scale": s4.to(DEVICE)}, {"group": 128})
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "w4a16"])
 @pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
-def test_row_alone_equals_row_in_company(rows: int) -> None:
-    k, n = 1024, 160
-    w = randn(n, k, seed=5)
+def test_row_alone_equals_row_in_company(rows: int, fmt: str) -> None:
+    k, n = 1024, 256
+    w = _weight(fmt, n, k, seed=5)
     crowd = randn(150, k, seed=6)
     alone = gemm.matmul(crowd[77:78], w, rows, out_dtype=torch.float32)
     for m in (2, 17, 78, 150):
         together = gemm.matmul(crowd[:m] if m > 77 else torch.cat([crowd[77:78], crowd[:m - 1]]), w, rows,
                                out_dtype=torch.float32)
         row = together[77] if m > 77 else together[0]
-        assert torch.equal(row, alone[0]), f"row changed beside {m - 1} others"
+        assert torch.equal(row, alone[0]), f"{fmt}: row changed beside {m - 1} others"
 
 
 def test_split_rows_use_each_class_schedule() -> None:
@@ -111,23 +126,3 @@ def test_quantized_weights_equal_their_dequantized_twin_bit_for_bit(rows: int) -
     deq4 = (q4.float() * s4.float().repeat_interleave(128, 1)).to(HALF).to(DEVICE)
     assert torch.equal(gemm.matmul(x, int4, rows, torch.float32), gemm.matmul(x, deq4, rows, torch.float32))
 
-
-@pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
-def test_quantized_row_alone_equals_row_in_company(rows: int) -> None:
-    from kernels.gpu import wtiles
-    n, k = 256, 1024
-    w = randn(n, k, seed=22, scale=0.05).float().cpu()
-    q8, s8 = _fp8_block(w)
-    words, s4, _ = _int4(w)
-    formats = {"fp8": wtiles.quantized("fp8", {"weight": q8.to(DEVICE), "weight_scale_inv": s8.to(DEVICE)},
-                                       {"block": (128, 128)}),
-               "w4a16": wtiles.quantized("w4a16", {"weight_packed": words.to(DEVICE), "weight_scale": s4.to(DEVICE)},
-                                         {"group": 128})}
-    crowd = randn(150, k, seed=23)
-    for name, wq in formats.items():
-        alone = gemm.matmul(crowd[77:78], wq, rows, out_dtype=torch.float32)
-        for m in (2, 17, 78, 150):
-            together = gemm.matmul(crowd[:m] if m > 77 else torch.cat([crowd[77:78], crowd[:m - 1]]), wq, rows,
-                                   out_dtype=torch.float32)
-            row = together[77] if m > 77 else together[0]
-            assert torch.equal(row, alone[0]), f"{name}: row changed beside {m - 1} others"

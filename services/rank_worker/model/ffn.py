@@ -20,7 +20,8 @@ from services.rank_worker.model.weights import WeightReader
 
 class DenseMlp:
     def __init__(self, cfg: ModelConfig, reader: WeightReader, prefix: str) -> None:
-        self.parts = _DenseParts(reader.split(prefix + "gate_proj.weight", 0), reader.split(prefix + "up_proj.weight", 0),
+        self.parts = _DenseParts(reader.split(prefix + "gate_proj.weight", 0),
+                                 reader.split(prefix + "up_proj.weight", 0),
                                  reader.split(prefix + "down_proj.weight", 1), cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
