@@ -116,10 +116,14 @@ def experts() -> dict:
     return out
 
 
-def gpu_moe(x: torch.Tensor, w: dict, rows: int) -> torch.Tensor:
+def gpu_route(x: torch.Tensor, w: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     logits = gemm.matmul(x, w["router"], rows, torch.float32)
-    ids, rw = moe.route(logits, torch.zeros(E, device=DEVICE), top_k=TOP_K, norm_topk_prob=True, scaling=1.5,
-                        n_real=x.shape[0])
+    return moe.route(logits, torch.zeros(E, device=DEVICE), top_k=TOP_K, norm_topk_prob=True, scaling=1.5,
+                     n_real=x.shape[0])
+
+
+def gpu_moe(x: torch.Tensor, w: dict, rows: int) -> torch.Tensor:
+    ids, rw = gpu_route(x, w, rows)
     return moe.experts(x, ids, rw, w["gate"], w["up"], w["down"], LIMIT, rows)
 
 
@@ -128,10 +132,10 @@ def test_experts_match_the_twin(experts: dict, rows: int) -> None:
     x = randn(12, D, seed=14)
     got = gpu_moe(x, experts, rows).cpu()
     xc = x.cpu().float()
-    ids, rw = ref.route(xc, experts["router"].cpu().float(), torch.zeros(E), top_k=TOP_K, n_group=1, topk_group=1,
-                        norm_topk_prob=True, scaling=1.5)
+    ids, rw = (t[:, :TOP_K].cpu() for t in gpu_route(x, experts, rows))  # routing is test_gpu_moe.py's subject
     g, u, d = experts["gate_dense"], experts["up_dense"], experts["down_dense"]
-    want = ref.experts(xc, ids, rw, g[:E], u[:E], d[:E], LIMIT) + ref.swiglu(xc @ g[E].T, xc @ u[E].T, LIMIT) @ d[E].T
+    want = (ref.experts(xc, ids.long(), rw, g[:E], u[:E], d[:E], LIMIT)
+            + ref.swiglu(xc @ g[E].T, xc @ u[E].T, LIMIT) @ d[E].T)
     torch.testing.assert_close(got, want, **HALF_EXL3_TOL)
 
 
