@@ -84,8 +84,8 @@ def _check_linear(name: str, tensors: dict[str, torch.Tensor], marker: torch.Ten
         theirs = lin.forward(xm, {}, out_dtype=torch.float)
         ours = gemm.matmul(xm, w, m, torch.float32)  # decode-class rows
         ref = xm.float() @ twin.T
-        figures = {pair: _errors(a, b) for pair, (a, b) in
-                   {"exllamav3~twin": (theirs, ref), "ours~twin": (ours, ref), "ours~exllamav3": (ours, theirs)}.items()}
+        pairs = {"exllamav3~twin": (theirs, ref), "ours~twin": (ours, ref), "ours~exllamav3": (ours, theirs)}
+        figures = {pair: _errors(a, b) for pair, (a, b) in pairs.items()}
         print(f"  {m} rows: " + ", ".join(f"{k} {n:.2e}/{mx:.2e}" for k, (n, mx) in figures.items())
               + "  (normwise / max)")
         for pair, (n, mx) in figures.items():
@@ -108,7 +108,8 @@ def test_tiny_checkpoint_linears_load_in_exllamav3(tiny_exl3: Path) -> None:
     print(f"\n{len(modules)} EXL3 linears in {tiny_exl3.name}; checking {len(picked)}")
     try:
         for m in picked.values():
-            tensors = {n: stc.get_tensor(f"{m}.{n}", DEV, no_defer=True, arena=False) for n in ("trellis", "suh", "svh")}
+            tensors = {n: stc.get_tensor(f"{m}.{n}", DEV, no_defer=True, arena=False)
+                       for n in ("trellis", "suh", "svh")}
             assert tensors["trellis"].dtype == torch.int16 and tensors["suh"].dtype == torch.float16
             codebook = next((c for c in ("mcg", "mul1") if stc.has_tensor(f"{m}.{c}")), "3inst")
             marker = stc.get_codebook_marker(f"{m}.{codebook}", mults[codebook]) if codebook in mults else None
@@ -125,4 +126,4 @@ def test_real_dim_linear_agrees_with_exllamav3(bits: float, codebook: str) -> No
     t = exl3.random_linear(12288, 4096, std=0.02, bits=bits, codebook_name=codebook,
                            generator=torch.Generator(device=DEV).manual_seed(5), device=DEV)
     marker = t.pop(codebook, None)
-    _check_linear(f"random 4096->12288", t, None if marker is None else marker.cpu(), codebook, LinearEXL3)
+    _check_linear("random 4096->12288", t, None if marker is None else marker.cpu(), codebook, LinearEXL3)

@@ -11,8 +11,6 @@ Run with `-s` to log the figures (max |delta|, relative errors, microseconds per
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -173,39 +171,15 @@ def model():
 
 
 def test_model_with_exl3_experts_decode_row_alone_equals_row_among_2048(model) -> None:
+    """test_fast_path.py's check (a decode row alone = beside decode rows, a verify window and prompt chunks of 1 to
+    1,030 rows: 2,048 rows) on the EXL3 model."""
     from kernels.gpu.wtiles import Fmt
-    from tests.gpu.test_fast_path import _batch, _cache, _ids
+    from tests.gpu import test_fast_path
     moe = model.layers[1].ffn
     assert moe.packed and moe.gate[0].fmt is Fmt.EXL3 and moe.shared_apart is None  # EXL3 stacks, shared inside
-    slots = 24
-    cache = _cache(model, slots)
-    prompts = [_ids(300 + 37 * s, seed=s) for s in range(slots)]
-    for s in range(0, slots, 6):
-        model.forward(_batch([(t, prompts[t], 0, True, False) for t in range(s, s + 6)]), cache)
-    target = (5, [123], len(prompts[5]), False, False)
-    alone = model.forward(_batch([target]), copy.deepcopy(cache)).logits[0]
-    others = [(t, [7 + t], len(prompts[t]), False, False) for t in range(6, 16)]
-    verify = [(3, [11, 12, 13, 14, 15], len(prompts[3]), False, True)]
-    chunks = [(16 + i, _ids(n, seed=100 + i), len(prompts[16 + i]), True, False)
-              for i, n in enumerate((1, 37, 64, 200, 700, 1030))]
-    packed = others[:5] + [target] + others[5:] + verify + chunks
-    assert sum(len(x[1]) for x in packed) == 2048
-    together = model.forward(_batch(packed), copy.deepcopy(cache)).logits[5]
-    print(f"\nEXL3 model (2 real-dim layers): decode row alone vs among 2048 rows: max |delta| "
-          f"{(together - alone).abs().max().item()}")
-    assert torch.equal(alone, together)
+    test_fast_path.test_decode_row_alone_equals_row_among_2048(model)
 
 
 def test_model_with_exl3_experts_graph_replay_equals_eager(model) -> None:
-    from services.rank_worker.model.cuda_graphs import DecodeGraphs
-    from tests.gpu.test_fast_path import _batch, _cache, _ids
-    cache = _cache(model, 8)
-    prompts = [_ids(100 + 11 * s, seed=20 + s) for s in range(5)]
-    model.forward(_batch([(s, prompts[s], 0, True, False) for s in range(5)]), cache)
-    graphs = DecodeGraphs(model, cache)
-    for step in range(3):
-        batch = _batch([(s, [3 + s + step], len(prompts[s]) + step, False, False) for s in range(5)])
-        assert graphs.fits(batch)
-        eager = model.forward(batch, copy.deepcopy(cache)).logits.clone()
-        replay = graphs.run(batch).logits.clone()
-        assert torch.equal(eager, replay)
+    from tests.gpu import test_fast_path
+    test_fast_path.test_graph_replay_equals_eager(model)
