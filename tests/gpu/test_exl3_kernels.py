@@ -1,5 +1,6 @@
-"""EXL3 on the GPU at real GLM-5.3-Flash dims (hidden 4096, dense MLP 12288, experts 2048 top-8): our fixed-schedule
-GEMM and grouped MoE over trellis tiles (kernels/gpu), bf16 activations.
+"""EXL3 on the GPU at real GLM-5.3-Flash dims (hidden 4096, dense MLP 12288, experts 2048 wide, top-8; 32 + 1 of
+the 288 experts in the kernel tests, all of them in the model ones): our fixed-schedule GEMM and grouped MoE over
+trellis tiles (kernels/gpu), bf16 activations.
 
 - a row alone = the same row among 2..2,048 rows, bit for bit, for both row classes (DESIGN §5.1);
 - against the torch twin (x @ dequantize(twin).T in fp32 on the GPU) within the float16 rounding of the rotated
