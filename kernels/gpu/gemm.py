@@ -158,7 +158,7 @@ def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dty
     if w.data.shape[0] != b or w.k != k:
         raise ValueError(f"bmm: x {list(x.shape)} and a [{w.data.shape[0]}, {n}, {w.k}] weight do not fit")
     if w.fmt is Fmt.EXL3:  # y = had(had(x * suh) @ T) * svh / 128, T the trellis tiles as stored
-        u = hadamard.rotate_in(x.reshape(b * m, k), w.suh, rows_per_vec=m).view(b, m, k)
+        u = hadamard.rotate_in(x.reshape(b * m, k).contiguous(), w.suh, rows_per_vec=m).view(b, m, k)
         acc = _by_class(u, w, decode_rows, torch.float32)
         return hadamard.rotate_out(acc.view(b * m, n), w.svh, out_dtype or x.dtype, rows_per_vec=m).view(b, m, n)
     return _by_class(x, w, decode_rows, out_dtype or x.dtype)

@@ -286,7 +286,8 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     groups = group_pairs(ids, n_exp, tile.block_m)
     pair = groups.pair_of_slot
     token = torch.where(pair >= 0, pair // pairs_per_row, -1).to(torch.int32)
-    expert = groups.expert_of_block.repeat_interleave(tile.block_m)  # num_experts on unused tiles: no row
+    # each slot's expert (num_experts on unused tiles: no row); expand, not repeat_interleave: no host sync
+    expert = groups.expert_of_block[:, None].expand(-1, tile.block_m).reshape(-1)
     act = x.dtype
 
     def projection(src: torch.Tensor, w: WeightArgs, src_rows: torch.Tensor | None) -> torch.Tensor:
