@@ -11,6 +11,9 @@ verify windows) are few and memory-bound, so their schedule splits K to put enou
 rows (prefill chunks) are compute-bound and use big tiles with no split. A row always belongs to one class, so
 each class's arithmetic is fixed; the classes differ from each other, as a decode row and a prompt row of the
 same position are allowed to (documented in DESIGN §5.1).
+
+EXL3 weights run the same schedules over their decoded trellis tiles, between two row-wise Hadamard rotations
+(kernels/gpu/hadamard.py: every row on its own, so invariance holds through them).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu.wtiles import WeightArgs, dense, weight_tile
+from kernels.gpu import hadamard
+from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
 # Programs the decode schedule aims for per GEMM (about two waves on an H200's 132 SMs). A constant, not the SM
 # count of the device at hand, so the schedule stays a function of the shapes.
@@ -153,7 +157,18 @@ def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dty
     n = w.n
     if w.data.shape[0] != b or w.k != k:
         raise ValueError(f"bmm: x {list(x.shape)} and a [{w.data.shape[0]}, {n}, {w.k}] weight do not fit")
-    out = torch.empty(b, m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if w.fmt is Fmt.EXL3:  # y = had(had(x * suh) @ T) * svh / 128, T the trellis tiles as stored
+        u = hadamard.rotate_in(x.reshape(b * m, k).contiguous(), w.suh, rows_per_vec=m).view(b, m, k)
+        acc = _by_class(u, w, decode_rows, torch.float32)
+        return hadamard.rotate_out(acc.view(b * m, n), w.svh, out_dtype or x.dtype, rows_per_vec=m).view(b, m, n)
+    return _by_class(x, w, decode_rows, out_dtype or x.dtype)
+
+
+def _by_class(x: torch.Tensor, w: WeightArgs, decode_rows: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """One launch per row class present, each with its class's schedule (see `bmm`)."""
+    b, m, k = x.shape
+    n = w.n
+    out = torch.empty(b, m, n, dtype=out_dtype, device=x.device)
     split = min(max(decode_rows, 0), m)
     if split:
         _launch(x[:, :split], w, out[:, :split], schedule(n, k, RowClass.DECODE))

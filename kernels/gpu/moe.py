@@ -12,6 +12,11 @@ so it does not depend on which other tokens share the expert's tile; the combine
 own pair order (ascending expert, shared last) — the order of the torch twin. Nothing here syncs with the host:
 the grouping is built with device-side sorts and scans, and the grouped launches cover an upper bound of blocks,
 the unused ones returning at once.
+
+EXL3 experts (`_experts_exl3`) run the same grouping and tiles, with each projection's rows rotated around it
+(kernels/gpu/hadamard.py): every slot takes its token's row times its expert's suh, a grouped GEMM over the decoded
+trellis tiles, then its expert's output rotation; SwiGLU, routing weight and combine as above. Row-wise steps and
+slot rows that never read one another keep the invariance.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import hadamard
 from kernels.gpu.gemm import RowClass
-from kernels.gpu.wtiles import WeightArgs, dense, weight_tile
+from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,91 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, T, out_rows, row0, 
     tl.store(out_ptr + (shard * out_rows + row0 + row) * D + cols, acc, mask=mask)
 
 
+@triton.jit
+def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, expert_ptr, num_experts, N, K,
+                    swe, swn, swk, sse, ssn, ssk,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                    FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
+    """out[slot] = a[slot] @ w[expert of the slot's tile]^T in fp32, a [slots, K] already per slot (0 for empty
+    slots; unused tiles are not written)."""
+    blk = tl.program_id(0)
+    expert = tl.load(expert_ptr + blk)
+    if expert >= num_experts:
+        return
+    slots = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    has = tl.load(pair_ptr + slots) >= 0
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    e = expert.to(tl.int64)
+    act = a_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_ptr + slots.to(tl.int64)[:, None] * K + kk[None, :], mask=has[:, None] & (kk[None, :] < K),
+                    other=0.0)
+        b = weight_tile(w_ptr + e * swe, s_ptr + e * sse, rn, k0, N, K, swn, swk, ssn, ssk, FMT, BLOCK_N, BLOCK_K,
+                        SB_N, SB_K, act)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + slots.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=rn[None, :] < N)
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, h_ptr, numel, limit, BLOCK: tl.constexpr):
+    """h = silu(min(g, limit)) * clamp(u, -limit, limit), element by element, rounded as `_gate_up_kernel` does."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    g = tl.minimum(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), limit)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    act = h_ptr.dtype.element_ty
+    s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
+    tl.store(h_ptr + offs, (s * u).to(act), mask=mask)
+
+
+def _grouped(a: torch.Tensor, w: WeightArgs, groups: Groups, tile: MoeTile) -> torch.Tensor:
+    out = torch.empty(a.shape[0], w.n, dtype=torch.float32, device=a.device)
+    _grouped_kernel[(groups.blocks, triton.cdiv(w.n, tile.block_n))](
+        a, w.data, w.scale, out, groups.pair_of_slot, groups.expert_of_block, w.data.shape[0], w.n, w.k,
+        *w.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        IEEE=a.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n, SB_K=w.block_k, num_warps=tile.warps,
+        num_stages=tile.stages)
+    return out
+
+
+def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs, up: WeightArgs,
+                  down: WeightArgs, limit: float, tile: MoeTile, shards: int, out: torch.Tensor, row0: int) -> None:
+    """EXL3 expert stacks (one virtual shard: `shards` is 1): per slot, rotate in (its token's row, its expert's
+    suh), grouped GEMM over the trellis tiles, rotate out (its expert's svh); gate and up then SwiGLU, down then the
+    routing weight, by pair; into out[0, row0 : row0 + T]."""
+    t, d = x.shape
+    n_exp = gate.data.shape[0]
+    pairs_per_row = ids.shape[1]
+    groups = group_pairs(ids, n_exp, tile.block_m)
+    pair = groups.pair_of_slot
+    token = torch.where(pair >= 0, pair // pairs_per_row, -1).to(torch.int32)
+    # each slot's expert (num_experts on unused tiles: no row); expand, not repeat_interleave: no host sync
+    expert = groups.expert_of_block[:, None].expand(-1, tile.block_m).reshape(-1)
+    act = x.dtype
+
+    def projection(src: torch.Tensor, w: WeightArgs, src_rows: torch.Tensor | None) -> torch.Tensor:
+        u = hadamard.rotate_in(src, w.suh, rows=pair.shape[0], src_rows=src_rows, vec_rows=expert)
+        return _grouped(u, w, groups, tile)
+
+    g = hadamard.rotate_out(projection(x, gate, token), gate.svh, act, vec_rows=expert)
+    u = hadamard.rotate_out(projection(x, up, token), up.svh, act, vec_rows=expert)
+    h = torch.empty_like(g)
+    block = 1024
+    _swiglu_kernel[(triton.cdiv(h.numel(), block),)](g, u, h, h.numel(), float(limit), BLOCK=block)
+    y = torch.empty(t * pairs_per_row, d, dtype=torch.float32, device=x.device)
+    hadamard.rotate_out(projection(h, down, None), down.svh, torch.float32, vec_rows=expert, out=y, out_rows=pair,
+                        row_weight=weights.reshape(-1))
+    _combine_kernel[(t, triton.cdiv(d, block), 1)](y, ids, out, n_exp, d, t, out.shape[1], row0,
+                                                   PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
+
+
 def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,
                        up: WeightArgs, down: WeightArgs, limit: float, tile: MoeTile, shards: int,
                        out: torch.Tensor, row0: int) -> None:
@@ -270,12 +361,17 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
     gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in (gate, up, down))
     if gate.n % shards or down.data.shape[0] != shards * gate.data.shape[0]:
         raise ValueError(f"{shards} shards: gate/up need I divisible by it and down one expert block per shard")
+    if (gate.fmt is Fmt.EXL3) != (down.fmt is Fmt.EXL3) or (gate.fmt is Fmt.EXL3) != (up.fmt is Fmt.EXL3):
+        raise ValueError("EXL3 experts need gate, up and down all in EXL3")
+    if gate.fmt is Fmt.EXL3 and shards != 1:
+        raise ValueError("EXL3 experts run one virtual shard per call")
     t = x.shape[0]
     out = torch.empty(shards, t, x.shape[1], dtype=torch.float32, device=x.device)
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     split = min(max(decode_rows, 0), t)
     for rows, part in ((RowClass.DECODE, slice(0, split)), (RowClass.PREFILL, slice(split, t))):
         if part.stop > part.start:
-            _experts_one_class(x[part], ids[part], weights[part], gate, up, down, limit, moe_schedule(rows), shards,
-                               out, part.start)
+            one_class = _experts_exl3 if gate.fmt is Fmt.EXL3 else _experts_one_class
+            one_class(x[part], ids[part], weights[part], gate, up, down, limit, moe_schedule(rows), shards, out,
+                      part.start)
     return out

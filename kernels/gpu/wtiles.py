@@ -7,7 +7,11 @@ Formats (storage as kernels/quant describes it; the torch twins are the codecs' 
 - FP8_CHANNEL: e4m3 values with one fp32 scale per output row (`weight_scale`).
 - INT4: symmetric 4-bit values, 8 per int32 along K (lowest nibble first, stored as q + 8), one fp16 scale per
   SB_K inputs of a row (`weight_packed`, `weight_scale`).
-A quantized tile is dequantized exactly as the twin dequantizes (value x scale in fp32, then rounded to the
+- EXL3: exllamav3's trellis (kernels/quant/exl3.py): the tile is the rotated weight T [in, out] decoded per element
+  from its 16x16 tile's int16 words (SB_N = the codebook, SB_K = words per tile = 16 x bits), in float16 codebook
+  values; the kernels rotate the activations around it (kernels/gpu/hadamard.py), so the product is the twin's
+  within float16 / float32 rounding, not bit for bit. The decoded tile itself equals the twin's `decode_tiles`.
+A fp8 / int4 tile is dequantized exactly as the twin dequantizes (value x scale in fp32, then rounded to the
 activation dtype), so a quantized product equals the same kernel's product with the twin's dequantized weights, bit
 for bit: the formats change the bytes read, never the arithmetic schedule (DESIGN §5.1).
 """
@@ -27,36 +31,48 @@ class Fmt(IntEnum):
     FP8_BLOCK = 1
     FP8_CHANNEL = 2
     INT4 = 3
+    EXL3 = 4
+
+
+# EXL3 codebook ids (SB_N of an EXL3 tile read)
+EXL3_CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 
 @dataclass(frozen=True)
 class WeightArgs:
     """What a kernel needs to read one weight (or a stack of them: dim 0 = expert / batch)."""
     fmt: Fmt
-    data: torch.Tensor  # [B, N, K] dense or e4m3, or [B, N, K / 8] int32 words
-    scale: torch.Tensor  # [B, ...] scales (any tensor for DENSE: never read)
-    block_n: int = 1  # scale block rows (FP8_BLOCK)
-    block_k: int = 1  # scale block / group columns (FP8_BLOCK, INT4)
+    data: torch.Tensor  # [B, N, K] dense or e4m3, [B, N, K / 8] int32 words, or EXL3 [B, K/16, N/16, words] int16
+    scale: torch.Tensor  # [B, ...] scales (any tensor for DENSE and EXL3: never read)
+    block_n: int = 1  # scale block rows (FP8_BLOCK); EXL3: the codebook id
+    block_k: int = 1  # scale block / group columns (FP8_BLOCK, INT4); EXL3: trellis words per 16x16 tile
+    suh: torch.Tensor | None = None  # EXL3 [B, K] float16: input signs and scales
+    svh: torch.Tensor | None = None  # EXL3 [B, N] float16: output signs
 
     @property
     def n(self) -> int:
-        return self.data.shape[1]
+        return self.data.shape[2] * 16 if self.fmt is Fmt.EXL3 else self.data.shape[1]
 
     @property
     def k(self) -> int:
+        if self.fmt is Fmt.EXL3:
+            return self.data.shape[1] * 16
         return self.data.shape[2] * (8 if self.fmt is Fmt.INT4 else 1)
 
     def strides(self) -> tuple[int, int, int, int, int, int]:
-        """(data batch, data n, data k, scale batch, scale n, scale k) element strides."""
+        """(data batch, data n, data k, scale batch, scale n, scale k) element strides; EXL3: (batch, N tile,
+        K tile, 0, 0, 0), its words contiguous."""
         d, s = self.data, self.scale
         if self.fmt is Fmt.DENSE:
             return d.stride(0), d.stride(1), d.stride(2), 0, 0, 0
+        if self.fmt is Fmt.EXL3:
+            return d.stride(0), d.stride(2), d.stride(1), 0, 0, 0
         sk = s.stride(2) if s.dim() == 3 else 0
         return d.stride(0), d.stride(1), d.stride(2), s.stride(0), s.stride(1), sk
 
     def max_block_k(self) -> int:
         """The widest K step a kernel may take: one scale block / group per step."""
-        return 1 << 30 if self.fmt in (Fmt.DENSE, Fmt.FP8_CHANNEL) else self.block_k
+        return self.block_k if self.fmt in (Fmt.FP8_BLOCK, Fmt.INT4) else 1 << 30
 
 
 def dense(w: torch.Tensor) -> WeightArgs:
@@ -79,7 +95,52 @@ def quantized(fmt_name: str, tensors: dict[str, torch.Tensor], params: dict) -> 
     if fmt_name == "w4a16":
         return WeightArgs(Fmt.INT4, three(tensors["weight_packed"]), three(tensors["weight_scale"]), 1,
                           int(params["group"]))
-    raise NotImplementedError(f"no GPU kernel reads {fmt_name!r} weights yet")
+    if fmt_name == "exl3":
+        trellis = tensors["trellis"]
+        trellis = (trellis if trellis.dim() == 4 else trellis.unsqueeze(0)).contiguous()
+        suh, svh = (t if t.dim() == 2 else t.unsqueeze(0) for t in (tensors["suh"], tensors["svh"]))
+        return WeightArgs(Fmt.EXL3, trellis, trellis, EXL3_CODEBOOKS[params["codebook"]], trellis.shape[-1],
+                          suh.contiguous(), svh.contiguous())
+    raise NotImplementedError(f"no GPU kernel reads {fmt_name!r} weights")
+
+
+@triton.jit
+def exl3_tile(w_ptr, rn, k0, N, K, stn, stk, CB: tl.constexpr, WORDS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of EXL3's rotated weight T (rows = inputs k0.., columns = outputs rn) in float16,
+    decoded per element as kernels/quant/exl3.py's `decode_tiles` does (0 outside T)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    valid = (kk[:, None] < K) & (rn[None, :] < N)
+    r = kk[:, None] % 16
+    c = rn[None, :] % 16
+    # The trellis step stored at tile position (r, c): the inverse of exllamav3's tensor-core order (TILE_ORDER).
+    step = 8 * ((c % 8) * 4 + (r % 8) // 2) + (c // 8) * 4 + (r % 2) + 2 * (r // 8)
+    # Step j's 16-bit state is the window of the tile's bit stream ending where step j's bits end; half-integer
+    # rates (WORDS an odd multiple of 8) give odd steps one more bit.
+    end = (step + 1) * (WORDS // 16)
+    if WORDS % 16 != 0:
+        end += (step + 1) // 2
+    start = (end - 16 + WORDS * 16) % (WORDS * 16)
+    first = start // 16
+    nxt = (first + 1) % WORDS
+    base = w_ptr + (kk // 16)[:, None] * stk + (rn // 16)[None, :] * stn
+    # Words are stored pairwise swapped (exllamav3 reads big-endian 32-bit words): stream word i = stored i ^ 1.
+    hi = tl.load(base + (first ^ 1), mask=valid, other=0).to(tl.uint32) & 0xFFFF
+    lo = tl.load(base + (nxt ^ 1), mask=valid, other=0).to(tl.uint32) & 0xFFFF
+    state = (((hi << 16) | lo) >> (16 - start % 16).to(tl.uint32)) & 0xFFFF
+    if CB == 2:  # mul1: byte sum of the 32-bit product, + 1024, times 0x1EEE + 0xC931 (float16 constants)
+        x = (state * 0x83DCD12D) & 0xFFFFFFFF  # 32-bit wrap whatever the literal's type
+        h = ((x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)).to(tl.float32) + 1024.0
+        value = (h * 0.00676727294921875 + -10.3828125).to(tl.float16)  # exact product: fma or not, same bits
+    else:  # 3inst / mcg: two float16 halves of a masked hash, summed (exact in float32, rounded once)
+        if CB == 1:
+            x = (state * 0xCBAC1FED) & 0xFFFFFFFF
+        else:
+            x = (state * 89226354 + 64248484) & 0xFFFFFFFF
+        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        a = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        b = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        value = (a + b).to(tl.float16)
+    return tl.where(valid, value, 0.0)
 
 
 @triton.jit
@@ -89,7 +150,9 @@ def weight_tile(w_ptr, s_ptr, rn, k0, N, K, swn, swk, ssn, ssk, FMT: tl.constexp
     w_ptr / s_ptr point at this weight's (or expert's) data and scales."""
     kk = k0 + tl.arange(0, BLOCK_K)
     col = rn[None, :] < N
-    if FMT == 3:  # INT4: BLOCK_K / 8 words per column, unpacked to nibbles along K
+    if FMT == 4:  # EXL3: the trellis tile in the operand dtype (float16 values: exact in float16 and float32)
+        tile = exl3_tile(w_ptr, rn, k0, N, K, swn, swk, SB_N, SB_K, BLOCK_K).to(act)
+    elif FMT == 3:  # INT4: BLOCK_K / 8 words per column, unpacked to nibbles along K
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + rn[None, :] * swn + kw[:, None] * swk, mask=col & (kw[:, None] < K // 8), other=0)
         nib = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
@@ -124,6 +187,8 @@ def cat(parts: list[WeightArgs], dim: int) -> WeightArgs:
     """Same-format weights joined along the batch (0) or the N (1) dim: data and scales alike (along N every part
     must be whole scale blocks, so each keeps its own scales)."""
     first = parts[0]
+    if first.fmt is Fmt.EXL3:  # its Hadamard vectors would need joining too; EXL3 stacks run per shard
+        raise ValueError("EXL3 weights are not joined")
     if any(p.fmt != first.fmt or p.block_n != first.block_n or p.block_k != first.block_k for p in parts):
         raise ValueError("joined weights must share one format and its block sizes")
     if dim == 1 and any(p.n % first.block_n for p in parts):

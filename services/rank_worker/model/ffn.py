@@ -63,8 +63,11 @@ class Moe:
                        for ws, sh in zip(routed, shared))
         stacks = [[wtiles.stack_quantized([w[j] for w in ws + ([sh] if together else [])]) for j in range(self.shards)]
                   for ws, sh in zip(routed, shared)]
-        self.gate, self.up = (wtiles.cat(st, dim=1) for st in stacks[:2])
-        self.down = wtiles.cat(stacks[2], dim=0)
+        if stacks[0][0].fmt is wtiles.Fmt.EXL3:  # the EXL3 MoE path runs one virtual shard per launch
+            self.gate, self.up, self.down = stacks
+        else:
+            self.gate, self.up = (wtiles.cat(st, dim=1) for st in stacks[:2])
+            self.down = wtiles.cat(stacks[2], dim=0)
         if together:
             self.shared_apart = None
         else:
@@ -97,8 +100,12 @@ class Moe:
         logits = gemm.matmul(x, self.router, decode_rows, torch.float32)
         ids, w = gpu_moe.route(logits, self.bias, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
                                scaling=c.routed_scaling_factor, n_real=n_real, shared=self.shared_apart is None)
-        out = list(gpu_moe.experts(x, ids, w, self.gate, self.up, self.down, c.swiglu_limit, decode_rows,
-                                   shards=self.shards))
+        if isinstance(self.gate, list):  # per-shard EXL3 stacks
+            out = [gpu_moe.experts(x, ids, w, g, u, d, c.swiglu_limit, decode_rows)[0]
+                   for g, u, d in zip(self.gate, self.up, self.down)]
+        else:
+            out = list(gpu_moe.experts(x, ids, w, self.gate, self.up, self.down, c.swiglu_limit, decode_rows,
+                                       shards=self.shards))
         if self.shared_apart is not None:  # added after the routed sum, the twin's order
             out = [o + self.shared_apart.partial_gpu(x, j, decode_rows) for j, o in enumerate(out)]
         return out
