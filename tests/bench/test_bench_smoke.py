@@ -63,3 +63,19 @@ def test_random_model_forward_is_finite():
     cache = model.new_cache(num_blocks=8, block_size=16, num_slots=1)
     out = model.forward(Batch.single(list(range(1, 100)), 0, list(range(8)), all_logits=True), cache)
     assert out.logits.shape == (99, spec.vocab_size) and torch.isfinite(out.logits).all()
+
+
+def test_whole_model_dir_is_the_release_config(tmp_path):
+    """`bench.whole_model --write-dir`: the release's text config (45 layers 3:1, 3 dense, 288 experts, one MTP
+    layer) with make-tiny's tokenizer, and the random-weight reader lists the MTP block's tensors with it."""
+    from bench.whole_model import write_model_dir
+    from services.rank_worker.model.config import ModelConfig
+    from services.rank_worker.model.random_weights import spec_from_config, text_tensors
+    out = write_model_dir(tmp_path / "release")
+    cfg = ModelConfig.from_pretrained(out)
+    assert cfg.num_hidden_layers == 45 and cfg.hidden_size == 4096 and cfg.n_routed_experts == 288
+    assert cfg.vocab_size == 154880 and cfg.mlp_layer_types.count("dense") == 3
+    assert sum(t != "linear_attention" for t in cfg.layer_types) == 11
+    assert (out / "tokenizer.json").exists() and not list(out.glob("*.safetensors"))
+    keys = {t.key for t in text_tensors(spec_from_config(cfg))}
+    assert any(".layers.45.eh_proj" in k for k in keys)  # the MTP block
