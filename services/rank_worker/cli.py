@@ -55,6 +55,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=int(env("NUM_BLOCKS", "1024")), help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")), help="positions per block")
     p.add_argument("--num-slots", type=int, default=int(env("NUM_SLOTS", "32")), help="KDA state slots")
+    p.add_argument("--kv-host-bytes", type=int, default=int(env("KV_HOST_BYTES", "0")),
+                   help="host-RAM KV tier behind the pool, bytes on this rank: evicted prefix blocks and KDA "
+                        "snapshots wait here (TWINSPARK_KV_HOST_BYTES; 0 = off)")
+    p.add_argument("--kv-disk-dir", default=env("KV_DISK_DIR"),
+                   help="disk KV tier directory (TWINSPARK_KV_DISK_DIR; unset = off): entries pushed out of host RAM "
+                        "land here, checksummed, and survive a restart with the same checkpoint and settings")
+    p.add_argument("--kv-disk-bytes", type=int, default=int(env("KV_DISK_BYTES", str(64 << 30))),
+                   help="disk KV tier size on this rank in bytes (TWINSPARK_KV_DISK_BYTES, default 64 GiB)")
     p.add_argument("--virtual-shards", type=int, default=int(env("VIRTUAL_SHARDS", "4")),
                    help="virtual shards per sharded dim (a multiple of --world; the same on every rank)")
     add_internal_token_flag(p)
@@ -75,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from services.rank_worker import fingerprint as fp
     from services.rank_worker.distributed import join_group, rank_device
     from services.rank_worker.executor import Executor
+    from services.rank_worker.kv_tiers import TierStore
     from services.rank_worker.model.model import Glm5Model
     from services.rank_worker.peer_watch import EXIT_PEER_LOST, PeerWatch
     from services.rank_worker.server import RankService, serve
@@ -116,6 +125,14 @@ def run(args: argparse.Namespace) -> int:
                             kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     log.info("kv cache %s: %d bytes per block (%d as %s)", args.kv_cache_dtype, cache.kv_bytes_per_block(),
              cache.kv_bytes_per_block(dtype), str(dtype).removeprefix("torch."))
+    tiers = None
+    if args.kv_host_bytes > 0 or args.kv_disk_dir:
+        tiers = TierStore(cache, host_bytes=max(0, args.kv_host_bytes), disk_dir=args.kv_disk_dir,
+                          disk_bytes=max(0, args.kv_disk_bytes), rank=args.rank,
+                          cache_key=fp.cache_key(settings, args.model))
+        log.info("kv tiers: host %d bytes, disk %s (%d bytes, %d entries there); %d bytes per block, %d per state",
+                 tiers.host_bytes, tiers.dir or "off", tiers.disk_bytes, len(tiers.listing()), tiers.block_bytes,
+                 tiers.state_bytes)
     cfg = model.cfg
     describe = rank_pb2.DescribeReply(
         rank=args.rank, world=args.world, fingerprint=fp.fingerprint(settings), settings=settings,
@@ -123,12 +140,15 @@ def run(args: argparse.Namespace) -> int:
         eos_token_ids=list(cfg.eos_token_id),
         max_model_len=min(cfg.max_position_embeddings, args.num_blocks * args.block_size),
         model=os.path.basename(os.path.normpath(args.model)),
-        instance_id=uuid.uuid4().hex)  # tells the scheduler a restarted group from the one it connected to
-    server = serve(RankService(Executor(model, cache, cuda_graphs=not args.enforce_eager), describe), args.host,
-                   args.port, args.internal_token)
+        instance_id=uuid.uuid4().hex,  # tells the scheduler a restarted group from the one it connected to
+        tier_host_bytes=tiers.host_bytes if tiers else 0, tier_disk_bytes=tiers.disk_bytes if tiers else 0,
+        block_bytes=tiers.block_bytes if tiers else 0, state_bytes=tiers.state_bytes if tiers else 0)
+    executor = Executor(model, cache, cuda_graphs=not args.enforce_eager, tiers=tiers)
+    server = serve(RankService(executor, describe), args.host, args.port, args.internal_token)
     log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", args.rank, args.host, args.port,
              args.num_blocks, args.block_size, args.num_slots)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=1))
+    # A few seconds' grace: a stopping scheduler sends one last plan saving its prefix cache to the disk KV tier.
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=5 if tiers is not None else 1))
     server.wait_for_termination()
     return 0
 

@@ -30,12 +30,13 @@ from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.drafts import DrafterClient
 from services.scheduler.grammar import GrammarBook, GrammarError
+from services.scheduler.kv_tiers import TierIndex, state_key
 from services.scheduler.pool import BlockPool, PoolExhausted
 from services.scheduler.prefix import KDA_CHUNK, Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
 from services.scheduler.ranks import ModelInfo, RankError, RankSet, Round
 from services.scheduler.request import Request, SamplingSpec, State, TokenLogprobs, derive_seed
 from services.scheduler.tracing import RequestSpans, propose_span, round_span
-from twinspark.v1 import generate_pb2
+from twinspark.v1 import generate_pb2, rank_pb2
 
 log = logging.getLogger("twinspark.scheduler")
 
@@ -57,6 +58,7 @@ class _InFlight:
     round: Round
     span: contextlib.ExitStack  # the round's trace span, closed when its result is committed
     t0: float
+    loads: list[Snapshot]  # snapshots this round loads from a KV tier (usable once it is back)
 
 
 class InvalidRequest(ValueError):
@@ -141,8 +143,19 @@ class Engine:
         # Slots [0, n) hold running requests' KDA states, [n, num_slots) the prefix index's snapshots.
         req_slots = info.num_slots - snaps
         self.pool = BlockPool(info.num_blocks, info.block_size, req_slots)
+        tiers = None
+        if snaps and (info.tier_host_bytes > 0 or info.tier_disk_bytes > 0):
+            # The host tier is gone with the old ranks; the disk tier is what every new rank lists.
+            tiers = TierIndex(host_capacity=info.tier_host_bytes, disk_capacity=info.tier_disk_bytes,
+                              block_bytes=info.block_bytes, state_bytes=info.state_bytes,
+                              block_size=info.block_size)
+            tiers.restore(self.ranks.tier_listing)
+            if old is not None and old.tiers is not None:
+                tiers.figures = old.tiers.figures
+            log.info("kv tiers: host %d bytes, disk %d bytes per rank; %d snapshots on disk", tiers.host_capacity,
+                     tiers.disk_capacity, len(tiers.snaps))
         self.prefix = PrefixIndex(self.pool, list(range(req_slots, info.num_slots)),
-                                  granule=reuse_granule(info.block_size)) if snaps else None
+                                  granule=reuse_granule(info.block_size), tiers=tiers) if snaps else None
         if old is not None and self.prefix is not None:
             self.prefix.queries, self.prefix.hits = old.queries, old.hits
         self._takes_next: list[tuple[Request, Snapshot]] = []  # snapshot copies that go out in the next plan
@@ -165,6 +178,25 @@ class Engine:
                     await task
                 except asyncio.CancelledError:
                     pass
+        await self._persist()
+
+    async def _persist(self) -> None:
+        """With a disk KV tier: one last plan of tier moves saving the pool's snapshots there (the ranks keep their
+        Step streams open a few seconds after SIGTERM for this), so a restart resumes them."""
+        prefix = self.prefix
+        if prefix is None or prefix.tiers is None or prefix.tiers.disk_capacity <= 0 or self.ranks.failure is not None:
+            return
+        prefix.persist()
+        moves = prefix.tiers.take_moves()
+        if not moves:
+            return
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(self.ranks.step(rank_pb2.StepPlan(tier_moves=moves)), timeout=30)
+        except Exception as exc:  # noqa: BLE001 — shutting down: a cache we could not save is only a cache
+            log.warning("could not save the prefix cache to the disk tier: %s", exc)
+            return
+        log.info("saved %d prefix snapshots to the disk kv tier in %.2f s", len(prefix.snaps), time.monotonic() - t0)
 
     # -- requests in ----------------------------------------------------------------------------------------------
     def submit(self, msg: generate_pb2.GenerateRequest, trace_parent: Context | None = None) -> Request:
@@ -279,6 +311,10 @@ class Engine:
                                       free_blocks=p.free_blocks + idle, total_slots=p.num_slots,
                                       free_slots=p.free_slots)
 
+    def tier_stats(self) -> list[generate_pb2.TierStats]:
+        tiers = self.prefix.tiers if self.prefix is not None else None
+        return tiers.stats() if tiers is not None else []
+
     @property
     def prefix_queries(self) -> int:
         return self.prefix.queries if self.prefix is not None else 0
@@ -304,6 +340,10 @@ class Engine:
                     self._reap_aborted()  # the Propose call awaited: an abort may have come in meanwhile
                 seqs = plan_round(self.running, self.cfg.max_num_batched_tokens, drafts) \
                     if self.ranks.failure is None else []
+                if not seqs and self._tier_work():
+                    seqs = []  # a plan of tier moves only: a request waits for its load
+                    inflight.append(await self._submit(seqs))
+                    continue
                 if not seqs:
                     if inflight:
                         await self._collect(inflight.popleft())
@@ -331,6 +371,10 @@ class Engine:
                     self._takes_next = []
                 await asyncio.sleep(0.05)  # never spin hot on a repeating failure
 
+    def _tier_work(self) -> bool:
+        """KV tier moves wait for a plan (a load a request waits for, saves of what admission evicted)."""
+        return self.prefix is not None and self.prefix.tiers is not None and bool(self.prefix.tiers.moves)
+
     def _overlap(self) -> bool:
         """Whether the next round may be planned before the previous one's result is in. Its decode rows then say
         "the token you sampled last" (the ranks fill it in), so it must need nothing else from that result: no
@@ -341,8 +385,12 @@ class Engine:
 
     async def _submit(self, seqs: list[PlannedSeq]) -> "_InFlight":
         self._grammar_masks(seqs)
-        plan = build_step_plan(seqs, self.pool.block_size, self._state_copies(seqs))
+        plan = build_step_plan(seqs, self.pool.block_size, self._state_copies(seqs)) if seqs else rank_pb2.StepPlan()
         plan.want_hidden = self.drafter is not None and self.cfg.draft_hidden
+        loads: list[Snapshot] = []
+        if self.prefix is not None and self.prefix.tiers is not None:
+            plan.tier_moves.extend(self.prefix.tiers.take_moves())
+            loads = self.prefix.take_loads()
         self.rounds += 1
         now = time.monotonic()
         for s in seqs:
@@ -358,7 +406,7 @@ class Engine:
             raise
         for s in seqs:
             s.req.plan_rows(s)
-        return _InFlight(seqs, rnd, span, time.monotonic())
+        return _InFlight(seqs, rnd, span, time.monotonic(), loads)
 
     async def _collect(self, f: "_InFlight") -> None:
         try:
@@ -368,6 +416,7 @@ class Engine:
                           sum(len(s.token_ids) for s in f.seqs), len(sampled), (time.monotonic() - f.t0) * 1e3)
             self._commit(f.seqs, sampled, self.ranks.last_accepted, self.ranks.last_hidden,
                          self.ranks.last_logprobs)
+            self._loads_back(f.loads, self.ranks.last_tier_bad)
         finally:
             f.span.close()
 
@@ -389,6 +438,37 @@ class Engine:
             req.block_hashes = block_hashes(req.tokens, self.pool.block_size, req.prompt_len - 1)
         return self.prefix.match(req.block_hashes, req.prompt_len)
 
+    def _loads_back(self, loads: list[Snapshot], bad: list[bytes]) -> None:
+        """A round with KV tier loads is back. A snapshot whose state or blocks failed a checksum on some rank is
+        forgotten (every rank dropped the bad entries) and the requests that were to resume from it start over."""
+        prefix = self.prefix
+        if prefix is None or prefix.tiers is None or not (loads or bad):
+            return
+        gone = set(bad)
+        for snap in loads:
+            ok = state_key(snap.key) not in gone and not gone.intersection(snap.chain)
+            prefix.loaded(snap, ok)
+            if not ok:
+                log.warning("kv tier: snapshot at %d failed its checksum on load; dropped, recomputing", snap.pos)
+                for req in [r for r in self.running if r.resume is snap]:
+                    self._requeue(req)
+        prefix.tiers.bad(bad)
+        self._wake.set()
+
+    def _requeue(self, req: Request) -> None:
+        """An admitted request that never ran goes back to the head of the queue (its resume point is gone)."""
+        assert self.prefix is not None and req.reservation is not None and req.resume is not None
+        self.pool.release(req.reservation)
+        self.prefix.copied_out(req.resume)
+        self.prefix.queries -= req.prompt_len
+        self.prefix.hits -= req.cached_tokens
+        req.reservation, req.resume = None, None
+        req.num_cached = req.cached_tokens = 0
+        req.snap_points = []
+        self.running.remove(req)
+        req.state = State.WAITING
+        self.queue.push_front(req)
+
     def _fits(self, req: Request, m: Match | None = None) -> bool:
         """Whether `req` can be admitted now: a slot, and its blocks from the free list plus what evicting idle
         cached prefixes would free (a reused prefix's blocks are not needed again)."""
@@ -408,6 +488,12 @@ class Engine:
             req.reservation = self.pool.reserve(req.reserve_tokens)
             return
         prefix, g = self.prefix, self.prefix.granule
+        assert req.block_hashes is not None
+        ts = prefix.tier_match(req.block_hashes, req.prompt_len, m.pos)
+        if ts is not None:  # a deeper snapshot waits in a KV tier: load it (the request runs once it is back)
+            snap = prefix.load(ts)
+            if snap is not None:
+                m = Match(snap, snap.pos, max(m.matched, snap.pos))
         shared: list[int] = []
         if m.snapshot is not None:
             shared = prefix.acquire(m.snapshot)

@@ -61,6 +61,20 @@ class PagedCache:
                 self.kda_state[layer][dst].copy_(self.kda_state[layer][src])
                 self.conv_state[layer][dst].copy_(self.conv_state[layer][src])
 
+    def block_views(self, block: int) -> list[torch.Tensor]:
+        """Every slice that holds block `block` — latent and indexer rows (with their fp8 scales) and pooled keys of
+        each layer — in a fixed order: what a KV tier stores for the block (services/rank_worker/kv_tiers.py)."""
+        out: list[torch.Tensor] = []
+        for store in [*self.latent.values(), *self.index_keys.values()]:
+            out.append(store.data[block])
+            if store.scale is not None:
+                out.append(store.scale[block])
+        return out + [p[block] for p in self.pooled.values()]
+
+    def state_views(self, slot: int) -> list[torch.Tensor]:
+        """Slot `slot`'s KDA recurrent and conv state of every layer, in a fixed order (what a KV tier stores)."""
+        return [t[slot] for t in (*self.kda_state.values(), *self.conv_state.values())]
+
     def _addresses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(block id, offset in block) of every packed row."""
         pos = batch.positions
