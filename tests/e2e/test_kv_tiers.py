@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from services.scheduler.prefix import block_hashes
 from tests.e2e.stack import Stack, start
 
 pytestmark = pytest.mark.timeout(900)
@@ -65,3 +66,39 @@ def test_pool_filled_past_capacity_keeps_serving(stack):
     print(f"\nresent after the pool turned over: cached {[c for _, c in second]}")
     assert [ids for ids, _ in second] == first
     assert all(c >= 512 for _, c in second)
+
+
+def test_disk_tier_survives_down_up_and_a_corrupt_block_is_recomputed(stack, tiny_default, tmp_path, disk):
+    ids = prompt(50)
+    ref, _ = complete(stack, ids)
+    assert stack.down().returncode == 0  # the scheduler saves its prefix cache to the disk tier on the way out
+
+    again = start(tiny_default, tmp_path / "after_restart", tp=2, env=_env(disk))
+    try:
+        resent, cached = complete(again, ids)
+    finally:
+        assert again.down().returncode == 0
+    print(f"\nafter down + up: cached {cached} of {len(ids)} from the disk tier; same reply: {resent == ref}")
+    assert resent == ref and cached >= 0.9 * len(ids)
+
+    # Flip one byte of the prompt's first block in rank 1's disk tier: every rank drops it, the prompt is recomputed.
+    first = block_hashes(ids, 16, len(ids) - 1)[0].hex()
+    files = list(disk.glob(f"*/rank1/{first}.kv"))
+    assert len(files) == 1
+    raw = bytearray(files[0].read_bytes())
+    raw[-5] ^= 0x40
+    files[0].write_bytes(bytes(raw))
+    third = start(tiny_default, tmp_path / "after_corruption", tp=2, env=_env(disk))
+    try:
+        resent, cached = complete(third, ids)
+        m = third.metrics()
+        rank_logs = [(third.state_dir / "logs" / f"rank{r}.log").read_text() for r in (0, 1)]
+    finally:
+        assert third.down().returncode == 0
+    print(f"after corrupting block 0 on rank 1: cached {cached}, corrupt entries {m.get('twinspark:kv_tier_corrupt_total')}"
+          f", same reply: {resent == ref}")
+    assert resent == ref and cached == 0
+    assert m["twinspark:kv_tier_corrupt_total"] >= 1
+    assert f"tier entry {first} is corrupt" in rank_logs[1]
+    # Dropped, recomputed, and saved again at the last shutdown: the file now holds the good bytes.
+    assert files[0].read_bytes() != bytes(raw)
