@@ -60,9 +60,7 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
     bg = generate_pb2.PRIORITY_BACKGROUND
     decoders = sorted((r for r in running if not r.prompt_left and r.wants_rows),
                       key=lambda r: (r.priority == bg, r.last_round, r.order))
-    # A request resuming from a snapshot that a KV tier is still loading waits until that round is back.
-    prefillers = sorted((r for r in running if r.prompt_left and not (r.resume is not None and r.resume.loading)),
-                        key=lambda r: (r.priority == bg, r.order))
+    prefillers = sorted((r for r in running if r.prompt_left and r.ready), key=lambda r: (r.priority == bg, r.order))
     out: list[PlannedSeq] = []
     left = budget
     for r in decoders:
@@ -93,7 +91,7 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
         if end <= start:
             continue  # no whole grid chunk fits what is left this round
         start, toks = r.next_rows(end - start)
-        out.append(PlannedSeq(r, start, toks, sample=start + len(toks) >= r.prompt_len, prompt=True))
+        out.append(PlannedSeq(r, start, toks, sample=not r.replay and start + len(toks) >= r.prompt_len, prompt=True))
         left -= len(toks)
     return out
 

@@ -82,6 +82,9 @@ class EngineConfig:
     # KDA snapshot slots for the prefix index, reserved from the ranks' slot count (~142 MB each at full size on
     # every rank, see prefix.py). None: the slots left over after max_num_seqs, at most 16.
     max_snapshots: int | None = None
+    # After a reply, prefill prompt + reply to the last 64-token grid point in the background and snapshot it there,
+    # so the conversation's next turn resumes from it (`_start_replay`).
+    reply_reuse: bool = True
     num_draft_tokens: int = 4  # K: drafts asked per decoding request and round (with a drafter)
     draft_hidden: bool = False  # ask the ranks for hidden states and pass them to the drafter (MTP drafts)
 
@@ -158,7 +161,9 @@ class Engine:
                                   granule=reuse_granule(info.block_size), tiers=tiers) if snaps else None
         if old is not None and self.prefix is not None:
             self.prefix.queries, self.prefix.hits = old.queries, old.hits
-        self._takes_next: list[tuple[Request, Snapshot]] = []  # snapshot copies that go out in the next plan
+        # (request slot, snapshot) copies that go out in the next plan (the request may be done by then: its slot
+        # is only reused by a later plan, whose copies run before its forward)
+        self._takes_next: list[tuple[int, Snapshot]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -307,13 +312,23 @@ class Engine:
         as in vLLM; slots are the running requests' slots (snapshot slots are the prefix index's)."""
         p = self.pool
         idle = self.prefix.idle_blocks if self.prefix is not None else 0
+        idle += self._replay_blocks()  # replays give way to any request that needs their blocks
         return generate_pb2.PoolStats(block_size=p.block_size, total_blocks=p.num_blocks,
                                       free_blocks=p.free_blocks + idle, total_slots=p.num_slots,
                                       free_slots=p.free_slots)
 
+    def _replay_blocks(self) -> int:
+        return sum(1 for r in self.running if r.replay and r.reservation is not None
+                   for b in r.reservation.blocks if self.pool.refcount(b) == 1)
+
     def tier_stats(self) -> list[generate_pb2.TierStats]:
         tiers = self.prefix.tiers if self.prefix is not None else None
         return tiers.stats() if tiers is not None else []
+
+    @property
+    def num_running(self) -> int:
+        """Requests running for clients (reply replays are cache upkeep, not requests)."""
+        return sum(1 for r in self.running if not r.replay)
 
     @property
     def prefix_queries(self) -> int:
@@ -531,9 +546,8 @@ class Engine:
         if self.prefix is None:
             return []
         copies: list[tuple[int, int]] = []
-        for req, snap in self._takes_next:
-            assert req.reservation is not None
-            copies.append((req.reservation.slot, snap.slot))
+        for slot, snap in self._takes_next:
+            copies.append((slot, snap.slot))
             self.prefix.sent(snap)
         self._takes_next = []
         for s in seqs:
@@ -551,14 +565,19 @@ class Engine:
                 assert req.block_hashes is not None
                 snap = self.prefix.take(req.block_hashes[: pos // self.pool.block_size], res.blocks, shared=shared)
                 if snap is not None:
-                    self._takes_next.append((req, snap))
+                    self._takes_next.append((res.slot, snap))
         return copies
 
     def _admit(self) -> None:
-        """Move waiting requests to running, in queue order, while a slot and their full reservation fit."""
-        while len(self.running) < self.max_running:
+        """Move waiting requests to running, in queue order, while a slot and their full reservation fit (reply
+        replays give their slot and blocks up to a request that needs them)."""
+        while True:
             head = self.queue.head()
-            if head is None or not self._fits(head):
+            if head is None:
+                return
+            if len(self.running) >= self.max_running or not self._fits(head):
+                if self._cancel_replay():
+                    continue
                 return  # strict order: nobody overtakes a head that does not fit yet
             try:
                 self._reserve(head)
@@ -632,6 +651,10 @@ class Engine:
                 continue  # finished or aborted meanwhile: its rows are dropped (an abort is reaped below)
             if not s.sample:
                 req.commit(len(s.token_ids), None)
+                if req.replay:
+                    if not req.prefilling:
+                        self._end_replay(req)  # its snapshot at the end is registered; the copy goes out next
+                    continue
                 req.emit_progress()  # one more prefill chunk is in
                 continue
             if s.verify:
@@ -681,10 +704,15 @@ class Engine:
         `error` goes to the client (FINISH_ERROR only); `note` only to the log (why it was aborted)."""
         if req.state is State.FINISHED:
             return
+        if req.replay:
+            self._end_replay(req)
+            return
         was_running = req.state is State.RUNNING
         if req.resume is not None and self.prefix is not None:  # admitted but never planned
             self.prefix.copied_out(req.resume)
             req.resume = None
+        if was_running and reason in (generate_pb2.FINISH_STOP, generate_pb2.FINISH_LENGTH):
+            self._start_replay(req)  # takes over the reservation when there is a reply worth caching
         if req.reservation is not None:
             if req.pending_rows:  # a round in flight still writes its blocks and slot: free them once it is back
                 req.release_deferred = True
@@ -706,6 +734,70 @@ class Engine:
                 f.prefill_s, f.decode_s,
                 f" — {error or note}" if error or note else "")
         self._wake.set()  # blocks or a slot came free: admission may proceed
+
+    # -- reply reuse ----------------------------------------------------------------------------------------------
+    def _start_replay(self, req: Request) -> None:
+        """Cache a finished request's prompt + reply for the conversation's next turn. The reply's rows were
+        decoded (recurrent KDA, decode arithmetic), so its blocks and state are not what a prompt computes; the
+        next turn resumed from them would differ in the last bits from the same prompt computed fresh. Instead a
+        background prefill (a "replay") recomputes the tokens from the deepest snapshot on their chain up to the
+        last 64-token grid point E <= len(tokens) in the request's own blocks and slot, with prompt arithmetic, and
+        snapshots E: exactly what a fresh prefill of the next turn computes, so resuming there keeps every
+        exactness promise. It runs only when nothing waits, and gives way to any request that needs its slot or
+        blocks (`_cancel_replay`)."""
+        prefix = self.prefix
+        if prefix is None or not self.cfg.reply_reuse or len(self.queue) or req.reservation is None:
+            return
+        bs, g = self.pool.block_size, prefix.granule
+        end = len(req.tokens) // g * g
+        if end <= (req.prompt_len - 1) // g * g:
+            return  # the reply reaches no grid point past the prompt's own snapshot
+        hashes = block_hashes(req.tokens, bs, end)
+        m = prefix.match(hashes, end + 1)
+        if m.pos >= end:
+            return
+        rep = Request(request_id=f"{req.id}:reply", prompt=req.tokens[:end], max_tokens=1, sampling=req.sampling,
+                      stop_ids=frozenset(), eos_ids=frozenset(), priority=generate_pb2.PRIORITY_BACKGROUND,
+                      order=next(self._order), max_model_len=req.max_model_len)
+        rep.replay, rep.state, rep.block_hashes = True, State.RUNNING, hashes
+        rep.reservation, req.reservation = req.reservation, None
+        rep.num_cached = m.pos
+        rep.after = req  # its rows still in flight (a decode row past EOS) come back before the replay is planned
+        if m.snapshot is not None:
+            prefix.pin(m.snapshot)
+            rep.resume = m.snapshot
+        rep.snap_points = [(end, False)]
+        self.running.append(rep)
+        log.debug("replaying %s's reply: positions %d..%d for the prefix cache", req.id, m.pos, end)
+
+    def _end_replay(self, rep: Request) -> None:
+        """A replay is done (its snapshot is registered) or gives way: free its slot and blocks."""
+        if rep.state is State.FINISHED:
+            return
+        if rep.resume is not None and self.prefix is not None:
+            self.prefix.copied_out(rep.resume)
+            rep.resume = None
+        rep.state = State.FINISHED
+        self.running.remove(rep)
+        res, rep.reservation = rep.reservation, None
+        if res is None:
+            return
+        parent = rep.after
+        if rep.pending_rows:
+            rep.reservation, rep.release_deferred = res, True
+        elif parent is not None and parent.pending_rows:  # the parent's last rows are not back yet
+            parent.reservation, parent.release_deferred = res, True
+        else:
+            self.pool.release(res)
+        self._wake.set()
+
+    def _cancel_replay(self) -> bool:
+        """Give the newest replay's slot and blocks to a waiting request; False when no replay runs."""
+        reps = [r for r in self.running if r.replay]
+        if not reps:
+            return False
+        self._end_replay(reps[-1])
+        return True
 
     def _fail_all(self, error: str) -> None:
         for req in list(self.running) + list(self.queue):

@@ -157,6 +157,12 @@ class PrefixIndex:
         snap.last_used = self._tick()
         return [self.pool.share(self.blocks[h].block) for h in snap.chain]
 
+    def pin(self, snap: Snapshot) -> None:
+        """A reader that resumes from `snap` with blocks of its own (a reply replay): not evicted until the
+        (snapshot -> request slot) copy goes out (`copied_out`)."""
+        snap.readers += 1
+        snap.last_used = self._tick()
+
     def copied_out(self, snap: Snapshot) -> None:
         snap.readers -= 1
 

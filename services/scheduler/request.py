@@ -106,6 +106,10 @@ class Request:
         self.pending_rows = 0
         self.pending_samples = 0
         self.release_deferred = False
+        # A reply replay (engine `_start_replay`): prefills a finished request's prompt + reply for the prefix cache,
+        # samples nothing, streams nothing, and gives way to any request that needs its slot or blocks.
+        self.replay = False
+        self.after: Request | None = None  # a replay's finished request, whose last rows may still be in flight
         self.state = State.WAITING
         self.abort_reason: str | None = None  # set by Abort / cancellation; acted on at the next round boundary
         self.last_round = 0  # last round this request had rows in (fair order when the budget is short)
@@ -133,6 +137,14 @@ class Request:
     def prompt_left(self) -> bool:
         """Prompt rows remain to be planned."""
         return self.planned < self.prompt_len
+
+    @property
+    def ready(self) -> bool:
+        """Whether its next rows may be planned: not while the snapshot it resumes from is still coming back from
+        a KV tier, nor (a replay) while its finished request's last rows are in flight."""
+        if self.resume is not None and self.resume.loading:
+            return False
+        return self.after is None or not self.after.pending_rows
 
     @property
     def wants_rows(self) -> bool:

@@ -102,7 +102,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                        f"{e.windows_total} windows"))
         return generate_pb2.HealthReply(
             healthy=healthy, components=components, pool=e.pool_stats(),
-            running=len(e.running), waiting=len(e.queue), max_model_len=e.info.max_model_len, model=e.info.model,
+            running=e.num_running, waiting=len(e.queue), max_model_len=e.info.max_model_len, model=e.info.model,
             prefix_cache_queries=e.prefix_queries, prefix_cache_hits=e.prefix_hits, tiers=e.tier_stats())
 
 

@@ -6,6 +6,7 @@ reply."""
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from services.scheduler.prefix import block_hashes
@@ -66,6 +67,31 @@ def test_pool_filled_past_capacity_keeps_serving(stack):
     print(f"\nresent after the pool turned over: cached {[c for _, c in second]}")
     assert [ids for ids, _ in second] == first
     assert all(c >= 512 for _, c in second)
+
+
+def test_two_chats_alternating_under_a_full_pool_resume_from_their_replies(stack):
+    """Turn 2 of each chat (its messages + the reply + a new user message, rendered by the chat template) resumes
+    from turn 1's prompt + reply. The reply is forced to text whose tokens re-encode to the same ids (a random-weight
+    model's free text would not: the cache matches ids, not text)."""
+    client = openai.OpenAI(base_url=stack.v1, api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "structured_outputs": {"regex": "x{48}"}}
+    chats = [[{"role": "system", "content": " ".join(f"Rule {i} of chat {c}: be brief." for i in range(40))},
+              {"role": "user", "content": f"Hello from chat {c}."}] for c in "AB"]
+    turn1 = []
+    for msgs in chats:
+        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=64, temperature=0,
+                                           extra_body=extra)
+        assert r.choices[0].message.content.strip() == "x" * 48
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": "And now?"}]
+        turn1.append(r.usage.prompt_tokens + r.usage.completion_tokens)
+    cached = []
+    for msgs in chats:  # A, B, then A, B: each turn 2 comes after the other chat went through the full pool
+        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    print(f"\nturn 1 prompt + reply {turn1} tokens; turn 2 cached {cached}")
+    assert all(c >= 0.9 * t for c, t in zip(cached, turn1))
 
 
 def test_disk_tier_survives_down_up_and_a_corrupt_block_is_recomputed(stack, tiny_default, tmp_path, disk):
