@@ -332,7 +332,9 @@ class Executor:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         if not plan.HasField("lengths") or not plan.lengths.shape or not plan.lengths.shape[0]:
-            # No sequences: a plan of tier moves only (the scheduler persisting the pool at shutdown).
+            # No sequences: a plan of tier moves only (a load a request waits for; saving the pool at shutdown).
+            if not plan.tier_moves:
+                raise PlanError("a plan without sequences must carry tier moves")
             if plan.HasField("token_ids") and plan.token_ids.shape and plan.token_ids.shape[0]:
                 raise PlanError("token ids without sequences")
             return StepOutput([], 0.0, 0.0, tier_bad=self.run_tier_moves(self.tier_moves(plan)))
