@@ -95,26 +95,25 @@ class TierIndex:
         return e
 
     def _drop(self, key: bytes, *, tell_ranks: bool = True) -> None:
-        """Forget an entry, then every tier snapshot that can no longer be whole without it and their blocks
-        nobody needs any more."""
+        """Forget an entry (`tell_ranks`: and drop it on the ranks, unless they did already), then every tier
+        snapshot that can no longer be whole without it and their blocks nobody needs any more."""
         e = self._forget(key)
         if e is not None and tell_ranks:
             self.moves.append(rank_pb2.TierMove(kind=rank_pb2.TIER_DROP, block_keys=[key]))
-        dead = [s for s in self.snaps.values() if s.state == key or key in s.chain]
-        for s in dead:
-            self._drop_snap(s, tell_ranks)
+        for s in [s for s in self.snaps.values() if s.state == key or key in s.chain]:
+            self._drop_snap(s)
 
-    def _drop_snap(self, s: TierSnap, tell_ranks: bool) -> None:
+    def _drop_snap(self, s: TierSnap) -> None:
         if self.snaps.pop(s.key, None) is None:
             return
         if s.state in self.entries:
-            self._drop(s.state, tell_ranks=tell_ranks)
+            self._drop(s.state)
         for h in s.chain:
             self.need[h] -= 1
             if self.need[h] <= 0:
                 del self.need[h]
                 if h in self.entries:
-                    self._drop(h, tell_ranks=tell_ranks)
+                    self._drop(h)
 
     def _fit(self) -> None:
         """Spill / drop least recently used entries until both tiers are within their capacities."""
@@ -224,7 +223,7 @@ class TierIndex:
                 self.need.update(chain)
         for s in list(self.snaps.values()):
             if not all(h in self.entries for h in s.chain):
-                self._drop_snap(s, tell_ranks=True)
+                self._drop_snap(s)
         states = {s.state for s in self.snaps.values()}
         for key in [k for k in self.entries if k not in states and self.need[k] <= 0]:
             self._drop(key)
