@@ -8,10 +8,12 @@ Exit codes that mean "this group cannot go on" (a supervisor restarts the whole 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import uuid
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from services.rank_worker.executor import Executor
     from services.rank_worker.kv_tiers import TierStore
     from services.rank_worker.model.model import Glm5Model
+    from services.rank_worker.model.vision import VisionConfig
     from services.rank_worker.peer_watch import EXIT_PEER_LOST, PeerWatch
     from services.rank_worker.server import RankService, serve
     from twinspark.v1 import rank_pb2
@@ -119,8 +122,10 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         _leave(EXIT_PEER_LOST)
     log.info("loading %s (%s, %s)", args.model, dtype, args.device)
+    vision = VisionConfig.from_hf_dict(json.loads((Path(args.model) / "config.json").read_text()))
     model = Glm5Model.load(args.model, sharding=sharding, group=group, dtype=dtype,
-                           device=rank_device(args.device, args.rank), progress=True)
+                           device=rank_device(args.device, args.rank), progress=True,
+                           load_vision=vision is not None and args.rank == 0)
     cache = model.new_cache(num_blocks=args.num_blocks, block_size=args.block_size, num_slots=args.num_slots,
                             kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     log.info("kv cache %s: %d bytes per block (%d as %s)", args.kv_cache_dtype, cache.kv_bytes_per_block(),
@@ -143,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         instance_id=uuid.uuid4().hex,  # tells the scheduler a restarted group from the one it connected to
         tier_host_bytes=tiers.host_bytes if tiers else 0, tier_disk_bytes=tiers.disk_bytes if tiers else 0,
         block_bytes=tiers.block_bytes if tiers else 0, state_bytes=tiers.state_bytes if tiers else 0)
-    executor = Executor(model, cache, cuda_graphs=not args.enforce_eager, tiers=tiers)
+    executor = Executor(model, cache, cuda_graphs=not args.enforce_eager, tiers=tiers, vision=vision)
     server = serve(RankService(executor, describe), args.host, args.port, args.internal_token)
     log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", args.rank, args.host, args.port,
              args.num_blocks, args.block_size, args.num_slots)

@@ -19,6 +19,7 @@ from services.rank_worker.kv_tiers import TierStore
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
 from services.rank_worker.model.model import ForwardOutput, Glm5Model, accept_drafts
+from services.rank_worker.model.vision import VisionConfig
 from twinspark.v1 import rank_pb2
 from twinspark.v1.rank_pb2 import StepPlan
 
@@ -127,12 +128,14 @@ MAX_KEY = 64  # bytes of a tier key (the scheduler's are 16)
 
 class Executor:
     def __init__(self, model: Glm5Model, cache: PagedCache, *, cuda_graphs: bool = True,
-                 tiers: TierStore | None = None) -> None:
+                 tiers: TierStore | None = None, vision: VisionConfig | None = None) -> None:
         """cuda_graphs: replay decode rounds from CUDA graphs on a GPU (vLLM's `--enforce-eager` turns it off).
-        tiers: this rank's host-RAM / disk KV tiers (None: tier moves are refused)."""
+        tiers: this rank's host-RAM / disk KV tiers (None: tier moves are refused). vision: the checkpoint's vision
+        tower geometry, on every rank (rank 0 runs the tower; every rank checks image rows alike)."""
         self.model = model
         self.cache = cache
         self.tiers = tiers
+        self.vision = vision
         self.last_sampled: dict[int, int] = {}  # slot -> the token sampled for it last (see `_fill_pending`)
         self.slot_end: dict[int, int] = {}  # slot -> the position after the rows of that sampling round
         self.graphs = None
@@ -298,6 +301,51 @@ class Executor:
             out.append((m, blocks))
         return out
 
+    def image_rows(self, plan: StepPlan, n_rows: int) -> list[tuple[int, int, int, torch.Tensor, tuple]]:
+        """The plan's images, validated: (row, first, count, pixels, grid) each."""
+        if not plan.images:
+            return []
+        vc = self.vision
+        if vc is None or (self.model.coll.sharding.rank == 0 and self.model.vision is None):
+            raise PlanError("images, but this checkpoint has no vision tower")
+        if gpu.active(self.model.embed):
+            raise PlanError("images are not served on the GPU path yet")
+        out = []
+        for i, im in enumerate(plan.images):
+            try:
+                pixels = from_proto(im.pixel_values)
+            except ValueError as exc:
+                raise PlanError(f"images[{i}].pixel_values: {exc}") from exc
+            t, h, w = _vec(im.grid_thw, f"images[{i}].grid_thw", torch.int64, 3).tolist()
+            m = vc.spatial_merge_size
+            if min(t, h, w) < 1 or h % m or w % m:
+                raise PlanError(f"images[{i}]: grid {t}x{h}x{w} is not whole {m}x{m} merge blocks")
+            if pixels.dtype != torch.float32 or list(pixels.shape) != [t * h * w, vc.patch_dim]:
+                raise PlanError(f"images[{i}]: pixel_values must be float32 [{t * h * w}, {vc.patch_dim}]")
+            tokens = t * h * w // m ** 2
+            if im.count < 1 or im.first < 0 or im.first + im.count > tokens or im.row < 0 \
+                    or im.row + im.count > n_rows:
+                raise PlanError(f"images[{i}]: embeddings [{im.first}, {im.first + im.count}) of {tokens} at rows "
+                                f"{im.row}.. do not fit")
+            out.append((im.row, im.first, im.count, pixels, (t, h, w)))
+        return out
+
+    def embed_images(self, images: list[tuple[int, int, int, torch.Tensor, tuple]]
+                     ) -> list[tuple[int, torch.Tensor]] | None:
+        """Rank 0 runs the vision tower; every rank gets the embeddings of its rows (the same bits everywhere)."""
+        if not images:
+            return None
+        m = self.model
+        out = []
+        for row, first, count, pixels, grid in images:
+            if m.coll.sharding.rank == 0:
+                assert m.vision is not None
+                e = m.vision.forward(pixels, [grid])[first : first + count].to(m.dtype).contiguous()
+            else:
+                e = torch.empty(count, m.cfg.hidden_size, dtype=m.dtype, device=m.device)
+            out.append((row, m.coll.from_first(e)))
+        return out
+
     def run_tier_moves(self, moves: list[tuple[rank_pb2.TierMove, list[int]]]) -> list[bytes]:
         """Run the moves in order; the keys whose load failed on any rank (every rank drops them)."""
         if not moves:
@@ -341,6 +389,7 @@ class Executor:
         batch, params, rows = self.to_batch(plan)
         copies = self.state_copies(plan)  # validated with the rest before anything changes
         moves = self.tier_moves(plan)
+        batch.embeds = self.embed_images(self.image_rows(plan, batch.token_ids.numel()))
         # Decode-class sequences first: the GPU path runs each row class with its own fixed schedule over a
         # contiguous run of rows. Sample rows keep the plan's order; `order` maps results back per sequence.
         order = batch.class_order()

@@ -23,9 +23,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import torch
 from opentelemetry.context import Context
 
-from services.common.tensors import ids
+from services.common.tensors import from_proto, ids
 from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.drafts import DrafterClient
@@ -46,6 +47,7 @@ __all__ = ["Engine", "EngineConfig", "InvalidRequest", "QueueFull", "Unavailable
 # Bounds on a Generate request's small fields (ids end up in every log line of the request).
 MAX_REQUEST_ID = 256
 MAX_STOP_IDS = 4096
+MAX_IMAGES = 64
 
 
 # Rounds in flight at most: the next one is planned and sent while the ranks compute the current one (`_overlap`).
@@ -285,12 +287,36 @@ class Engine:
                 grammar = self.grammars.compile(msg.grammar)
             except GrammarError as exc:
                 raise InvalidRequest("invalid_grammar", str(exc)) from None
+        images = self._images(msg, len(prompt))
         return Request(
-            request_id=rid, prompt=prompt, max_tokens=msg.max_tokens,
+            request_id=rid, prompt=prompt, max_tokens=msg.max_tokens, images=images,
             sampling=SamplingSpec(temperature=sp.temperature, top_p=top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed),
             stop_ids=frozenset(msg.stop_token_ids), eos_ids=frozenset() if msg.ignore_eos else self._eos,
             priority=msg.priority, order=next(self._order), max_model_len=info.max_model_len,
             no_draft=msg.no_draft, grammar=grammar, logprobs_k=msg.top_logprobs if msg.logprobs else -1)
+
+    @staticmethod
+    def _images(msg: generate_pb2.GenerateRequest, prompt_len: int) -> list[generate_pb2.Image]:
+        """The request's images, checked: in prompt order, placeholders inside the prompt, pixel tensors of a
+        sane shape (the ranks check them against the vision tower's geometry)."""
+        images = list(msg.images)
+        if len(images) > MAX_IMAGES:
+            raise InvalidRequest("invalid_image", f"more than {MAX_IMAGES} images")
+        end = 0
+        for i, im in enumerate(images):
+            if im.offset < end or im.tokens < 1 or im.offset + im.tokens > prompt_len:
+                raise InvalidRequest("invalid_image", f"image {i}: its placeholder tokens [{im.offset}, "
+                                     f"{im.offset + im.tokens}) overlap another image or leave the prompt")
+            end = im.offset + im.tokens
+            try:
+                pixels, grid = from_proto(im.pixel_values), ids(im.grid_thw)
+            except ValueError as exc:
+                raise InvalidRequest("invalid_image", f"image {i}: {exc}") from exc
+            if pixels.dtype != torch.float32 or pixels.dim() != 2 or len(grid) != 3 or min(grid) < 1 \
+                    or grid[0] * grid[1] * grid[2] != pixels.shape[0] or len(im.digest) != 32:
+                raise InvalidRequest("invalid_image", f"image {i}: pixel_values must be float32 [t*h*w, patch] for "
+                                     "grid_thw (t, h, w), with a sha256 digest")
+        return images
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Abort a live request; False when no such request is waiting or running."""
@@ -450,7 +476,7 @@ class Engine:
         if self.prefix is None:
             return None
         if req.block_hashes is None:  # full blocks of [0, prompt_len - 1): the last prompt token is always computed
-            req.block_hashes = block_hashes(req.tokens, self.pool.block_size, req.prompt_len - 1)
+            req.block_hashes = block_hashes(req.tokens, self.pool.block_size, req.prompt_len - 1, req.image_spans)
         return self.prefix.match(req.block_hashes, req.prompt_len)
 
     def _loads_back(self, loads: list[Snapshot], bad: list[bytes]) -> None:
@@ -752,13 +778,13 @@ class Engine:
         end = len(req.tokens) // g * g
         if end <= (req.prompt_len - 1) // g * g:
             return  # the reply reaches no grid point past the prompt's own snapshot
-        hashes = block_hashes(req.tokens, bs, end)
+        hashes = block_hashes(req.tokens, bs, end, req.image_spans)
         m = prefix.match(hashes, end + 1)
         if m.pos >= end:
             return
         rep = Request(request_id=f"{req.id}:reply", prompt=req.tokens[:end], max_tokens=1, sampling=req.sampling,
                       stop_ids=frozenset(), eos_ids=frozenset(), priority=generate_pb2.PRIORITY_BACKGROUND,
-                      order=next(self._order), max_model_len=req.max_model_len)
+                      order=next(self._order), max_model_len=req.max_model_len, images=req.images)
         rep.replay, rep.state, rep.block_hashes = True, State.RUNNING, hashes
         rep.reservation, req.reservation = req.reservation, None
         rep.num_cached = m.pos

@@ -53,13 +53,20 @@ def reuse_granule(block_size: int) -> int:
     return KDA_CHUNK * block_size // math.gcd(KDA_CHUNK, block_size)
 
 
-def block_hashes(tokens: list[int], block_size: int, upto: int) -> list[bytes]:
-    """Hash chain of the full blocks inside tokens[:upto]: h_i = sha256(h_{i-1} || block i's ids as int32 LE)."""
+def block_hashes(tokens: list[int], block_size: int, upto: int,
+                 images: list[tuple[int, int, bytes]] = ()) -> list[bytes]:
+    """Hash chain of the full blocks inside tokens[:upto]: h_i = sha256(h_{i-1} || block i's ids as int32 LE ||
+    the content digest of every image whose placeholder tokens fall in block i). `images`: (offset, tokens,
+    digest) — every image's placeholders are the same id, so without its digest two images would share a cache."""
     out: list[bytes] = []
     h = b""
     for i in range(upto // block_size):
+        lo, hi = i * block_size, (i + 1) * block_size
         d = hashlib.sha256(h)
-        d.update(struct.pack(f"<{block_size}i", *tokens[i * block_size : (i + 1) * block_size]))
+        d.update(struct.pack(f"<{block_size}i", *tokens[lo:hi]))
+        for off, n, digest in images:
+            if off < hi and off + n > lo:
+                d.update(digest)
         h = d.digest()[:16]
         out.append(h)
     return out

@@ -75,7 +75,7 @@ class Request:
     def __init__(self, *, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingSpec,
                  stop_ids: frozenset[int], eos_ids: frozenset[int], priority: int, order: int,
                  max_model_len: int, no_draft: bool = False, grammar: RequestGrammar | None = None,
-                 logprobs_k: int = -1) -> None:
+                 logprobs_k: int = -1, images: list[generate_pb2.Image] | None = None) -> None:
         self.id = request_id
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
@@ -90,6 +90,7 @@ class Request:
         self.no_draft = no_draft
         self.grammar = grammar  # structured output: masks every sample row (drafts included)
         self.logprobs_k = logprobs_k  # -1: no logprobs; k >= 0: each token's logprob and the top k
+        self.images = images or []  # prompt images, by offset (the ranks embed them at their placeholder rows)
         self.drafted_tokens = 0  # drafts verified for this request
         self.accepted_tokens = 0  # of which the ranks accepted
         self.last_hidden = None  # the target's hidden state at the row that sampled the last token (MTP drafts)
@@ -184,6 +185,11 @@ class Request:
         if not seq.verify:
             self.pending_rows -= len(seq.token_ids)
             self.pending_samples -= 1 if seq.sample else 0
+
+    @property
+    def image_spans(self) -> list[tuple[int, int, bytes]]:
+        """(offset, tokens, digest) of each image: what the prefix cache keys its blocks by."""
+        return [(im.offset, im.tokens, im.digest) for im in self.images]
 
     # -- commit ---------------------------------------------------------------------------------------------------
     def commit(self, n_rows: int, sampled: int | None) -> None:

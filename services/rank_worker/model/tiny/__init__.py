@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .config_builder import generation_config, model_config, round_up
+from .config_builder import generation_config, model_config, preprocessor_config, round_up
 from .shards import INDEX_NAME, plan_shards, write_shards
 from .spec import TinySpec, default_layer_pattern
 from .tensor_spec import TensorSpec, materialize
@@ -68,6 +68,7 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
     cfg = model_config(spec, token_ids=ids, pad_token_id=pad_id, eos_token_ids=eos_ids, dtype=dtype)
     files.append(_write_json(out / "config.json", cfg))
     files.append(_write_json(out / "generation_config.json", generation_config(pad_token_id=pad_id, eos_token_ids=eos_ids)))
+    files.append(_write_json(out / "preprocessor_config.json", preprocessor_config(spec)))
     files += write_tokenizer(tok, out)
 
     specs = all_tensors(spec)
