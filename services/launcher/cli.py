@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
                     "Each child's output goes to <state-dir>/logs/<name>.log. The roles' gRPC ports listen on "
                     "127.0.0.1 and require this run's internal token, made at random unless TWINSPARK_INTERNAL_TOKEN "
                     "is set, and given to the children in their environment only. Without --model a tiny checkpoint is "
-                    "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default).",
+                    "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default-2).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     up.add_argument("--model", default=env("MODEL"), metavar="DIR",
                     help="checkpoint directory (env TWINSPARK_MODEL; default: the cached tiny checkpoint)")
