@@ -91,7 +91,14 @@ class PagedCache:
         blocks, offsets = self._addresses(batch)
         store.write(blocks, offsets, values[: blocks.shape[0]])
 
-    def read_sequence(self, store: RowStore, block_table: torch.Tensor, length: int) -> torch.Tensor:
-        """Positions 0..length-1 of one sequence, gathered from its blocks -> [length, width] (compute dtype)."""
-        n_blocks = -(-length // self.block_size)
-        return store.read(block_table[:n_blocks], length)
+    def read_range(self, store: RowStore, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Positions start..end-1 of one sequence -> [end - start, width] (compute dtype)."""
+        first = start // self.block_size
+        rows = store.read(block_table[first : -(-end // self.block_size)], end - first * self.block_size)
+        return rows[start - first * self.block_size :]
+
+    def gather_positions(self, store: RowStore, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rows at `positions` (any shape, -1 = padding: row 0's value, to be masked) of one sequence ->
+        [*positions.shape, width] (compute dtype)."""
+        pos = positions.clamp(min=0)
+        return store.gather(block_table[pos // self.block_size], pos % self.block_size)

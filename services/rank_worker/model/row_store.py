@@ -46,3 +46,10 @@ class RowStore:
         if self.scale is None:
             return rows
         return dequantize_rows(rows, self.scale[block_ids].flatten(0, 1)[:length], self.dtype)
+
+    def gather(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows at (blocks, offsets) (any matching shapes) in the compute dtype -> [*shape, width]."""
+        rows = self.data[blocks, offsets]
+        if self.scale is None:
+            return rows
+        return dequantize_rows(rows, self.scale[blocks, offsets], self.dtype)
