@@ -14,6 +14,7 @@ import sys
 # `func` on the parser to a callable taking the parsed namespace and returning an exit code.
 _COMMANDS = (
     "services.rank_worker.model.tiny.cli",
+    "services.rank_worker.model.quantize.cli",
     "services.rank_worker.generate_cli",
     "services.rank_worker.cli",
     "services.scheduler.cli",

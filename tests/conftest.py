@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.rank_worker.model.tiny import make_tiny
+from tests.model.quant_helpers import QUANT_BLOCK
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +37,33 @@ def tiny_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shared indexer layer that transformers supports — plus a full MLA layer 7."""
     return make_tiny(tmp_path_factory.mktemp("tiny_shared") / "ckpt", seed=2, index_topk=16,
                      layer_pattern="KKKMMKKM", indexer_pattern="FFFFSFFF")
+
+
+# ----- quantized checkpoints (issue 10): the default tiny model quantized, and a random-trellis EXL3 one -----
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from services.rank_worker.model.quantize.convert import quantize_checkpoint
+    from services.rank_worker.model.quantize.select import Recipe
+
+    out = tmp_path_factory.mktemp("tiny_fp8") / "ckpt"
+    quantize_checkpoint(tiny_default, out, Recipe("fp8", "fp8", block=QUANT_BLOCK), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_w4a16(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from services.rank_worker.model.quantize.convert import quantize_checkpoint
+    from services.rank_worker.model.quantize.select import Recipe
+
+    out = tmp_path_factory.mktemp("tiny_w4a16") / "ckpt"
+    quantize_checkpoint(tiny_default, out, Recipe("w4a16", "w4a16", block=QUANT_BLOCK), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_exl3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make-tiny --format exl3 --layers 4 --experts 4`: random 4-bit mul1 trellises for every MLP linear, bf16
+    attention (4 layers and 4 experts: its MLPs are 16x the default tiny model's, and the CPU pays for them)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny_exl3") / "ckpt", format="exl3", layers=4, experts=4)

@@ -45,16 +45,17 @@ def moe_schedule(rows: RowClass) -> MoeTile:
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, E, scaling,
-                  TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+                  TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr):
     """Per row: sigmoid scores, + correction bias for the choice, top-k (ties -> lowest index), weights =
-    unbiased scores normalised over the chosen and scaled. Writes k+1 pairs: routed ascending, then shared."""
+    unbiased scores normalised over the chosen and scaled. Writes k pairs, routed ascending, then (SHARED) the
+    shared expert's pair."""
     row = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     valid = e < E
-    out_ids = ids_ptr + row * (TOP_K + 1)
-    out_w = w_ptr + row * (TOP_K + 1)
+    out_ids = ids_ptr + row * (TOP_K + SHARED)
+    out_w = w_ptr + row * (TOP_K + SHARED)
     if row >= tl.load(n_real_ptr):  # padding row: no pairs at all
-        for j in tl.static_range(TOP_K + 1):
+        for j in tl.static_range(TOP_K + SHARED):
             tl.store(out_ids + j, E + 1)
             tl.store(out_w + j, 0.0)
         return
@@ -74,22 +75,26 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, E, scaling,
     rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending expert order
     tl.store(out_ids + rank, e.to(tl.int32), mask=chosen)
     tl.store(out_w + rank, weight, mask=chosen)
-    tl.store(out_ids + TOP_K, E)
-    tl.store(out_w + TOP_K, 1.0)
+    if SHARED:
+        tl.store(out_ids + TOP_K, E)
+        tl.store(out_w + TOP_K, 1.0)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, norm_topk_prob: bool, scaling: float,
-          n_real: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+          n_real: int | torch.Tensor, shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 -> (ids [T, k+1] int32, weights [T, k+1] fp32); id E = the shared expert, E+1 = none.
-    Rows from n_real on are padding (an int, or an int32 device scalar a CUDA graph can refill)."""
+    Rows from n_real on are padding (an int, or an int32 device scalar a CUDA graph can refill). shared=False:
+    k pairs per row (the shared expert runs apart, e.g. when it is stored in another format than the routed)."""
     t, e = logits.shape
     if not isinstance(n_real, torch.Tensor):
         n_real = torch.tensor([n_real], dtype=torch.int32, device=logits.device)
-    ids = torch.empty(t, top_k + 1, dtype=torch.int32, device=logits.device)
-    w = torch.empty(t, top_k + 1, dtype=torch.float32, device=logits.device)
+    pairs = top_k + int(shared)
+    ids = torch.empty(t, pairs, dtype=torch.int32, device=logits.device)
+    w = torch.empty(t, pairs, dtype=torch.float32, device=logits.device)
     if t:
         _route_kernel[(t,)](logits.contiguous(), bias.float().contiguous(), ids, w, n_real, e, float(scaling),
-                            TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(e))
+                            TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(e),
+                            SHARED=int(shared))
     return ids, w
 
 
@@ -104,7 +109,7 @@ class Groups:
 def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Groups:
     """Sort (row, slot) pairs by expert (stable: ascending row within an expert) and pad each expert's run to
     whole tiles. num_experts counts the shared expert; ids == num_experts marks a pair that does not exist."""
-    flat = ids.reshape(-1).long()
+    flat = ids.reshape(-1).long().clamp(max=num_experts)  # every "no pair" id counts as num_experts
     pairs = flat.numel()
     dev = flat.device
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))

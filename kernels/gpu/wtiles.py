@@ -107,3 +107,14 @@ def weight_tile(w_ptr, s_ptr, rn, k0, N, K, swn, swk, ssn, ssk, FMT: tl.constexp
                 s = tl.load(s_ptr + rn[None, :] * ssn, mask=col, other=0.0)
             tile = (raw.to(tl.float32) * s).to(act)
     return tile
+
+
+def stack_quantized(parts: list) -> WeightArgs:
+    """One WeightArgs over a list of same-format quantized weights (kernels/quant's QuantizedWeight: `format`,
+    `tensors`, `params`), stacked along a new first dim (the experts of a MoE)."""
+    first = parts[0]
+    if any(p.format != first.format or dict(p.params) != dict(first.params) or p.shape != first.shape
+           for p in parts):
+        raise ValueError("stacked weights must share one format, its parameters and their shape")
+    tensors = {name: torch.stack([p.tensors[name] for p in parts]) for name in first.tensors}
+    return quantized(first.format, tensors, dict(first.params))

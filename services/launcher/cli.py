@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
                     "Each child's output goes to <state-dir>/logs/<name>.log. The roles' gRPC ports listen on "
                     "127.0.0.1 and require this run's internal token, made at random unless TWINSPARK_INTERNAL_TOKEN "
                     "is set, and given to the children in their environment only. Without --model a tiny checkpoint is "
-                    "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default-2).",
+                    "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default-3).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     up.add_argument("--model", default=env("MODEL"), metavar="DIR",
                     help="checkpoint directory (env TWINSPARK_MODEL; default: the cached tiny checkpoint)")
@@ -67,6 +67,12 @@ def register(subparsers: Any) -> None:
                     help="per rank: disk KV tier size (env TWINSPARK_KV_DISK_BYTES)")
     up.add_argument("--enforce-eager", action="store_true", default=env("ENFORCE_EAGER", "0") == "1",
                     help="GPU ranks run decode rounds eagerly, without CUDA graphs (env TWINSPARK_ENFORCE_EAGER=1)")
+    up.add_argument("--random-weights", default=env("RANDOM_WEIGHTS"), metavar="FORMAT",
+                    help="the ranks draw random weights on the device instead of reading shards; --model gives the "
+                         "config and the tokenizer (FORMAT, or EXPERTS+OTHER, from fp8, w4a16, exl3, bf16: see "
+                         "serve-rank --help) (env TWINSPARK_RANDOM_WEIGHTS)")
+    up.add_argument("--random-block-size", type=int, default=env("RANDOM_BLOCK_SIZE", "128"), metavar="N",
+                    help="with --random-weights: fp8 block edge and w4a16 group size (env TWINSPARK_RANDOM_BLOCK_SIZE)")
     up.add_argument("--detach", action="store_true",
                     help="run the supervisor in the background; return once healthy (stop with `twinspark down`)")
     up.add_argument("--state-dir", default=None, metavar="DIR",
@@ -123,6 +129,16 @@ def run_up(args: argparse.Namespace) -> int:
         return _err(f"--tp must be >= 1, got {args.tp}")
     if args.max_restarts < 0:
         return _err(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.random_weights:
+        from services.rank_worker.model.quantize.select import Recipe
+
+        try:
+            Recipe.parse(args.random_weights)
+        except ValueError as e:
+            return _err(f"--random-weights {e}")
+        if args.drafter == "mtp":
+            return _err("--drafter mtp reads the MTP layer's weights from the checkpoint; with --random-weights use "
+                        "--drafter copy or none")
     command = tuple(shlex.split(args.role_command)) if args.role_command else DEFAULT_COMMAND
     if not command:
         return _err("--role-command is empty")
@@ -157,7 +173,8 @@ def run_up(args: argparse.Namespace) -> int:
         return _up_detached(args, sd, model, port, command)
     cfg = LaunchConfig(model=str(model), state_dir=str(sd), tp=args.tp, host=args.host, port=port,
                        device=args.device, command=command, drafter=args.drafter, kv_cache_dtype=args.kv_cache_dtype,
-                       enforce_eager=args.enforce_eager, kv_tiers=tuple(_tier_flags(args)))
+                       enforce_eager=args.enforce_eager, kv_tiers=tuple(_tier_flags(args)),
+                       random_weights=args.random_weights or "", random_block_size=args.random_block_size)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if args.background else None
@@ -185,6 +202,8 @@ def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, com
     argv = [sys.executable, "-m", "services.launcher", "up", "--model", str(model), "--tp", str(args.tp),
             "--host", args.host, "--port", str(port), "--device", args.device, "--drafter", args.drafter,
             "--kv-cache-dtype", args.kv_cache_dtype, *(["--enforce-eager"] if args.enforce_eager else []),
+            *(["--random-weights", args.random_weights, "--random-block-size", str(args.random_block_size)]
+              if args.random_weights else []),
             *_tier_flags(args), "--state-dir", str(sd),
             "--startup-timeout", str(args.startup_timeout), "--stop-grace", str(args.stop_grace),
             "--max-restarts", str(args.max_restarts),

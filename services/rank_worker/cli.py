@@ -67,9 +67,31 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="disk KV tier size on this rank in bytes (TWINSPARK_KV_DISK_BYTES, default 64 GiB)")
     p.add_argument("--virtual-shards", type=int, default=int(env("VIRTUAL_SHARDS", "4")),
                    help="virtual shards per sharded dim (a multiple of --world; the same on every rank)")
+    p.add_argument("--random-weights", default=env("RANDOM_WEIGHTS"), metavar="FORMAT",
+                   help="draw random weights on the device instead of reading shards (--model still gives the config "
+                        "and the tokenizer): FORMAT for every eligible linear, or EXPERTS+OTHER, from fp8, w4a16, "
+                        "exl3, bf16 (e.g. bf16, fp8, w4a16+fp8, exl3+bf16); quantized linears are drawn packed "
+                        "(TWINSPARK_RANDOM_WEIGHTS)")
+    p.add_argument("--random-block-size", type=int, default=int(env("RANDOM_BLOCK_SIZE", "128")), metavar="N",
+                   help="with --random-weights: fp8 block edge and w4a16 group size (TWINSPARK_RANDOM_BLOCK_SIZE)")
     add_internal_token_flag(p)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
     p.set_defaults(func=run)
+
+
+def _random_model(args: argparse.Namespace, recipe, sharding, group, dtype: torch.dtype, device):
+    """The model of --model's config over weights drawn on the device (`--random-weights`)."""
+    from services.rank_worker.model.config import ModelConfig
+    from services.rank_worker.model.model import Glm5Model
+    from services.rank_worker.model.parallel import Collective
+    from services.rank_worker.model.random_weights import RandomWeightReader, spec_from_config
+
+    cfg = ModelConfig.from_pretrained(args.model)
+    reader = RandomWeightReader(spec_from_config(cfg), sharding, dtype, device, recipe=recipe, log=log.info)
+    model = Glm5Model(cfg, reader, Collective(sharding, group))
+    log.info("random weights: %.2f GiB drawn (whole tensors, before this rank's cut; %d tensors, %d quantized)",
+             reader.bytes_made / 2**30, reader.tensors_made, reader.quantized_made)
+    return model
 
 
 def _leave(code: int) -> NoReturn:
@@ -100,6 +122,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     setup_tracing(f"twinspark-rank{args.rank}")
     dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    recipe = None
+    if args.random_weights:
+        from services.rank_worker.model.quantize.select import Recipe
+
+        try:
+            recipe = Recipe.parse(args.random_weights, block=args.random_block_size)
+        except ValueError as exc:
+            log.error("--random-weights %s", exc)
+            return 2
     if args.device == "cpu" and args.world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
     log.info("joining group as rank %d of %d via %s:%d", args.rank, args.world, args.master_addr, args.master_port)
@@ -108,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
     settings = fp.settings(model_dir=args.model, world=args.world, dtype=dtype, device=args.device,
                            virtual_shards=args.virtual_shards, num_blocks=args.num_blocks,
                            block_size=args.block_size, num_slots=args.num_slots,
-                           kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
+                           kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
+                           random_weights=f"{args.random_weights} block {args.random_block_size}"
+                           if args.random_weights else "")
     try:
         fp.check_group(settings, args.rank, args.world, token_digest=group_digest(args.internal_token))
     except RuntimeError as exc:
@@ -121,11 +154,19 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # TimeoutError is an OSError
         log.error("%s", exc)
         _leave(EXIT_PEER_LOST)
-    log.info("loading %s (%s, %s)", args.model, dtype, args.device)
-    vision = VisionConfig.from_hf_dict(json.loads((Path(args.model) / "config.json").read_text()))
-    model = Glm5Model.load(args.model, sharding=sharding, group=group, dtype=dtype,
-                           device=rank_device(args.device, args.rank), progress=True,
-                           load_vision=vision is not None and args.rank == 0)
+    device = rank_device(args.device, args.rank)
+    # Random weights draw the text model only: no vision tower, so image requests are refused as for a text-only
+    # checkpoint.
+    vision = (VisionConfig.from_hf_dict(json.loads((Path(args.model) / "config.json").read_text()))
+              if recipe is None else None)
+    if recipe is not None:
+        log.info("drawing random %s weights for %s's config (%s, %s)", args.random_weights, args.model, dtype,
+                 args.device)
+        model = _random_model(args, recipe, sharding, group, dtype, device)
+    else:
+        log.info("loading %s (%s, %s)", args.model, dtype, args.device)
+        model = Glm5Model.load(args.model, sharding=sharding, group=group, dtype=dtype, device=device, progress=True,
+                               load_vision=vision is not None and args.rank == 0)
     cache = model.new_cache(num_blocks=args.num_blocks, block_size=args.block_size, num_slots=args.num_slots,
                             kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     log.info("kv cache %s: %d bytes per block (%d as %s)", args.kv_cache_dtype, cache.kv_bytes_per_block(),

@@ -16,8 +16,10 @@ def _file_hash(path: Path) -> str:
 
 
 def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: str, virtual_shards: int,
-             num_blocks: int, block_size: int, num_slots: int, kv_dtype: torch.dtype | None) -> dict[str, str]:
-    """Every setting that changes a rank's arithmetic or memory layout, by name."""
+             num_blocks: int, block_size: int, num_slots: int, kv_dtype: torch.dtype | None,
+             random_weights: str = "") -> dict[str, str]:
+    """Every setting that changes a rank's arithmetic or memory layout, by name. random_weights: how the weights
+    are drawn when they are not read from the checkpoint ("" = they are read)."""
     d = Path(model_dir)
     try:
         ours = version("twinspark")
@@ -26,6 +28,7 @@ def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: s
     return {
         "config.json": _file_hash(d / "config.json"),
         "weights index": _file_hash(d / "model.safetensors.index.json"),
+        "random weights": random_weights or "no",
         "dtype": str(dtype).removeprefix("torch."),
         # Resolved storage, so aliases (fp8 / fp8_e4m3, auto / the compute dtype) that store the same bits agree.
         "kv cache dtype": str(kv_dtype or dtype).removeprefix("torch."),

@@ -60,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
     req = GenerateRequest(prompt_ids=tuple(prompt), max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                           ignore_eos=args.ignore_eos)
-    tokens = generate(model_dir, req, tp=args.tp, device=args.device, dtype=dtype,
-                      kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
+    try:
+        tokens = generate(model_dir, req, tp=args.tp, device=args.device, dtype=dtype,
+                          kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
+    except (ValueError, RuntimeError) as e:  # a checkpoint the loader refuses (e.g. a split off the tile grid)
+        print(f"generate: {e}", file=sys.stderr)
+        return 1
     text = tokenizer.decode(tokens, skip_special_tokens=False)
     print(json.dumps({"token_ids": tokens, "text": text}) if args.json else text)
     return 0

@@ -1,5 +1,5 @@
-"""bench/fuzz.py and bench/soak.py, short, against one real stack (`twinspark up`, TP = 1): they run, count, and
-write their JSON + markdown."""
+"""bench/fuzz.py, bench/soak.py and bench/serve.py, short, against one real stack (`twinspark up`, TP = 1): they
+run, count, and write their JSON + markdown."""
 
 from __future__ import annotations
 
@@ -48,3 +48,15 @@ def test_soak_bench(stack, tmp_path):
     assert {"gateway", "scheduler", "rank0"} <= set(data["rss_samples"])
     assert all(len(v) >= 3 for v in data["rss_samples"].values())  # every 10 s over 25 s
     assert r.returncode in (0, 1), r.stderr[-2000:]  # 1 only when memory moved > 5% in so short a run
+
+
+def test_serve_bench(stack, tmp_path):
+    r = _run("bench.serve", "--state-dir", str(stack.state_dir), "--concurrency", "1,3", "--requests", "3",
+             "--prompt-len", "12", "--output-len", "5", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads(next(tmp_path.glob("serve-*.json")).read_text())
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 3]
+    for lv in data["levels"]:
+        assert lv["completed"] == lv["requests"] == 3 and lv["output_throughput"] > 0
+        assert lv["ttft"]["median_ms"] > 0 and lv["itl"]["median_ms"] > 0 and lv["tpot"]["p99_ms"] > 0
+    assert "| concurrency | requests |" in next(tmp_path.glob("serve-*.md")).read_text()

@@ -115,3 +115,14 @@ def test_free_ports_distinct_and_bindable():
         s.bind(("127.0.0.1", 0))
         s.listen()
         assert not port_free("127.0.0.1", s.getsockname()[1])
+
+
+def test_random_weights_reach_every_rank_and_nothing_else():
+    plan = make_plan(_cfg(2, random_weights="w4a16+fp8", random_block_size=8), [6000, 6009, 6001, 6002, 6003])
+    for child in plan.children:
+        a = list(child.argv)
+        if child.role == "rank":
+            assert a[a.index("--random-weights") + 1] == "w4a16+fp8" and a[a.index("--random-block-size") + 1] == "8"
+        else:
+            assert "--random-weights" not in a
+    assert "--random-weights" not in make_plan(_cfg(1), [5000, 5009, 5001, 5002]).children[0].argv

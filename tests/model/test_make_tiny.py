@@ -21,6 +21,7 @@ from services.rank_worker.model.tiny import cli as tiny_cli
 from services.rank_worker.model.tiny import make_tiny, write_tiny
 from services.rank_worker.model.tiny.tensor_spec import keeps_fp32
 from services.rank_worker.model.tiny.tokenizer_builder import SPECIAL_TOKENS, TAG_TOKENS, chat_template_text
+from tests.model.quant_helpers import read_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = "model.language_model."
@@ -41,14 +42,6 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
-
-
 def _config(d: Path) -> dict:
     return json.loads((d / "config.json").read_text())
 
@@ -64,7 +57,7 @@ def test_same_seed_same_bytes_different_seed_different_weights(ckpt: Path, tmp_p
 
     other = make_tiny(tmp_path / "other", seed=1)
     assert (other / "tokenizer.json").read_bytes() == a["tokenizer.json"]  # tokenizer does not depend on the seed
-    ta, to = _tensors(ckpt), _tensors(other)
+    ta, to = read_tensors(ckpt), read_tensors(other)
     assert ta.keys() == to.keys()
     for key in (f"{TEXT}embed_tokens.weight", f"{TEXT}layers.3.self_attn.q_b_proj.weight", "lm_head.weight"):
         assert not torch.equal(ta[key], to[key]), key
@@ -72,7 +65,7 @@ def test_same_seed_same_bytes_different_seed_different_weights(ckpt: Path, tmp_p
 
 def test_values_do_not_depend_on_dtype_except_rounding(ckpt: Path, shared_ckpt: Path) -> None:
     # Keys present in both (seed 0): the per-key generator makes values independent of dtype and of layer pattern.
-    bf, fp = _tensors(ckpt), _tensors(shared_ckpt)
+    bf, fp = read_tensors(ckpt), read_tensors(shared_ckpt)
     for key in (f"{TEXT}layers.0.self_attn.q_proj.weight", f"{TEXT}layers.3.self_attn.indexer.wq_b.weight",
                 f"{TEXT}layers.3.mlp.experts.5.down_proj.weight", "lm_head.weight"):
         assert bf[key].dtype == torch.bfloat16 and fp[key].dtype == torch.float32
@@ -140,7 +133,7 @@ def test_shards_and_index(ckpt: Path) -> None:
 
 
 def test_key_layout_and_storage_dtypes(ckpt: Path) -> None:
-    t = _tensors(ckpt)
+    t = read_tensors(ckpt)
     for k, v in t.items():
         assert v.dtype == (torch.float32 if keeps_fp32(k) else torch.bfloat16), k
     L = f"{TEXT}layers."
@@ -165,7 +158,7 @@ def test_key_layout_and_storage_dtypes(ckpt: Path) -> None:
 
 
 def test_layer_and_indexer_patterns(shared_ckpt: Path) -> None:
-    t = _tensors(shared_ckpt)
+    t = read_tensors(shared_ckpt)
     assert all(v.dtype == torch.float32 for v in t.values())
     L = f"{TEXT}layers."
     assert L + "4.self_attn.q_a_proj.weight" in t  # layer 4 is MLA ...

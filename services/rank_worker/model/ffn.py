@@ -20,27 +20,14 @@ from services.rank_worker.model.weights import WeightReader
 
 class DenseMlp:
     def __init__(self, cfg: ModelConfig, reader: WeightReader, prefix: str) -> None:
-        self.limit = cfg.swiglu_limit
-        gate = reader.split(prefix + "gate_proj.weight", 0)
-        up = reader.split(prefix + "up_proj.weight", 0)
-        self.gate_up = [torch.cat([g, u]) for g, u in zip(gate, up)]
-        self.inter = [g.shape[0] for g in gate]
-        self.down = reader.split(prefix + "down_proj.weight", 1)
-
-    def partial(self, x: torch.Tensor, j: int) -> torch.Tensor:
-        gate, up = self.gate_up[j].split(self.inter[j])
-        return linear_fp32(moe.swiglu(linear(x, gate), linear(x, up), self.limit), self.down[j])
+        self.parts = _DenseParts(reader.split(prefix + "gate_proj.weight", 0), reader.split(prefix + "up_proj.weight", 0),
+                                 reader.split(prefix + "down_proj.weight", 1), cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [self.partial(x, j) for j in range(len(self.down))]
+        return [self.parts.partial(x, j) for j in range(len(self.parts.down))]
 
     def forward_gpu(self, x: torch.Tensor, decode_rows: int) -> list[torch.Tensor]:
-        from kernels.gpu import gemm
-        out = []
-        for j, w in enumerate(self.gate_up):
-            gate, up = gemm.matmul(x, w, decode_rows).split(self.inter[j], dim=-1)
-            out.append(gemm.matmul(moe.swiglu(gate, up, self.limit), self.down[j], decode_rows, torch.float32))
-        return out
+        return [self.parts.partial_gpu(x, j, decode_rows) for j in range(len(self.parts.down))]
 
 
 class Moe:
@@ -50,17 +37,37 @@ class Moe:
         self.router = reader.full(p + "gate.weight")
         self.bias = reader.full(p + "gate.e_score_correction_bias")
         names = ("gate_proj", "up_proj", "down_proj")
-        per_expert = [[reader.split(p + f"experts.{e}.{n}.weight", 0 if n != "down_proj" else 1)
-                       for e in range(cfg.n_routed_experts)] + [reader.split(p + f"shared_experts.{n}.weight",
-                                                                             0 if n != "down_proj" else 1)]
-                      for n in names]
-        # [shard][E+1, ...]: each shard's slice of every expert, the shared expert last.
-        self.gate, self.up, self.down = ([torch.stack([w[j] for w in ws]) for j in range(len(ws[0]))]
-                                         for ws in per_expert)
+        # On a GPU quantized experts stay packed (the grouped kernels dequantize tile by tile); on the CPU every
+        # expert is read dense, the torch twin's input.
+        read = reader.split_packed if reader.device.type == "cuda" else reader.split
+        routed = [[read(p + f"experts.{e}.{n}.weight", 0 if n != "down_proj" else 1)
+                   for e in range(cfg.n_routed_experts)] for n in names]
+        shared = [read(p + f"shared_experts.{n}.weight", 0 if n != "down_proj" else 1) for n in names]
+        self.packed = not isinstance(routed[0][0][0], torch.Tensor)
+        if not self.packed:
+            # [shard][E+1, ...]: each shard's slice of every expert, the shared expert last.
+            self.gate, self.up, self.down = ([torch.stack([w[j] for w in ws + [sh]]) for j in range(len(sh))]
+                                             for ws, sh in zip(routed, shared))
+            self.shared_apart = None
+            return
+        from kernels.gpu import wtiles
+        # The shared expert joins the routed stack when it is stored alike; else it runs as a dense MLP beside it.
+        together = all(not isinstance(sh[0], torch.Tensor) and sh[0].format == ws[0][0].format
+                       and dict(sh[0].params) == dict(ws[0][0].params) and sh[0].shape == ws[0][0].shape
+                       for ws, sh in zip(routed, shared))
+        self.gate, self.up, self.down = ([wtiles.stack_quantized([w[j] for w in ws + ([sh] if together else [])])
+                                          for j in range(len(sh))] for ws, sh in zip(routed, shared))
+        if together:
+            self.shared_apart = None
+        else:
+            dense = [[t if isinstance(t, torch.Tensor) else t.dequantize(reader.dtype) for t in sh] for sh in shared]
+            self.shared_apart = _DenseParts(dense[0], dense[1], dense[2], cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         c = self.cfg
         e = c.n_routed_experts
+        if self.packed:  # packed experts exist only on CUDA, where every caller takes forward_gpu
+            raise RuntimeError("packed (quantized) experts run through forward_gpu")
         ids, w = moe.route(x, self.router, self.bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
                            topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
         out = []
@@ -78,9 +85,33 @@ class Moe:
             raise NotImplementedError("the GPU MoE path routes with n_group == 1 only")
         logits = gemm.matmul(x, self.router, decode_rows, torch.float32)
         ids, w = gpu_moe.route(logits, self.bias, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
-                               scaling=c.routed_scaling_factor, n_real=n_real)
-        return [gpu_moe.experts(x, ids, w, g, u, d, c.swiglu_limit, decode_rows)
-                for g, u, d in zip(self.gate, self.up, self.down)]
+                               scaling=c.routed_scaling_factor, n_real=n_real, shared=self.shared_apart is None)
+        out = [gpu_moe.experts(x, ids, w, g, u, d, c.swiglu_limit, decode_rows)
+               for g, u, d in zip(self.gate, self.up, self.down)]
+        if self.shared_apart is not None:  # added after the routed sum, the twin's order
+            out = [o + self.shared_apart.partial_gpu(x, j, decode_rows) for j, o in enumerate(out)]
+        return out
+
+
+class _DenseParts:
+    """A dense SwiGLU MLP's per-shard tensors (gate and up as halves of one [2I, D] tensor: one GEMM on the GPU,
+    views for the CPU twin); also a shared expert stored apart from its routed experts."""
+
+    def __init__(self, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
+                 limit: float) -> None:
+        self.gate_up = [torch.cat([g, u]) for g, u in zip(gate, up)]
+        self.inter = [g.shape[0] for g in gate]
+        self.down = down
+        self.limit = limit
+
+    def partial(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        gate, up = self.gate_up[j].split(self.inter[j])
+        return linear_fp32(moe.swiglu(linear(x, gate), linear(x, up), self.limit), self.down[j])
+
+    def partial_gpu(self, x: torch.Tensor, j: int, decode_rows: int) -> torch.Tensor:
+        from kernels.gpu import gemm
+        gate, up = gemm.matmul(x, self.gate_up[j], decode_rows).split(self.inter[j], dim=-1)
+        return gemm.matmul(moe.swiglu(gate, up, self.limit), self.down[j], decode_rows, torch.float32)
 
 
 def build_ffn(cfg: ModelConfig, reader: WeightReader, prefix: str, layer: int) -> DenseMlp | Moe:

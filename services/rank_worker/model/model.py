@@ -146,6 +146,10 @@ class Glm5Model:
     def forward_mtp(self, batch: Batch, cache: PagedCache) -> ForwardOutput:
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (or it was not loaded)")
+        if gpu.active(self.embed):
+            rows = gpu_rows.build(batch, kpool=self.cfg.index_kpool, block_size=cache.block_size)
+            hidden = self.mtp.forward_gpu(self.embed[batch.token_ids], batch, rows, cache, self.coll)
+            return ForwardOutput(self._logits_gpu(hidden, batch.logit_rows, rows.decode_rows), hidden[: rows.n_rows])
         hidden = self.mtp.forward(self.embed[pad_rows(batch.token_ids)], batch, cache, self.coll)
         return ForwardOutput(self._logits(hidden[batch.logit_rows]), hidden[: batch.token_ids.numel()])
 

@@ -15,6 +15,7 @@ from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
 from services.rank_worker.model.config import ModelConfig
 from services.rank_worker.model.ffn import build_ffn
+from services.rank_worker.model.gpu_rows import GpuRows
 from services.rank_worker.model.mla_attention import MlaAttention
 from services.rank_worker.model.parallel import Collective
 from services.rank_worker.model.weights import WeightReader
@@ -44,3 +45,23 @@ class MtpBlock:
         f = self.ffn.forward(rms_norm(h, self.ffn_norm, self.eps))
         h = h + coll.sum_partials(f).to(h.dtype)
         return rms_norm(h, self.final_norm, self.eps)
+
+    def forward_gpu(self, embeds: torch.Tensor, batch: Batch, rows: GpuRows, cache: PagedCache,
+                    coll: Collective) -> torch.Tensor:
+        """The same block through the fused kernels (embeds: [T, D], unpadded; also the path that reads packed
+        quantized experts)."""
+        from kernels.gpu import gemm
+        from kernels.gpu import norms as gpu_norms
+        from services.rank_worker.model.ffn import Moe
+        if batch.hidden is None:
+            raise ValueError("an MTP forward needs the target's hidden states (batch.hidden)")
+        d = rows.decode_rows
+        h = gemm.matmul(torch.cat([gpu_norms.rms_norm(embeds, self.enorm, self.eps),
+                                   gpu_norms.rms_norm(batch.hidden.to(embeds.dtype), self.hnorm, self.eps)], dim=-1),
+                        self.eh_proj, d)
+        a = self.attn.forward_gpu(gpu_norms.rms_norm(h, self.attn_norm, self.eps), rows, cache, {})
+        h = h + coll.sum_partials(a).to(h.dtype)
+        x = gpu_norms.rms_norm(h, self.ffn_norm, self.eps)
+        f = self.ffn.forward_gpu(x, d, rows.n_real) if isinstance(self.ffn, Moe) else self.ffn.forward_gpu(x, d)
+        h = h + coll.sum_partials(f).to(h.dtype)
+        return gpu_norms.rms_norm(h, self.final_norm, self.eps)

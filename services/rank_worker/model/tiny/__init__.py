@@ -2,8 +2,9 @@
 
 Tests, CI and local development need a checkpoint that every loader (ours, transformers, exllamav3) reads like the
 real one but that loads in a second on a CPU. This package writes one from scratch, with no transformers import:
-config.json + generation_config.json (release spellings), sharded safetensors + index, a small byte-level BPE
-tokenizer with GLM's special tokens, and a GLM-5 chat template. Everything is deterministic in `seed`.
+config.json + generation_config.json (release spellings), processor_config.json, sharded safetensors + index, a
+small byte-level BPE tokenizer with GLM's special tokens, and a GLM-5 chat template. Everything is deterministic in
+`seed`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from pathlib import Path
 
 import torch
 
-from .config_builder import generation_config, model_config, preprocessor_config, round_up
+from kernels.quant import exl3
+
+from .config_builder import generation_config, model_config, preprocessor_config, processor_config, round_up
+from .quantized import EXL3_DIMS, FORMATS, exl3_quant_config, exl3_recipe, make_tensors
 from .shards import INDEX_NAME, plan_shards, write_shards
 from .spec import TinySpec, default_layer_pattern
-from .tensor_spec import TensorSpec, materialize
+from .tensor_spec import TensorSpec
 from .tokenizer_builder import PAD_TOKEN, STOP_TOKENS, build_tokenizer, token_ids, write_tokenizer
 from .weights import TEXT, all_tensors
 
-__all__ = ["DTYPES", "TinyCheckpoint", "TinySpec", "default_layer_pattern", "make_tiny", "write_tiny"]
+__all__ = ["DTYPES", "FORMATS", "TinyCheckpoint", "TinySpec", "default_layer_pattern", "make_tiny", "write_tiny"]
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 VOCAB_MULTIPLE = 64  # embedding rows are padded like the release's (154,880 rows > tokens in use)
@@ -39,18 +43,29 @@ class TinyCheckpoint:
     num_params: int  # every stored tensor, vision tower and MTP block included
     num_text_params: int  # the text model without MTP and vision (what a forward pass uses)
     dtype: str
+    format: str = "dense"
 
 
 def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: int = 8, index_topk: int = 64,
                layer_pattern: str | None = None, indexer_pattern: str | None = None, dtype: str = "bfloat16",
-               max_shard_bytes: int | None = None, progress: bool = True) -> TinyCheckpoint:
-    """Write a tiny checkpoint into `out_dir` (created if missing) and describe what was written."""
+               max_shard_bytes: int | None = None, progress: bool = True, format: str = "dense",
+               exl3_bits: float = 4, exl3_codebook: str = "mul1") -> TinyCheckpoint:
+    """Write a tiny checkpoint into `out_dir` (created if missing) and describe what was written.
+
+    format: "dense" (every tensor in `dtype`) or "exl3" (wider MLPs stored as random EXL3 trellises of `exl3_bits`
+    bits with codebook `exl3_codebook`; see quantized.py)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     torch_dtype = DTYPES[dtype]
+    recipe = exl3_recipe(exl3_bits, exl3_codebook) if format == "exl3" else None
+    if recipe is not None:
+        exl3.check_rate(exl3_bits, exl3_codebook)
     # Validate the options (TinySpec raises ValueError) before touching the output folder.
     spec = TinySpec(num_hidden_layers=layers, n_routed_experts=experts, index_topk=index_topk,
-                    layer_pattern=layer_pattern or "", indexer_pattern=indexer_pattern or "")
+                    layer_pattern=layer_pattern or "", indexer_pattern=indexer_pattern or "",
+                    **(EXL3_DIMS if recipe is not None else {}))
     tok = build_tokenizer()
     ids = token_ids(tok)
     spec = dataclasses.replace(spec, vocab_size=round_up(tok.get_vocab_size(), VOCAB_MULTIPLE))
@@ -66,9 +81,12 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
 
     files: list[Path] = []
     cfg = model_config(spec, token_ids=ids, pad_token_id=pad_id, eos_token_ids=eos_ids, dtype=dtype)
+    if recipe is not None:
+        cfg["quantization_config"] = exl3_quant_config(exl3_bits, exl3_codebook)
     files.append(_write_json(out / "config.json", cfg))
     files.append(_write_json(out / "generation_config.json", generation_config(pad_token_id=pad_id, eos_token_ids=eos_ids)))
     files.append(_write_json(out / "preprocessor_config.json", preprocessor_config(spec)))
+    files.append(_write_json(out / "processor_config.json", processor_config(spec)))
     files += write_tokenizer(tok, out)
 
     specs = all_tensors(spec)
@@ -78,7 +96,8 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
         # so there are 2-3 shards and no sliver of a last shard.
         max_shard_bytes = -(-total // SHARDS_TARGET) + max(s.nbytes(torch_dtype) for s in specs)
     shards = plan_shards(specs, torch_dtype, max_shard_bytes)
-    files += write_shards(out, shards, torch_dtype, lambda s: materialize(s, seed, torch_dtype), progress=progress)
+    files += write_shards(out, shards, torch_dtype, lambda s: make_tensors(s, seed, torch_dtype, recipe),
+                          progress=progress)
 
     return TinyCheckpoint(
         path=out,
@@ -87,22 +106,25 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
         num_params=sum(s.numel for s in specs),
         num_text_params=sum(s.numel for s in specs if _is_text(s, spec)),
         dtype=dtype,
+        format=format,
     )
 
 
 def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: int = 8, index_topk: int = 64,
               layer_pattern: str | None = None, indexer_pattern: str | None = None, dtype: str = "bfloat16",
-              max_shard_bytes: int | None = None, progress: bool = False) -> Path:
+              max_shard_bytes: int | None = None, progress: bool = False, format: str = "dense",
+              exl3_bits: float = 4, exl3_codebook: str = "mul1") -> Path:
     """Write a tiny GLM-5.3-Flash checkpoint to `out_dir` and return its path.
 
     layer_pattern: one letter per layer, K = KDA linear attention, M = MLA with DSA indexer (default: M iff i % 4 == 3).
     indexer_pattern: one letter per layer, F = full indexer, S = reuse the nearest earlier full layer's selection
     (default: all F). max_shard_bytes: shard cap (default: about a third of the total, so the default checkpoint
-    has 2-3 shards).
+    has 2-3 shards). format / exl3_bits / exl3_codebook: see `write_tiny`.
     """
     return write_tiny(out_dir, seed=seed, layers=layers, experts=experts, index_topk=index_topk,
                       layer_pattern=layer_pattern, indexer_pattern=indexer_pattern, dtype=dtype,
-                      max_shard_bytes=max_shard_bytes, progress=progress).path
+                      max_shard_bytes=max_shard_bytes, progress=progress, format=format, exl3_bits=exl3_bits,
+                      exl3_codebook=exl3_codebook).path
 
 
 def _is_text(t: TensorSpec, spec: TinySpec) -> bool:

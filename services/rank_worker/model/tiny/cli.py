@@ -34,6 +34,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="storage dtype; the router bias, KDA convs and gate params and mHC base/scale stay float32 "
                         "(default: bfloat16)")
+    p.add_argument("--format", choices=("dense", "exl3"), default="dense",
+                   help="dense: every tensor in --dtype; exl3: hidden 128 and MLPs 512 wide, every linear whose dims "
+                        "are multiples of 128 (dense MLP, shared and routed experts, MTP eh_proj) stored as random "
+                        "EXL3 trellises in exllamav3's names and dtypes, attention in --dtype (default: dense)")
+    p.add_argument("--bits", type=float, default=4, help="exl3: bits per weight, 1-8 (or 1.5/2.5/3.5 with mul1)")
+    p.add_argument("--codebook", choices=("mul1", "mcg", "3inst"), default="mul1",
+                   help="exl3: trellis codebook (exllamav3's default: mul1)")
     p.set_defaults(func=run)
 
 
@@ -44,14 +51,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         ckpt = write_tiny(args.out, seed=args.seed, layers=args.layers, experts=args.experts,
                           index_topk=args.index_topk, layer_pattern=args.layer_pattern,
-                          indexer_pattern=args.indexer_pattern, dtype=args.dtype, progress=True)
+                          indexer_pattern=args.indexer_pattern, dtype=args.dtype, progress=True,
+                          format=args.format, exl3_bits=args.bits, exl3_codebook=args.codebook)
     except ValueError as e:  # bad pattern / sizes: a one-line message, not a traceback
         print(f"make-tiny: {e}", file=sys.stderr)
         return 2
     s = ckpt.spec
     print(f"wrote tiny GLM-5.3-Flash checkpoint to {ckpt.path.resolve()}")
     print(f"  params: {ckpt.num_params:,} stored ({ckpt.num_text_params:,} text model, rest MTP block + vision tower), "
-          f"dtype {ckpt.dtype}, seed {args.seed}")
+          f"dtype {ckpt.dtype}, seed {args.seed}"
+          + (f", EXL3 {args.bits:g} bits ({args.codebook}) MLPs" if ckpt.format == "exl3" else ""))
     print(f"  layers: {s.layer_pattern} (K=KDA, M=MLA+DSA)  indexer: {s.indexer_pattern}  "
           f"experts: {s.n_routed_experts} top-{s.num_experts_per_tok}  index_topk: {s.index_topk}  vocab: {s.vocab_size}")
     print("  files:")

@@ -116,6 +116,24 @@ def model_config(spec: TinySpec, *, token_ids: dict[str, int], pad_token_id: int
     }
 
 
+def processor_config(spec: TinySpec) -> dict[str, Any]:
+    """`processor_config.json`: the image processor's settings. exllamav3's GLM-5.3 loader reads it unconditionally
+    (architecture/glm5_next.py: patch / temporal patch / merge sizes, mean and std, processor type, image token
+    bounds); the mean and std are GLM-4V's (CLIP's)."""
+    return {
+        "image_processor": {
+            "image_processor_type": "Glm5NextImageProcessor",
+            "patch_size": spec.vision_patch_size,
+            "temporal_patch_size": spec.vision_temporal_patch_size,
+            "merge_size": spec.vision_spatial_merge_size,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "min_image_tokens": 4,
+            "max_image_tokens": 1024,
+        }
+    }
+
+
 def generation_config(*, pad_token_id: int, eos_token_ids: list[int]) -> dict[str, Any]:
     """Sampling defaults as GLM releases ship them."""
     return {

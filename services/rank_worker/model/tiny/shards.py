@@ -39,8 +39,9 @@ def shard_name(i: int, n: int) -> str:
 
 
 def write_shards(out_dir: Path, shards: list[list[TensorSpec]], dtype: torch.dtype,
-                 make: Callable[[TensorSpec], torch.Tensor], *, progress: bool = True) -> list[Path]:
-    """Materialise each shard's tensors with `make`, save it, then write the index; returns the files written."""
+                 make: Callable[[TensorSpec], dict[str, torch.Tensor]], *, progress: bool = True) -> list[Path]:
+    """Materialise each shard's tensors with `make` (the stored tensors of one spec: itself, or a quantized linear's
+    tensors), save it, then write the index; returns the files written."""
     out_dir = Path(out_dir)
     n = len(shards)
     weight_map: dict[str, str] = {}
@@ -52,12 +53,13 @@ def write_shards(out_dir: Path, shards: list[list[TensorSpec]], dtype: torch.dty
             name = shard_name(i, n)
             tensors: dict[str, torch.Tensor] = {}
             for spec in shard:
-                t = make(spec)
-                if tuple(t.shape) != spec.shape:  # the generator and the spec must agree; catch it at write time
+                made = make(spec)
+                t = made.get(spec.key)
+                if t is not None and tuple(t.shape) != spec.shape:  # the generator and the spec must agree
                     raise RuntimeError(f"{spec.key}: made shape {tuple(t.shape)}, spec says {spec.shape}")
-                tensors[spec.key] = t
-                weight_map[spec.key] = name
-                total_size += t.numel() * t.element_size()
+                tensors.update(made)
+                weight_map.update(dict.fromkeys(made, name))
+                total_size += sum(v.numel() * v.element_size() for v in made.values())
                 bar.update(1)
             path = out_dir / name
             save_file(tensors, str(path), metadata={"format": "pt"})

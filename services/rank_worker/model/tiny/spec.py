@@ -54,6 +54,7 @@ class TinySpec:
     hc_sinkhorn_iters: int = 20
     num_nextn_predict_layers: int = 1
     max_position_embeddings: int = 1048576
+    dense_layers: int = 1  # leading layers with a dense FFN (the release: 3); the rest are MoE
     layer_pattern: str = ""  # K/M per layer; empty = the release's 3:1 layout
     indexer_pattern: str = ""  # F/S per layer; empty = all full
     # vision tower (transformers always builds one, so the checkpoint must carry its weights)
@@ -97,8 +98,10 @@ class TinySpec:
         object.__setattr__(self, "indexer_pattern", ip)
         object.__setattr__(self, "layer_types", layer_types)
         object.__setattr__(self, "indexer_types", indexer_types)
-        # Only the first layer is dense: the tiny model then has MoE on every later layer, the path most code takes.
-        object.__setattr__(self, "mlp_layer_types", tuple("dense" if i == 0 else "sparse" for i in range(n)))
+        # By default only the first layer is dense: the tiny model then has MoE on every later layer, the path most
+        # code takes.
+        object.__setattr__(self, "mlp_layer_types", tuple("dense" if i < self.dense_layers else "sparse"
+                                                          for i in range(n)))
 
         if self.index_topk < 1 or self.index_topk % self.index_kpool:
             raise ValueError(

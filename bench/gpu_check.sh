@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of this repository in one call on a lent GPU machine (device time is short: one
+# call, results under $OUT). Run from the repository root there:
+#
+#   bash bench/gpu_check.sh            # tests/gpu + the Triton kernel tests, decode/prefill vs transformers,
+#                                      # per-kernel bench, the served bench on CUDA
+#   bash bench/gpu_check.sh tests      # only the tests
+#
+# What the machine lacks comes along in git-ignored folders named in the call's `carry`:
+#   .device-kit    a copy of shared/device (the stack's wheels, fla-core, exllamav3 + its sm_90 extension)
+#   .device-extra  wheels newer than the kit's, e.g. llguidance >= 1.9 (the kit has 1.6.1), fetched on a CPU machine:
+#                  pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#                      --platform manylinux_2_31_x86_64 --abi abi3 llguidance==1.9.1 -d .device-extra
+set -u
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+# shellcheck disable=SC1091
+source .device-kit/install.sh exllamav3 >/dev/null 2>&1 || echo "no .device-kit: carry a copy of shared/device"
+if compgen -G ".device-extra/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .device-extra/*.whl \
+        2>&1 | grep -v -e "^WARNING" -e "Target directory" || true
+fi
+export PYTHONPATH="$PWD:$PWD/protos:/tmp/site"
+# The end-to-end tests start `twinspark` from beside the interpreter, as a pip install would have put it.
+bin=$(python3 -c "import os, sys; print(os.path.dirname(sys.executable))")
+printf '#!/bin/sh\nexec python3 -m services.cli "$@"\n' > "$bin/twinspark" && chmod +x "$bin/twinspark"
+nvidia-smi -L | tee "$OUT/gpus.txt"
+
+python3 -m pytest -q -s -rA -p no:cacheprovider tests/gpu tests/kernels > "$OUT/gpu_tests.log" 2>&1
+grep -E "identical|inter-token|passed|failed" "$OUT/gpu_tests.log" | tail -8
+[ "${1:-}" = "tests" ] && exit 0
+
+python3 -m bench.decode_prefill --out "$OUT" --iters 10 --peer-iters 5 > "$OUT/decode_prefill.log" 2>&1
+grep -E "median|peer" "$OUT/decode_prefill.log" | tail -12
+python3 -m bench.kernels --only gemm,moe,kda,mla,mhc,invariance --out "$OUT" > "$OUT/kernels.log" 2>&1
+tail -3 "$OUT/kernels.log"
+if [ -n "${MODEL:-}" ]; then  # a checkpoint directory on the machine (the tiny default is too small to time)
+    TWINSPARK_DEVICE=cuda TWINSPARK_DRAFTER=none \
+        python3 -m bench.serve --tp "${TP:-1}" --model "$MODEL" --concurrency 1,4,16,64 --out "$OUT" \
+        > "$OUT/serve.log" 2>&1
+    tail -8 "$OUT/serve.log"
+else
+    echo "served bench skipped: set MODEL to a checkpoint directory"
+fi

@@ -1,0 +1,12 @@
+"""Quantized weight formats, each with a torch reference (the CPU compute path and the GPU kernels' parity oracle).
+
+- fp8.py:   FP8 e4m3, 128x128 block scales (DeepSeek-V3 style) or per-channel scales — Hopper dense + attention
+- w4a16.py: symmetric int4 in groups of 128 along the input dim, float16 scales — Hopper experts
+- exl3.py:  exllamav3's trellis format (decode only; quantization is exllamav3's GPU converter) — the seed's format
+- codec.py: what each format answers (names, shape, tensor-parallel cuts, dequantize); weight.py: `QuantizedWeight`
+"""
+
+from kernels.quant.weight import BY_METHOD, CODECS, QuantizedWeight, codec_of, quantize, quantized_modules, random_quantized
+
+__all__ = ["BY_METHOD", "CODECS", "QuantizedWeight", "codec_of", "quantize", "quantized_modules",
+           "random_quantized"]

@@ -1,0 +1,106 @@
+"""`QuantizedWeight`: one linear's stored tensors in a quantized format, with its logical [out, in] shape.
+
+`dequantize(dtype)` is the reference path (the CPU computes with its result; GPU kernels are checked against it).
+`cut(dim, part)` is a tensor-parallel shard of it, taken from the stored tensors on the format's tile grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels.quant import exl3, fp8, w4a16
+from kernels.quant.codec import Codec
+
+CODECS: dict[str, Codec] = {c.name: c for c in (fp8.CODEC, w4a16.CODEC, exl3.CODEC)}
+BY_METHOD: dict[str, Codec] = {c.quant_method: c for c in CODECS.values()}
+
+
+def codec_of(names: set[str]) -> Codec | None:
+    """The format a module whose stored tensor names are `names` uses (None: not a quantized linear)."""
+    for c in CODECS.values():
+        if c.stores(names):
+            return c
+    return None
+
+
+def quantized_modules(keys: Iterable[str]) -> dict[str, tuple[Codec, dict[str, str]]]:
+    """Checkpoint keys -> each quantized module (`X` of `X.trellis`, ...): its codec and {tensor name: key}."""
+    modules: dict[str, dict[str, str]] = {}
+    for k in keys:
+        module, _, name = k.rpartition(".")
+        modules.setdefault(module, {})[name] = k
+    return {m: (c, names) for m, names in modules.items() if (c := codec_of(set(names))) is not None}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    format: str  # a key of CODECS: "fp8" | "w4a16" | "exl3"
+    tensors: dict[str, torch.Tensor]  # stored tensors by name (the part after `X.`)
+    shape: tuple[int, int]  # logical [out, in] of the dense weight
+    params: Mapping[str, Any] = field(default_factory=dict)  # the format's parameters (block, group, bits, codebook)
+
+    @classmethod
+    def from_tensors(cls, format: str, tensors: dict[str, torch.Tensor],
+                     qcfg: Mapping[str, Any] | None = None) -> "QuantizedWeight":
+        codec = CODECS[format]
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        params = codec.params(qcfg, shapes)
+        return cls(format, tensors, codec.logical_shape(shapes, params), params)
+
+    @property
+    def codec(self) -> Codec:
+        return CODECS[self.format]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.codec.dequantize(self.tensors, self.shape, self.params).to(dtype)
+
+    def cut(self, dim: int, part: slice, what: str = "weight") -> "QuantizedWeight":
+        """Rows (dim 0) or columns (dim 1) `part` of the logical weight; raises ValueError off the tile grid."""
+        self.codec.check_cut(dim, part, self.shape[dim], self.params, what)
+        tensors = {}
+        for name, t in self.tensors.items():
+            index = self.codec.cut(name, dim, part, self.params)
+            tensors[name] = t if index is None else t[index].contiguous()
+        shape = list(self.shape)
+        shape[dim] = part.stop - part.start
+        return QuantizedWeight(self.format, tensors, (shape[0], shape[1]), self.params)
+
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        return QuantizedWeight(self.format, {k: v.to(device) for k, v in self.tensors.items()}, self.shape, self.params)
+
+
+def quantize(w: torch.Tensor, format: str, *, block: int | None = None) -> QuantizedWeight:
+    """Quantize a dense [out, in] weight: fp8 with [block, block] scales (None = one scale per output channel) or
+    w4a16 with groups of `block` (None = 128). EXL3 needs exllamav3's trellis search on a GPU (not here)."""
+    if format == "fp8":
+        tensors = fp8.quantize_channels(w) if block is None else fp8.quantize_blocks(w, (block, block))
+        return QuantizedWeight.from_tensors("fp8", tensors, {"weight_block_size": [block, block]} if block else None)
+    if format == "w4a16":
+        group = block or w4a16.DEFAULT_GROUP
+        return QuantizedWeight.from_tensors("w4a16", w4a16.quantize(w, group), {"group_size": group})
+    raise ValueError(f"cannot quantize to {format!r} here (fp8 or w4a16; EXL3 runs exllamav3's converter on a GPU)")
+
+
+def random_quantized(format: str, out: int, inp: int, *, std: float, block: int | None = 128, bits: float = 4,
+                     codebook: str = "mul1", generator: torch.Generator | None = None,
+                     device: torch.device | str = "cpu") -> QuantizedWeight:
+    """A random [out, in] linear drawn directly in `format` (no dense copy) with about `std` per dense element.
+    block: fp8's square block (None = per channel) / w4a16's group; bits, codebook: EXL3's."""
+    kw = dict(std=std, generator=generator, device=device)
+    if format == "fp8":
+        tensors = fp8.random_linear(out, inp, block=(block, block) if block else None, **kw)
+        return QuantizedWeight.from_tensors(format, tensors, {"weight_block_size": [block, block]} if block else None)
+    if format == "w4a16":
+        return QuantizedWeight.from_tensors(format, w4a16.random_linear(out, inp, group=block or 128, **kw))
+    if format == "exl3":
+        return QuantizedWeight.from_tensors(format, exl3.random_linear(out, inp, bits=bits, codebook_name=codebook,
+                                                                       **kw))
+    raise ValueError(f"unknown format {format!r} (one of {', '.join(CODECS)})")

@@ -1,0 +1,162 @@
+"""Random weights drawn on the device instead of read from shards: the whole model at real dimensions with no
+checkpoint on disk (`serve-rank --random-weights`, the benchmarks), dense or quantized.
+
+The key list, shapes and initialisation recipes come from make-tiny (`tiny.weights.all_tensors` over a `TinySpec`),
+so the random model and the tiny checkpoints never disagree about which tensors exist. `RandomWeightReader` has the
+`WeightReader` interface the model loads through; it draws each requested tensor on the device with a per-key
+generator and keeps no copy of its own (and none on the CPU). With a quantize `Recipe`, the linears the recipe
+selects are drawn directly in their packed form (random fp8 values / int4 nibbles / trellis words + scales), never
+as a dense copy; the dense views (`full` / `split`) dequantize them, the packed views return them as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Union
+
+import torch
+
+from kernels.quant import QuantizedWeight, random_quantized
+from services.rank_worker.model.config import MLA, ModelConfig
+from services.rank_worker.model.parallel import Sharding
+from services.rank_worker.model.quantize.select import Recipe
+from services.rank_worker.model.tiny.spec import TinySpec
+from services.rank_worker.model.tiny.tensor_spec import TensorSpec, key_seed
+from services.rank_worker.model.tiny.vision_weights import PREFIX as VISION_PREFIX
+from services.rank_worker.model.tiny.weights import all_tensors
+from services.rank_worker.model.weights import _KEEP_FP32  # the loader's fp32 rule: follow it exactly
+
+Packed = Union[torch.Tensor, QuantizedWeight]
+
+
+def spec_from_config(cfg: ModelConfig) -> TinySpec:
+    """The TinySpec that lists exactly the tensors a model of `cfg` loads (its dims, layer and FFN schedule)."""
+    n = cfg.num_hidden_layers
+    dense = next((i for i, t in enumerate(cfg.mlp_layer_types) if t != "dense"), n)
+    if any(t != "sparse" for t in cfg.mlp_layer_types[dense:]):
+        raise ValueError(f"random weights need the dense FFN layers first, got {cfg.mlp_layer_types}")
+    names = {f.name for f in dataclasses.fields(TinySpec) if f.init}
+    kw = {k: v for k, v in cfg.to_dict().items() if k in names and v is not None}
+    kw.update(dense_layers=dense, layer_pattern="".join("M" if t == MLA else "K" for t in cfg.layer_types),
+              indexer_pattern="".join("F" if t == "full" else "S" for t in cfg.indexer_types))
+    return TinySpec(**kw)
+
+
+def text_tensors(spec: TinySpec) -> list[TensorSpec]:
+    """Every tensor a text forward can read (no vision tower)."""
+    return [t for t in all_tensors(spec) if not t.key.startswith(VISION_PREFIX)]
+
+
+def keeps_fp32(key: str) -> bool:
+    return any(m in key for m in _KEEP_FP32)
+
+
+def draw(t: TensorSpec, *, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`tiny.tensor_spec.materialize`'s recipes, drawn on `device` (values differ from the CPU draw; only the
+    distribution matters here)."""
+    g = torch.Generator(device=device).manual_seed(key_seed(seed, t.key))
+    init = t.init
+    kw = dict(generator=g, device=device, dtype=torch.float32)
+    if init.kind == "normal":
+        x = torch.randn(t.shape, **kw).mul_(init.a)
+    elif init.kind == "abs_normal":
+        x = torch.randn(t.shape, **kw).abs_().mul_(init.a)
+    elif init.kind == "one_plus":
+        x = torch.randn(t.shape, **kw).mul_(init.a).add_(1.0)
+    elif init.kind == "uniform":
+        x = torch.rand(t.shape, **kw).mul_(init.b - init.a).add_(init.a)
+    elif init.kind == "dt_bias":
+        # dt log-uniform in [1e-3, 1e-1], stored as softplus^-1(dt) (as make-tiny and FLA do)
+        log_dt = torch.rand(t.shape, **kw) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)
+        dt = log_dt.exp().clamp_min(1e-4)
+        x = dt + torch.log(-torch.expm1(-dt))
+    else:
+        raise ValueError(f"unknown init kind {init.kind!r} for {t.key}")
+    out = x.to(torch.float32 if keeps_fp32(t.key) else dtype)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+class RandomWeightReader:
+    """`WeightReader`'s interface (dtype, device, sharding, full, split, full_packed, split_packed, has, close) over
+    random tensors; `recipe` picks the linears drawn quantized (None: everything dense)."""
+
+    def __init__(self, spec: TinySpec, sharding: Sharding, dtype: torch.dtype, device: torch.device | str, *,
+                 seed: int = 0, recipe: Recipe | None = None, log: Callable[[str], None] | None = None,
+                 log_every_bytes: int = 4 << 30) -> None:
+        self.spec = spec
+        self.sharding = sharding
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.seed = seed
+        self.recipe = recipe
+        self.tensors = {t.key: t for t in text_tensors(spec)}
+        self.bytes_made = 0
+        self.tensors_made = 0
+        self.quantized_made = 0
+        self._log = log
+        self._log_every = log_every_bytes
+        self._next_log = log_every_bytes
+        self._t0 = time.perf_counter()
+
+    def has(self, key: str) -> bool:
+        return key in self.tensors
+
+    def format_of(self, key: str) -> str | None:
+        """The format `key` is drawn in (None: dense)."""
+        t = self.tensors[key]
+        if self.recipe is None or t.init.kind != "normal":
+            return None
+        return self.recipe.format_for(key, t.shape)
+
+    def _make(self, key: str) -> Packed:
+        if key not in self.tensors:
+            raise KeyError(f"random model has no tensor {key}")
+        t, fmt = self.tensors[key], self.format_of(key)
+        if fmt is None:
+            made: Packed = draw(t, seed=self.seed, dtype=self.dtype, device=self.device)
+            size = made.numel() * made.element_size()
+        else:
+            r = self.recipe
+            g = torch.Generator(device=self.device).manual_seed(key_seed(self.seed, key))
+            made = random_quantized(fmt, *t.shape, std=t.init.a, block=r.block, bits=r.exl3_bits,
+                                    codebook=r.exl3_codebook, generator=g, device=self.device)
+            size = made.nbytes
+            self.quantized_made += 1
+        self.bytes_made += size
+        self.tensors_made += 1
+        if self._log and self.bytes_made >= self._next_log:
+            self._next_log += self._log_every
+            self._log(f"  weights: {self.bytes_made / 2**30:.1f} GiB drawn ({self.tensors_made} tensors, "
+                      f"{time.perf_counter() - self._t0:.1f} s)")
+        return made
+
+    def _parts(self, key: str, dim: int) -> list[Packed]:
+        t = self._make(key)
+        size = t.shape[dim]
+        parts = self.sharding.split(size, key)
+        if len(parts) == 1 and parts[0] == slice(0, size):
+            return [t]
+        if isinstance(t, QuantizedWeight):
+            return [t.cut(dim, s, key) for s in parts]
+        return [(t[s] if dim == 0 else t[:, s]).contiguous() for s in parts]
+
+    def _dense(self, t: Packed) -> torch.Tensor:
+        return t.dequantize(self.dtype) if isinstance(t, QuantizedWeight) else t
+
+    def full(self, key: str) -> torch.Tensor:
+        return self._dense(self._make(key))
+
+    def split(self, key: str, dim: int) -> list[torch.Tensor]:
+        return [self._dense(t) for t in self._parts(key, dim)]
+
+    def full_packed(self, key: str) -> Packed:
+        return self._make(key)
+
+    def split_packed(self, key: str, dim: int) -> list[Packed]:
+        return self._parts(key, dim)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,84 @@
+"""Random weights drawn in place of shards (`serve-rank --random-weights`), at tiny dims on the CPU: the key list
+follows the checkpoint's config, quantized linears are drawn packed (never dense), shards are cut from the draw."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kernels.quant import QuantizedWeight
+from services.rank_worker.model.batch import Batch
+from services.rank_worker.model.config import ModelConfig
+from services.rank_worker.model.model import Glm5Model
+from services.rank_worker.model.parallel import Collective, Sharding
+from services.rank_worker.model.quantize.select import Recipe
+from services.rank_worker.model.random_weights import RandomWeightReader, spec_from_config
+from tests.model.quant_helpers import QUANT_BLOCK
+
+TEXT = "model.language_model."
+EXPERT = TEXT + "layers.1.mlp.experts.2.gate_proj.weight"
+ATTN = TEXT + "layers.0.self_attn.o_proj.weight"
+PACKED_DTYPE = {"fp8": torch.float8_e4m3fn, "w4a16": torch.int32, "exl3": torch.int16}
+
+
+def _reader(ckpt, spec: str, rank: int = 0, world: int = 1) -> RandomWeightReader:
+    cfg = ModelConfig.from_pretrained(ckpt)
+    return RandomWeightReader(spec_from_config(cfg), Sharding(rank=rank, world=world), torch.float32, "cpu",
+                              recipe=Recipe.parse(spec, block=QUANT_BLOCK))
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_default", "tiny_exl3"])
+def test_tensors_are_the_checkpoints(ckpt, request):
+    path = request.getfixturevalue(ckpt)
+    shapes = {}
+    for f in path.glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys() if not k.startswith("model.visual.")})
+    exl3_names = ("trellis", "suh", "svh", "mul1")  # the EXL3 tensors a quantized `X.weight` is stored as
+    logical = {k.rpartition(".")[0] + ".weight" if k.rpartition(".")[2] in exl3_names else k for k in shapes}
+    drawn = {k: t.shape for k, t in _reader(path, "bf16").tensors.items()}
+    assert set(drawn) == logical
+    assert all(drawn[k] == shapes[k] for k in drawn if k in shapes)
+
+
+@pytest.mark.parametrize("spec, expert_fmt, attn_fmt", [("w4a16+fp8", "w4a16", "fp8"), ("fp8", "fp8", "fp8"),
+                                                        ("w4a16+bf16", "w4a16", None)])
+def test_quantized_linears_are_drawn_packed(tiny_default, spec, expert_fmt, attn_fmt):
+    reader = _reader(tiny_default, spec)
+    for key, dim, fmt in ((EXPERT, 0, expert_fmt), (ATTN, 1, attn_fmt)):
+        packed = reader.split_packed(key, dim)
+        if fmt is None:
+            assert all(isinstance(p, torch.Tensor) for p in packed)
+            continue
+        assert all(isinstance(p, QuantizedWeight) and p.format == fmt for p in packed)
+        assert all(t.dtype == PACKED_DTYPE[fmt] for p in packed for n, t in p.tensors.items()
+                   if n in ("weight", "weight_packed", "trellis"))
+        dense = reader.split(key, dim)  # the same draw (per-key seed), dequantized
+        assert all(torch.equal(p.dequantize(), d) for p, d in zip(packed, dense))
+    assert reader.quantized_made > 0
+
+
+def test_each_rank_cuts_its_shards_from_the_same_draw(tiny_exl3):
+    whole = _reader(tiny_exl3, "exl3").split_packed(EXPERT.replace("layers.1", "layers.2"), 0)
+    rank1 = _reader(tiny_exl3, "exl3", rank=1, world=2).split_packed(EXPERT.replace("layers.1", "layers.2"), 0)
+    assert [p.format for p in rank1] == ["exl3", "exl3"]
+    for mine, ref in zip(rank1, whole[2:]):
+        assert all(torch.equal(mine.tensors[n], ref.tensors[n]) for n in ref.tensors)
+
+
+@pytest.mark.parametrize("ckpt, spec", [("tiny_default", "w4a16+fp8"), ("tiny_exl3", "exl3+bf16")])
+def test_model_runs_on_random_quantized_weights(ckpt, spec, request):
+    path = request.getfixturevalue(ckpt)
+    cfg = ModelConfig.from_pretrained(path)
+    reader = _reader(path, spec)
+    model = Glm5Model(cfg, reader, Collective(reader.sharding))
+    cache = model.new_cache(num_blocks=4, block_size=16, num_slots=1)
+    out = model.forward(Batch.single(list(range(1, 20)), 0, [0, 1, 2, 3]), cache)
+    assert out.logits.shape == (1, cfg.vocab_size) and torch.isfinite(out.logits).all()
+    assert model.mtp is not None  # the config's MTP layer is drawn too
+
+
+def test_bad_recipe_names_the_choices():
+    with pytest.raises(ValueError, match="fp8, w4a16, exl3, bf16"):
+        Recipe.parse("int8")
