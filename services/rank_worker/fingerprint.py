@@ -16,10 +16,11 @@ def _file_hash(path: Path) -> str:
 
 
 def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: str, virtual_shards: int,
-             num_blocks: int, block_size: int, num_slots: int, kv_dtype: torch.dtype | None,
+             num_blocks: int | str, block_size: int, num_slots: int, kv_dtype: torch.dtype | None,
              random_weights: str = "") -> dict[str, str]:
     """Every setting that changes a rank's arithmetic or memory layout, by name. random_weights: how the weights
-    are drawn when they are not read from the checkpoint ("" = they are read)."""
+    are drawn when they are not read from the checkpoint ("" = they are read). num_blocks: the flag's count, or
+    "auto" when each rank sizes its pool from its own memory (the ranks then agree on one count, pool_size.agree)."""
     d = Path(model_dir)
     try:
         ours = version("twinspark")
