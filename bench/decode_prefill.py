@@ -23,6 +23,7 @@ import platform
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
@@ -41,6 +42,7 @@ except ImportError:  # no Triton: the CPU path only
     gpu_moe = None
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.row_store import KV_CACHE_DTYPES
+from services.rank_worker.model.tiny.spec import TinySpec
 
 BLOCK = 16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -482,19 +484,25 @@ def profile_kernels(fn, top: int = 25) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
+@dataclass
+class Setup:
+    device: torch.device
+    dtype: torch.dtype
+    spec: TinySpec
+    meta: dict  # what every bench's results say about the run
+
+
+def setup(args: argparse.Namespace, now: dt.datetime) -> Setup | None:
+    """The bench model's device, dtype and spec (--device, --dtype, --tiny, --layers, --layer-pattern, --seed) and
+    the run's common facts; None (after saying why) for real dimensions on the CPU."""
     device = torch.device(args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda"))
     if device.type == "cpu" and not args.tiny:
         print("refusing to build real-dimension weights on the CPU (tens of GB); use --tiny or a GPU",
               file=sys.stderr)
-        return 2
+        return None
     dtype = DTYPES[args.dtype or ("float32" if args.tiny else "bfloat16")]
     torch.manual_seed(args.seed)
     spec = bench_spec(layers=args.layers, layer_pattern=args.layer_pattern, tiny=args.tiny)
-    now = dt.datetime.now()
-    pc = roofline.param_counts(spec, dtype)
     meta = {
         "date": now.isoformat(timespec="seconds"),
         "device": str(device),
@@ -507,15 +515,26 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "layers": spec.num_hidden_layers,
         "layer_pattern": spec.layer_pattern,
-        "mlp_pattern": "".join("D" if m == "dense" else "E" for m in spec.mlp_layer_types),
         "virtual": args.virtual,
         "seed": args.seed,
         "dims": spec_dims(spec),
-        "text_params": pc.total,
-        "text_bytes": pc.total_bytes,
-        "timer": "CUDA events" if device.type == "cuda" else "perf_counter",
-        "args": {k: v for k, v in vars(args).items()},
+        "args": dict(vars(args)),
     }
+    return Setup(device, dtype, spec, meta)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    now = dt.datetime.now()
+    run = setup(args, now)
+    if run is None:
+        return 2
+    device, dtype, spec, meta = run.device, run.dtype, run.spec, run.meta
+    pc = roofline.param_counts(spec, dtype)
+    meta.update(mlp_pattern="".join("D" if m == "dense" else "E" for m in spec.mlp_layer_types),
+                text_params=pc.total, text_bytes=pc.total_bytes,
+                timer="CUDA events" if device.type == "cuda" else "perf_counter")
     out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
     stem = args.name or f"decode_prefill-{now.strftime('%Y%m%d-%H%M%S')}"
     res = Results(args, meta, out_dir, stem)

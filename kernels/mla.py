@@ -16,3 +16,14 @@ def latent_attention(q_lat: torch.Tensor, latent: torch.Tensor, mask: torch.Tens
     scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hnl,lr->nhr", probs, latent.float())
+
+
+def sparse_latent_attention(q_lat: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float
+                            ) -> torch.Tensor:
+    """`latent_attention` over each query's own gathered rows: q_lat [n, h, r]; rows [n, S, r] (the latent rows of
+    the positions the indexer selected for that query, ascending); valid [n, S] -> [n, h, r] fp32. Memory is
+    n x S x r whatever the context length."""
+    scores = torch.einsum("nhr,nsr->hns", q_lat.float(), rows.float()) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(0), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hns,nsr->nhr", probs, rows.float())

@@ -125,10 +125,18 @@ def check(s: Settings) -> None:
     v = s.values
     for key in ("PORT", "SCHEDULER_PORT", "DRAFTER_PORT", "RANK_PORT", "MASTER_PORT", "PEER_PORT"):
         _int(s, key, 1, 65535)
-    for key in ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "NUM_BLOCKS", "BLOCK_SIZE", "NUM_SLOTS", "TP",
+    for key in ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "BLOCK_SIZE", "NUM_SLOTS", "TP",
                 "HEALTH_TIMEOUT", "PEER_TIMEOUT"):
         _int(s, key, 1)
     _int(s, "MAX_WAITING", 0)
+    _int(s, "NUM_BLOCKS", 0)  # 0 = sized from memory
+    _int(s, "KV_CACHE_MEMORY_BYTES", 0)
+    try:
+        utilization = float(v["GPU_MEMORY_UTILIZATION"])
+    except ValueError:
+        utilization = -1.0
+    if not 0 < utilization <= 1:
+        raise SettingsError(f"GPU_MEMORY_UTILIZATION={v['GPU_MEMORY_UTILIZATION']!r} must be a number in (0, 1]")
     _int(s, "MAX_RESTARTS", 0)
     _int(s, "NUM_DRAFT_TOKENS", 0)
     _choice(s, "DEVICE", DEVICES)

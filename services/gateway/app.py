@@ -37,6 +37,7 @@ from . import openai_responses as responses_api
 from . import openapi
 from .api_keys import ApiKeyMiddleware, parse_keys
 from .checkpoint import CheckpointInfo
+from .images import ImageLimits, ImageProcessor
 from .choices import Choices
 from .errors import GatewayError, bad_request, internal, log_refused
 from .generation import Final
@@ -70,6 +71,7 @@ class GatewaySettings:
     health_timeout_s: float = 2.0
     limits: InputLimits = field(default_factory=InputLimits)
     internal_token: str | None = None  # sent with every call to the scheduler (services/common/internal_auth.py)
+    images: ImageLimits = field(default_factory=ImageLimits)  # image_url parts: remote URLs, size and time caps
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -82,7 +84,8 @@ class Gateway:
         checkpoint = CheckpointInfo.load(model_dir, settings.max_model_len)
         self.ctx = ModelContext(checkpoint=checkpoint, tokenizer=TextTokenizer(model_dir),
                                 template=ChatTemplate.load(model_dir, checkpoint.tokenizer_config),
-                                use_generation_config=settings.generation_config == "auto")
+                                use_generation_config=settings.generation_config == "auto",
+                                images=ImageProcessor.from_checkpoint(model_dir), image_limits=settings.images)
         self.model_name = settings.served_model_name or model_dir.resolve().name
         # The served name, and the checkpoint as vLLM would name it without --served-model-name (its path).
         self.accepted_names = {self.model_name, model_dir.resolve().name, str(settings.model_dir),

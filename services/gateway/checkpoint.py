@@ -38,6 +38,7 @@ class CheckpointInfo:
     # Sampling defaults from generation_config.json (vLLM `--generation-config auto`): only the keys present.
     default_sampling: dict[str, float | int] = field(default_factory=dict)
     tokenizer_config: dict[str, Any] = field(default_factory=dict)
+    image_token_id: int | None = None  # the placeholder an image's embeddings replace (multimodal configs)
 
     @classmethod
     def load(cls, model_dir: str | Path, max_model_len: int | None = None) -> "CheckpointInfo":
@@ -65,4 +66,5 @@ class CheckpointInfo:
             eos_token_ids=frozenset(eos),
             default_sampling=defaults,
             tokenizer_config=_read_json(path / "tokenizer_config.json"),
+            image_token_id=config.get("image_token_id") if isinstance(config.get("image_token_id"), int) else None,
         )

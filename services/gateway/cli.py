@@ -57,6 +57,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="'auto': sampling fields a request omits take the checkpoint's generation_config.json "
                         "values (vLLM's default); 'vllm': OpenAI defaults (temperature 1, top_p 1) "
                         "(env TWINSPARK_GENERATION_CONFIG; default %(default)s)")
+    p.add_argument("--allow-image-urls", action="store_true", default=env("ALLOW_IMAGE_URLS", "0") == "1",
+                   help="fetch http(s) image_url parts (public addresses only, no redirects); off: only data: URLs "
+                        "(env TWINSPARK_ALLOW_IMAGE_URLS=1)")
+    p.add_argument("--image-max-bytes", type=int, default=int(env("IMAGE_MAX_BYTES", str(20 << 20))),
+                   help="largest image accepted, encoded (env TWINSPARK_IMAGE_MAX_BYTES; default %(default)s)")
+    p.add_argument("--image-fetch-timeout", type=float, default=float(env("IMAGE_FETCH_TIMEOUT", "10")),
+                   help="seconds a remote image may take to fetch (env TWINSPARK_IMAGE_FETCH_TIMEOUT; default "
+                        "%(default)s)")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "info"),
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(env TWINSPARK_LOG_LEVEL; default %(default)s)")
@@ -69,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from services.common.telemetry import setup_tracing
 
     from .app import GatewaySettings, create_app
+    from .images import ImageLimits
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("twinspark-gateway")  # before create_app: it adds the HTTP span middleware when on
@@ -80,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
                                    served_model_name=args.served_model_name, api_key=args.api_key or None,
                                    keepalive_s=args.keepalive_s, max_model_len=args.max_model_len,
                                    generation_config=args.generation_config, limits=limits,
-                                   internal_token=args.internal_token)
+                                   internal_token=args.internal_token,
+                                   images=ImageLimits(allow_urls=args.allow_image_urls, max_bytes=args.image_max_bytes,
+                                                      timeout_s=args.image_fetch_timeout))
         app = create_app(settings)
     except (FileNotFoundError, ValueError) as exc:
         print(f"serve-gateway: {exc}", file=sys.stderr)

@@ -6,9 +6,11 @@ regex, choice, grammar — Lark or GBNF — json_object) and its older `guided_*
 false; a named function: exactly one call of it). `auto` is not constrained: the model's own output is parsed.
 
 The grammar covers the whole reply, so it also says where the constrained part starts: after the reasoning when the
-prompt opened a think block (`<think>` ends it: free text, then `</think>`), else at once (after an optional
-newline, as history turns render `</think>\\n`). JSON is compact and single-line unless the request gives a
-`whitespace_pattern`: a free-whitespace grammar lets a weak model write whitespace for ever.
+prompt opened a think block (`<think>` ends it: free text, then `</think>`), else at once — after a newline
+either way, as history turns render `</think>\\n`, so a constrained reply sent back as history renders to the
+very tokens that were generated and the next turn's prompt matches them in the prefix cache. JSON is compact and
+single-line unless the request gives a `whitespace_pattern`: a free-whitespace grammar lets a weak model write
+whitespace for ever.
 
 Tool calls follow GLM's format, `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`, with
 the arguments typed by the tool's JSON schema: a string argument is raw text (no `<`; `enum`, `pattern`,
@@ -54,8 +56,8 @@ class GrammarBuilder:
     # -- the body: what the constrained part of the reply is -----------------------------------------------------
     def reply(self, body: dict[str, Any], reasoning: bool) -> str:
         """The whole reply: [reasoning `</think>`] or [newline], then the body grammar (named "body")."""
-        head = f"start: THINK {self.tag(THINK_CLOSE)} NL? @body\nTHINK: /(?s:.*)/\n" if reasoning \
-            else "start: NL? @body\n"
+        head = f"start: THINK {self.tag(THINK_CLOSE)} NL @body\nTHINK: /(?s:.*)/\n" if reasoning \
+            else "start: NL @body\n"
         top = {"name": "reply", "lark_grammar": head + "NL: /\\n/\n"}
         return json.dumps({"grammars": [top, {**body, "name": "body"}]})
 

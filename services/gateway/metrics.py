@@ -90,6 +90,37 @@ class _HealthCollector(Collector):
                 c = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
                 c.add_metric([self.model_name], float(value))
                 yield c
+        if reply.tiers:
+            yield from self._tiers(reply)
+
+    def _tiers(self, reply: generate_pb2.HealthReply) -> Iterator[Metric]:
+        """KV tiers behind the pool: vLLM's external-cache counters (its name for KV connectors / offloading),
+        and per tier (label `tier`: host, disk) what only twinspark has."""
+        for p in PREFIXES:
+            for name, doc, value in (
+                ("external_prefix_cache_queries", "External prefix cache queries, in terms of number of queried "
+                 "tokens.", reply.prefix_cache_queries),
+                ("external_prefix_cache_hits", "External prefix cache hits, in terms of number of cached tokens.",
+                 sum(t.hits for t in reply.tiers)),
+            ):
+                c = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
+                c.add_metric([self.model_name], float(value))
+                yield c
+        labels = ["model_name", "tier"]
+        for kind, name, doc, field in (
+            (CounterMetricFamily, "kv_tier_hits", "Prompt tokens whose KV blocks came back from this tier.", "hits"),
+            (CounterMetricFamily, "kv_tier_evictions", "Entries pushed out of this tier (host: to disk or dropped).",
+             "evictions"),
+            (CounterMetricFamily, "kv_tier_corrupt", "Entries that failed their checksum on load (dropped on every "
+             "rank and recomputed).", "corrupt"),
+            (GaugeMetricFamily, "kv_tier_bytes", "Bytes this tier holds per rank.", "bytes"),
+            (GaugeMetricFamily, "kv_tier_capacity_bytes", "Capacity of this tier per rank.", "capacity"),
+            (GaugeMetricFamily, "kv_tier_entries", "Blocks and KDA states this tier holds.", "entries"),
+        ):
+            m = kind(f"twinspark:{name}", doc, labels=labels)
+            for t in reply.tiers:
+                m.add_metric([self.model_name, t.tier], float(getattr(t, field)))
+            yield m
 
 
 class GatewayMetrics:

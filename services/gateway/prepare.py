@@ -16,9 +16,12 @@ All the choices where OpenAI, vLLM and twinspark differ are made here, in one pl
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from services.common.tensors import to_proto
 from twinspark.v1 import generate_pb2
@@ -26,6 +29,7 @@ from twinspark.v1 import generate_pb2
 from .checkpoint import CheckpointInfo
 from .constraints import THINK_CLOSE, THINK_OPEN, GrammarBuilder, build_grammar
 from .errors import bad_request, context_length_exceeded
+from .images import ImageLimits, ImageProcessor, ProcessedImage, load_image
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .template import ChatTemplate
 from .tokenizer import TextTokenizer
@@ -42,6 +46,8 @@ class ModelContext:
     template: ChatTemplate
     use_generation_config: bool = True
     max_model_len: int = 0  # the window in force (checkpoint / flag, narrowed by the scheduler's figure)
+    images: ImageProcessor | None = None  # the checkpoint's image processor (None: it reads no images)
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
     grammar: GrammarBuilder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +83,7 @@ class Prepared:
     reasoning: bool = False       # the prompt opened a think block: the reply starts with reasoning
     tools: dict[str, dict[str, Any] | None] | None = None  # name -> parameters, when tool calls are parsed
     think_close_id: int | None = None
+    image_tokens: int = 0         # prompt tokens that are image placeholders (usage reports them)
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -178,16 +185,61 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
                     think_close_id=ctx.think_close_id)
 
 
+async def chat_images(ctx: ModelContext, messages: list[ChatMessage]) -> list[ProcessedImage]:
+    """The images of the messages' `image_url` parts, in order, through the checkpoint's image processor."""
+    out = []
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "image_url":
+                continue
+            param = f"messages[{i}].content[{j}].image_url.url"
+            if ctx.images is None or ctx.checkpoint.image_token_id is None:
+                raise bad_request("this model reads no images (its checkpoint has no image processor)", param=param)
+            assert part.image_url is not None
+            image = await load_image(part.image_url.url, ctx.image_limits, param)
+            out.append(await asyncio.to_thread(ctx.images, image))
+    return out
+
+
+def place_images(ids: list[int], image_id: int, images: list[ProcessedImage]) -> tuple[list[int],
+                                                                                        list[generate_pb2.Image]]:
+    """Expand the template's one placeholder id per image into the image's token count; each image's proto with
+    where its tokens start."""
+    at = [i for i, t in enumerate(ids) if t == image_id]
+    if len(at) != len(images):
+        raise bad_request(f"the chat template placed {len(at)} image placeholders for {len(images)} images",
+                          param="messages")
+    out: list[int] = []
+    protos = []
+    prev = 0
+    for pos, img in zip(at, images):
+        out += ids[prev:pos]
+        protos.append(generate_pb2.Image(pixel_values=to_proto(torch.from_numpy(img.pixel_values), "float32"),
+                                         grid_thw=to_proto(list(img.grid)), digest=img.digest, offset=len(out),
+                                         tokens=img.tokens))
+        out += [image_id] * img.tokens
+        prev = pos + 1
+    return out + ids[prev:], protos
+
+
 async def prepare_chat(ctx: ModelContext, req: ChatCompletionRequest) -> Prepared:
+    images = await chat_images(ctx, req.messages)
     text = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.reasoning_effort,
                        req.tools)
     ids = await ctx.tokenizer.encode_async(text, add_special_tokens=req.add_special_tokens)
+    protos: list[generate_pb2.Image] = []
+    if images:
+        assert ctx.checkpoint.image_token_id is not None
+        ids, protos = place_images(ids, ctx.checkpoint.image_token_id, images)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     prep = _build(ctx, "chat", req, ids, max_tokens, "messages", grammar=build_grammar(ctx.grammar, req, text),
                   logprobs=(req.top_logprobs or 0) if req.logprobs else None, best_of=req.n)
     prep.reasoning = text.rstrip().endswith(THINK_OPEN)
+    prep.image_tokens = sum(p.tokens for p in protos)
+    for r in prep.requests:
+        r.images.extend(protos)
     if req.tools and req.tool_choice != "none":
         prep.tools = {t.function.name: t.function.parameters for t in req.tools}
     return prep

@@ -98,7 +98,9 @@ def usage(prep: Prepared, finals: list[Final]) -> dict[str, Any]:
     completion = sum(f.completion_tokens for f in finals)
     return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
             "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+            # image_tokens: the prompt tokens that are image placeholders (counted in prompt_tokens too)
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens,
+                                      **({"image_tokens": prep.image_tokens} if prep.image_tokens else {})},
             "completion_tokens_details": {"reasoning_tokens": sum(reasoning_tokens(prep, f) for f in finals)},
             "twinspark": {"drafted": sum(f.drafted_tokens for f in finals),
                           "accepted": sum(f.accepted_tokens for f in finals)}}

@@ -22,17 +22,34 @@ class _Strict(BaseModel):
 
 # ---------------------------------------------------------------------------------------------- chat messages
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ImageUrl(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted as OpenAI has it; the processor decides size
+
+
+class ContentPart(_Strict):
+    """A `text` part or an `image_url` part (OpenAI's shapes); images only in user messages."""
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        # Say plainly that images/audio are not served, instead of pydantic's "extra inputs" complaint.
-        if isinstance(data, dict) and data.get("type") != "text":
-            raise ValueError(f"content part type {data.get('type')!r} is not supported; only 'text' parts are")
+    def _known_type(cls, data: Any) -> Any:
+        # Say plainly which part types are served, instead of pydantic's literal / "extra inputs" complaints.
+        if isinstance(data, dict) and data.get("type") not in ("text", "image_url"):
+            raise ValueError(f"content part type {data.get('type')!r} is not supported; 'text' and 'image_url' "
+                             "parts are")
         return data
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> "ContentPart":
+        if self.type == "text" and (self.text is None or self.image_url is not None):
+            raise ValueError("a 'text' part has `text` (and no `image_url`)")
+        if self.type == "image_url" and (self.image_url is None or self.text is not None):
+            raise ValueError("an 'image_url' part has `image_url: {\"url\": ...}` (and no `text`)")
+        return self
 
 
 class FunctionCall(_Strict):
@@ -49,7 +66,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     # Earlier turns' reasoning goes back into the prompt (the template renders it) so the prefix cache holds.
     reasoning_content: str | None = None
@@ -57,6 +74,12 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _images_from_users(self) -> "ChatMessage":
+        if self.role != "user" and isinstance(self.content, list) and any(p.type == "image_url" for p in self.content):
+            raise ValueError("image_url parts are accepted in user messages only")
+        return self
 
 
 # ------------------------------------------------------------------------------------- tools and structure

@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
                     "Each child's output goes to <state-dir>/logs/<name>.log. The roles' gRPC ports listen on "
                     "127.0.0.1 and require this run's internal token, made at random unless TWINSPARK_INTERNAL_TOKEN "
                     "is set, and given to the children in their environment only. Without --model a tiny checkpoint is "
-                    "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default).",
+                    "made on first use and cached ($TWINSPARK_CACHE_DIR or ~/.cache/twinspark, tiny-default-3).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     up.add_argument("--model", default=env("MODEL"), metavar="DIR",
                     help="checkpoint directory (env TWINSPARK_MODEL; default: the cached tiny checkpoint)")
@@ -59,6 +59,12 @@ def register(subparsers: Any) -> None:
                     default=env("KV_CACHE_DTYPE", "auto"),
                     help="rank cache storage: auto = the compute dtype; fp8 = e4m3 + per-row scale, about half the "
                          "bytes (env TWINSPARK_KV_CACHE_DTYPE)")
+    up.add_argument("--kv-host-bytes", type=int, default=None, metavar="BYTES",
+                    help="per rank: host-RAM KV tier behind the pool (serve-rank's flag; env TWINSPARK_KV_HOST_BYTES)")
+    up.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                    help="per rank: disk KV tier directory, kept across restarts (env TWINSPARK_KV_DISK_DIR)")
+    up.add_argument("--kv-disk-bytes", type=int, default=None, metavar="BYTES",
+                    help="per rank: disk KV tier size (env TWINSPARK_KV_DISK_BYTES)")
     up.add_argument("--enforce-eager", action="store_true", default=env("ENFORCE_EAGER", "0") == "1",
                     help="GPU ranks run decode rounds eagerly, without CUDA graphs (env TWINSPARK_ENFORCE_EAGER=1)")
     up.add_argument("--random-weights", default=env("RANDOM_WEIGHTS"), metavar="FORMAT",
@@ -167,8 +173,8 @@ def run_up(args: argparse.Namespace) -> int:
         return _up_detached(args, sd, model, port, command)
     cfg = LaunchConfig(model=str(model), state_dir=str(sd), tp=args.tp, host=args.host, port=port,
                        device=args.device, command=command, drafter=args.drafter, kv_cache_dtype=args.kv_cache_dtype,
-                       enforce_eager=args.enforce_eager, random_weights=args.random_weights or "",
-                       random_block_size=args.random_block_size)
+                       enforce_eager=args.enforce_eager, kv_tiers=tuple(_tier_flags(args)),
+                       random_weights=args.random_weights or "", random_block_size=args.random_block_size)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if args.background else None
@@ -177,6 +183,16 @@ def run_up(args: argparse.Namespace) -> int:
     token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(32)
     return Supervisor(plan, stop_grace=args.stop_grace, startup_timeout=args.startup_timeout,
                       max_restarts=args.max_restarts, env={**os.environ, INTERNAL_TOKEN_ENV: token}, out=out).run()
+
+
+def _tier_flags(args: argparse.Namespace) -> list[str]:
+    """The KV tier flags given to `up`, passed on to every rank as they are (unset: the ranks' env defaults)."""
+    out: list[str] = []
+    for flag, value in (("--kv-host-bytes", args.kv_host_bytes), ("--kv-disk-dir", args.kv_disk_dir),
+                        ("--kv-disk-bytes", args.kv_disk_bytes)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
 
 
 def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, command: tuple[str, ...]) -> int:
@@ -188,7 +204,7 @@ def _up_detached(args: argparse.Namespace, sd: Path, model: Path, port: int, com
             "--kv-cache-dtype", args.kv_cache_dtype, *(["--enforce-eager"] if args.enforce_eager else []),
             *(["--random-weights", args.random_weights, "--random-block-size", str(args.random_block_size)]
               if args.random_weights else []),
-            "--state-dir", str(sd),
+            *_tier_flags(args), "--state-dir", str(sd),
             "--startup-timeout", str(args.startup_timeout), "--stop-grace", str(args.stop_grace),
             "--max-restarts", str(args.max_restarts),
             "--role-command", shlex.join(command), "--background"]

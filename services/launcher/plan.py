@@ -38,6 +38,7 @@ class LaunchConfig:
     drafter: str = "copy"  # draft method of the drafter role: copy | mtp | none (no drafter, no drafts)
     kv_cache_dtype: str = "auto"  # storage of the ranks' latent + indexer cache rows: auto | fp8 | fp8_e4m3
     enforce_eager: bool = False  # GPU ranks: no CUDA graphs for decode rounds
+    kv_tiers: tuple[str, ...] = ()  # the ranks' KV tier flags (--kv-host-bytes / --kv-disk-dir / --kv-disk-bytes)
     random_weights: str = ""  # ranks draw random weights in this recipe (serve-rank --random-weights); "" = read them
     random_block_size: int = 128
 
@@ -66,7 +67,8 @@ def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> 
             "--host", host, "--port", str(port), "--device", c.device, "--kv-cache-dtype", c.kv_cache_dtype,
             *(["--enforce-eager"] if c.enforce_eager else []),
             *(["--random-weights", c.random_weights, "--random-block-size", str(c.random_block_size)]
-              if c.random_weights else [])]
+              if c.random_weights else []),
+            *c.kv_tiers]
 
 
 def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:

@@ -17,7 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-NAME = "tiny-default"
+# The number goes up whenever make-tiny writes something a newer twinspark needs (2: the image processor's settings
+# and a vision tower of useful scale; 3: processor_config.json, which exllamav3 reads), so a checkpoint cached by an
+# older version is never served by a newer one.
+NAME = "tiny-default-3"
 MARKER = ".twinspark-tiny-default.json"  # written last into the temp dir: its presence means "complete"
 SEED = 0
 

@@ -15,9 +15,12 @@ import torch
 from kernels import gpu
 from kernels.sampling import SamplingParams, apply_token_bitmask, processed_logprobs, sample
 from services.common.tensors import from_proto
+from services.rank_worker.kv_tiers import TierStore
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
 from services.rank_worker.model.model import ForwardOutput, Glm5Model, accept_drafts
+from services.rank_worker.model.vision import VisionConfig
+from twinspark.v1 import rank_pb2
 from twinspark.v1.rank_pb2 import StepPlan
 
 
@@ -37,6 +40,7 @@ class StepOutput:
     accepted: list[int] | None = None  # per sequence, when the plan has verify windows
     hidden: torch.Tensor | None = None  # [R, D] fp32, when the plan wants hidden states
     logprobs: "RowLogprobs | None" = None  # when the plan asks for logprobs
+    tier_bad: list[bytes] | None = None  # tier entries that failed their checksum on some rank (dropped on all)
 
 
 @dataclass
@@ -119,11 +123,19 @@ def check_sampling(params: SamplingParams) -> None:
         raise PlanError("min_p must be in [0, 1]")
 
 
+MAX_KEY = 64  # bytes of a tier key (the scheduler's are 16)
+
+
 class Executor:
-    def __init__(self, model: Glm5Model, cache: PagedCache, *, cuda_graphs: bool = True) -> None:
-        """cuda_graphs: replay decode rounds from CUDA graphs on a GPU (vLLM's `--enforce-eager` turns it off)."""
+    def __init__(self, model: Glm5Model, cache: PagedCache, *, cuda_graphs: bool = True,
+                 tiers: TierStore | None = None, vision: VisionConfig | None = None) -> None:
+        """cuda_graphs: replay decode rounds from CUDA graphs on a GPU (vLLM's `--enforce-eager` turns it off).
+        tiers: this rank's host-RAM / disk KV tiers (None: tier moves are refused). vision: the checkpoint's vision
+        tower geometry, on every rank (rank 0 runs the tower; every rank checks image rows alike)."""
         self.model = model
         self.cache = cache
+        self.tiers = tiers
+        self.vision = vision
         self.last_sampled: dict[int, int] = {}  # slot -> the token sampled for it last (see `_fill_pending`)
         self.slot_end: dict[int, int] = {}  # slot -> the position after the rows of that sampling round
         self.graphs = None
@@ -267,9 +279,117 @@ class Executor:
             raise PlanError(f"state_copies: slots must be in [0, {self.cache.num_slots})")
         return [(int(a), int(b)) for a, b in t.tolist()]
 
+    def tier_moves(self, plan: StepPlan) -> list[tuple[rank_pb2.TierMove, list[int]]]:
+        """The plan's KV tier moves with their pool blocks, validated (nothing runs before every move checks out)."""
+        out = []
+        for m in plan.tier_moves:
+            if self.tiers is None:
+                raise PlanError("a KV tier move, but this rank has no tiers (--kv-host-bytes / --kv-disk-dir)")
+            if (m.to_disk or m.kind == rank_pb2.TIER_SPILL) and self.tiers.dir is None:
+                raise PlanError("a disk tier move, but this rank has no --kv-disk-dir")
+            keys = list(m.block_keys) + ([m.state_key] if m.state_key else [])
+            if any(not 0 < len(k) <= MAX_KEY for k in keys):
+                raise PlanError(f"tier keys must be 1..{MAX_KEY} bytes")
+            blocks: list[int] = []
+            if m.kind in (rank_pb2.TIER_SAVE, rank_pb2.TIER_LOAD):
+                blocks = _vec(m.blocks, "tier_moves.blocks", torch.int64, len(m.block_keys)).tolist() \
+                    if m.block_keys else []
+                if any(not 0 <= b < self.cache.num_blocks for b in blocks):
+                    raise PlanError(f"tier_moves: blocks must be in [0, {self.cache.num_blocks})")
+                if m.state_key and not 0 <= m.slot < self.cache.num_slots:
+                    raise PlanError(f"tier_moves: slot must be in [0, {self.cache.num_slots})")
+            out.append((m, blocks))
+        return out
+
+    def image_rows(self, plan: StepPlan, n_rows: int) -> list[tuple[int, int, int, torch.Tensor, tuple]]:
+        """The plan's images, validated: (row, first, count, pixels, grid) each."""
+        if not plan.images:
+            return []
+        vc = self.vision
+        if vc is None or (self.model.coll.sharding.rank == 0 and self.model.vision is None):
+            raise PlanError("images, but this checkpoint has no vision tower")
+        if gpu.active(self.model.embed):
+            raise PlanError("images are not served on the GPU path yet")
+        out = []
+        for i, im in enumerate(plan.images):
+            try:
+                pixels = from_proto(im.pixel_values)
+            except ValueError as exc:
+                raise PlanError(f"images[{i}].pixel_values: {exc}") from exc
+            t, h, w = _vec(im.grid_thw, f"images[{i}].grid_thw", torch.int64, 3).tolist()
+            m = vc.spatial_merge_size
+            if min(t, h, w) < 1 or h % m or w % m:
+                raise PlanError(f"images[{i}]: grid {t}x{h}x{w} is not whole {m}x{m} merge blocks")
+            if pixels.dtype != torch.float32 or list(pixels.shape) != [t * h * w, vc.patch_dim]:
+                raise PlanError(f"images[{i}]: pixel_values must be float32 [{t * h * w}, {vc.patch_dim}]")
+            tokens = t * h * w // m ** 2
+            if im.count < 1 or im.first < 0 or im.first + im.count > tokens or im.row < 0 \
+                    or im.row + im.count > n_rows:
+                raise PlanError(f"images[{i}]: embeddings [{im.first}, {im.first + im.count}) of {tokens} at rows "
+                                f"{im.row}.. do not fit")
+            out.append((im.row, im.first, im.count, pixels, (t, h, w)))
+        return out
+
+    def embed_images(self, images: list[tuple[int, int, int, torch.Tensor, tuple]]
+                     ) -> list[tuple[int, torch.Tensor]] | None:
+        """Rank 0 runs the vision tower; every rank gets the embeddings of its rows (the same bits everywhere)."""
+        if not images:
+            return None
+        m = self.model
+        out = []
+        for row, first, count, pixels, grid in images:
+            if m.coll.sharding.rank == 0:
+                assert m.vision is not None
+                e = m.vision.forward(pixels, [grid])[first : first + count].to(m.dtype).contiguous()
+            else:
+                e = torch.empty(count, m.cfg.hidden_size, dtype=m.dtype, device=m.device)
+            out.append((row, m.coll.from_first(e)))
+        return out
+
+    def run_tier_moves(self, moves: list[tuple[rank_pb2.TierMove, list[int]]]) -> list[bytes]:
+        """Run the moves in order; the keys whose load failed on any rank (every rank drops them)."""
+        if not moves:
+            return []
+        assert self.tiers is not None
+        t, cache = self.tiers, self.cache
+        bad: set[bytes] = set()
+        loaded = False
+        for m, blocks in moves:
+            if m.kind == rank_pb2.TIER_SAVE:
+                for key, b in zip(m.block_keys, blocks):
+                    t.save(key, cache.block_views(b), {}, m.to_disk)
+                if m.state_key:
+                    t.save(m.state_key, cache.state_views(m.slot),
+                           {"state": True, "pos": m.pos, "chain": m.chain.hex()}, m.to_disk)
+            elif m.kind == rank_pb2.TIER_LOAD:
+                loaded = True
+                for key, b in zip(m.block_keys, blocks):
+                    if not t.load(key, cache.block_views(b)):
+                        bad.add(key)
+                if m.state_key and not t.load(m.state_key, cache.state_views(m.slot)):
+                    bad.add(m.state_key)
+            else:
+                for key in list(m.block_keys) + ([m.state_key] if m.state_key else []):
+                    t.spill(key) if m.kind == rank_pb2.TIER_SPILL else t.drop(key)
+        if not loaded:
+            return []
+        bad = self.model.coll.union(bad)  # one rank's bad copy is every rank's: never use it anywhere
+        for key in bad:
+            t.drop(key)
+        return sorted(bad)
+
     def execute(self, plan: StepPlan) -> StepOutput:
+        if not plan.HasField("lengths") or not plan.lengths.shape or not plan.lengths.shape[0]:
+            # No sequences: a plan of tier moves only (a load a request waits for; saving the pool at shutdown).
+            if not plan.tier_moves:
+                raise PlanError("a plan without sequences must carry tier moves")
+            if plan.HasField("token_ids") and plan.token_ids.shape and plan.token_ids.shape[0]:
+                raise PlanError("token ids without sequences")
+            return StepOutput([], 0.0, 0.0, tier_bad=self.run_tier_moves(self.tier_moves(plan)))
         batch, params, rows = self.to_batch(plan)
         copies = self.state_copies(plan)  # validated with the rest before anything changes
+        moves = self.tier_moves(plan)
+        batch.embeds = self.embed_images(self.image_rows(plan, batch.token_ids.numel()))
         # Decode-class sequences first: the GPU path runs each row class with its own fixed schedule over a
         # contiguous run of rows. Sample rows keep the plan's order; `order` maps results back per sequence.
         order = batch.class_order()
@@ -279,8 +399,10 @@ class Executor:
         masks = self.row_masks(plan, rows.numel())
         want_k = self.logprobs_k(plan, rows.numel())
         t0 = time.perf_counter()
-        # Copies run before the forward: a snapshot is taken from a slot as the previous round left it, and a
-        # resumed sequence starts this round's rows from the copied state.
+        # Tier moves first (a save reads blocks and slots the scheduler freed this round before anything reuses
+        # them), then state copies: a snapshot is taken from a slot as the previous round left it, and a resumed
+        # sequence starts this round's rows from the copied state.
+        tier_bad = self.run_tier_moves(moves)
         self.cache.copy_states(copies)
         out = self.forward(batch)
         t1 = time.perf_counter()
@@ -309,4 +431,4 @@ class Executor:
         self._remember_samples(batch, rows, sampled, mine)
         hidden = out.hidden[rows.to(out.hidden.device)].float() if plan.want_hidden and rows.numel() else None
         t2 = time.perf_counter()
-        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden, logprobs)
+        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden, logprobs, tier_bad)

@@ -16,10 +16,11 @@ def _file_hash(path: Path) -> str:
 
 
 def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: str, virtual_shards: int,
-             num_blocks: int, block_size: int, num_slots: int, kv_dtype: torch.dtype | None,
+             num_blocks: int | str, block_size: int, num_slots: int, kv_dtype: torch.dtype | None,
              random_weights: str = "") -> dict[str, str]:
     """Every setting that changes a rank's arithmetic or memory layout, by name. random_weights: how the weights
-    are drawn when they are not read from the checkpoint ("" = they are read)."""
+    are drawn when they are not read from the checkpoint ("" = they are read). num_blocks: the flag's count, or
+    "auto" when each rank sizes its pool from its own memory (the ranks then agree on one count, pool_size.agree)."""
     d = Path(model_dir)
     try:
         ours = version("twinspark")
@@ -45,6 +46,33 @@ def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: s
 
 def fingerprint(values: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+
+
+# Settings that size the pool but leave every cached row's bits alone: a disk KV tier survives changing them.
+_POOL_SIZING = ("cache blocks", "state slots")
+_SAMPLE = 1 << 16
+
+
+def weights_sample(model_dir: str | Path) -> str:
+    """A cheap digest of the weight files' contents: each file's name, size and first and last 64 KiB. Two
+    checkpoints with the same config and tensor names (e.g. make-tiny with another seed) differ here, and reading
+    it costs milliseconds even for a 600 GB checkpoint."""
+    h = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(_SAMPLE))
+            f.seek(max(0, size - _SAMPLE))
+            h.update(f.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def cache_key(values: dict[str, str], model_dir: str | Path) -> str:
+    """What a cached block's bits depend on (the KV disk tier's directory name): the settings fingerprint without
+    the pool's size, plus the weights' contents."""
+    kept = {k: v for k, v in values.items() if k not in _POOL_SIZING}
+    return fingerprint({**kept, "weights sample": weights_sample(model_dir)})
 
 
 def check_group(values: dict[str, str], rank: int, world: int, token_digest: str = "") -> None:

@@ -45,6 +45,10 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
     def Describe(self, request: rank_pb2.DescribeRequest, context: grpc.ServicerContext) -> rank_pb2.DescribeReply:
         return self.describe
 
+    def TierList(self, request: rank_pb2.TierListRequest, context: grpc.ServicerContext) -> rank_pb2.TierListReply:
+        tiers = self.executor.tiers
+        return rank_pb2.TierListReply(entries=[rank_pb2.TierEntry(**e) for e in (tiers.listing() if tiers else [])])
+
     def _stop(self, reason: str) -> None:
         """Leave the group: the reply with the error goes out first, then the process ends."""
         log.error("rank %d stopping: %s", self.rank, reason)
@@ -96,6 +100,8 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                     res.accepted.CopyFrom(to_proto(out.accepted))
                 if out.hidden is not None:
                     res.hidden.CopyFrom(to_proto(out.hidden, "float32"))
+                if out.tier_bad:
+                    res.tier_bad.extend(out.tier_bad)
                 if out.logprobs is not None:
                     res.logprobs.CopyFrom(to_proto(out.logprobs.chosen, "float32"))
                     res.top_ids.CopyFrom(to_proto(out.logprobs.top_ids, "int32"))

@@ -49,6 +49,10 @@ class AdmissionQueue:
             raise QueueFull(self.retry_after(capacity))
         self._lane(req).append(req)
 
+    def push_front(self, req: Request) -> None:
+        """Put an admitted request back at the head of its class (its KV tier load failed: it is planned again)."""
+        self._lane(req).appendleft(req)
+
     def head(self) -> Request | None:
         """The next request to admit: the oldest normal one, else the oldest background one."""
         if self._normal:

@@ -60,7 +60,7 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
     bg = generate_pb2.PRIORITY_BACKGROUND
     decoders = sorted((r for r in running if not r.prompt_left and r.wants_rows),
                       key=lambda r: (r.priority == bg, r.last_round, r.order))
-    prefillers = sorted((r for r in running if r.prompt_left), key=lambda r: (r.priority == bg, r.order))
+    prefillers = sorted((r for r in running if r.prompt_left and r.ready), key=lambda r: (r.priority == bg, r.order))
     out: list[PlannedSeq] = []
     left = budget
     for r in decoders:
@@ -91,7 +91,7 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
         if end <= start:
             continue  # no whole grid chunk fits what is left this round
         start, toks = r.next_rows(end - start)
-        out.append(PlannedSeq(r, start, toks, sample=start + len(toks) >= r.prompt_len, prompt=True))
+        out.append(PlannedSeq(r, start, toks, sample=not r.replay and start + len(toks) >= r.prompt_len, prompt=True))
         left -= len(toks)
     return out
 
@@ -106,7 +106,10 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
     mask_index: list[int] = []
     bitmask: list[torch.Tensor] = []
     logprobs_k: list[int] = []
+    images: list[rank_pb2.ImageRows] = []
     for s in seqs:
+        if s.prompt:
+            images += _image_rows(s, len(token_ids))
         res = s.req.reservation
         assert res is not None, f"request {s.req.id} is planned without a reservation"
         if s.sample:
@@ -154,4 +157,18 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
         plan.bitmask.CopyFrom(to_proto(torch.stack(bitmask)))
     if any(k >= 0 for k in logprobs_k):
         plan.logprobs_k.CopyFrom(to_proto(logprobs_k))
+    plan.images.extend(images)
     return plan
+
+
+def _image_rows(s: PlannedSeq, row0: int) -> list[rank_pb2.ImageRows]:
+    """The images whose placeholder tokens this prompt chunk holds (`row0`: its first packed row): each carries
+    its pixels, and which of its embeddings go to which rows (a chunk may hold part of an image)."""
+    lo, hi = s.start, s.start + len(s.token_ids)
+    out = []
+    for im in s.req.images:
+        a, b = max(lo, im.offset), min(hi, im.offset + im.tokens)
+        if a < b:
+            out.append(rank_pb2.ImageRows(pixel_values=im.pixel_values, grid_thw=im.grid_thw, row=row0 + a - lo,
+                                          first=a - im.offset, count=b - a))
+    return out

@@ -46,6 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=env("ENABLE_PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
                    help="reuse cached prompt prefixes (full blocks + KDA state snapshots) across requests "
                         "(TWINSPARK_ENABLE_PREFIX_CACHING, default on)")
+    p.add_argument("--reply-reuse", action=argparse.BooleanOptionalAction,
+                   default=env("REPLY_REUSE", "1").lower() not in ("0", "false", "no", "off"),
+                   help="after each reply, prefill prompt + reply up to its last 64-token grid point in the "
+                        "background and snapshot it, so the conversation's next turn resumes there "
+                        "(TWINSPARK_REPLY_REUSE, default on; needs prefix caching)")
     snaps = env("MAX_SNAPSHOTS")
     p.add_argument("--max-snapshots", type=int, default=int(snaps) if snaps else None,
                    help="KDA state snapshot slots for the prefix cache, reserved from the ranks' --num-slots "
@@ -95,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         engine=EngineConfig(max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             enable_prefix_caching=args.enable_prefix_caching, max_snapshots=args.max_snapshots,
+                            reply_reuse=args.reply_reuse,
                             num_draft_tokens=max(0, args.num_draft_tokens), draft_hidden=args.draft_hidden),
         drafter=args.drafter, draft_timeout_s=args.draft_timeout, tokenizer=args.tokenizer,
         internal_token=args.internal_token,

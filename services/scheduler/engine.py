@@ -23,19 +23,21 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import torch
 from opentelemetry.context import Context
 
-from services.common.tensors import ids
+from services.common.tensors import from_proto, ids
 from services.scheduler.admission import AdmissionQueue, QueueFull
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.drafts import DrafterClient
 from services.scheduler.grammar import GrammarBook, GrammarError
+from services.scheduler.kv_tiers import TierIndex, state_key
 from services.scheduler.pool import BlockPool, PoolExhausted
 from services.scheduler.prefix import KDA_CHUNK, Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
 from services.scheduler.ranks import ModelInfo, RankError, RankSet, Round
 from services.scheduler.request import Request, SamplingSpec, State, TokenLogprobs, derive_seed
 from services.scheduler.tracing import RequestSpans, propose_span, round_span
-from twinspark.v1 import generate_pb2
+from twinspark.v1 import generate_pb2, rank_pb2
 
 log = logging.getLogger("twinspark.scheduler")
 
@@ -45,6 +47,7 @@ __all__ = ["Engine", "EngineConfig", "InvalidRequest", "QueueFull", "Unavailable
 # Bounds on a Generate request's small fields (ids end up in every log line of the request).
 MAX_REQUEST_ID = 256
 MAX_STOP_IDS = 4096
+MAX_IMAGES = 64
 
 
 # Rounds in flight at most: the next one is planned and sent while the ranks compute the current one (`_overlap`).
@@ -57,6 +60,7 @@ class _InFlight:
     round: Round
     span: contextlib.ExitStack  # the round's trace span, closed when its result is committed
     t0: float
+    loads: list[Snapshot]  # snapshots this round loads from a KV tier (usable once it is back)
 
 
 class InvalidRequest(ValueError):
@@ -80,6 +84,9 @@ class EngineConfig:
     # KDA snapshot slots for the prefix index, reserved from the ranks' slot count (~142 MB each at full size on
     # every rank, see prefix.py). None: the slots left over after max_num_seqs, at most 16.
     max_snapshots: int | None = None
+    # After a reply, prefill prompt + reply to the last 64-token grid point in the background and snapshot it there,
+    # so the conversation's next turn resumes from it (`_start_replay`).
+    reply_reuse: bool = True
     num_draft_tokens: int = 4  # K: drafts asked per decoding request and round (with a drafter)
     draft_hidden: bool = False  # ask the ranks for hidden states and pass them to the drafter (MTP drafts)
 
@@ -141,11 +148,24 @@ class Engine:
         # Slots [0, n) hold running requests' KDA states, [n, num_slots) the prefix index's snapshots.
         req_slots = info.num_slots - snaps
         self.pool = BlockPool(info.num_blocks, info.block_size, req_slots)
+        tiers = None
+        if snaps and (info.tier_host_bytes > 0 or info.tier_disk_bytes > 0):
+            # The host tier is gone with the old ranks; the disk tier is what every new rank lists.
+            tiers = TierIndex(host_capacity=info.tier_host_bytes, disk_capacity=info.tier_disk_bytes,
+                              block_bytes=info.block_bytes, state_bytes=info.state_bytes,
+                              block_size=info.block_size)
+            tiers.restore(self.ranks.tier_listing)
+            if old is not None and old.tiers is not None:
+                tiers.figures = old.tiers.figures
+            log.info("kv tiers: host %d bytes, disk %d bytes per rank; %d snapshots on disk", tiers.host_capacity,
+                     tiers.disk_capacity, len(tiers.snaps))
         self.prefix = PrefixIndex(self.pool, list(range(req_slots, info.num_slots)),
-                                  granule=reuse_granule(info.block_size)) if snaps else None
+                                  granule=reuse_granule(info.block_size), tiers=tiers) if snaps else None
         if old is not None and self.prefix is not None:
             self.prefix.queries, self.prefix.hits = old.queries, old.hits
-        self._takes_next: list[tuple[Request, Snapshot]] = []  # snapshot copies that go out in the next plan
+        # (request slot, snapshot) copies that go out in the next plan (the request may be done by then: its slot
+        # is only reused by a later plan, whose copies run before its forward)
+        self._takes_next: list[tuple[int, Snapshot]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -165,6 +185,25 @@ class Engine:
                     await task
                 except asyncio.CancelledError:
                     pass
+        await self._persist()
+
+    async def _persist(self) -> None:
+        """With a disk KV tier: one last plan of tier moves saving the pool's snapshots there (the ranks keep their
+        Step streams open a few seconds after SIGTERM for this), so a restart resumes them."""
+        prefix = self.prefix
+        if prefix is None or prefix.tiers is None or prefix.tiers.disk_capacity <= 0 or self.ranks.failure is not None:
+            return
+        prefix.persist()
+        moves = prefix.tiers.take_moves()
+        if not moves:
+            return
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(self.ranks.step(rank_pb2.StepPlan(tier_moves=moves)), timeout=30)
+        except Exception as exc:  # noqa: BLE001 — shutting down: a cache we could not save is only a cache
+            log.warning("could not save the prefix cache to the disk tier: %s", exc)
+            return
+        log.info("saved %d prefix snapshots to the disk kv tier in %.2f s", len(prefix.snaps), time.monotonic() - t0)
 
     # -- requests in ----------------------------------------------------------------------------------------------
     def submit(self, msg: generate_pb2.GenerateRequest, trace_parent: Context | None = None) -> Request:
@@ -248,12 +287,36 @@ class Engine:
                 grammar = self.grammars.compile(msg.grammar)
             except GrammarError as exc:
                 raise InvalidRequest("invalid_grammar", str(exc)) from None
+        images = self._images(msg, len(prompt))
         return Request(
-            request_id=rid, prompt=prompt, max_tokens=msg.max_tokens,
+            request_id=rid, prompt=prompt, max_tokens=msg.max_tokens, images=images,
             sampling=SamplingSpec(temperature=sp.temperature, top_p=top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed),
             stop_ids=frozenset(msg.stop_token_ids), eos_ids=frozenset() if msg.ignore_eos else self._eos,
             priority=msg.priority, order=next(self._order), max_model_len=info.max_model_len,
             no_draft=msg.no_draft, grammar=grammar, logprobs_k=msg.top_logprobs if msg.logprobs else -1)
+
+    @staticmethod
+    def _images(msg: generate_pb2.GenerateRequest, prompt_len: int) -> list[generate_pb2.Image]:
+        """The request's images, checked: in prompt order, placeholders inside the prompt, pixel tensors of a
+        sane shape (the ranks check them against the vision tower's geometry)."""
+        images = list(msg.images)
+        if len(images) > MAX_IMAGES:
+            raise InvalidRequest("invalid_image", f"more than {MAX_IMAGES} images")
+        end = 0
+        for i, im in enumerate(images):
+            if im.offset < end or im.tokens < 1 or im.offset + im.tokens > prompt_len:
+                raise InvalidRequest("invalid_image", f"image {i}: its placeholder tokens [{im.offset}, "
+                                     f"{im.offset + im.tokens}) overlap another image or leave the prompt")
+            end = im.offset + im.tokens
+            try:
+                pixels, grid = from_proto(im.pixel_values), ids(im.grid_thw)
+            except ValueError as exc:
+                raise InvalidRequest("invalid_image", f"image {i}: {exc}") from exc
+            if pixels.dtype != torch.float32 or pixels.dim() != 2 or len(grid) != 3 or min(grid) < 1 \
+                    or grid[0] * grid[1] * grid[2] != pixels.shape[0] or len(im.digest) != 32:
+                raise InvalidRequest("invalid_image", f"image {i}: pixel_values must be float32 [t*h*w, patch] for "
+                                     "grid_thw (t, h, w), with a sha256 digest")
+        return images
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Abort a live request; False when no such request is waiting or running."""
@@ -275,9 +338,23 @@ class Engine:
         as in vLLM; slots are the running requests' slots (snapshot slots are the prefix index's)."""
         p = self.pool
         idle = self.prefix.idle_blocks if self.prefix is not None else 0
+        idle += self._replay_blocks()  # replays give way to any request that needs their blocks
         return generate_pb2.PoolStats(block_size=p.block_size, total_blocks=p.num_blocks,
                                       free_blocks=p.free_blocks + idle, total_slots=p.num_slots,
                                       free_slots=p.free_slots)
+
+    def _replay_blocks(self) -> int:
+        return sum(1 for r in self.running if r.replay and r.reservation is not None
+                   for b in r.reservation.blocks if self.pool.refcount(b) == 1)
+
+    def tier_stats(self) -> list[generate_pb2.TierStats]:
+        tiers = self.prefix.tiers if self.prefix is not None else None
+        return tiers.stats() if tiers is not None else []
+
+    @property
+    def num_running(self) -> int:
+        """Requests running for clients (reply replays are cache upkeep, not requests)."""
+        return sum(1 for r in self.running if not r.replay)
 
     @property
     def prefix_queries(self) -> int:
@@ -304,6 +381,10 @@ class Engine:
                     self._reap_aborted()  # the Propose call awaited: an abort may have come in meanwhile
                 seqs = plan_round(self.running, self.cfg.max_num_batched_tokens, drafts) \
                     if self.ranks.failure is None else []
+                if not seqs and self._tier_work():
+                    seqs = []  # a plan of tier moves only: a request waits for its load
+                    inflight.append(await self._submit(seqs))
+                    continue
                 if not seqs:
                     if inflight:
                         await self._collect(inflight.popleft())
@@ -331,6 +412,10 @@ class Engine:
                     self._takes_next = []
                 await asyncio.sleep(0.05)  # never spin hot on a repeating failure
 
+    def _tier_work(self) -> bool:
+        """KV tier moves wait for a plan (a load a request waits for, saves of what admission evicted)."""
+        return self.prefix is not None and self.prefix.tiers is not None and bool(self.prefix.tiers.moves)
+
     def _overlap(self) -> bool:
         """Whether the next round may be planned before the previous one's result is in. Its decode rows then say
         "the token you sampled last" (the ranks fill it in), so it must need nothing else from that result: no
@@ -341,8 +426,12 @@ class Engine:
 
     async def _submit(self, seqs: list[PlannedSeq]) -> "_InFlight":
         self._grammar_masks(seqs)
-        plan = build_step_plan(seqs, self.pool.block_size, self._state_copies(seqs))
+        plan = build_step_plan(seqs, self.pool.block_size, self._state_copies(seqs)) if seqs else rank_pb2.StepPlan()
         plan.want_hidden = self.drafter is not None and self.cfg.draft_hidden
+        loads: list[Snapshot] = []
+        if self.prefix is not None and self.prefix.tiers is not None:
+            plan.tier_moves.extend(self.prefix.tiers.take_moves())
+            loads = self.prefix.take_loads()
         self.rounds += 1
         now = time.monotonic()
         for s in seqs:
@@ -358,7 +447,7 @@ class Engine:
             raise
         for s in seqs:
             s.req.plan_rows(s)
-        return _InFlight(seqs, rnd, span, time.monotonic())
+        return _InFlight(seqs, rnd, span, time.monotonic(), loads)
 
     async def _collect(self, f: "_InFlight") -> None:
         try:
@@ -368,6 +457,7 @@ class Engine:
                           sum(len(s.token_ids) for s in f.seqs), len(sampled), (time.monotonic() - f.t0) * 1e3)
             self._commit(f.seqs, sampled, self.ranks.last_accepted, self.ranks.last_hidden,
                          self.ranks.last_logprobs)
+            self._loads_back(f.loads, self.ranks.last_tier_bad)
         finally:
             f.span.close()
 
@@ -386,8 +476,39 @@ class Engine:
         if self.prefix is None:
             return None
         if req.block_hashes is None:  # full blocks of [0, prompt_len - 1): the last prompt token is always computed
-            req.block_hashes = block_hashes(req.tokens, self.pool.block_size, req.prompt_len - 1)
+            req.block_hashes = block_hashes(req.tokens, self.pool.block_size, req.prompt_len - 1, req.image_spans)
         return self.prefix.match(req.block_hashes, req.prompt_len)
+
+    def _loads_back(self, loads: list[Snapshot], bad: list[bytes]) -> None:
+        """A round with KV tier loads is back. A snapshot whose state or blocks failed a checksum on some rank is
+        forgotten (every rank dropped the bad entries) and the requests that were to resume from it start over."""
+        prefix = self.prefix
+        if prefix is None or prefix.tiers is None or not (loads or bad):
+            return
+        gone = set(bad)
+        for snap in loads:
+            ok = state_key(snap.key) not in gone and not gone.intersection(snap.chain)
+            prefix.loaded(snap, ok)
+            if not ok:
+                log.warning("kv tier: snapshot at %d failed its checksum on load; dropped, recomputing", snap.pos)
+                for req in [r for r in self.running if r.resume is snap]:
+                    self._requeue(req)
+        prefix.tiers.bad(bad)
+        self._wake.set()
+
+    def _requeue(self, req: Request) -> None:
+        """An admitted request that never ran goes back to the head of the queue (its resume point is gone)."""
+        assert self.prefix is not None and req.reservation is not None and req.resume is not None
+        self.pool.release(req.reservation)
+        self.prefix.copied_out(req.resume)
+        self.prefix.queries -= req.prompt_len
+        self.prefix.hits -= req.cached_tokens
+        req.reservation, req.resume = None, None
+        req.num_cached = req.cached_tokens = 0
+        req.snap_points = []
+        self.running.remove(req)
+        req.state = State.WAITING
+        self.queue.push_front(req)
 
     def _fits(self, req: Request, m: Match | None = None) -> bool:
         """Whether `req` can be admitted now: a slot, and its blocks from the free list plus what evicting idle
@@ -408,6 +529,12 @@ class Engine:
             req.reservation = self.pool.reserve(req.reserve_tokens)
             return
         prefix, g = self.prefix, self.prefix.granule
+        assert req.block_hashes is not None
+        ts = prefix.tier_match(req.block_hashes, req.prompt_len, m.pos)
+        if ts is not None:  # a deeper snapshot waits in a KV tier: load it (the request runs once it is back)
+            snap = prefix.load(ts)
+            if snap is not None:
+                m = Match(snap, snap.pos, max(m.matched, snap.pos))
         shared: list[int] = []
         if m.snapshot is not None:
             shared = prefix.acquire(m.snapshot)
@@ -445,9 +572,8 @@ class Engine:
         if self.prefix is None:
             return []
         copies: list[tuple[int, int]] = []
-        for req, snap in self._takes_next:
-            assert req.reservation is not None
-            copies.append((req.reservation.slot, snap.slot))
+        for slot, snap in self._takes_next:
+            copies.append((slot, snap.slot))
             self.prefix.sent(snap)
         self._takes_next = []
         for s in seqs:
@@ -465,14 +591,19 @@ class Engine:
                 assert req.block_hashes is not None
                 snap = self.prefix.take(req.block_hashes[: pos // self.pool.block_size], res.blocks, shared=shared)
                 if snap is not None:
-                    self._takes_next.append((req, snap))
+                    self._takes_next.append((res.slot, snap))
         return copies
 
     def _admit(self) -> None:
-        """Move waiting requests to running, in queue order, while a slot and their full reservation fit."""
-        while len(self.running) < self.max_running:
+        """Move waiting requests to running, in queue order, while a slot and their full reservation fit (reply
+        replays give their slot and blocks up to a request that needs them)."""
+        while True:
             head = self.queue.head()
-            if head is None or not self._fits(head):
+            if head is None:
+                return
+            if len(self.running) >= self.max_running or not self._fits(head):
+                if self._cancel_replay():
+                    continue
                 return  # strict order: nobody overtakes a head that does not fit yet
             try:
                 self._reserve(head)
@@ -546,6 +677,10 @@ class Engine:
                 continue  # finished or aborted meanwhile: its rows are dropped (an abort is reaped below)
             if not s.sample:
                 req.commit(len(s.token_ids), None)
+                if req.replay:
+                    if not req.prefilling:
+                        self._end_replay(req)  # its snapshot at the end is registered; the copy goes out next
+                    continue
                 req.emit_progress()  # one more prefill chunk is in
                 continue
             if s.verify:
@@ -595,10 +730,15 @@ class Engine:
         `error` goes to the client (FINISH_ERROR only); `note` only to the log (why it was aborted)."""
         if req.state is State.FINISHED:
             return
+        if req.replay:
+            self._end_replay(req)
+            return
         was_running = req.state is State.RUNNING
         if req.resume is not None and self.prefix is not None:  # admitted but never planned
             self.prefix.copied_out(req.resume)
             req.resume = None
+        if was_running and reason in (generate_pb2.FINISH_STOP, generate_pb2.FINISH_LENGTH):
+            self._start_replay(req)  # takes over the reservation when there is a reply worth caching
         if req.reservation is not None:
             if req.pending_rows:  # a round in flight still writes its blocks and slot: free them once it is back
                 req.release_deferred = True
@@ -620,6 +760,70 @@ class Engine:
                 f.prefill_s, f.decode_s,
                 f" — {error or note}" if error or note else "")
         self._wake.set()  # blocks or a slot came free: admission may proceed
+
+    # -- reply reuse ----------------------------------------------------------------------------------------------
+    def _start_replay(self, req: Request) -> None:
+        """Cache a finished request's prompt + reply for the conversation's next turn. The reply's rows were
+        decoded (recurrent KDA, decode arithmetic), so its blocks and state are not what a prompt computes; the
+        next turn resumed from them would differ in the last bits from the same prompt computed fresh. Instead a
+        background prefill (a "replay") recomputes the tokens from the deepest snapshot on their chain up to the
+        last 64-token grid point E <= len(tokens) in the request's own blocks and slot, with prompt arithmetic, and
+        snapshots E: exactly what a fresh prefill of the next turn computes, so resuming there keeps every
+        exactness promise. It runs only when nothing waits, and gives way to any request that needs its slot or
+        blocks (`_cancel_replay`)."""
+        prefix = self.prefix
+        if prefix is None or not self.cfg.reply_reuse or len(self.queue) or req.reservation is None:
+            return
+        bs, g = self.pool.block_size, prefix.granule
+        end = len(req.tokens) // g * g
+        if end <= (req.prompt_len - 1) // g * g:
+            return  # the reply reaches no grid point past the prompt's own snapshot
+        hashes = block_hashes(req.tokens, bs, end, req.image_spans)
+        m = prefix.match(hashes, end + 1)
+        if m.pos >= end:
+            return
+        rep = Request(request_id=f"{req.id}:reply", prompt=req.tokens[:end], max_tokens=1, sampling=req.sampling,
+                      stop_ids=frozenset(), eos_ids=frozenset(), priority=generate_pb2.PRIORITY_BACKGROUND,
+                      order=next(self._order), max_model_len=req.max_model_len, images=req.images)
+        rep.replay, rep.state, rep.block_hashes = True, State.RUNNING, hashes
+        rep.reservation, req.reservation = req.reservation, None
+        rep.num_cached = m.pos
+        rep.after = req  # its rows still in flight (a decode row past EOS) come back before the replay is planned
+        if m.snapshot is not None:
+            prefix.pin(m.snapshot)
+            rep.resume = m.snapshot
+        rep.snap_points = [(end, False)]
+        self.running.append(rep)
+        log.debug("replaying %s's reply: positions %d..%d for the prefix cache", req.id, m.pos, end)
+
+    def _end_replay(self, rep: Request) -> None:
+        """A replay is done (its snapshot is registered) or gives way: free its slot and blocks."""
+        if rep.state is State.FINISHED:
+            return
+        if rep.resume is not None and self.prefix is not None:
+            self.prefix.copied_out(rep.resume)
+            rep.resume = None
+        rep.state = State.FINISHED
+        self.running.remove(rep)
+        res, rep.reservation = rep.reservation, None
+        if res is None:
+            return
+        parent = rep.after
+        if rep.pending_rows:
+            rep.reservation, rep.release_deferred = res, True
+        elif parent is not None and parent.pending_rows:  # the parent's last rows are not back yet
+            parent.reservation, parent.release_deferred = res, True
+        else:
+            self.pool.release(res)
+        self._wake.set()
+
+    def _cancel_replay(self) -> bool:
+        """Give the newest replay's slot and blocks to a waiting request; False when no replay runs."""
+        reps = [r for r in self.running if r.replay]
+        if not reps:
+            return False
+        self._end_replay(reps[-1])
+        return True
 
     def _fail_all(self, error: str) -> None:
         for req in list(self.running) + list(self.queue):

@@ -73,6 +73,15 @@ class BlockPool:
             self._refs[b] = 1
         return Reservation(blocks=list(shared) + blocks, slot=self._free_slots.popleft())
 
+    def take(self, n: int) -> list[int]:
+        """`n` free blocks, one reference each, for the prefix index itself (a snapshot loaded from a KV tier)."""
+        if n > len(self._free_blocks):
+            raise PoolExhausted(f"need {n} blocks; {len(self._free_blocks)} free")
+        blocks = [self._free_blocks.popleft() for _ in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
     def share(self, block: int) -> int:
         """Take another reference on a block that is already owned (prefix sharing); returns the block."""
         if self._refs[block] < 1:

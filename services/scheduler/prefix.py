@@ -42,6 +42,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.scheduler.kv_tiers import TierIndex, TierSnap
 from services.scheduler.pool import BlockPool
 
 KDA_CHUNK = 64  # the chunked KDA kernel's chunk length (kernels/kda.py `chunked`)
@@ -52,13 +53,20 @@ def reuse_granule(block_size: int) -> int:
     return KDA_CHUNK * block_size // math.gcd(KDA_CHUNK, block_size)
 
 
-def block_hashes(tokens: list[int], block_size: int, upto: int) -> list[bytes]:
-    """Hash chain of the full blocks inside tokens[:upto]: h_i = sha256(h_{i-1} || block i's ids as int32 LE)."""
+def block_hashes(tokens: list[int], block_size: int, upto: int,
+                 images: list[tuple[int, int, bytes]] = ()) -> list[bytes]:
+    """Hash chain of the full blocks inside tokens[:upto]: h_i = sha256(h_{i-1} || block i's ids as int32 LE ||
+    the content digest of every image whose placeholder tokens fall in block i). `images`: (offset, tokens,
+    digest) — every image's placeholders are the same id, so without its digest two images would share a cache."""
     out: list[bytes] = []
     h = b""
     for i in range(upto // block_size):
+        lo, hi = i * block_size, (i + 1) * block_size
         d = hashlib.sha256(h)
-        d.update(struct.pack(f"<{block_size}i", *tokens[i * block_size : (i + 1) * block_size]))
+        d.update(struct.pack(f"<{block_size}i", *tokens[lo:hi]))
+        for off, n, digest in images:
+            if off < hi and off + n > lo:
+                d.update(digest)
         h = d.digest()[:16]
         out.append(h)
     return out
@@ -80,6 +88,7 @@ class Snapshot:
     taken: bool = False  # its (request slot -> snapshot slot) copy went out in a plan
     readers: int = 0  # admitted requests whose (snapshot -> request slot) copy has not gone out yet
     superseded: bool = False
+    loading: bool = False  # coming back from a KV tier: usable once the round that loads it is back, checksums good
 
     @property
     def key(self) -> bytes:
@@ -107,10 +116,12 @@ class PrefixIndex:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found
     evictions: int = 0
+    tiers: TierIndex | None = None  # where evicted snapshots and their blocks go (None: they are forgotten)
 
     def __post_init__(self) -> None:
         self._free_slots: deque[int] = deque(self.slots)
         self._clock = 0
+        self.loads: list[Snapshot] = []  # snapshots whose tier load goes out in the next plan
 
     # -- figures --------------------------------------------------------------------------------------------------
     @property
@@ -152,6 +163,12 @@ class PrefixIndex:
         snap.readers += 1
         snap.last_used = self._tick()
         return [self.pool.share(self.blocks[h].block) for h in snap.chain]
+
+    def pin(self, snap: Snapshot) -> None:
+        """A reader that resumes from `snap` with blocks of its own (a reply replay): not evicted until the
+        (snapshot -> request slot) copy goes out (`copied_out`)."""
+        snap.readers += 1
+        snap.last_used = self._tick()
 
     def copied_out(self, snap: Snapshot) -> None:
         snap.readers -= 1
@@ -198,16 +215,22 @@ class PrefixIndex:
         order = self._order()
         return order[0] if order else None
 
-    def _evict(self, snap: Snapshot) -> None:
+    def _evict(self, snap: Snapshot, save: bool = True) -> None:
+        """Forget a snapshot and the blocks only it covered; with KV tiers (and `save`) they move there first."""
         del self.snaps[snap.key]
         self._free_slots.append(snap.slot)
         self.evictions += 1
+        leaving: dict[bytes, int] = {}
         for h in snap.chain:
             c = self.blocks[h]
             c.covers -= 1
             if c.covers == 0:
                 del self.blocks[h]
                 self.pool.drop(c.block)
+                leaving[h] = c.block
+        if save and self.tiers is not None and self.tiers.on and snap.taken and not snap.loading:
+            # The save goes out in the next plan, before anything can reuse the slot or the blocks.
+            self.tiers.keep(snap.key, snap.pos, snap.chain, snap.slot, leaving)
 
     def reclaimable(self, keep: Snapshot | None = None) -> int:
         """Blocks that evicting every evictable snapshot (but `keep`) would return to the free list."""
@@ -222,15 +245,79 @@ class PrefixIndex:
         every block of its chain: then it is kept, it costs no blocks)."""
         return any(self.blocks[h].covers == 1 and self.pool.refcount(self.blocks[h].block) == 1 for h in snap.chain)
 
-    def make_room(self, need_blocks: int) -> None:
-        """Evict (superseded first, then least recently used) until the free list holds `need_blocks`."""
+    def make_room(self, need_blocks: int, keep: frozenset[bytes] = frozenset()) -> None:
+        """Evict (superseded first, then least recently used) until the free list holds `need_blocks`; never a
+        snapshot whose eviction would drop a block of `keep` from the pool."""
         for snap in self._order():
             if self.pool.free_blocks >= need_blocks:
                 return
-            if self._frees(snap):
+            if self._frees(snap) and not self._drops(snap, keep):
                 self._evict(snap)
 
+    def _drops(self, snap: Snapshot, keep: frozenset[bytes]) -> bool:
+        """Whether evicting `snap` would drop a block of `keep` from the index."""
+        return any(self.blocks[h].covers == 1 and h in keep for h in snap.chain)
+
     def clear(self) -> None:
-        """Forget every snapshot (after a loop error a planned state copy may never have run on the ranks)."""
+        """Forget every snapshot (after a loop error a planned state copy may never have run on the ranks, so
+        none is saved to a tier either)."""
         for snap in list(self.snaps.values()):
-            self._evict(snap)
+            self._evict(snap, save=False)
+        self.loads = []
+
+    def persist(self) -> None:
+        """Shutdown with a disk tier: every usable pool snapshot and its blocks are saved there (moves for one last
+        plan)."""
+        if self.tiers is None or self.tiers.disk_capacity <= 0:
+            return
+        self.tiers.persist([(s.key, s.pos, s.chain, s.slot, {h: self.blocks[h].block for h in s.chain})
+                            for s in sorted(self.snaps.values(), key=lambda s: s.last_used)
+                            if s.taken and not s.loading])
+
+    # -- KV tiers -------------------------------------------------------------------------------------------------
+    def tier_match(self, hashes: list[bytes], prompt_len: int, than: int) -> TierSnap | None:
+        """A usable tier snapshot deeper than `than` for a prompt (see `match` for `hashes`), or None."""
+        if self.tiers is None or not self.tiers.on:
+            return None
+        s = self.tiers.best(hashes, prompt_len - 1, self.granule, lambda h: h in self.blocks)
+        return s if s is not None and s.pos > than else None
+
+    def load(self, ts: TierSnap) -> Snapshot | None:
+        """Bring tier snapshot `ts` back into the pool: a snapshot slot, free blocks for the part of its chain the
+        pool lacks, and a load move in the next plan. The snapshot is `loading` until that round is back (`loaded`).
+        None when no slot or not enough blocks can be had."""
+        assert self.tiers is not None
+        keep = frozenset(ts.chain)
+        if not self._free_slots:
+            victim = next((v for v in self._order() if not self._drops(v, keep)), None)
+            if victim is None:
+                return None
+            self._evict(victim)
+        missing = [h for h in ts.chain if h not in self.blocks]
+        self.make_room(len(missing), keep=keep)
+        if self.pool.free_blocks < len(missing):
+            return None
+        targets = dict(zip(missing, self.pool.take(len(missing))))
+        for h in ts.chain:
+            c = self.blocks.get(h)
+            if c is None:
+                c = self.blocks[h] = _Cached(targets[h])
+            c.covers += 1
+        snap = Snapshot(slot=self._free_slots.popleft(), pos=ts.pos, chain=list(ts.chain), shared=False,
+                        last_used=self._tick(), loading=True)
+        self.snaps[snap.key] = snap
+        self.tiers.load(ts, targets, snap.slot)
+        self.loads.append(snap)
+        return snap
+
+    def take_loads(self) -> list[Snapshot]:
+        loads, self.loads = self.loads, []
+        return loads
+
+    def loaded(self, snap: Snapshot, ok: bool) -> None:
+        """The round with `snap`'s load is back: usable, or (a checksum failed on some rank) forgotten."""
+        snap.loading = False
+        if ok:
+            snap.taken = True
+        elif self.snaps.get(snap.key) is snap:
+            self._evict(snap, save=False)

@@ -58,6 +58,7 @@ class _Answer:
     accepted: list[int] = field(default_factory=list)
     hidden: object = None
     logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+    tier_bad: list[bytes] = field(default_factory=list)
 
 
 class RankError(RuntimeError):
@@ -86,12 +87,22 @@ class ModelInfo:
     vocab_size: int
     eos_ids: tuple[int, ...]
     max_model_len: int
+    # KV tiers (every rank's capacity, the smallest counts; per-rank sizes of a block and a KDA state there)
+    tier_host_bytes: int = 0
+    tier_disk_bytes: int = 0
+    block_bytes: int = 0
+    state_bytes: int = 0
 
     @classmethod
-    def from_describe(cls, d: rank_pb2.DescribeReply) -> "ModelInfo":
+    def from_describe(cls, d: rank_pb2.DescribeReply, group: list[rank_pb2.DescribeReply] | None = None
+                      ) -> "ModelInfo":
+        group = group or [d]
         return cls(model=d.model, fingerprint=d.fingerprint, world=d.world, num_blocks=d.num_blocks,
                    block_size=d.block_size, num_slots=d.num_slots, vocab_size=d.vocab_size,
-                   eos_ids=tuple(d.eos_token_ids), max_model_len=d.max_model_len)
+                   eos_ids=tuple(d.eos_token_ids), max_model_len=d.max_model_len,
+                   tier_host_bytes=min(r.tier_host_bytes for r in group),
+                   tier_disk_bytes=min(r.tier_disk_bytes for r in group),
+                   block_bytes=max(r.block_bytes for r in group), state_bytes=max(r.state_bytes for r in group))
 
 
 class _Refused(str):
@@ -154,6 +165,8 @@ class RankSet:
         self.last_hidden = None  # rank 0's [R, D] hidden states of the last round (when the plan wanted them)
         # rank 0's logprobs of the last round's sample rows (when the plan asked): chosen [R], top ids / logprobs [R, K]
         self.last_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+        self.last_tier_bad: list[bytes] = []  # tier entries the last round's loads found corrupt (every rank dropped)
+        self.tier_listing: list[rank_pb2.TierEntry] = []  # disk tier entries every rank of the group holds
         self._closing = False
         self._in_flight = 0  # rounds submitted and not yet collected
         self._last_read: list[asyncio.Future | None] = []  # per client: the read of the newest submitted round
@@ -192,13 +205,25 @@ class RankSet:
             await asyncio.sleep(0.5)
         got = [r for r in replies if r is not None]
         self._check_group(got)
-        self.info = ModelInfo.from_describe(got[0])
+        self.info = ModelInfo.from_describe(got[0], got)
         self.described = got
+        await self._list_tiers()
         self._open_streams()
         log.info("serving %s with %d rank(s): %d blocks x %d tokens, %d slots, vocab %d, window %d, eos %s",
                  self.info.model, len(self.clients), self.info.num_blocks, self.info.block_size, self.info.num_slots,
                  self.info.vocab_size, self.info.max_model_len, list(self.info.eos_ids))
         return self.info
+
+    async def _list_tiers(self) -> None:
+        """The disk tier entries every rank holds (a rank that lost one, or never wrote it, rules it out)."""
+        self.tier_listing = []
+        if self.info is None or self.info.tier_disk_bytes <= 0:
+            return
+        replies = await asyncio.gather(*(c.stub.TierList(rank_pb2.TierListRequest(), timeout=60)
+                                         for c in self.clients))
+        common = set.intersection(*({e.key for e in r.entries} for r in replies))
+        self.tier_listing = [e for e in replies[0].entries if e.key in common]
+        log.info("disk kv tier: %d entries held by every rank", len(self.tier_listing))
 
     def _check_group(self, replies: list[rank_pb2.DescribeReply]) -> None:
         n = len(self.clients)
@@ -330,6 +355,7 @@ class RankSet:
                 log.error("round %d: %s sampled %s but rank0 sampled %s (rank invariance broken)", plan.round,
                           c.name, r.sampled, first.sampled)
         self.last_accepted, self.last_hidden, self.last_logprobs = first.accepted, first.hidden, first.logprobs
+        self.last_tier_bad = sorted(set().union(*(r.tier_bad for r in results)))
         return first.sampled
 
     def abandon(self, rnd: "Round") -> None:
@@ -368,7 +394,7 @@ class RankSet:
             sampled = ids(res.sampled) if res.HasField("sampled") else []
         except ValueError as exc:
             raise RankError(c.index, c.address, f"round {plan.round}: bad sampled tensor: {exc}") from exc
-        answer = _Answer(sampled)
+        answer = _Answer(sampled, tier_bad=list(res.tier_bad))
         if c.index == 0 and len(sampled) != n_sample:
             raise RankError(c.index, c.address, f"round {plan.round}: {len(sampled)} sampled ids for {n_sample} rows")
         if c.index == 0:
@@ -429,6 +455,11 @@ class RankSet:
             if c.call is not None:
                 c.call.cancel()  # the failed group's streams (normally over already)
         self.described = group
+        try:
+            await self._list_tiers()
+        except grpc.aio.AioRpcError as exc:  # the group is up; its disk tier is only a cache
+            log.warning("could not list the disk kv tier after the restart: %s", _rpc_error_text(exc))
+            self.tier_listing = []
         self._open_streams()
         failed, self.failure = self.failure, None
         log.info("the rank group restarted after %.1f s (instances %s): serving again from round 1; the failure was "

@@ -75,7 +75,7 @@ class Request:
     def __init__(self, *, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingSpec,
                  stop_ids: frozenset[int], eos_ids: frozenset[int], priority: int, order: int,
                  max_model_len: int, no_draft: bool = False, grammar: RequestGrammar | None = None,
-                 logprobs_k: int = -1) -> None:
+                 logprobs_k: int = -1, images: list[generate_pb2.Image] | None = None) -> None:
         self.id = request_id
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
@@ -90,6 +90,7 @@ class Request:
         self.no_draft = no_draft
         self.grammar = grammar  # structured output: masks every sample row (drafts included)
         self.logprobs_k = logprobs_k  # -1: no logprobs; k >= 0: each token's logprob and the top k
+        self.images = images or []  # prompt images, by offset (the ranks embed them at their placeholder rows)
         self.drafted_tokens = 0  # drafts verified for this request
         self.accepted_tokens = 0  # of which the ranks accepted
         self.last_hidden = None  # the target's hidden state at the row that sampled the last token (MTP drafts)
@@ -106,6 +107,10 @@ class Request:
         self.pending_rows = 0
         self.pending_samples = 0
         self.release_deferred = False
+        # A reply replay (engine `_start_replay`): prefills a finished request's prompt + reply for the prefix cache,
+        # samples nothing, streams nothing, and gives way to any request that needs its slot or blocks.
+        self.replay = False
+        self.after: Request | None = None  # a replay's finished request, whose last rows may still be in flight
         self.state = State.WAITING
         self.abort_reason: str | None = None  # set by Abort / cancellation; acted on at the next round boundary
         self.last_round = 0  # last round this request had rows in (fair order when the budget is short)
@@ -133,6 +138,14 @@ class Request:
     def prompt_left(self) -> bool:
         """Prompt rows remain to be planned."""
         return self.planned < self.prompt_len
+
+    @property
+    def ready(self) -> bool:
+        """Whether its next rows may be planned: not while the snapshot it resumes from is still coming back from
+        a KV tier, nor (a replay) while its finished request's last rows are in flight."""
+        if self.resume is not None and self.resume.loading:
+            return False
+        return self.after is None or not self.after.pending_rows
 
     @property
     def wants_rows(self) -> bool:
@@ -172,6 +185,11 @@ class Request:
         if not seq.verify:
             self.pending_rows -= len(seq.token_ids)
             self.pending_samples -= 1 if seq.sample else 0
+
+    @property
+    def image_spans(self) -> list[tuple[int, int, bytes]]:
+        """(offset, tokens, digest) of each image: what the prefix cache keys its blocks by."""
+        return [(im.offset, im.tokens, im.digest) for im in self.images]
 
     # -- commit ---------------------------------------------------------------------------------------------------
     def commit(self, n_rows: int, sampled: int | None) -> None:

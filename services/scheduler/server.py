@@ -102,8 +102,8 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                        f"{e.windows_total} windows"))
         return generate_pb2.HealthReply(
             healthy=healthy, components=components, pool=e.pool_stats(),
-            running=len(e.running), waiting=len(e.queue), max_model_len=e.info.max_model_len, model=e.info.model,
-            prefix_cache_queries=e.prefix_queries, prefix_cache_hits=e.prefix_hits)
+            running=e.num_running, waiting=len(e.queue), max_model_len=e.info.max_model_len, model=e.info.model,
+            prefix_cache_queries=e.prefix_queries, prefix_cache_hits=e.prefix_hits, tiers=e.tier_stats())
 
 
 @dataclass
@@ -161,10 +161,12 @@ class Scheduler:
         return self.port
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        if self.server is not None:
-            await self.server.stop(grace_s)
+        # The engine first: it fails what is in flight and, with a disk KV tier, saves the prefix cache while the
+        # ranks (stopping too) still hold their Step streams open.
         if self.engine is not None:
             await self.engine.stop()
+        if self.server is not None:
+            await self.server.stop(grace_s)
         if self.drafter is not None:
             await self.drafter.close()
         await self.ranks.close()

@@ -35,6 +35,20 @@ def test_decode_prefill_tiny_end_to_end(tmp_path):
     assert "## Decode" in md and "## Prefill" in md and "## Ceilings" in md
 
 
+def test_long_context_tiny_end_to_end(tmp_path):
+    cmd = [sys.executable, "-m", "bench.long_context", "--tiny", "--lengths", "256,640", "--chunk", "128", "--out",
+           str(tmp_path), "--name", "smoke"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    assert [(r["tokens"], r["status"]) for r in data["prefill"]] == [(256, "ok"), (640, "ok")]
+    for r in data["prefill"]:
+        assert r["ttft_s"] > 0 and r["tok_per_s"] > 0 and r["pool_bytes"] > 0 and r["peak_bytes"] > 0
+    by = {(r["model"], r["kv_cache_dtype"]): r["bytes_per_token"] for r in data["pool_bytes_per_token"]}
+    assert by[("bench model", "fp8")] < by[("bench model", "auto")] < by[("whole model (45 layers)", "auto")]
+    assert "## Prefill" in (tmp_path / "smoke.md").read_text()
+
+
 def test_real_dims_accounting_matches_reference():
     """4 real-dimension layers: 2.01 B parameters read per batch-1 decode step (REFERENCE.md §5)."""
     spec = bench_spec(layers=4)

@@ -127,3 +127,14 @@ def test_long_prompt_is_chunked_while_others_stream(stack_tp2):
     print(f"long prompt prefill took {long_first[0] - long_sent[0]:.2f} s; the other stream got {len(during)} tokens "
           f"meanwhile")
     assert len(during) >= 5
+
+
+def test_models_says_the_window_the_pool_holds(stack_tp2, tiny_default):
+    """The ranks size their pools from memory (no --num-blocks): on the CPU 1 GiB each, ~1.3M positions of the tiny
+    model, so the window is the checkpoint's whole max_position_embeddings, and /v1/models says so as vLLM does."""
+    window = json.loads((tiny_default / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    assert window == 1_048_576
+    served = httpx.get(stack_tp2.v1 + "/models", timeout=10).json()["data"][0]
+    assert served["max_model_len"] == window
+    tokenized = httpx.post(stack_tp2.url + "/tokenize", json={"prompt": "hi"}, timeout=10).json()
+    assert tokenized["max_model_len"] == window

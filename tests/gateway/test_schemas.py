@@ -77,8 +77,10 @@ def test_agent_fields_are_validated(fields: dict, param: str) -> None:
     ({}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
      "messages[0].content[0]"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0]"),
     ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
     ({"messages": MSG, "reasoning_effort": "huge"}, "reasoning_effort"),
 ])

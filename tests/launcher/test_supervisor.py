@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from services.launcher.tiny_cache import NAME as TINY_NAME
+
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).with_name("standin_role.py")
 ROLE_CMD = shlex.join([sys.executable, str(STANDIN)])
@@ -257,10 +259,10 @@ def test_detach_then_down_leaves_nothing(tmp_path):
     up = run("up", "--detach", "--role-command", ROLE_CMD, "--stop-grace", "1", "--startup-timeout", "20")
     assert up.returncode == 0, up.stderr
     info = json.loads((state / "up.json").read_text())
-    assert info["status"] == "up" and info["model"] == str(cache / "tiny-default")
+    assert info["status"] == "up" and info["model"] == str(cache / TINY_NAME)
     assert f"twinspark is up: {info['endpoint']}" in up.stdout and "twinspark down" in up.stdout
     assert "no --model: serving the tiny checkpoint" in up.stderr and "starting rank 1" in up.stderr
-    assert all(f"--model {cache / 'tiny-default'}" in " ".join(c["argv"]) for c in info["children"]
+    assert all(f"--model {cache / TINY_NAME}" in " ".join(c["argv"]) for c in info["children"]
                if c["role"] in ("rank", "gateway"))
     assert _get(info["health_url"]) == 200
     sup = info["supervisor_pid"]

@@ -91,6 +91,9 @@ def _malformed() -> list[tuple[str, rank_pb2.StepPlan]]:
     bad("state copies of the wrong shape", state_copies=i32([1, 2, 3]))
     bad("too many state copies", state_copies=to_proto(torch.zeros(9, 2, dtype=torch.int32)))
     bad("state copy from a slot beyond the cache", state_copies=to_proto(torch.tensor([[0, 99]], dtype=torch.int32)))
+    plan = _plan(1, [1, 2, 3], 0)
+    plan.tier_moves.add(kind=rank_pb2.TIER_SAVE, block_keys=[b"k" * 16], blocks=i32([0]))
+    out.append(("a KV tier move on a rank without tiers", plan))
     return out
 
 

@@ -48,7 +48,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "priority", "no_draft", "trace_context", "grammar", "logprobs", "top_logprobs", "seed_offset")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "priority", "no_draft", "trace_context", "grammar", "logprobs", "top_logprobs", "seed_offset", "images")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SEED_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _tensor_pb2.Tensor
     sampling: Sampling
@@ -82,7 +83,22 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     seed_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., no_draft: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., seed_offset: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., no_draft: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., seed_offset: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("pixel_values", "grid_thw", "digest", "offset", "tokens")
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pixel_values: _tensor_pb2.Tensor
+    grid_thw: _tensor_pb2.Tensor
+    digest: bytes
+    offset: int
+    tokens: int
+    def __init__(self, pixel_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., digest: _Optional[bytes] = ..., offset: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("progress", "tokens", "finished")
@@ -181,7 +197,7 @@ class PoolStats(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("healthy", "components", "pool", "running", "waiting", "max_model_len", "model", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("healthy", "components", "pool", "running", "waiting", "max_model_len", "model", "prefix_cache_queries", "prefix_cache_hits", "tiers")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +207,7 @@ class HealthReply(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     components: _containers.RepeatedCompositeFieldContainer[ComponentHealth]
     pool: PoolStats
@@ -200,4 +217,23 @@ class HealthReply(_message.Message):
     model: str
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, healthy: _Optional[bool] = ..., components: _Optional[_Iterable[_Union[ComponentHealth, _Mapping]]] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    def __init__(self, healthy: _Optional[bool] = ..., components: _Optional[_Iterable[_Union[ComponentHealth, _Mapping]]] = ..., pool: _Optional[_Union[PoolStats, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "bytes", "capacity", "entries", "hits", "evictions", "corrupt")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    bytes: int
+    capacity: int
+    entries: int
+    hits: int
+    evictions: int
+    corrupt: int
+    def __init__(self, tier: _Optional[str] = ..., bytes: _Optional[int] = ..., capacity: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...

@@ -46,6 +46,11 @@ class RankWorkerStub:
                 request_serializer=twinspark_dot_v1_dot_rank__pb2.StepPlan.SerializeToString,
                 response_deserializer=twinspark_dot_v1_dot_rank__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.TierList = channel.unary_unary(
+                '/twinspark.v1.RankWorker/TierList',
+                request_serializer=twinspark_dot_v1_dot_rank__pb2.TierListRequest.SerializeToString,
+                response_deserializer=twinspark_dot_v1_dot_rank__pb2.TierListReply.FromString,
+                _registered_method=True)
 
 
 class RankWorkerServicer:
@@ -65,6 +70,14 @@ class RankWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TierList(self, request, context):
+        """What this rank's disk KV tier holds (entries written by an earlier run with the same cache fingerprint); the
+        scheduler reads it once per connected group and keeps the entries every rank holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RankWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_RankWorkerServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=twinspark_dot_v1_dot_rank__pb2.StepPlan.FromString,
                     response_serializer=twinspark_dot_v1_dot_rank__pb2.StepResult.SerializeToString,
+            ),
+            'TierList': grpc.unary_unary_rpc_method_handler(
+                    servicer.TierList,
+                    request_deserializer=twinspark_dot_v1_dot_rank__pb2.TierListRequest.FromString,
+                    response_serializer=twinspark_dot_v1_dot_rank__pb2.TierListReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class RankWorker:
             '/twinspark.v1.RankWorker/Step',
             twinspark_dot_v1_dot_rank__pb2.StepPlan.SerializeToString,
             twinspark_dot_v1_dot_rank__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TierList(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinspark.v1.RankWorker/TierList',
+            twinspark_dot_v1_dot_rank__pb2.TierListRequest.SerializeToString,
+            twinspark_dot_v1_dot_rank__pb2.TierListReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,6 +30,9 @@ class Batch:
     # decode step or a verify window). None: a sequence with several rows and no verify flag is a prompt chunk.
     # The GPU fast path needs the decode-class sequences first (`class_order` / `permuted`); the CPU path does not.
     prompt: list[bool] | None = None
+    # (first packed row, [n, D] embeddings): rows whose input is an image's embeddings rather than their token's
+    # (vision placeholders; the CPU path merges them after the embedding lookup)
+    embeds: list[tuple[int, torch.Tensor]] | None = None
     _positions: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,7 +82,9 @@ class Batch:
                       block_tables=self.block_tables[torch.tensor(order, device=self.block_tables.device)],
                       slots=pick(self.slots), logit_rows=row_map.to(self.logit_rows.device)[self.logit_rows],
                       hidden=None if self.hidden is None else self.hidden[rows.to(self.hidden.device)],
-                      verify=pick(self.verify), prompt=[self.is_prompt(s) for s in order])
+                      verify=pick(self.verify), prompt=[self.is_prompt(s) for s in order],
+                      # a sequence's rows stay contiguous, so an image's run of rows moves as one
+                      embeds=None if self.embeds is None else [(int(row_map[r]), e) for r, e in self.embeds])
         return batch, row_map
 
     @property

@@ -61,6 +61,20 @@ class PagedCache:
                 self.kda_state[layer][dst].copy_(self.kda_state[layer][src])
                 self.conv_state[layer][dst].copy_(self.conv_state[layer][src])
 
+    def block_views(self, block: int) -> list[torch.Tensor]:
+        """Every slice that holds block `block` — latent and indexer rows (with their fp8 scales) and pooled keys of
+        each layer — in a fixed order: what a KV tier stores for the block (services/rank_worker/kv_tiers.py)."""
+        out: list[torch.Tensor] = []
+        for store in [*self.latent.values(), *self.index_keys.values()]:
+            out.append(store.data[block])
+            if store.scale is not None:
+                out.append(store.scale[block])
+        return out + [p[block] for p in self.pooled.values()]
+
+    def state_views(self, slot: int) -> list[torch.Tensor]:
+        """Slot `slot`'s KDA recurrent and conv state of every layer, in a fixed order (what a KV tier stores)."""
+        return [t[slot] for t in (*self.kda_state.values(), *self.conv_state.values())]
+
     def _addresses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(block id, offset in block) of every packed row."""
         pos = batch.positions
@@ -77,7 +91,14 @@ class PagedCache:
         blocks, offsets = self._addresses(batch)
         store.write(blocks, offsets, values[: blocks.shape[0]])
 
-    def read_sequence(self, store: RowStore, block_table: torch.Tensor, length: int) -> torch.Tensor:
-        """Positions 0..length-1 of one sequence, gathered from its blocks -> [length, width] (compute dtype)."""
-        n_blocks = -(-length // self.block_size)
-        return store.read(block_table[:n_blocks], length)
+    def read_range(self, store: RowStore, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Positions start..end-1 of one sequence -> [end - start, width] (compute dtype)."""
+        first = start // self.block_size
+        rows = store.read(block_table[first : -(-end // self.block_size)], end - first * self.block_size)
+        return rows[start - first * self.block_size :]
+
+    def gather_positions(self, store: RowStore, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rows at `positions` (any shape, -1 = padding: row 0's value, to be masked) of one sequence ->
+        [*positions.shape, width] (compute dtype)."""
+        pos = positions.clamp(min=0)
+        return store.gather(block_table[pos // self.block_size], pos % self.block_size)

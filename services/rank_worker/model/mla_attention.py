@@ -16,7 +16,7 @@ import torch
 
 from kernels import dsa
 from kernels.linear import linear, linear_fp32
-from kernels.mla import latent_attention
+from kernels.mla import sparse_latent_attention
 from kernels.norms import layer_norm, rms_norm
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
@@ -24,9 +24,16 @@ from services.rank_worker.model.config import ModelConfig
 from services.rank_worker.model.gpu_rows import GpuRows
 from services.rank_worker.model.weights import WeightReader
 
-QUERY_BLOCK = 1024
-# full-indexer layer -> its selection: per-sequence [n, context] bool masks (CPU path), or (pools [T, W] int32
-# ascending, count [T] int32) per row (GPU path)
+# The CPU path works on blocks of query rows and of k-pools, so its buffers stay the same size whatever the context
+# length (a 1M-token prompt prefills with the memory of a short one, beside the cache itself): index scores
+# [QUERY_BLOCK, heads, POOL_BLOCK], selected positions [rows, topk + kpool], gathered latent rows
+# [ATTENTION_BLOCK, topk + kpool, kv_lora_rank].
+QUERY_BLOCK = 256
+POOL_BLOCK = 1024
+ATTENTION_BLOCK = 64
+# full-indexer layer -> its selection: per sequence the selected positions [n, topk + kpool] (ascending, -1 padded;
+# a verify window: a list of [1, ...] per row) on the CPU path, or (pools [T, W] int32 ascending, count [T] int32)
+# per row (GPU path)
 Selections = dict[int, list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -58,21 +65,29 @@ class Indexer:
         w = linear(x, self.weights_proj).float() * (self.heads ** -0.5)
         store = cache.index_keys[layer]
         positions = batch.positions
-        masks = []
+        out = []
         for s, (off, n, start) in enumerate(zip(batch.offsets, batch.lengths, batch.starts)):
             # A verify window is n one-row decodes: each row sees exactly the context a decode at its position sees.
             parts = [(off + r, 1, start + r) for r in range(n)] if batch.is_verify(s) else [(off, n, start)]
-            per_row = []
+            table = batch.block_tables[s]
+            per_part = []
             for o, m, st in parts:
-                ctx = st + m
-                rows = cache.read_sequence(store, batch.block_tables[s], ctx)
-                keys, gates = rows.split(self.dim, dim=-1)
-                pooled = dsa.pool_keys(keys, gates, self.ape, self.kpool)
-                scores = dsa.index_scores(q[o : o + m], w[o : o + m], pooled)
-                per_row.append(dsa.select(scores, positions[o : o + m], ctx, self.kpool, self.topk, self.tail))
-            # Verify sequences keep a list of [1, ctx_r] masks (one per row), others one [n, ctx] mask.
-            masks.append(per_row if batch.is_verify(s) else per_row[0])
-        return masks
+                n_pools = (st + m) // self.kpool
+                blocks = []
+                for q0 in range(0, m, QUERY_BLOCK):
+                    rows = slice(o + q0, o + min(m, q0 + QUERY_BLOCK))
+
+                    def scores_of(p0: int, p1: int, rows: slice = rows) -> torch.Tensor:
+                        keys, gates = cache.read_range(store, table, p0 * self.kpool, p1 * self.kpool).split(
+                            self.dim, dim=-1)
+                        return dsa.index_scores(q[rows], w[rows], dsa.pool_keys(keys, gates, self.ape, self.kpool))
+
+                    blocks.append(dsa.select_positions(scores_of, n_pools, positions[rows], self.kpool, self.topk,
+                                                       self.tail, POOL_BLOCK))
+                per_part.append(torch.cat(blocks))
+            # Verify sequences keep a list of [1, S] selections (one per row), others one [n, S].
+            out.append(per_part if batch.is_verify(s) else per_part[0])
+        return out
 
 
     def select_gpu(self, x_parts: list[torch.Tensor], q_resid: torch.Tensor, rows: GpuRows, cache: PagedCache,
@@ -138,29 +153,28 @@ class MlaAttention:
         if self.indexer is not None:
             cache.write_rows(cache.index_keys[self.layer], batch, self.indexer.cache_rows(x))
             selections[self.layer] = self.indexer.select(x, q_resid, batch, cache, self.layer)
-        masks = selections[self.shares_with if self.indexer is None else self.layer]
+        chosen = selections[self.shares_with if self.indexer is None else self.layer]
 
-        latents = [cache.read_sequence(cache.latent[self.layer], batch.block_tables[s], st + n)
-                   for s, (st, n) in enumerate(zip(batch.starts, batch.lengths))]
+        # Each query attends over its own selected positions' latent rows, gathered from the paged cache a block of
+        # rows at a time (verify rows one at a time, as one-row decodes): [rows, topk + kpool, r] at most.
+        store = cache.latent[self.layer]
+        spans = []  # (packed rows, their selected positions)
+        for s, (off, n) in enumerate(zip(batch.offsets, batch.lengths)):
+            if batch.is_verify(s):
+                spans += [(slice(off + r, off + r + 1), chosen[s][r]) for r in range(n)]
+            else:
+                spans += [(slice(off + b, off + min(b + ATTENTION_BLOCK, n)), chosen[s][b : b + ATTENTION_BLOCK])
+                          for b in range(0, n, ATTENTION_BLOCK)]
+        seq_of = batch.row_seq.tolist()
         partials = []
         for j in range(len(self.q_b)):
             q = linear(q_resid, self.q_b[j]).view(-1, self.heads, self.dn)
             out = torch.zeros(x.shape[0], self.heads, self.dv, dtype=x.dtype, device=x.device)
-            for s, (off, n, st) in enumerate(zip(batch.offsets, batch.lengths, batch.starts)):
-                if batch.is_verify(s):
-                    # One query row at a time over exactly its own context: the arithmetic of a one-row decode.
-                    for r in range(n):
-                        row = slice(off + r, off + r + 1)
-                        q_lat = torch.einsum("nhd,hdr->nhr", q[row].float(), self.w_uk[j].float())
-                        o_lat = latent_attention(q_lat, latents[s][: st + r + 1], masks[s][r], self.scale)
-                        out[row] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[j].float()).to(x.dtype)
-                    continue
-                # Long prefills go QUERY_BLOCK rows at a time so the [heads, rows, context] scores stay bounded.
-                for b in range(0, n, QUERY_BLOCK):
-                    rows = slice(off + b, off + min(b + QUERY_BLOCK, n))
-                    q_lat = torch.einsum("nhd,hdr->nhr", q[rows].float(), self.w_uk[j].float())
-                    o_lat = latent_attention(q_lat, latents[s], masks[s][b : b + QUERY_BLOCK], self.scale)
-                    out[rows] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[j].float()).to(x.dtype)
+            for rows, pos in spans:
+                latent = cache.gather_positions(store, batch.block_tables[seq_of[rows.start]], pos)
+                q_lat = torch.einsum("nhd,hdr->nhr", q[rows].float(), self.w_uk[j].float())
+                o_lat = sparse_latent_attention(q_lat, latent, pos >= 0, self.scale)
+                out[rows] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[j].float()).to(x.dtype)
             partials.append(linear_fp32(out.reshape(x.shape[0], -1), self.o_w[j]))
         return partials
 

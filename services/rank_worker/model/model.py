@@ -11,6 +11,7 @@ Entry points:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from services.rank_worker.model.decoder_layer import DecoderLayer
 from services.rank_worker.model.mla_attention import Selections
 from services.rank_worker.model.mtp import MtpBlock
 from services.rank_worker.model.parallel import Collective, Sharding
+from services.rank_worker.model.vision import VisionConfig, VisionTower
 from services.rank_worker.model.weights import TEXT_PREFIX, WeightReader
 
 
@@ -38,7 +40,7 @@ class ForwardOutput:
 
 class Glm5Model:
     def __init__(self, cfg: ModelConfig, reader: WeightReader, coll: Collective, *, load_mtp: bool = True,
-                 load_target: bool = True) -> None:
+                 load_target: bool = True, vision: VisionConfig | None = None) -> None:
         self.cfg = cfg
         self.coll = coll
         self.dtype = reader.dtype
@@ -52,16 +54,21 @@ class Glm5Model:
         mtp_prefix = f"{TEXT_PREFIX}layers.{cfg.mtp_layer_index}."
         self.mtp = (MtpBlock(cfg, reader, mtp_prefix)
                     if load_mtp and cfg.num_nextn_predict_layers and reader.has(mtp_prefix + "eh_proj.weight") else None)
+        # The vision tower, where this rank runs it (rank 0; the executor broadcasts its embeddings).
+        self.vision = VisionTower(vision, reader) if vision is not None else None
 
     @classmethod
     def load(cls, model_dir: str | Path, *, sharding: Sharding | None = None, group=None,
              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", load_mtp: bool = True,
-             progress: bool = True, load_target: bool = True) -> "Glm5Model":
+             progress: bool = True, load_target: bool = True, load_vision: bool = False) -> "Glm5Model":
         sharding = sharding or Sharding()
         cfg = ModelConfig.from_pretrained(model_dir)
+        vision = VisionConfig.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text())) \
+            if load_vision else None
         reader = WeightReader(model_dir, sharding, dtype, torch.device(device), progress=progress)
         try:
-            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp, load_target=load_target)
+            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp, load_target=load_target,
+                       vision=vision)
         finally:
             reader.close()
 
@@ -85,6 +92,8 @@ class Glm5Model:
         # Batch-wide tensors carry a multiple of ROW_TILE rows (zero-token padding rows that belong to no sequence)
         # so every row sees the same elementwise code paths whatever the batch size (kernels/linear.py).
         x = self.embed[pad_rows(batch.token_ids)]
+        for row, e in batch.embeds or []:  # image placeholders take their image's embeddings
+            x[row : row + e.shape[0]] = e.to(x.dtype)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         selections: Selections = {}
         for layer in self.layers:

@@ -75,3 +75,19 @@ class Collective:
         gathered = [torch.empty_like(local) for _ in range(self.sharding.world)]
         dist.all_gather(gathered, local, group=self.group)
         return torch.cat(gathered, dim=-1)
+
+    def union(self, keys: set[bytes]) -> set[bytes]:
+        """The union of every rank's `keys` (KV tier entries that failed on some rank: all must drop them alike)."""
+        if self.sharding.world == 1:
+            return keys
+        gathered: list[set[bytes] | None] = [None] * self.sharding.world
+        dist.all_gather_object(gathered, keys, group=self.group)
+        return set().union(*(g or set() for g in gathered))
+
+    def from_first(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` on every rank (the other ranks pass a tensor of the same shape and dtype to receive it)."""
+        if self.sharding.world > 1:
+            t = t.contiguous()
+            dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                           group=self.group)
+        return t

@@ -7,6 +7,9 @@ the compute dtype on read, so the attention code above never sees the storage fo
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from kernels.kv_quant import FP8, dequantize_rows, quantize_rows
@@ -22,12 +25,22 @@ def row_bytes(width: int, stored: torch.dtype) -> int:
     return width * stored.itemsize + scale
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros, except on the CPU, where the memory comes from calloc (through numpy) and its pages are zeroed
+    by the OS when first touched: a pool sized for the whole window then takes resident memory only as it fills,
+    instead of all of it at start (torch.zeros writes every byte)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 class RowStore:
     def __init__(self, num_blocks: int, block_size: int, width: int, *, dtype: torch.dtype,
                  stored: torch.dtype | None, device: torch.device | str) -> None:
         self.dtype = dtype  # what reads return
         self.width = width
-        self.data = torch.zeros(num_blocks, block_size, width, dtype=stored or dtype, device=device)
+        self.data = zeroed((num_blocks, block_size, width), stored or dtype, device)
         self.scale = (torch.ones(num_blocks, block_size, dtype=SCALE_DTYPE, device=device)
                       if self.data.dtype == FP8 else None)
 
@@ -46,3 +59,10 @@ class RowStore:
         if self.scale is None:
             return rows
         return dequantize_rows(rows, self.scale[block_ids].flatten(0, 1)[:length], self.dtype)
+
+    def gather(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows at (blocks, offsets) (any matching shapes) in the compute dtype -> [*shape, width]."""
+        rows = self.data[blocks, offsets]
+        if self.scale is None:
+            return rows
+        return dequantize_rows(rows, self.scale[blocks, offsets], self.dtype)

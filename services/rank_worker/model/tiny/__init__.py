@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from kernels.quant import exl3
 
-from .config_builder import generation_config, model_config, processor_config, round_up
+from .config_builder import generation_config, model_config, preprocessor_config, processor_config, round_up
 from .quantized import EXL3_DIMS, FORMATS, exl3_quant_config, exl3_recipe, make_tensors
 from .shards import INDEX_NAME, plan_shards, write_shards
 from .spec import TinySpec, default_layer_pattern
@@ -112,6 +112,7 @@ def write_model_files(out: Path, spec: TinySpec, tok: Tokenizer, *, dtype: str,
         cfg["quantization_config"] = quantization_config
     return [_write_json(out / "config.json", cfg),
             _write_json(out / "generation_config.json", generation_config(pad_token_id=pad_id, eos_token_ids=eos_ids)),
+            _write_json(out / "preprocessor_config.json", preprocessor_config(spec)),
             _write_json(out / "processor_config.json", processor_config(spec)),
             *write_tokenizer(tok, out)]
 

@@ -143,3 +143,28 @@ def generation_config(*, pad_token_id: int, eos_token_ids: list[int]) -> dict[st
         "temperature": 1.0,
         "top_p": 0.95,
     }
+
+
+# The tiny checkpoint's images are small: 4..64 placeholder tokens each (the release allows 16..8,000).
+TINY_MIN_IMAGE_TOKENS, TINY_MAX_IMAGE_TOKENS = 4, 64
+
+
+def preprocessor_config(spec: TinySpec) -> dict[str, Any]:
+    """`preprocessor_config.json`: GLM-5's image processor settings (transformers `Glm5NextImageProcessor`)."""
+    s = spec
+    return {
+        "image_processor_type": "Glm5NextImageProcessor",
+        "do_resize": True,
+        "resample": 3,  # bicubic
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_convert_rgb": True,
+        "patch_size": s.vision_patch_size,
+        "temporal_patch_size": s.vision_temporal_patch_size,
+        "merge_size": s.vision_spatial_merge_size,
+        "min_image_tokens": TINY_MIN_IMAGE_TOKENS,
+        "max_image_tokens": TINY_MAX_IMAGE_TOKENS,
+    }

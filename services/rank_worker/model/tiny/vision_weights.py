@@ -1,7 +1,7 @@
 """The vision tower's tensors (`model.visual.*`).
 
-We never run the vision tower, but transformers always builds it and reports missing keys if the checkpoint lacks
-them, so the tiny checkpoint carries a one-block tower. The key list was taken once from transformers 5.23's
+The tiny checkpoint carries a one-block tower: transformers always builds one (and reports missing keys without
+it), and the rank runs it for image inputs (services/rank_worker/model/vision.py). The key list was taken once from transformers 5.23's
 `Glm5NextVisionModel` built with the tiny vision_config and is hard-coded here (make-tiny must not import
 transformers); the test that loads the checkpoint through transformers catches any drift.
 """
@@ -12,7 +12,9 @@ from .spec import TinySpec
 from .tensor_spec import BIAS, NORM, Init, TensorSpec, normal
 
 PREFIX = "model.visual."
-_W = normal(0.02)  # small: the tower only has to load, and small weights keep any accidental use finite
+# Large enough that image embeddings come out at the scale of the text embeddings (std 1): a parity test against
+# transformers then checks the image really conditions the logits.
+_W = normal(0.25)
 
 
 def vision_tensors(spec: TinySpec) -> list[TensorSpec]:

@@ -1,0 +1,82 @@
+"""How many KV blocks a rank's pool gets when `--num-blocks` is not given: sized from memory, as vLLM sizes its KV
+cache, so the served window (`max_model_len`) is as long as the checkpoint allows and the memory holds.
+
+The budget (bytes for the pool's blocks and its KDA state slots together, per rank):
+- `--kv-cache-memory-bytes` when given (vLLM's flag);
+- on CUDA: `--gpu-memory-utilization` x the device's memory, less what is in use on it once the weights are loaded
+  (by this process and any other); the rest (1 - utilization) is the room left for activations, the GPU indexer's
+  buffers and CUDA graphs;
+- on the CPU: CPU_KV_CACHE_BYTES, or half the available RAM when that is less (vLLM's CPU backend likewise takes a
+  fixed KV space, VLLM_CPU_KVCACHE_SPACE, rather than profiling; a CPU pool is resident from the start).
+Every rank sizes its own and the group takes the smallest, so all ranks address the same blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from services.rank_worker.model.cache import PagedCache
+from services.rank_worker.model.config import ModelConfig
+from services.rank_worker.model.parallel import Sharding
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class PoolCost:
+    block_bytes: int  # one block in every latent / indexer store and pooled-key table of this rank
+    slot_bytes: int  # one KDA state slot (recurrent + conv state of every KDA layer) of this rank
+
+
+def pool_cost(cfg: ModelConfig, sharding: Sharding, *, block_size: int, dtype: torch.dtype,
+              kv_dtype: torch.dtype | None, with_mtp: bool) -> PoolCost:
+    """What one block and one slot cost on this rank, read off a cache laid out on the meta device (no memory), so
+    the figure is the real cache's layout and cannot drift from it."""
+    probe = PagedCache(cfg, sharding, num_blocks=0, block_size=block_size, num_slots=0, dtype=dtype, device="meta",
+                       with_mtp=with_mtp, kv_dtype=kv_dtype)
+    return PoolCost(sum(t.nbytes for t in probe.block_views(0)), sum(t.nbytes for t in probe.state_views(0)))
+
+
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def budget_bytes(device: torch.device, *, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> int:
+    """Bytes this rank's pool (blocks and slots) may take, by the rules in the module docstring."""
+    if kv_cache_memory_bytes > 0:
+        return kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(gpu_memory_utilization * total) - (total - free)
+    return min(CPU_KV_CACHE_BYTES, _available_ram() // 2)
+
+
+def blocks_for_budget(budget: int, cost: PoolCost, num_slots: int) -> int:
+    """Blocks that fit beside `num_slots` slots (each store keeps one scratch block and one scratch slot more)."""
+    blocks = (budget - (num_slots + 1) * cost.slot_bytes) // cost.block_bytes - 1
+    if blocks < 1:
+        raise ValueError(f"the KV pool budget ({budget} bytes) does not hold {num_slots} KDA slots "
+                         f"({cost.slot_bytes} bytes each) and a block ({cost.block_bytes} bytes): lower --num-slots "
+                         f"or raise --kv-cache-memory-bytes / --gpu-memory-utilization")
+    return blocks
+
+
+def agree(blocks: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """The smallest of every rank's block count (each rank sized its own from its own memory)."""
+    if group is None:
+        return blocks
+    t = torch.tensor([blocks], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def max_model_len(cfg: ModelConfig, num_blocks: int, block_size: int) -> int:
+    """The window a pool of this size serves: the checkpoint's, or what one sequence can hold when that is less."""
+    return min(cfg.max_position_embeddings, num_blocks * block_size)
