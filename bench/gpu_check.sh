@@ -8,6 +8,8 @@
 #   bash bench/gpu_check.sh whole [LAYERS] [TP] [FORMATS]
 #                                      # only bench/whole_model.py: the release config (45 layers + MTP by
 #                                      # default) served on random quantized weights (default w4a16+bf16)
+#   bash bench/gpu_check.sh long [LENGTHS]
+#                                      # only bench/long_context.py (default 8k, 64k, 256k, 1M tokens)
 #
 # What the machine lacks comes along in git-ignored folders named in the call's `carry`:
 #   .device-kit    a copy of shared/device (the stack's wheels, fla-core, exllamav3 + its sm_90 extension)
@@ -29,6 +31,11 @@ bin=$(python3 -c "import os, sys; print(os.path.dirname(sys.executable))")
 printf '#!/bin/sh\nexec python3 -m services.cli "$@"\n' > "$bin/twinspark" && chmod +x "$bin/twinspark"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 
+if [ "${1:-}" = "long" ]; then
+    python3 -m bench.long_context --out "$OUT" ${2:+--lengths "$2"} > "$OUT/long_context.log" 2>&1
+    tail -12 "$OUT/long_context.log"
+    exit 0
+fi
 if [ "${1:-}" = "whole" ]; then
     layers=${2:-45}
     python3 -m bench.whole_model --write-dir /tmp/whole-model-config --layers "$layers" > /dev/null
