@@ -247,13 +247,15 @@ class Executor:
         if bool((rows < 0).any()) or bool((rows >= tokens.numel()).any()):
             raise PlanError("a sample row is outside the batch")
         params = SamplingParams(
-            temperature=_vec(plan.temperature, "temperature", torch.float32, r).to(dev),
-            top_k=_vec(plan.top_k, "top_k", torch.int64, r).to(dev),
-            top_p=_vec(plan.top_p, "top_p", torch.float32, r).to(dev),
-            min_p=_vec(plan.min_p, "min_p", torch.float32, r).to(dev),
-            seed=_vec(plan.seed, "seed", torch.int64, r).to(dev),
+            temperature=_vec(plan.temperature, "temperature", torch.float32, r),
+            top_k=_vec(plan.top_k, "top_k", torch.int64, r),
+            top_p=_vec(plan.top_p, "top_p", torch.float32, r),
+            min_p=_vec(plan.min_p, "min_p", torch.float32, r),
+            seed=_vec(plan.seed, "seed", torch.int64, r),
         )
-        check_sampling(params)
+        check_sampling(params)  # on the host copies: checks on device tensors would each wait for the GPU
+        params = SamplingParams(*(t.to(dev) for t in (params.temperature, params.top_k, params.top_p, params.min_p,
+                                                        params.seed)))
         batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
                       block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows, verify=verify,
                       prompt=prompt)
