@@ -14,6 +14,8 @@ What differs from the twin, and why:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -84,12 +86,13 @@ def write_pools(index_store: torch.Tensor, index_scale: torch.Tensor | None, poo
 
 
 @triton.jit
-def _scores_kernel(q_ptr, s_q, w_ptr, s_w, pooled_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, out_ptr, s_out, n_pools,
-                   n_heads, scale, NH: tl.constexpr, DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
+def _scores_kernel(q_ptr, s_q, w_ptr, s_w, pooled_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, out_ptr, s_out, first,
+                   n_pools, n_heads, scale, NH: tl.constexpr, DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
                    BP: tl.constexpr):
-    """score[t, p] = sum_h w[t, h] * relu(q[t, h] . pooled[p] * scale) for the pools visible at t; -inf past them."""
+    """score[t, p - first] = sum_h w[t, h] * relu(q[t, h] . pooled[p] * scale) for pools first <= p < n_pools
+    visible at t; -inf past them."""
     r = tl.program_id(0)
-    pools = tl.program_id(1) * BP + tl.arange(0, BP)
+    pools = first + tl.program_id(1) * BP + tl.arange(0, BP)
     pos = tl.load(pos_ptr + r)
     seq = tl.load(seq_ptr + r)
     visible = pools < (pos + 1) // KP
@@ -101,40 +104,60 @@ def _scores_kernel(q_ptr, s_q, w_ptr, s_w, pooled_ptr, bt_ptr, s_bt, pos_ptr, se
     s = tl.dot(q, tl.trans(keys)) * scale
     w = tl.load(w_ptr + r * s_w + h, mask=h < n_heads, other=0.0).to(tl.float32)
     score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-    tl.store(out_ptr + r * s_out + pools, tl.where(visible, score, float("-inf")), mask=pools < n_pools)
+    tl.store(out_ptr + r * s_out + pools - first, tl.where(visible, score, float("-inf")), mask=pools < n_pools)
+
+
+# Pools scored and ranked per step of the selection: a row's selection buffers are [keep + POOL_TILE] whatever the
+# context (at 1M tokens a whole row of k-pools is 262,144 scores; sorted whole for a 4,096-row chunk that was ~16 GiB).
+POOL_TILE = 16384
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Tensor,
-                 positions: torch.Tensor, row_seq: torch.Tensor, kpool: int, n_pools: int) -> torch.Tensor:
-    """q [T, NH, DI]; weights [T, NH] fp32 (already scaled) -> scores [T, n_pools] fp32 (-inf = not visible)."""
+                 positions: torch.Tensor, row_seq: torch.Tensor, kpool: int, n_pools: int, first: int = 0
+                 ) -> torch.Tensor:
+    """q [T, NH, DI]; weights [T, NH] fp32 (already scaled) -> scores [T, n_pools - first] fp32 of pools
+    first .. n_pools - 1 (-inf = not visible)."""
     t, nh, di = q.shape
-    out = torch.empty(t, n_pools, dtype=torch.float32, device=q.device)
-    if t == 0 or n_pools == 0:
+    out = torch.empty(t, n_pools - first, dtype=torch.float32, device=q.device)
+    if t == 0 or n_pools <= first:
         return out
     q = q.reshape(t, nh * di)
     bp = 64
-    _scores_kernel[(t, triton.cdiv(n_pools, bp))](
+    _scores_kernel[(t, triton.cdiv(n_pools - first, bp))](
         q, q.stride(0), weights, weights.stride(0), pooled, block_tables, block_tables.stride(0), positions, row_seq,
-        out, out.stride(0), n_pools, nh, di ** -0.5, NH=max(16, triton.next_power_of_2(nh)), DI=di, KP=kpool,
+        out, out.stride(0), first, n_pools, nh, di ** -0.5, NH=max(16, triton.next_power_of_2(nh)), DI=di, KP=kpool,
         BS=pooled.shape[1] * kpool, BP=bp)
     return out
 
 
-def select_pools(scores: torch.Tensor | None, positions: torch.Tensor, kpool: int, keep: int, n_pools: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def select_pools(scores: torch.Tensor | Callable[[int, int], torch.Tensor] | None, positions: torch.Tensor,
+                 kpool: int, keep: int, n_pools: int, tile: int = POOL_TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's selected pools in ascending order, and how many: (sel [T, W] int32, count [T] int32).
 
     A row sees the pools that end at or before it; when it sees at most `keep` of them it takes them all (then no
     scores are needed: `scores` may be None when n_pools <= keep), else the `keep` best, ties to the lowest index
-    (a stable sort, as the twin's `dsa.select`)."""
+    (a stable sort, as the twin's `dsa.select`). scores: [T, n_pools], or scores_of(p0, p1) -> [T, p1 - p0] for
+    pools p0 .. p1 - 1, asked for `tile` pools at a time: the best `keep` so far are kept across tiles (candidates =
+    the best so far, all of lower index, then the tile in index order; a stable sort keeps ties to the lowest
+    index), the same picks as one sort over every pool (kernels/dsa.py select_positions does this on the CPU)."""
     visible = torch.div(positions.long() + 1, kpool, rounding_mode="floor").clamp(max=n_pools)
     count = visible.clamp(max=keep).to(torch.int32)
     if n_pools <= keep:
         sel = torch.arange(n_pools, dtype=torch.int32, device=positions.device).expand(positions.numel(), n_pools)
         return sel.contiguous(), count
-    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+    scores_of = scores if callable(scores) else (lambda p0, p1: scores[:, p0:p1])
+    tile = max(tile, keep)
+    best_v = best_i = None
+    for p0 in range(0, n_pools, tile):
+        p1 = min(n_pools, p0 + tile)
+        part = scores_of(p0, p1)
+        idx = torch.arange(p0, p1, device=positions.device).expand(part.shape[0], -1)
+        cand_v = part if best_v is None else torch.cat([best_v, part], dim=1)
+        cand_i = idx if best_i is None else torch.cat([best_i, idx], dim=1)
+        order = torch.sort(cand_v, dim=-1, descending=True, stable=True).indices[:, :keep]
+        best_v, best_i = cand_v.gather(1, order), cand_i.gather(1, order)
     slot = torch.arange(keep, device=positions.device)
-    best = torch.where(slot < count.unsqueeze(1).long(), best, n_pools)  # invisible picks sort to the end
+    best = torch.where(slot < count.unsqueeze(1).long(), best_i, n_pools)  # invisible picks sort to the end
     return torch.sort(best, dim=-1).values.to(torch.int32), count
 
 

@@ -112,6 +112,23 @@ def test_scores_selection_and_attention_match_twin(paged: Paged, cls: dict) -> N
         torch.testing.assert_close(out[i].cpu().float(), want[0], **HALF_TOL)
 
 
+def test_pools_scored_and_ranked_a_tile_at_a_time_pick_the_same(paged: Paged) -> None:
+    """Scores of a pool range = that slice of the whole row's scores; the running top-k over tiles picks what one
+    sort over every pool picks, ties (here: many equal scores) to the lowest pool."""
+    pos, seq = rows_of(QUERIES)
+    q_idx, w = randn(len(QUERIES), NH, DI, seed=40), randn(len(QUERIES), NH, dtype=torch.float32, seed=41)
+    n_pools = max(LENS) // KP
+    whole = mla.index_scores(q_idx, w, paged.pooled, paged.tables, pos, seq, KP, n_pools)
+    part = mla.index_scores(q_idx, w, paged.pooled, paged.tables, pos, seq, KP, 13, first=6)
+    assert torch.equal(part, whole[:, 6:13])
+    tied = torch.where(torch.isinf(whole), whole, (whole * 2).round() / 2)  # few distinct values: many ties
+    for scores in (whole, tied):
+        want = mla.select_pools(scores, pos, KP, 5, n_pools, tile=n_pools)
+        for tile in (5, 6, 7):
+            got = mla.select_pools(lambda p0, p1: scores[:, p0:p1], pos, KP, 5, n_pools, tile=tile)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"tile {tile}"
+
+
 def test_select_takes_everything_when_few_pools(paged: Paged) -> None:
     pos, _ = rows_of([(0, 3), (0, 36)])
     sel, count = mla.select_pools(None, pos, KP, keep=16, n_pools=9)

@@ -113,9 +113,11 @@ class Indexer:
         t = q_resid.shape[0]
         q = gemm.matmul(q_resid, self.wq_b, rows.decode_rows).view(t, self.heads, self.dim)
         w = w_out.float() * (self.heads ** -0.5)
-        scores = gpu_mla.index_scores(q, w, pooled, rows.tables, rows.positions, rows.row_seq, self.kpool,
-                                      rows.max_pools)
-        return gpu_mla.select_pools(scores, rows.positions, self.kpool, keep, rows.max_pools)
+
+        def scores_of(p0: int, p1: int) -> torch.Tensor:  # one tile of pools at a time: memory flat in the context
+            return gpu_mla.index_scores(q, w, pooled, rows.tables, rows.positions, rows.row_seq, self.kpool, p1,
+                                        first=p0)
+        return gpu_mla.select_pools(scores_of, rows.positions, self.kpool, keep, rows.max_pools)
 
 
 class MlaAttention:
