@@ -579,9 +579,14 @@ def main(argv: list[str] | None = None) -> int:
         del model
         free(device)
         bench_peer(res, spec, device, dtype, args)
-    meta["total_s"] = time.perf_counter() - t_start
     if device.type == "cuda":
         meta["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return finish(res, meta, t_start)
+
+
+def finish(res, meta: dict, t_start: float) -> int:
+    """The end of a bench run (this one and bench/long_context.py): total time, results written and printed."""
+    meta["total_s"] = time.perf_counter() - t_start
     res.write()
     print()
     print(res.markdown())

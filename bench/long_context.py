@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch
 
 from bench import roofline
-from bench.decode_prefill import DTYPES, is_oom, log, random_tokens, setup, si
+from bench.decode_prefill import DTYPES, finish, is_oom, log, random_tokens, setup, si
 from bench.random_weights import bench_config, bench_spec, build_model
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.parallel import Sharding
@@ -268,12 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         res.data["prefill"].append(row)
         res.write()
-    meta["total_s"] = time.perf_counter() - t_start
-    res.write()
-    print()
-    print(res.markdown())
-    log(f"wrote {res.json_path} and {res.md_path} ({meta['total_s']:.0f} s)")
-    return 0
+    return finish(res, meta, t_start)
 
 
 if __name__ == "__main__":

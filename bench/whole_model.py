@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -150,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model:
         ap.error("--model DIR (or --write-dir DIR first)")
-    os.environ.setdefault("TWINSPARK_LOG_LEVEL", "INFO")
     rows = [run_format(f.strip(), args) for f in args.formats.split(",") if f.strip()]
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": str(args.model), "tp": args.tp,
             "prompt_len": args.prompt_len, "output_len": args.output_len, "formats": rows,
