@@ -45,6 +45,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from kernels.gpu import to_device
+
 __all__ = [
     "SamplingParams",
     "keyed_hash32",
@@ -282,14 +284,15 @@ def gumbel_noise(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
     return out
 
 
-def _keep_top_k(x: Tensor, k: Tensor) -> Tensor:
+def _keep_top_k(x: Tensor, k: Tensor, kmax: int) -> Tensor:
     """Mask of the k[r] largest entries of each row, ties broken by lowest id.
 
-    Exactly k[r] entries survive (1 <= k[r] <= V).  ``topk`` supplies only the
-    k-th largest *value* (exact); which of the entries equal to it survive is
-    decided here by id, since topk's tie order is unspecified.
+    Exactly k[r] entries survive (1 <= k[r] <= kmax <= V; kmax = max(k),
+    given by the caller, who knows it without reading the device).  ``topk``
+    supplies only the k-th largest *value* (exact); which of the entries
+    equal to it survive is decided here by id, since topk's tie order is
+    unspecified.
     """
-    kmax = int(k.max())
     thr = torch.topk(x, kmax, dim=-1, sorted=True).values.gather(1, (k - 1)[:, None])
     above = x > thr
     need = k[:, None] - above.sum(dim=-1, keepdim=True)
@@ -317,31 +320,59 @@ def _keep_top_p(z: Tensor, top_p: Tensor) -> Tensor:
     return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
 
 
-def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+@dataclass(frozen=True)
+class Filters:
+    """Which steps any row of a batch needs: a random draw, top-k, top-p, min-p.
+
+    Computed once from the settings.  A caller that holds a host copy of
+    device settings passes ``Filters.of(host_copy, vocab)`` to ``sample`` /
+    ``filter_logits``, so the device batch is sampled without reading its
+    settings back (each such read waits for the GPU to finish its queue).
+    Skipping a step no row uses changes nothing: every step keeps all tokens
+    of a row where it is off.
+    """
+
+    draw: bool
+    top_k: int  # the largest k of a row that uses top-k; 0 when none does
+    top_p: bool
+    min_p: bool
+
+    @classmethod
+    def of(cls, params: SamplingParams, vocab: int) -> "Filters":
+        k_on = (params.top_k > 0) & (params.top_k < vocab)
+        return cls(draw=bool((params.temperature > 0).any()),
+                   top_k=int(torch.where(k_on, params.top_k, 0).max()) if params.top_k.numel() else 0,
+                   top_p=not bool((params.top_p >= 1.0).all()),
+                   min_p=not bool((params.min_p <= 0.0).all()))
+
+
+def filter_logits(logits: Tensor, params: SamplingParams, filters: Filters | None = None) -> Tensor:
     """z = logits / T with -inf outside each row's kept set: float32 [R, V].
 
     Filters run in the order top_k, top_p (on the top-k survivors), min_p.
     The best token always survives.  Greedy rows (T = 0) are scaled by 1;
-    ``sample`` does not use their filtered values.
+    ``sample`` does not use their filtered values.  ``filters``: see
+    ``Filters`` (default: read from ``params``).
     """
     logits = logits.to(torch.float32)
     vocab = logits.shape[-1]
+    filters = filters or Filters.of(params, vocab)
     temp = params.temperature.to(torch.float32)
     z = logits / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
-    neg_inf = torch.tensor(float("-inf"), dtype=z.dtype, device=z.device)
+    neg_inf = float("-inf")  # a Python scalar: a device tensor made from it would be a copy that waits for the GPU
 
-    k_off = (params.top_k <= 0) | (params.top_k >= vocab)
-    if not bool(k_off.all()):
+    if filters.top_k:
+        k_off = (params.top_k <= 0) | (params.top_k >= vocab)
         k = torch.where(k_off, torch.ones_like(params.top_k), params.top_k)
-        z = torch.where(_keep_top_k(z, k) | k_off[:, None], z, neg_inf)
+        z = torch.where(_keep_top_k(z, k, filters.top_k) | k_off[:, None], z, neg_inf)
 
-    p_off = params.top_p >= 1.0
-    if not bool(p_off.all()):
+    if filters.top_p:
+        p_off = params.top_p >= 1.0
         z = torch.where(_keep_top_p(z, params.top_p) | p_off[:, None], z, neg_inf)
 
     # prob_i >= min_p * prob_max  <=>  z_i - z_max >= log(min_p)
-    m_off = params.min_p <= 0.0
-    if not bool(m_off.all()):
+    if filters.min_p:
+        m_off = params.min_p <= 0.0
         min_p = torch.where(m_off, torch.ones_like(params.min_p), params.min_p).to(torch.float64)
         zmax = z.max(dim=-1, keepdim=True).values
         gap = z.to(torch.float64) - zmax.to(torch.float64)
@@ -360,32 +391,34 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, mask_index: Tensor) -> 
     """
     logits = logits.to(torch.float32)
     rows, vocab = logits.shape
-    mask_index = mask_index.to(device=logits.device, dtype=torch.int64)
-    if rows == 0 or not bool((mask_index >= 0).any()):
+    if rows == 0 or not bool((mask_index >= 0).any()):  # before the move: a host index is checked on the host
         return logits
-    words = bitmask.to(device=logits.device, dtype=torch.int64) & 0xFFFFFFFF  # int32 bits as unsigned
+    mask_index = to_device(mask_index.to(torch.int64), logits.device)
+    words = to_device(bitmask, logits.device).to(torch.int64) & 0xFFFFFFFF  # int32 bits as unsigned
     shifts = torch.arange(32, dtype=torch.int64, device=logits.device)
     allowed = ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1).bool()  # [M, 32 W]
     if allowed.shape[1] < vocab:
         allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], dim=1)
     row_allowed = allowed[mask_index.clamp(min=0), :vocab] | (mask_index < 0)[:, None]
-    return torch.where(row_allowed, logits, torch.tensor(float("-inf"), device=logits.device))
+    return torch.where(row_allowed, logits, float("-inf"))
 
 
-def sample(logits: Tensor, positions: Tensor, params: SamplingParams) -> Tensor:
+def sample(logits: Tensor, positions: Tensor, params: SamplingParams, filters: Filters | None = None) -> Tensor:
     """Token id per row: int64 [R].
 
     ``positions`` are the absolute positions of the tokens being chosen (the
     key of the noise).  Greedy rows take argmax of the raw logits; the others
     argmax of filtered z plus keyed Gumbel noise.  Both are computed for every
     row and selected per row, so mixing the two never changes either.
+    ``filters``: see ``Filters`` (default: read from ``params``).
     """
     logits = logits.to(torch.float32)
+    filters = filters or Filters.of(params, logits.shape[-1])
     greedy_ids = logits.argmax(dim=-1)  # documented: first maximal index
-    sampled = params.temperature > 0
-    if not bool(sampled.any()):
+    if not filters.draw:
         return greedy_ids
-    z = filter_logits(logits, params)
+    sampled = params.temperature > 0
+    z = filter_logits(logits, params, filters)
     noise = gumbel_noise(params.seed, positions, logits.shape[-1])
     sampled_ids = (z + noise).argmax(dim=-1)
     return torch.where(sampled, sampled_ids, greedy_ids)
@@ -407,14 +440,14 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, T
     if k == 0:
         empty = logprobs.new_empty((rows, 0))
         return chosen, empty.to(torch.int64), empty
-    keep = _keep_top_k(logprobs, torch.full((rows,), k, dtype=torch.int64, device=logprobs.device))
+    keep = _keep_top_k(logprobs, torch.full((rows,), k, dtype=torch.int64, device=logprobs.device), k)
     ids = keep.nonzero()[:, 1].view(rows, k)  # ascending id within each row
     top, order = torch.sort(logprobs.gather(1, ids), dim=-1, descending=True, stable=True)
     return chosen, ids.gather(1, order), top
 
 
-def processed_logprobs(logits: Tensor, params: SamplingParams, token_ids: Tensor, k: int
-                       ) -> tuple[Tensor, Tensor, Tensor]:
+def processed_logprobs(logits: Tensor, params: SamplingParams, token_ids: Tensor, k: int,
+                       filters: Filters | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Logprobs of the distribution the keyed draw samples from.
 
     The distribution of a row is  softmax(filter_logits(logits, params)):  the
@@ -425,4 +458,4 @@ def processed_logprobs(logits: Tensor, params: SamplingParams, token_ids: Tensor
     filters (their draw is the argmax, which always has the largest logprob).
     Tokens outside the kept set get -inf.  Same return as ``token_logprobs``.
     """
-    return token_logprobs(filter_logits(logits, params), token_ids, k)
+    return token_logprobs(filter_logits(logits, params, filters), token_ids, k)

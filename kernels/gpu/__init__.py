@@ -28,3 +28,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def active(t: torch.Tensor) -> bool:
     """True when the model should run Triton kernels on tensors like `t` (CUDA with Triton installed)."""
     return HAVE_TRITON and t.is_cuda and not INTERPRET
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, without waiting for the device's queue: a plain `.to("cuda")` copy is synchronous
+    (it waits for every kernel queued before it), which would stall the host behind the round still running. The
+    copy goes through pinned memory (torch's caching host allocator keeps it until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

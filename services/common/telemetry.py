@@ -88,16 +88,25 @@ def is_traced(context: Context) -> bool:
     return trace.get_current_span(context).get_span_context().is_valid
 
 
+def start_server_span(tracer: trace.Tracer, name: str, caller: Mapping[str, str],
+                      attributes: Mapping[str, object] | None = None) -> trace.Span | None:
+    """A SERVER span under the context a caller put in `caller`, started but not made current (the caller ends
+    it; for work that outlives one block, like a rank's round from launch to read-back). None when tracing is off
+    here or the caller sent no trace context: per-round work is traced only as part of a traced request, never as
+    a root trace of its own."""
+    parent = extract(caller) if _enabled and caller else None
+    if parent is None or not is_traced(parent):
+        return None
+    return tracer.start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+
+
 @contextlib.contextmanager
 def server_span(tracer: trace.Tracer, name: str, caller: Mapping[str, str],
                 attributes: Mapping[str, object] | None = None) -> Iterator[trace.Span | None]:
-    """A SERVER span under the context a caller put in `caller`, current inside the block. Yields None (and
-    records nothing) when tracing is off here or the caller sent no trace context: per-round work is traced only
-    as part of a traced request, never as a root trace of its own."""
-    parent = extract(caller) if _enabled and caller else None
-    if parent is None or not is_traced(parent):
+    """`start_server_span`, current inside the block and ended after it; yields None when nothing is traced."""
+    span = start_server_span(tracer, name, caller, attributes)
+    if span is None:
         yield None
         return
-    with tracer.start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER,
-                                      attributes=attributes) as span:
+    with trace.use_span(span, end_on_exit=True):
         yield span

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels import gpu
-from kernels.sampling import SamplingParams, apply_token_bitmask, processed_logprobs, sample
+from kernels.gpu import to_device
+from kernels.sampling import Filters, SamplingParams, apply_token_bitmask, processed_logprobs, sample
 from services.common.tensors import from_proto
 from services.rank_worker.kv_tiers import TierStore
 from services.rank_worker.model.batch import Batch
@@ -51,6 +52,42 @@ class RowLogprobs:
     chosen: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+
+
+@dataclass
+class Launched:
+    """A round whose work is queued on the device (`Executor.launch`): what `Executor.finish` reads back. On a GPU
+    the results are copied to pinned host memory behind the round's kernels; `done` passes when they are there."""
+
+    batch: Batch | None  # in class order; None for a plan of tier moves only
+    order: list[int]  # batch sequence -> plan sequence
+    rows: torch.Tensor  # host int64 sample rows in the batch's row order
+    sampled: torch.Tensor  # int64 [R], on the host once `done` has passed
+    logprobs: RowLogprobs | None
+    hidden: torch.Tensor | None
+    tier_bad: list[bytes] | None
+    forward_ms: float
+    t1: float  # perf_counter when the forward had been queued
+    done: torch.cuda.Event | None  # None: the work ran synchronously (CPU)
+
+    def ready(self) -> bool:
+        """Whether reading this round back would not wait."""
+        return self.done is None or self.done.query()
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether the next round may be launched before this one is read back: on a device that runs
+        asynchronously, and without verify windows (accepting drafts changes the KDA state the next round starts
+        from, and the acceptance is decided on the host)."""
+        return self.done is not None and not (self.batch is not None and self.batch.has_verify)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device result to the host without waiting: valid once the round's event has passed."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def _flags(plan: StepPlan, name: str, n: int) -> list[bool] | None:
@@ -136,8 +173,11 @@ class Executor:
         self.cache = cache
         self.tiers = tiers
         self.vision = vision
-        self.last_sampled: dict[int, int] = {}  # slot -> the token sampled for it last (see `_fill_pending`)
-        self.slot_end: dict[int, int] = {}  # slot -> the position after the rows of that sampling round
+        # slot -> the token sampled for it last, on the device (a PENDING_TOKEN is filled from it there, so a round
+        # can be launched before the previous one is read back; see `_fill_pending`), and on the host the position
+        # after the rows of that sampling round (set when the round is launched, or read back for verify windows).
+        self.next_token = torch.zeros(cache.num_slots, dtype=torch.int64, device=model.device)
+        self.slot_end: dict[int, int] = {}
         self.graphs = None
         if cuda_graphs and gpu.active(model.embed):
             from services.rank_worker.model.cuda_graphs import DecodeGraphs
@@ -177,45 +217,48 @@ class Executor:
         return k if bool((k >= 0).any()) else None
 
     @staticmethod
-    def row_logprobs(logits: torch.Tensor, params: SamplingParams, sampled: list[int], k: torch.Tensor
-                     ) -> RowLogprobs:
-        """Logprobs from the same fp32 (masked) logits and sampling parameters the draw used."""
-        ids = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
-        chosen, top_ids, top_lp = processed_logprobs(logits, params, ids, int(k.max()))
-        return RowLogprobs(chosen.cpu(), top_ids.to(torch.int32).cpu(), top_lp.cpu())
+    def row_logprobs(logits: torch.Tensor, params: SamplingParams, filters: Filters, sampled: torch.Tensor,
+                     k: torch.Tensor) -> RowLogprobs:
+        """Logprobs from the same fp32 (masked) logits and sampling parameters the draw used (host copies started;
+        valid once the round is read back)."""
+        chosen, top_ids, top_lp = processed_logprobs(logits, params, sampled, int(k.max()), filters)
+        return RowLogprobs(_to_host(chosen), _to_host(top_ids.to(torch.int32)), _to_host(top_lp))
 
-    def _fill_pending(self, tokens: torch.Tensor, starts: list[int], lengths: list[int], slots: list[int],
-                      prompt: list[bool] | None, verify: list[bool] | None) -> torch.Tensor:
-        """Replace PENDING_TOKEN ids: a scheduler that plans round n+1 before round n's result has come back sends
-        a decode step whose input is the token this rank sampled last for the sequence's slot (rounds run in
-        order on a stream, so that token is known here by now). It must continue exactly where the slot's last
-        round ended: after a refused round it does not, and every rank refuses this plan alike."""
+    def _pending_rows(self, tokens: torch.Tensor, starts: list[int], lengths: list[int], slots: list[int],
+                      prompt: list[bool] | None, verify: list[bool] | None) -> tuple[list[int], list[int]]:
+        """The rows holding PENDING_TOKEN and their slots. A scheduler that plans round n+1 before round n's result
+        has come back sends a decode step whose input is the token this rank sampled last for the sequence's slot
+        (rounds run in order on a stream, so that token is on the device by then). It must continue exactly where
+        the slot's last sampling round ended: after a refused round it does not, and every rank refuses the plan."""
         if not bool((tokens == PENDING_TOKEN).any()):
-            return tokens
-        tokens = tokens.clone()
+            return [], []
+        rows: list[int] = []
+        pending_slots: list[int] = []
         row = 0
         for s, (start, n, slot) in enumerate(zip(starts, lengths, slots)):
             if bool((tokens[row : row + n] == PENDING_TOKEN).any()):
                 if n != 1 or (prompt is not None and prompt[s]) or (verify is not None and verify[s]):
                     raise PlanError(f"sequence {s}: a pending token id is only valid as a decode step's one row")
-                if slot not in self.last_sampled or self.slot_end.get(slot) != start:
+                if self.slot_end.get(slot) != start:
                     raise PlanError(f"sequence {s}: a pending token id at position {start}, but slot {slot}'s last "
                                     f"sampling round ended at {self.slot_end.get(slot)}")
-                tokens[row] = self.last_sampled[slot]
+                rows.append(row)
+                pending_slots.append(slot)
             row += n
-        return tokens
+        return rows, pending_slots
 
-    def _remember_samples(self, batch: Batch, rows: torch.Tensor, sampled: list[int], accepted: list[int] | None
-                          ) -> None:
-        """Each sampling sequence's next input token, by slot (what a later PENDING_TOKEN stands for)."""
-        by_row = dict(zip(rows.tolist(), sampled))
-        for s, (o, start, n, slot) in enumerate(zip(batch.offsets, batch.starts, batch.lengths, batch.slots)):
-            kept = accepted[s] + 1 if batch.is_verify(s) and accepted is not None else n
-            if o + kept - 1 in by_row:
-                self.last_sampled[slot] = by_row[o + kept - 1]
-                self.slot_end[slot] = start + kept
+    def _remember(self, slots: list[int], ends: list[int], sampled: torch.Tensor, index: list[int]) -> None:
+        """Each given slot's next input token (`sampled[index[i]]`, on the device) and where its round ended."""
+        if not slots:
+            return
+        dev = self.next_token.device
+        self.next_token.index_copy_(0, to_device(torch.tensor(slots), dev),
+                                    sampled.index_select(0, to_device(torch.tensor(index), dev)))
+        self.slot_end.update(zip(slots, ends))
 
-    def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, torch.Tensor]:
+    def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, SamplingParams, torch.Tensor]:
+        """The plan, checked, as a batch on the device: (batch, sampling settings on the device, the same on the
+        host, sample rows on the host). Nothing here waits for the device."""
         dev = self.model.device
         tokens = _vec(plan.token_ids, "token_ids", torch.int64)
         lengths = _vec(plan.lengths, "lengths", torch.int64)
@@ -231,7 +274,11 @@ class Executor:
         prompt = _flags(plan, "prompt", b)
         if verify is not None and prompt is not None and any(v and p for v, p in zip(verify, prompt)):
             raise PlanError("a sequence cannot be both a verify window and a prompt chunk")
-        tokens = self._fill_pending(tokens, starts.tolist(), lengths.tolist(), slots.tolist(), prompt, verify)
+        pending, pending_slots = self._pending_rows(tokens, starts.tolist(), lengths.tolist(), slots.tolist(),
+                                                    prompt, verify)
+        if pending:
+            tokens = tokens.clone()
+            tokens[pending] = 0  # filled on the device below
         if bool((tokens < 0).any()) or bool((tokens >= self.model.cfg.vocab_size).any()):
             raise PlanError("a token id is outside the vocabulary")
         if bool((slots < 0).any()) or bool((slots >= self.cache.num_slots).any()) or len(set(slots.tolist())) != b:
@@ -254,17 +301,22 @@ class Executor:
             seed=_vec(plan.seed, "seed", torch.int64, r),
         )
         check_sampling(params)  # on the host copies: checks on device tensors would each wait for the GPU
-        params = SamplingParams(*(t.to(dev) for t in (params.temperature, params.top_k, params.top_p, params.min_p,
-                                                        params.seed)))
-        batch = Batch(token_ids=tokens.to(dev), starts=starts.tolist(), lengths=lengths.tolist(),
-                      block_tables=tables.to(dev), slots=slots.tolist(), logit_rows=rows, verify=verify,
+        host_params = params
+        params = SamplingParams(*(to_device(t, dev) for t in (params.temperature, params.top_k, params.top_p,
+                                                               params.min_p, params.seed)))
+        token_ids = to_device(tokens, dev)
+        if pending:
+            token_ids.index_copy_(0, to_device(torch.tensor(pending), dev),
+                                  self.next_token.index_select(0, to_device(torch.tensor(pending_slots), dev)))
+        batch = Batch(token_ids=token_ids, starts=starts.tolist(), lengths=lengths.tolist(),
+                      block_tables=to_device(tables, dev), slots=slots.tolist(), logit_rows=rows, verify=verify,
                       prompt=prompt)
         if verify is not None:
             wanted = set(rows.tolist())
             for s, (o, n) in enumerate(zip(batch.offsets, batch.lengths)):
                 if verify[s] and not all(o + i in wanted for i in range(n)):
                     raise PlanError(f"sequence {s} is a verify window but not all its rows are sample rows")
-        return batch, params, rows
+        return batch, params, host_params, rows
 
     def state_copies(self, plan: StepPlan) -> list[tuple[int, int]]:
         """The plan's (source slot, target slot) KDA state copies, validated; an empty tensor means none."""
@@ -381,14 +433,23 @@ class Executor:
         return sorted(bad)
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one plan and read its results back."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """Check the plan, then queue its work: tier moves, state copies, the forward, sampling, logprobs and hidden
+        gathers, and the copies of the results to the host. On a GPU nothing here waits for the device (besides
+        tier moves and prompt chunks that need host facts), so the rank can queue round n+1 while round n runs."""
         if not plan.HasField("lengths") or not plan.lengths.shape or not plan.lengths.shape[0]:
             # No sequences: a plan of tier moves only (a load a request waits for; saving the pool at shutdown).
             if not plan.tier_moves:
                 raise PlanError("a plan without sequences must carry tier moves")
             if plan.HasField("token_ids") and plan.token_ids.shape and plan.token_ids.shape[0]:
                 raise PlanError("token ids without sequences")
-            return StepOutput([], 0.0, 0.0, tier_bad=self.run_tier_moves(self.tier_moves(plan)))
-        batch, params, rows = self.to_batch(plan)
+            bad = self.run_tier_moves(self.tier_moves(plan))
+            empty = torch.zeros(0, dtype=torch.int64)
+            return Launched(None, [], empty, empty, None, None, bad, 0.0, time.perf_counter(), None)
+        batch, params, host_params, rows = self.to_batch(plan)
         copies = self.state_copies(plan)  # validated with the rest before anything changes
         moves = self.tier_moves(plan)
         batch.embeds = self.embed_images(self.image_rows(plan, batch.token_ids.numel()))
@@ -408,19 +469,44 @@ class Executor:
         self.cache.copy_states(copies)
         out = self.forward(batch)
         t1 = time.perf_counter()
-        sampled: list[int] = []
-        logprobs = None
+        dev = out.logits.device
+        sampled = torch.zeros(0, dtype=torch.int64, device=dev)
+        logprobs = hidden = None
         if rows.numel():
             # The token sampled from the row at absolute position p sits at position p + 1: that is its key.
-            positions = batch.positions[rows.to(batch.positions.device)] + 1
+            positions = to_device(batch.host_positions()[rows] + 1, dev)
             logits = out.logits if masks is None else apply_token_bitmask(out.logits, masks[1], masks[0])
-            sampled = sample(logits, positions, params).tolist()
+            filters = Filters.of(host_params, logits.shape[-1])  # from the host copy: no read of the device
+            sampled = sample(logits, positions, params, filters)
             if want_k is not None:
-                logprobs = self.row_logprobs(logits, params, sampled, want_k)
-        accepted = mine = None
-        if batch.verify is not None:
+                logprobs = self.row_logprobs(logits, params, filters, sampled, want_k)
+            if plan.want_hidden:
+                hidden = _to_host(out.hidden[to_device(rows, out.hidden.device)].float())
+            # Decode steps and prompt chunks whose last row is sampled: that sample is the slot's next input.
+            index_of = {r: i for i, r in enumerate(rows.tolist())}
+            ends = [(slot, start + n, index_of[o + n - 1])
+                    for s, (o, start, n, slot) in enumerate(zip(batch.offsets, batch.starts, batch.lengths,
+                                                                batch.slots))
+                    if not batch.is_verify(s) and o + n - 1 in index_of]
+            self._remember([e[0] for e in ends], [e[1] for e in ends], sampled, [e[2] for e in ends])
+        sampled = _to_host(sampled)
+        done = None
+        if dev.type == "cuda":  # recorded after every copy to the host: when it has passed, they are all there
+            done = torch.cuda.Event()
+            done.record()
+        return Launched(batch, order, rows, sampled, logprobs, hidden, tier_bad, (t1 - t0) * 1e3, t1, done)
+
+    def finish(self, run: Launched) -> StepOutput:
+        """Wait for a launched round and read its results: sampled ids, accepted drafts (verify windows are
+        decided here, then their KDA states committed), logprobs, hidden states."""
+        if run.done is not None:
+            run.done.synchronize()
+        sampled = run.sampled.tolist()
+        batch = run.batch
+        accepted = None
+        if batch is not None and batch.has_verify:
             # Accept the longest draft prefix equal to our own samples, then keep the KDA state of that row only.
-            by_row = dict(zip(rows.tolist(), sampled))
+            by_row = dict(zip(run.rows.tolist(), sampled))
             mine = [0] * batch.num_seqs
             for s, (o, n) in enumerate(zip(batch.offsets, batch.lengths)):
                 if batch.verify[s]:
@@ -428,9 +514,15 @@ class Executor:
                     mine[s] = accept_drafts(window, [by_row[o + i] for i in range(n)])
             self.model.commit_verify(batch, self.cache, {s: a for s, a in enumerate(mine) if batch.verify[s]})
             accepted = [0] * batch.num_seqs  # in the plan's sequence order
-            for s, a in zip(order, mine):
+            for s, a in zip(run.order, mine):
                 accepted[s] = a
-        self._remember_samples(batch, rows, sampled, mine)
-        hidden = out.hidden[rows.to(out.hidden.device)].float() if plan.want_hidden and rows.numel() else None
+            # A verify window's next input is its sample after the last accepted draft.
+            index_of = {r: i for i, r in enumerate(run.rows.tolist())}
+            kept = [(slot, start + mine[s] + 1, index_of[o + mine[s]])
+                    for s, (o, start, slot) in enumerate(zip(batch.offsets, batch.starts, batch.slots))
+                    if batch.verify[s]]
+            self._remember([k[0] for k in kept], [k[1] for k in kept],
+                           to_device(run.sampled, self.next_token.device), [k[2] for k in kept])
         t2 = time.perf_counter()
-        return StepOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, accepted, hidden, logprobs, tier_bad)
+        return StepOutput(sampled, run.forward_ms, (t2 - run.t1) * 1e3, accepted, run.hidden, run.logprobs,
+                          run.tier_bad)

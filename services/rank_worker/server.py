@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Iterator
 
 import grpc
@@ -25,7 +26,8 @@ from services.common import telemetry
 from services.common.internal_auth import server_interceptors
 from services.common.plan_checksum import plan_checksum
 from services.common.tensors import to_proto
-from services.rank_worker.executor import Executor, PlanError
+from services.rank_worker.executor import Executor, Launched, PlanError
+from services.rank_worker.plan_queue import END, NOT_YET, PlanQueue
 from services.rank_worker.round_profiler import RoundProfiler
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
@@ -58,60 +60,127 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
         if not self._stream_lock.acquire(blocking=False):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Step stream is already driving this rank")
         try:
-            expected = 1
-            log.info("rank %d: step stream opened by %s", self.rank, context.peer())
-            for plan in plans:
-                error = ""
-                if plan.round != expected:
-                    error = f"round {plan.round} arrived, expected {expected}"
-                elif plan.checksum != plan_checksum(plan):
-                    error = f"round {plan.round}: checksum mismatch"
-                if error:
-                    yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=error)
-                    self._stop(error)
-                    return
-                expected += 1
+            yield from self._rounds(PlanQueue(plans), context)
+        finally:
+            self._stream_lock.release()
+
+    def _rounds(self, incoming: PlanQueue, context: grpc.ServicerContext) -> Iterator[rank_pb2.StepResult]:
+        """Launch each plan, read it back, answer it — in round order. On a GPU, when plan n+1 is already here while
+        round n still runs, round n+1 is launched before round n is read back (Launched.overlappable), so the GPU is
+        never idle while the host checks a plan and queues its kernels."""
+        expected = 1
+        log.info("rank %d: step stream opened by %s", self.rank, context.peer())
+        running: _Round | None = None  # launched, not yet read back
+        while True:
+            plan = incoming.next(running.launched.ready if running is not None else None)
+            if plan is NOT_YET or plan is END:
+                if running is not None:
+                    res, ok = self._finish(running)
+                    yield res
+                    running = None
+                    if not ok:
+                        return
+                if plan is END:
+                    break
+                continue
+            error = ""
+            if plan.round != expected:
+                error = f"round {plan.round} arrived, expected {expected}"
+            elif plan.checksum != plan_checksum(plan):
+                error = f"round {plan.round}: checksum mismatch"
+            expected += 1
+            new = refusal = None
+            if not error:
                 try:
-                    # A child of the scheduler's round span; no span when the plan carries no trace context.
-                    with telemetry.server_span(_tracer, "step", plan.trace_context,
-                                               {"twinspark.rank": self.rank, "twinspark.round": plan.round}) as span:
-                        if self.profiler is not None:
-                            self.profiler.before(plan.round)
-                        out = self.executor.execute(plan)
-                        if span is not None:
-                            span.set_attributes({"twinspark.seqs": len(plan.request_ids),
-                                                 "twinspark.rows": plan.token_ids.shape[0],
-                                                 "twinspark.forward_ms": out.forward_ms,
-                                                 "twinspark.sample_ms": out.sample_ms})
+                    new = self._launch(plan)
                 except PlanError as exc:
                     log.warning("rank %d: refused round %d: %s", self.rank, plan.round, exc)
-                    yield rank_pb2.StepResult(round=plan.round, rank=self.rank, refused=True,
-                                              error=f"round {plan.round}: bad plan: {exc}")
-                    continue
+                    refusal = rank_pb2.StepResult(round=plan.round, rank=self.rank, refused=True,
+                                                  error=f"round {plan.round}: bad plan: {exc}")
                 except Exception as exc:  # noqa: BLE001 — the forward failed half-way: the group must restart
                     log.exception("rank %d: round %d failed", self.rank, plan.round)
                     error = f"round {plan.round}: the forward failed: {type(exc).__name__}: {exc}"
-                    yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=error)
-                    self._stop(error)
-                    return
-                res = rank_pb2.StepResult(round=plan.round, rank=self.rank, sampled=to_proto(out.sampled),
-                                          forward_ms=out.forward_ms, sample_ms=out.sample_ms)
-                if out.accepted is not None:
-                    res.accepted.CopyFrom(to_proto(out.accepted))
-                if out.hidden is not None:
-                    res.hidden.CopyFrom(to_proto(out.hidden, "float32"))
-                if out.tier_bad:
-                    res.tier_bad.extend(out.tier_bad)
-                if out.logprobs is not None:
-                    res.logprobs.CopyFrom(to_proto(out.logprobs.chosen, "float32"))
-                    res.top_ids.CopyFrom(to_proto(out.logprobs.top_ids, "int32"))
-                    res.top_logprobs.CopyFrom(to_proto(out.logprobs.top_logprobs, "float32"))
-                if self.profiler is not None:
-                    self.profiler.after(plan.round)
+            if running is not None:  # round n is answered before round n+1, whatever became of n+1
+                res, ok = self._finish(running)
                 yield res
-            log.info("rank %d: step stream closed after %d rounds", self.rank, expected - 1)
-        finally:
-            self._stream_lock.release()
+                running = None
+                if not ok:
+                    return
+            if error:
+                yield rank_pb2.StepResult(round=plan.round, rank=self.rank, error=error)
+                self._stop(error)
+                return
+            if refusal is not None:
+                yield refusal
+                continue
+            assert new is not None
+            if new.launched.overlappable:
+                running = new
+            else:
+                res, ok = self._finish(new)
+                yield res
+                if not ok:
+                    return
+        log.info("rank %d: step stream closed after %d rounds", self.rank, expected - 1)
+
+    def _launch(self, plan: rank_pb2.StepPlan) -> "_Round":
+        """Queue a plan's work. Its trace span (a child of the scheduler's round span; none when the plan carries no
+        trace context) stays open until the round is read back."""
+        span = telemetry.start_server_span(_tracer, "step", plan.trace_context,
+                                           {"twinspark.rank": self.rank, "twinspark.round": plan.round})
+        try:
+            if self.profiler is not None:
+                self.profiler.before(plan.round)
+            launched = self.executor.launch(plan)
+        except BaseException as exc:
+            if span is not None:
+                span.record_exception(exc)
+                span.end()
+            raise
+        rows = plan.token_ids.shape[0] if plan.token_ids.shape else 0  # a plan of tier moves has none
+        return _Round(plan.round, len(plan.request_ids), rows, launched, span)
+
+    def _finish(self, r: "_Round") -> tuple[rank_pb2.StepResult, bool]:
+        """Read a launched round back: its result, and False when this rank must stop (the read-back failed)."""
+        try:
+            out = self.executor.finish(r.launched)
+        except Exception as exc:  # noqa: BLE001 — the round failed on the device: the group must restart
+            log.exception("rank %d: round %d failed", self.rank, r.round)
+            error = f"round {r.round}: the forward failed: {type(exc).__name__}: {exc}"
+            if r.span is not None:
+                r.span.record_exception(exc)
+                r.span.end()
+            self._stop(error)
+            return rank_pb2.StepResult(round=r.round, rank=self.rank, error=error), False
+        if r.span is not None:
+            r.span.set_attributes({"twinspark.seqs": r.seqs, "twinspark.rows": r.rows,
+                                   "twinspark.forward_ms": out.forward_ms, "twinspark.sample_ms": out.sample_ms})
+            r.span.end()
+        res = rank_pb2.StepResult(round=r.round, rank=self.rank, sampled=to_proto(out.sampled),
+                                  forward_ms=out.forward_ms, sample_ms=out.sample_ms)
+        if out.accepted is not None:
+            res.accepted.CopyFrom(to_proto(out.accepted))
+        if out.hidden is not None:
+            res.hidden.CopyFrom(to_proto(out.hidden, "float32"))
+        if out.tier_bad:
+            res.tier_bad.extend(out.tier_bad)
+        if out.logprobs is not None:
+            res.logprobs.CopyFrom(to_proto(out.logprobs.chosen, "float32"))
+            res.top_ids.CopyFrom(to_proto(out.logprobs.top_ids, "int32"))
+            res.top_logprobs.CopyFrom(to_proto(out.logprobs.top_logprobs, "float32"))
+        if self.profiler is not None:
+            self.profiler.after(r.round)
+        return res, True
+
+
+@dataclass
+class _Round:
+    """A launched round and what its answer and trace span need."""
+    round: int
+    seqs: int
+    rows: int
+    launched: Launched
+    span: trace.Span | None  # ended when the round is read back
 
 
 def serve(service: RankService, host: str, port: int, token: str | None = None) -> grpc.Server:

@@ -50,8 +50,11 @@ MAX_STOP_IDS = 4096
 MAX_IMAGES = 64
 
 
-# Rounds in flight at most: the next one is planned and sent while the ranks compute the current one (`_overlap`).
-PIPELINE_DEPTH = 2
+# Rounds in flight at most (`_overlap`): while the ranks compute round n, rounds n+1 and n+2 are planned and sent, so
+# a rank on a GPU queues n+1 behind n and finds n+2 waiting when it has read n back — the GPU never waits for this
+# loop's round trip (result in, commit, plan, send). A request that stops at a sample still in flight gets at most
+# two rows too many, dropped at commit.
+PIPELINE_DEPTH = 3
 
 
 @dataclass

@@ -376,6 +376,9 @@ class RankSet:
         assert c.call is not None
         if after is not None:  # the previous round's answer comes first on this stream
             await asyncio.wait([after])
+            earlier = None if after.cancelled() else after.exception()
+            if isinstance(earlier, RankError):  # the stream broke there: that is the reason for this round too
+                raise earlier
             if self.failure is not None:
                 raise RankError(c.index, c.address, f"round {plan.round}: not read, an earlier round failed")
         try:

@@ -9,6 +9,7 @@ offline decode step of the same checkpoint (a CUDA-graph replay plus sampling) â
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -80,21 +81,26 @@ def _offline_step_ms(ckpt) -> float:
 
 
 def test_stream_inter_token_time_vs_offline_step(wide_ckpt, tmp_path):
+    """Per token, from the first streamed token to the last (the server may put several tokens in one chunk when
+    they come back close together, so chunk gaps alone would not say how fast tokens come). Steady state: a first
+    request of the same shape captures the CUDA graphs the decode rounds need (one per batch bucket and block-table
+    width, captured the first time each is seen), as a warm-up does in vLLM's `bench serve`."""
     stack = _stack(wide_ckpt, tmp_path / "itl", 1)
+    tokens = 64
     try:
-        body = {"prompt": list(range(5, 37)), "max_tokens": 64, "ignore_eos": True, "temperature": 0,
-                "stream": True}
-        stamps = []
-        with httpx.stream("POST", stack.v1 + "/completions", json=body, timeout=300) as r:
+        body = {"prompt": list(range(5, 37)), "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
+        assert httpx.post(stack.v1 + "/completions", json=body, timeout=300).status_code == 200
+        stamps = []  # arrival of each chunk that carries text
+        with httpx.stream("POST", stack.v1 + "/completions", json={**body, "stream": True}, timeout=300) as r:
             for line in r.iter_lines():
-                if line.startswith("data: {"):
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                     stamps.append(time.perf_counter())
     finally:
         stack.down()
-    gaps = [(b - a) * 1e3 for a, b in zip(stamps[10:], stamps[11:])]
-    itl = statistics.median(gaps)
+    per_token = (stamps[-1] - stamps[0]) * 1e3 / (tokens - 1)
+    gaps = sorted((b - a) * 1e3 for a, b in zip(stamps, stamps[1:]))
     offline = _offline_step_ms(wide_ckpt)
-    print(f"served inter-token p50 {itl:.2f} ms (p99 {sorted(gaps)[int(0.99 * (len(gaps) - 1))]:.2f} ms) vs "
-          f"offline step {offline:.2f} ms: {itl / offline:.2f}x")
-    assert len(stamps) >= 60
-    assert itl <= 1.2 * offline
+    print(f"served inter-token {per_token:.2f} ms per token over {tokens} tokens in {len(stamps)} chunks (chunk gap "
+          f"p50 {statistics.median(gaps):.2f} ms, p99 {gaps[int(0.99 * (len(gaps) - 1))]:.2f} ms) vs offline step "
+          f"{offline:.2f} ms: {per_token / offline:.2f}x")
+    assert per_token <= 1.2 * offline

@@ -14,6 +14,7 @@ import socket
 import grpc
 import pytest
 
+from services.scheduler.engine import PIPELINE_DEPTH
 from services.scheduler.ranks import RankSet, StartupError
 from services.scheduler.request import derive_seed
 from tests.scheduler.harness import Reply, cluster, collect, generate, make_request, wait_until
@@ -207,7 +208,7 @@ def test_abort_and_client_cancellation_free_blocks_within_a_round():
                 await tb
             await wait_until(lambda: _pool_empty_async(c), timeout_s=2)
             later = [rl for rl in c.ranks[0].rounds[seen_at_cancel:] if any(s[0] == "B" for s in rl.seqs)]
-            assert len(later) <= 2  # the round in flight, plus at most one that raced the cancel's arrival
+            assert len(later) <= PIPELINE_DEPTH  # the rounds in flight when the cancel arrived
             assert not c.standin_errors()
     run(body())
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.gpu import to_device
+
 
 @dataclass
 class Batch:
@@ -52,6 +54,10 @@ class Batch:
     def is_verify(self, s: int) -> bool:
         return bool(self.verify[s]) if self.verify is not None else False
 
+    @property
+    def has_verify(self) -> bool:
+        return self.verify is not None and any(self.verify)
+
     def is_prompt(self, s: int) -> bool:
         if self.prompt is not None:
             return bool(self.prompt[s])
@@ -78,10 +84,11 @@ class Batch:
         row_map[rows] = torch.arange(rows.numel())
         dev = self.token_ids.device
         pick = lambda xs: None if xs is None else [xs[s] for s in order]  # noqa: E731
-        batch = Batch(token_ids=self.token_ids[rows.to(dev)], starts=pick(self.starts), lengths=pick(self.lengths),
-                      block_tables=self.block_tables[torch.tensor(order, device=self.block_tables.device)],
+        batch = Batch(token_ids=self.token_ids[to_device(rows, dev)], starts=pick(self.starts),
+                      lengths=pick(self.lengths),
+                      block_tables=self.block_tables[to_device(torch.tensor(order), self.block_tables.device)],
                       slots=pick(self.slots), logit_rows=row_map.to(self.logit_rows.device)[self.logit_rows],
-                      hidden=None if self.hidden is None else self.hidden[rows.to(self.hidden.device)],
+                      hidden=None if self.hidden is None else self.hidden[to_device(rows, self.hidden.device)],
                       verify=pick(self.verify), prompt=[self.is_prompt(s) for s in order],
                       # a sequence's rows stay contiguous, so an image's run of rows moves as one
                       embeds=None if self.embeds is None else [(int(row_map[r]), e) for r, e in self.embeds])
@@ -104,9 +111,12 @@ class Batch:
     def positions(self) -> torch.Tensor:
         """Absolute position of every packed row."""
         if self._positions is None:
-            self._positions = torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)]).to(
-                self.token_ids.device)
+            self._positions = to_device(self.host_positions(), self.token_ids.device)
         return self._positions
+
+    def host_positions(self) -> torch.Tensor:
+        """`positions` on the host (int64), built from the lists without reading the device."""
+        return torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)])
 
     @property
     def row_seq(self) -> torch.Tensor:

@@ -38,7 +38,10 @@ def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     packed: torch.Tensor  # int32 device buffer the host-filled inputs are views of (one copy refills them)
-    host: torch.Tensor  # pinned int32 staging buffer of the same layout
+    # Two pinned int32 staging buffers of the same layout, used in turn: the rank queues round n+1 before it has
+    # waited for round n, whose copy out of its buffer may not have run yet (round n-1, which used the other one,
+    # has been waited for by then).
+    hosts: tuple[torch.Tensor, torch.Tensor]
     tokens: torch.Tensor  # int64 [B] (refilled on the device from the batch's device tensor)
     tables: torch.Tensor  # int32 [B, W] (likewise)
     out: ForwardOutput
@@ -46,6 +49,7 @@ class _Graph:
     # addresses, so they must live as long as it does.
     rows: GpuRows
     batch: Batch
+    replays: int = 0
 
 
 class DecodeGraphs:
@@ -60,7 +64,7 @@ class DecodeGraphs:
         """A round of one-row decode steps only (no prompt chunk, no verify window), within the largest bucket."""
         if batch.hidden is not None or batch.num_seqs > BATCH_BUCKETS[-1]:
             return False
-        if batch.verify is not None and any(batch.verify):
+        if batch.has_verify:
             return False
         return all(n == 1 and not batch.is_prompt(s) for s, n in enumerate(batch.lengths))
 
@@ -90,12 +94,14 @@ class DecodeGraphs:
         device to device (the batch holds them on the GPU; reading them back would sync)."""
         b = batch.num_seqs
         pad = bucket - b
-        positions, slots, fresh, n_real = torch.split(g.host, self._layout(bucket))
+        host = g.hosts[g.replays % 2]
+        g.replays += 1
+        positions, slots, fresh, n_real = torch.split(host, self._layout(bucket))
         positions.copy_(torch.tensor(batch.starts + [0] * pad, dtype=torch.int32))
         slots.copy_(torch.tensor(batch.slots + [self.cache.scratch_slot] * pad, dtype=torch.int32))
         fresh.copy_(torch.tensor([int(s == 0) for s in batch.starts] + [1] * pad, dtype=torch.int32))
         n_real[0] = b
-        g.packed.copy_(g.host, non_blocking=True)
+        g.packed.copy_(host, non_blocking=True)
         g.tokens[b:].zero_()
         g.tokens[:b].copy_(batch.token_ids)
         g.tables.fill_(self.cache.scratch_block)
@@ -105,7 +111,7 @@ class DecodeGraphs:
         dev = self.model.device
         n = sum(self._layout(bucket))
         packed = torch.zeros(n, dtype=torch.int32, device=dev)
-        host = torch.zeros(n, dtype=torch.int32).pin_memory()
+        hosts = (torch.zeros(n, dtype=torch.int32).pin_memory(), torch.zeros(n, dtype=torch.int32).pin_memory())
         positions, slots, fresh, n_real = torch.split(packed, self._layout(bucket))
         tokens = torch.zeros(bucket, dtype=torch.int64, device=dev)
         tables = torch.zeros(bucket, width, dtype=torch.int32, device=dev)
@@ -135,4 +141,4 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.model.forward_gpu(batch, self.cache, rows)
-        return _Graph(graph, packed, host, tokens, tables, out, rows, batch)
+        return _Graph(graph, packed, hosts, tokens, tables, out, rows, batch)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.gpu import to_device
 from kernels.gpu.kda import DecodeSeqs
 from services.rank_worker.model.batch import Batch
 
@@ -57,10 +58,7 @@ class GpuRows:
 def _device(values: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """Several int32 vectors to the device with one pinned host buffer and one asynchronous copy."""
     sizes = [len(v) for v in values]
-    host = torch.tensor([x for v in values for x in v], dtype=torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
+    dev = to_device(torch.tensor([x for v in values for x in v], dtype=torch.int32), device)
     return list(torch.split(dev, sizes))
 
 
