@@ -3,8 +3,9 @@
     TWINSPARK_TORCH_PROFILER_DIR=/tmp/prof TWINSPARK_PROFILE_ROUNDS=200:50 twinspark up --device cuda ...
 
 profiles rounds 201..250 of each rank's step stream (skip 200 for warm-up and graph captures) and writes
-rank<R>-rounds.txt: where the window's wall time went (time inside `execute` vs between rounds: the gRPC hop, the
-scheduler, a rank waiting for the next plan), then torch's operator tables sorted by GPU and by CPU time; and
+rank<R>-rounds.txt: where the window's wall time went (the host's time launching rounds — checks, queueing kernels —
+vs the rest: waiting for the GPU, reading back, the gRPC hop, the scheduler, waiting for the next plan), then
+torch's operator tables sorted by GPU and by CPU time; and
 rank<R>-rounds.json, a Chrome trace (chrome://tracing, Perfetto). Off unless the directory is set.
 """
 
@@ -55,10 +56,15 @@ class RoundProfiler:
             log.info("rank %d: profiling rounds %d..%d", self.rank, self.first, self.last)
         self._started = time.perf_counter()
 
+    def launched(self, round_no: int) -> None:
+        """The round's work is queued (Executor.launch returned)."""
+        if self._prof is not None:
+            self._exec_s += time.perf_counter() - self._started
+
     def after(self, round_no: int) -> None:
+        """The round has been read back and answered."""
         if self._prof is None:
             return
-        self._exec_s += time.perf_counter() - self._started
         if round_no < self.last:
             return
         if torch.cuda.is_available():
@@ -70,8 +76,8 @@ class RoundProfiler:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         avg = prof.key_averages()
         head = (f"rank {self.rank}, rounds {self.first}..{self.last} ({n}): {wall * 1e3:.1f} ms wall = "
-                f"{wall * 1e3 / n:.2f} ms per round; inside execute {self._exec_s * 1e3 / n:.2f} ms per round, "
-                f"between rounds {(wall - self._exec_s) * 1e3 / n:.2f} ms per round\n")
+                f"{wall * 1e3 / n:.2f} ms per round; launching (host) {self._exec_s * 1e3 / n:.2f} ms per round, "
+                f"the rest {(wall - self._exec_s) * 1e3 / n:.2f} ms per round\n")
         sort_gpu = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         text = (head + "\n# by GPU time\n" + avg.table(sort_by=sort_gpu, row_limit=40)
                 + "\n# by CPU time (self)\n" + avg.table(sort_by="self_cpu_time_total", row_limit=40))

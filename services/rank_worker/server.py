@@ -132,6 +132,8 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
             if self.profiler is not None:
                 self.profiler.before(plan.round)
             launched = self.executor.launch(plan)
+            if self.profiler is not None:
+                self.profiler.launched(plan.round)
         except BaseException as exc:
             if span is not None:
                 span.record_exception(exc)
