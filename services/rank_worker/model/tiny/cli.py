@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  layers: {s.layer_pattern} (K=KDA, M=MLA+DSA)  indexer: {s.indexer_pattern}  "
           f"experts: {s.n_routed_experts} top-{s.num_experts_per_tok}  index_topk: {s.index_topk}  vocab: {s.vocab_size}")
     print(f"  preset: {ckpt.preset}  hidden: {s.hidden_size}  KDA heads: {s.linear_num_heads} x {s.linear_head_dim}  "
-          f"MLA: {s.num_attention_heads} heads, latent {s.kv_lora_rank}, nope / v {s.qk_nope_head_dim} / {s.v_head_dim}")
+          f"MLA: {s.num_attention_heads} heads, latent {s.kv_lora_rank}, nope / v {s.qk_nope_head_dim} / "
+          f"{s.v_head_dim}")
     print("  files:")
     for f in ckpt.files:
         print(f"    {f.name}  ({f.stat().st_size:,} bytes)")
