@@ -89,9 +89,10 @@ def exl(ckpt: Path) -> Iterator[Exllamav3]:
     try:
         import exllamav3
         from exllamav3 import Cache, Config, Model
+        from exllamav3.version import __version__
     except Exception as e:  # ImportError, or its CUDA extension failing to load / build
         pytest.skip(f"exllamav3 is not usable here: {type(e).__name__}: {e}")
-    print(f"\nexllamav3 {exllamav3.__version__} from {Path(exllamav3.__file__).parent}")
+    print(f"\nexllamav3 {__version__} from {Path(exllamav3.__file__).parent}")
     config = Config.from_directory(str(ckpt))
     print(f"  Config.from_directory: {type(config).__name__}, {config.num_hidden_layers} layers "
           f"{config.layer_types}, indexer {config.indexer_types}, vocab {config.vocab_size}")

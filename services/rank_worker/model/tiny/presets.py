@@ -3,12 +3,14 @@
 - "default": spec.py's dimensions, the CPU test model (milliseconds per forward).
 - "exllamav3": the smallest dimensions at which exllamav3 1.6.5 runs the *whole* glm5_next model through its own
   kernels, so a twinspark-written EXL3 checkpoint can be compared with twinspark as a model, not only per linear
-  (tests/gpu/test_exl3_exllamav3_model.py). Each size below is the floor one of its kernels or loaders sets (read in
-  its source; paths are inside the exllamav3 wheel); twinspark itself takes every dimension that divides into its 4
-  virtual shards, so the preset only has to satisfy exllamav3.
+  (tests/gpu/test_exl3_exllamav3_model.py). The comment on each size says which of its kernels or loaders sets the
+  floor (read in its source; paths are inside the exllamav3 wheel); twinspark itself takes every dimension that
+  divides into its 4 virtual shards, so the preset only has to satisfy exllamav3.
 
-exllamav3's requirements that are not sizes (attention stays dense, KDA's q/k/v unfused) are make-tiny's EXL3
-layout anyway: see quantized.py.
+exllamav3's requirements that are not sizes: attention stays dense (KDA's q/k/v are stored unfused, which exllamav3
+reads only as fp16; make-tiny's EXL3 layout anyway, see quantized.py), and every MLA layer runs a full indexer (the
+default pattern): exllamav3 reads the k-pool tensors for shared-indexer layers too, which this layout
+(transformers') stores on full layers only.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ EXLLAMAV3: dict[str, Any] = dict(
     # The cached latent: the MLA Triton kernels index it with one tl.arange (a power of two) and mla_absorb
     # launches kv_lora_rank // 128 programs per head (attention_fn/mla_triton.py), so 128 is the smallest.
     kv_lora_rank=128,
-    # Per-head widths of the MHA-form prefill and the unfold (tl.arange, so powers of two; tl.dot wants >= 16).
+    # Per-head widths of the MHA-form prefill, the absorb and the unfold: tl.arange widths (powers of two) in tl.dot
+    # tiles (>= 16); 64, the width twinspark's own GPU parity test runs (tests/gpu/test_cuda_parity.py).
     qk_nope_head_dim=64,
     v_head_dim=64,
     # KDA: the decode kernel takes per-channel decay only at 128 x 128 heads (exllamav3_ext/gdn.cu,
     # cuda_recurrent_gated_delta_rule: "channelwise decay (KDA) requires 128x128 head dims").
     linear_head_dim=128,
-    # DSA indexer keys: a tl.arange width in the scoring kernels (attention_fn/dsa_triton.py), a power of two.
+    # DSA indexer keys: a tl.arange width in the scoring kernels (attention_fn/dsa_triton.py), a power of two, in
+    # tl.dot tiles (>= 16); 64 as above.
     index_head_dim=64,
     # A calm model: embeddings 16x (a power of two, exact in bf16) make every block's update small beside the
     # residual, as in trained models. At make-tiny's std 1.0 the random model is chaotic: a bf16 run of twinspark's
