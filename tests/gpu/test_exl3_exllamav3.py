@@ -1,10 +1,10 @@
 """Interop with exllamav3 1.6.5 itself: EXL3 tensors written by twinspark (`make-tiny --format exl3`, and random
 linears at real dims) load in exllamav3 and compute what our kernels and our twin compute.
 
-Per linear, not the whole model: exllamav3 knows the glm5_next architecture, but the tiny checkpoint's attention
-(hidden 128, 2 heads of 32, KDA heads of 32) is far below the head and block sizes its fused attention / KDA kernels
-are built for, and a whole-model run could fail there for reasons that say nothing about EXL3 interop; every EXL3
-linear of the checkpoint goes through exllamav3's own loader and `LinearEXL3` instead. For each one:
+Per linear: every EXL3 linear of make-tiny's default EXL3 checkpoint (and random ones at real dims) goes through
+exllamav3's own loader and `LinearEXL3`. The whole model runs in exllamav3 in test_exl3_exllamav3_model.py, on a
+checkpoint at the dims its fused attention / KDA kernels take (`make-tiny --preset exllamav3`; the default tiny
+model's heads are below them). For each linear:
 - exllamav3's `SafetensorsCollection` reads our files (header, dtypes, and its codebook-marker check of the value);
 - its trellis reconstruction (`get_inner_weight_tensor`, the rotated weight T) equals our decode bit for bit;
 - its dense weight (`get_weight_tensor`, which rounds to float16 between its Hadamard steps) matches our twin's

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from kernels.quant import exl3
 
 from .config_builder import generation_config, model_config, preprocessor_config, processor_config, round_up
+from .presets import PRESETS
 from .quantized import EXL3_DIMS, FORMATS, exl3_quant_config, exl3_recipe, make_tensors
 from .shards import INDEX_NAME, plan_shards, write_shards
 from .spec import TinySpec, default_layer_pattern
@@ -27,7 +28,8 @@ from .tensor_spec import TensorSpec
 from .tokenizer_builder import PAD_TOKEN, STOP_TOKENS, build_tokenizer, token_ids, write_tokenizer
 from .weights import TEXT, all_tensors
 
-__all__ = ["DTYPES", "FORMATS", "TinyCheckpoint", "TinySpec", "default_layer_pattern", "make_tiny", "write_tiny"]
+__all__ = ["DTYPES", "FORMATS", "PRESETS", "TinyCheckpoint", "TinySpec", "default_layer_pattern", "make_tiny",
+           "write_tiny"]
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 VOCAB_MULTIPLE = 64  # embedding rows are padded like the release's (154,880 rows > tokens in use)
@@ -45,20 +47,24 @@ class TinyCheckpoint:
     num_text_params: int  # the text model without MTP and vision (what a forward pass uses)
     dtype: str
     format: str = "dense"
+    preset: str = "default"
 
 
 def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: int = 8, index_topk: int = 64,
                layer_pattern: str | None = None, indexer_pattern: str | None = None, dtype: str = "bfloat16",
                max_shard_bytes: int | None = None, progress: bool = True, format: str = "dense",
-               exl3_bits: float = 4, exl3_codebook: str = "mul1") -> TinyCheckpoint:
+               exl3_bits: float = 4, exl3_codebook: str = "mul1", preset: str = "default") -> TinyCheckpoint:
     """Write a tiny checkpoint into `out_dir` (created if missing) and describe what was written.
 
     format: "dense" (every tensor in `dtype`) or "exl3" (wider MLPs stored as random EXL3 trellises of `exl3_bits`
-    bits with codebook `exl3_codebook`; see quantized.py)."""
+    bits with codebook `exl3_codebook`; see quantized.py). preset: a named set of dimensions (presets.py), e.g.
+    "exllamav3" for the smallest model exllamav3 runs whole."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     torch_dtype = DTYPES[dtype]
     recipe = exl3_recipe(exl3_bits, exl3_codebook) if format == "exl3" else None
     if recipe is not None:
@@ -66,7 +72,7 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
     # Validate the options (TinySpec raises ValueError) before touching the output folder.
     spec = TinySpec(num_hidden_layers=layers, n_routed_experts=experts, index_topk=index_topk,
                     layer_pattern=layer_pattern or "", indexer_pattern=indexer_pattern or "",
-                    **(EXL3_DIMS if recipe is not None else {}))
+                    **{**(EXL3_DIMS if recipe is not None else {}), **PRESETS[preset]})
     tok = build_tokenizer()
     spec = dataclasses.replace(spec, vocab_size=round_up(tok.get_vocab_size(), VOCAB_MULTIPLE))
 
@@ -97,6 +103,7 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
         num_text_params=sum(s.numel for s in specs if _is_text(s, spec)),
         dtype=dtype,
         format=format,
+        preset=preset,
     )
 
 
@@ -120,18 +127,18 @@ def write_model_files(out: Path, spec: TinySpec, tok: Tokenizer, *, dtype: str,
 def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: int = 8, index_topk: int = 64,
               layer_pattern: str | None = None, indexer_pattern: str | None = None, dtype: str = "bfloat16",
               max_shard_bytes: int | None = None, progress: bool = False, format: str = "dense",
-              exl3_bits: float = 4, exl3_codebook: str = "mul1") -> Path:
+              exl3_bits: float = 4, exl3_codebook: str = "mul1", preset: str = "default") -> Path:
     """Write a tiny GLM-5.3-Flash checkpoint to `out_dir` and return its path.
 
     layer_pattern: one letter per layer, K = KDA linear attention, M = MLA with DSA indexer (default: M iff i % 4 == 3).
     indexer_pattern: one letter per layer, F = full indexer, S = reuse the nearest earlier full layer's selection
     (default: all F). max_shard_bytes: shard cap (default: about a third of the total, so the default checkpoint
-    has 2-3 shards). format / exl3_bits / exl3_codebook: see `write_tiny`.
+    has 2-3 shards). format / exl3_bits / exl3_codebook / preset: see `write_tiny`.
     """
     return write_tiny(out_dir, seed=seed, layers=layers, experts=experts, index_topk=index_topk,
                       layer_pattern=layer_pattern, indexer_pattern=indexer_pattern, dtype=dtype,
                       max_shard_bytes=max_shard_bytes, progress=progress, format=format, exl3_bits=exl3_bits,
-                      exl3_codebook=exl3_codebook).path
+                      exl3_codebook=exl3_codebook, preset=preset).path
 
 
 def _is_text(t: TensorSpec, spec: TinySpec) -> bool:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from .presets import PRESETS
+
 
 def register(subparsers: Any) -> None:
     """Add the `make-tiny` subcommand to the `twinspark` parser."""
@@ -35,12 +37,17 @@ def register(subparsers: Any) -> None:
                    help="storage dtype; the router bias, KDA convs and gate params and mHC base/scale stay float32 "
                         "(default: bfloat16)")
     p.add_argument("--format", choices=("dense", "exl3"), default="dense",
-                   help="dense: every tensor in --dtype; exl3: hidden 128 and MLPs 512 wide, every linear whose dims "
-                        "are multiples of 128 (dense MLP, shared and routed experts, MTP eh_proj) stored as random "
-                        "EXL3 trellises in exllamav3's names and dtypes, attention in --dtype (default: dense)")
+                   help="dense: every tensor in --dtype; exl3: hidden 128 and MLPs 512 wide, every MLP linear whose "
+                        "dims are multiples of 128 (dense MLP, shared and routed experts, MTP eh_proj) stored as "
+                        "random EXL3 trellises in exllamav3's names and dtypes, attention in --dtype whatever its "
+                        "dims (default: dense)")
     p.add_argument("--bits", type=float, default=4, help="exl3: bits per weight, 1-8 (or 1.5/2.5/3.5 with mul1)")
     p.add_argument("--codebook", choices=("mul1", "mcg", "3inst"), default="mul1",
                    help="exl3: trellis codebook (exllamav3's default: mul1)")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                   help="named dimensions: default = the CPU test model; exllamav3 = the smallest dims at which "
+                        "exllamav3 runs the whole model (hidden 128, KDA heads of 128, MLA latent 128, a calm "
+                        "init; use with --format exl3 for an EXL3 checkpoint exllamav3 loads) (default: default)")
     p.set_defaults(func=run)
 
 
@@ -52,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         ckpt = write_tiny(args.out, seed=args.seed, layers=args.layers, experts=args.experts,
                           index_topk=args.index_topk, layer_pattern=args.layer_pattern,
                           indexer_pattern=args.indexer_pattern, dtype=args.dtype, progress=True,
-                          format=args.format, exl3_bits=args.bits, exl3_codebook=args.codebook)
+                          format=args.format, exl3_bits=args.bits, exl3_codebook=args.codebook, preset=args.preset)
     except ValueError as e:  # bad pattern / sizes: a one-line message, not a traceback
         print(f"make-tiny: {e}", file=sys.stderr)
         return 2
@@ -63,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
           + (f", EXL3 {args.bits:g} bits ({args.codebook}) MLPs" if ckpt.format == "exl3" else ""))
     print(f"  layers: {s.layer_pattern} (K=KDA, M=MLA+DSA)  indexer: {s.indexer_pattern}  "
           f"experts: {s.n_routed_experts} top-{s.num_experts_per_tok}  index_topk: {s.index_topk}  vocab: {s.vocab_size}")
+    print(f"  preset: {ckpt.preset}  hidden: {s.hidden_size}  KDA heads: {s.linear_num_heads} x {s.linear_head_dim}  "
+          f"MLA: {s.num_attention_heads} heads, latent {s.kv_lora_rank}, nope / v {s.qk_nope_head_dim} / "
+          f"{s.v_head_dim}")
     print("  files:")
     for f in ckpt.files:
         print(f"    {f.name}  ({f.stat().st_size:,} bytes)")

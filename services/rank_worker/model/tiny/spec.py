@@ -55,6 +55,8 @@ class TinySpec:
     num_nextn_predict_layers: int = 1
     max_position_embeddings: int = 1048576
     dense_layers: int = 1  # leading layers with a dense FFN (the release: 3); the rest are MoE
+    # std of the embedding rows; larger = a calmer model (each block's update small beside the residual, presets.py)
+    embed_std: float = 1.0
     layer_pattern: str = ""  # K/M per layer; empty = the release's 3:1 layout
     indexer_pattern: str = ""  # F/S per layer; empty = all full
     # vision tower (transformers always builds one, so the checkpoint must carry its weights)

@@ -150,7 +150,7 @@ def all_tensors(s: TinySpec) -> list[TensorSpec]:
     if s.vocab_size <= 0:
         raise ValueError("vocab_size must be set (from the tokenizer) before listing tensors")
     H = s.hidden_size
-    t = [_t(TEXT + "embed_tokens.weight", (s.vocab_size, H), normal(1.0))]
+    t = [_t(TEXT + "embed_tokens.weight", (s.vocab_size, H), normal(s.embed_std))]
     for i in range(s.num_hidden_layers):
         t += decoder_layer(i, s)
     for j in range(s.num_nextn_predict_layers):
