@@ -40,3 +40,20 @@ def test_image_prompt_logits_match_transformers(tiny_default, reference, chunks)
     print(f"image prompt ({len(p.ids)} tokens, {p.tokens} image tokens), chunks {chunks}: max |dlogits| "
           f"{delta:.2e}")
     assert delta <= TOL
+
+
+def test_tower_attention_in_query_blocks(tiny_default, monkeypatch):
+    """A large image's attention runs a block of query rows at a time (vision.SCORES_PER_BLOCK, so its scores never
+    all exist at once); forced down to 7 rows a block, the tiny image's embeddings are what one block gives."""
+    from services.rank_worker.model import vision
+
+    p = image_prompt(tiny_default)
+    tower = _ours(tiny_default).vision
+    heads, patches = tower.cfg.num_heads, p.pixels.shape[0]
+    one_block = tower.forward(p.pixels, [p.grid])
+    assert vision.query_rows(heads, patches) == patches
+    monkeypatch.setattr(vision, "SCORES_PER_BLOCK", heads * patches * 7)
+    assert vision.query_rows(heads, patches) == 7
+    blocked = tower.forward(p.pixels, [p.grid])
+    print(f"\n{patches} patches in blocks of 7 query rows: max |d| {(blocked - one_block).abs().max().item():.1e}")
+    torch.testing.assert_close(blocked, one_block, rtol=1e-5, atol=1e-5)  # fp32 rounding
