@@ -362,8 +362,6 @@ class Executor:
         vc = self.vision
         if vc is None or (self.model.coll.sharding.rank == 0 and self.model.vision is None):
             raise PlanError("images, but this checkpoint has no vision tower")
-        if gpu.active(self.model.embed):
-            raise PlanError("images are not served on the GPU path yet")
         out = []
         for i, im in enumerate(plan.images):
             try:

@@ -3,18 +3,14 @@ image in it (embeddings merged at the image's placeholder rows, prefilled whole 
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from services.gateway.images import ImageProcessor
-from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.model import Glm5Model
-from tests.model.reference import fresh_cache, hf_model, random_ids, table
+from tests.model.image_prompt import image_prompt, prefill_logits
+from tests.model.reference import hf_model
 
 TOL = 1e-4
 
@@ -24,44 +20,40 @@ def _ours(path) -> Glm5Model:
     return Glm5Model.load(path, dtype=torch.float32, progress=False, load_vision=True)
 
 
-def _case(path):
-    """(input ids with the image's placeholders, pixel values, grid, placeholder offset)."""
-    cfg = json.loads((path / "config.json").read_text())
-    img = Image.fromarray(np.random.default_rng(3).integers(0, 256, (90, 130, 3), dtype=np.uint8))
-    proc = ImageProcessor.from_checkpoint(path)(img)
-    before, after = random_ids(37, seed=1), random_ids(30, seed=2)
-    ids = before + [cfg["image_start_token_id"]] + [cfg["image_token_id"]] * proc.tokens + \
-        [cfg["image_end_token_id"]] + after
-    return ids, torch.from_numpy(proc.pixel_values), proc.grid, len(before) + 1
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_default):
-    ids, pixels, grid, _ = _case(tiny_default)
+    p = image_prompt(tiny_default)
     with torch.no_grad():
-        out = hf_model(tiny_default)(input_ids=torch.tensor([ids]), pixel_values=pixels,
-                                     image_grid_thw=torch.tensor([grid]))
+        out = hf_model(tiny_default)(input_ids=torch.tensor([p.ids]), pixel_values=p.pixels,
+                                     image_grid_thw=torch.tensor([p.grid]))
     return out.logits[0].float()
 
 
 @pytest.mark.parametrize("chunks", [None, [40, 24, 100]])
 def test_image_prompt_logits_match_transformers(tiny_default, reference, chunks):
-    ids, pixels, grid, offset = _case(tiny_default)
+    p = image_prompt(tiny_default)
     model = _ours(tiny_default)
-    emb = model.vision.forward(pixels, [grid])
-    assert emb.shape[0] == model.vision.tokens(grid) and emb.std() > 0.5  # the image really conditions the prompt
-    cache = fresh_cache(model, len(ids))
-    out, pos = [], 0
-    for n in chunks or [len(ids)]:
-        n = min(n, len(ids) - pos)
-        batch = Batch.single(ids[pos : pos + n], pos, table(0, len(ids)), all_logits=True)
-        lo, hi = max(pos, offset), min(pos + n, offset + emb.shape[0])
-        if lo < hi:  # this chunk holds (part of) the image
-            batch.embeds = [(lo - pos, emb[lo - offset : hi - offset])]
-        out.append(model.forward(batch, cache).logits)
-        pos += n
-    ours = torch.cat(out)
+    emb = model.vision.forward(p.pixels, [p.grid])
+    assert emb.shape[0] == p.tokens and emb.std() > 0.5  # the image really conditions the prompt
+    ours = prefill_logits(model, p, chunks, lambda first, count: emb[first : first + count])
     delta = (ours - reference).abs().max().item()
-    print(f"image prompt ({len(ids)} tokens, {emb.shape[0]} image tokens), chunks {chunks}: max |dlogits| "
+    print(f"image prompt ({len(p.ids)} tokens, {p.tokens} image tokens), chunks {chunks}: max |dlogits| "
           f"{delta:.2e}")
     assert delta <= TOL
+
+
+def test_tower_attention_in_query_blocks(tiny_default, monkeypatch):
+    """A large image's attention runs a block of query rows at a time (vision.SCORES_PER_BLOCK, so its scores never
+    all exist at once); forced down to 7 rows a block, the tiny image's embeddings are what one block gives."""
+    from services.rank_worker.model import vision
+
+    p = image_prompt(tiny_default)
+    tower = _ours(tiny_default).vision
+    heads, patches = tower.cfg.num_heads, p.pixels.shape[0]
+    one_block = tower.forward(p.pixels, [p.grid])
+    assert vision.query_rows(heads, patches) == patches
+    monkeypatch.setattr(vision, "SCORES_PER_BLOCK", heads * patches * 7)
+    assert vision.query_rows(heads, patches) == 7
+    blocked = tower.forward(p.pixels, [p.grid])
+    print(f"\n{patches} patches in blocks of 7 query rows: max |d| {(blocked - one_block).abs().max().item():.1e}")
+    torch.testing.assert_close(blocked, one_block, rtol=1e-5, atol=1e-5)  # fp32 rounding

@@ -79,6 +79,15 @@ class Glm5Model:
                           num_slots=num_slots, dtype=self.dtype, device=self.device, with_mtp=self.mtp is not None,
                           kv_dtype=kv_dtype)
 
+    def _inputs(self, token_ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The first layer's input rows: token embeddings, with image placeholder rows taking their image's
+        embeddings (`Batch.embeds`, on this device already). Both paths merge here, so an image row gets the same
+        bits on either; on the GPU path it is a device copy per image run (no host sync)."""
+        x = self.embed[token_ids]  # a gathered copy: the rows may be overwritten
+        for row, e in batch.embeds or []:
+            x[row : row + e.shape[0]] = e.to(x.dtype)
+        return x
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.coll.gather_columns([linear_fp32(hidden, w) for w in self.lm_head])
 
@@ -91,9 +100,7 @@ class Glm5Model:
                                                                   block_size=cache.block_size))
         # Batch-wide tensors carry a multiple of ROW_TILE rows (zero-token padding rows that belong to no sequence)
         # so every row sees the same elementwise code paths whatever the batch size (kernels/linear.py).
-        x = self.embed[pad_rows(batch.token_ids)]
-        for row, e in batch.embeds or []:  # image placeholders take their image's embeddings
-            x[row : row + e.shape[0]] = e.to(x.dtype)
+        x = self._inputs(pad_rows(batch.token_ids), batch)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         selections: Selections = {}
         for layer in self.layers:
@@ -105,7 +112,7 @@ class Glm5Model:
     def forward_gpu(self, batch: Batch, cache: PagedCache, rows: gpu_rows.GpuRows) -> ForwardOutput:
         """The fused-kernel forward (no host sync inside; a CUDA graph captures it for decode batches)."""
         from kernels.gpu import norms as gpu_norms
-        streams = self.embed[batch.token_ids].unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        streams = self._inputs(batch.token_ids, batch).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         selections: Selections = {}
         for layer in self.layers:
             streams = layer.forward_gpu(streams, batch, rows, cache, selections, self.coll)

@@ -83,6 +83,19 @@ def positions(grid: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+# Attention scores held at once: the tower's attention is dense within an image, and the release's largest image
+# (8,000 tokens = 32,000 patches) has 32,000^2 scores per head, 8 bytes each with the fp32 softmax and the probabilities
+# in the compute dtype: over 8 GB a head, more than a GPU keeps beside the KV pool. So queries go a block at a time,
+# ~1 GiB at most; a small image is one block.
+SCORES_PER_BLOCK = 1 << 27
+
+
+def query_rows(heads: int, n: int) -> int:
+    """Query rows of an n-patch image per attention block. A function of the image's size only, so the same image gets
+    the same bits on every call (the executor runs the tower again for each prompt chunk the image lies in)."""
+    return max(1, min(n, SCORES_PER_BLOCK // (heads * n)))
+
+
 class VisionTower:
     def __init__(self, cfg: VisionConfig, reader: WeightReader) -> None:
         self.cfg = cfg
@@ -136,9 +149,11 @@ class VisionTower:
             lo = 0
             for hi in bounds:  # attention within each image (frame), never across
                 qs, ks, vs = (t[lo:hi].transpose(0, 1) for t in (q, k, v))  # [heads, n, head_dim]
-                scores = torch.matmul(qs, ks.transpose(1, 2)) * head_dim ** -0.5
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-                out[lo:hi] = torch.matmul(probs, vs).transpose(0, 1)
+                step = query_rows(heads, hi - lo)
+                for a in range(0, hi - lo, step):
+                    scores = torch.matmul(qs[:, a : a + step], ks.transpose(1, 2)) * head_dim ** -0.5
+                    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+                    out[lo + a : lo + a + step] = torch.matmul(probs, vs).transpose(0, 1)
                 lo = hi
             x = x + F.linear(out.reshape(-1, c.hidden_size), *blk["proj"])
             x = x + _swiglu(_rms(x, blk["norm2"], c.rms_norm_eps), blk["gate"], blk["up"], blk["down"],
