@@ -1,8 +1,8 @@
 """Virtual shards on the GPU path (`forward_gpu`, the Triton kernels of kernels/gpu in Triton's CPU interpreter): a
 rank runs all of its local virtual shards in one launch per op, and that changes no bit.
 
-A tiny model with 4 virtual shards runs the same rounds — prompt chunks, then decode rows, a verify window and a new
-prompt chunk together — at TP=1 (4 shards per launch), TP=2 (gloo ranks, 2 per launch) and TP=4 (one shard per rank:
+A tiny model with 4 virtual shards runs the same rounds — prompt chunks, then a decode row, a verify window and a
+prompt's next chunk together — at TP=1 (4 shards per launch), TP=2 (gloo ranks, 2 per launch) and TP=4 (one shard per rank:
 the per-shard path). The logits are bit-identical, each rank makes the same launches whatever its shard count, and
 TP=1 agrees with the torch reference forward.
 
@@ -28,8 +28,8 @@ from tests.model.tp_jobs import gpu_path_rounds  # noqa: E402
 
 A, B, C = (random_ids(24, seed=s) for s in (1, 2, 3))
 ROUNDS = [  # (slot, new ids, start, prompt, verify), decode-class sequences first
-    [(0, A[:20], 0, True, False), (1, B[:9], 0, True, False)],
-    [(0, A[20:21], 20, False, False), (1, B[9:12], 9, False, True), (2, C[:5], 0, True, False)],
+    [(0, A[:20], 0, True, False), (1, B[:9], 0, True, False), (2, C[:6], 0, True, False)],
+    [(0, A[20:21], 20, False, False), (1, B[9:12], 9, False, True), (2, C[6:11], 6, True, False)],
 ]
 JOB = partial(gpu_path_rounds, rounds=ROUNDS, slots=3)
 
