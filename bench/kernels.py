@@ -186,22 +186,23 @@ def moe_invariance(weights) -> list[dict]:
 
 
 def kda_rows(bw: float) -> list[dict]:
+    """The fused KDA decode + gated norm over one TP=1 rank's heads: 4 virtual shards of 16 heads in one launch."""
     from kernels.gpu import kda
-    h, dk = 64, 128
-    c = h * dk
+    s, hs, dk = 4, 16, 128
+    h, c = s * hs, hs * dk  # heads of the rank, channels per shard
     rows = []
     for b in (1, 64):
         slots = b + 1
         state = torch.randn(slots, h, dk, dk, device="cuda") * 0.1
-        conv = torch.randn(slots, 3, 3 * c, device="cuda", dtype=BF16)
+        conv = torch.randn(slots, 3, s * 3 * c, device="cuda", dtype=BF16)
         seqs = kda.DecodeSeqs.build(list(range(b)), [1] * b, list(range(b)), [False] * b, [-1] * b, "cuda")
-        args = dict(mixed=torch.randn(b, 3 * c, device="cuda", dtype=BF16),
-                    conv_w=torch.randn(3 * c, 4, device="cuda"), conv_state=conv, chan_off=0,
-                    g_raw=torch.randn(b, c, device="cuda", dtype=BF16), dt_bias=torch.randn(c, device="cuda"),
-                    a_log=torch.randn(h, device="cuda"), lower_bound=-5.0,
-                    beta_raw=torch.randn(b, h, device="cuda", dtype=BF16), state=state, head_off=0,
-                    core=torch.empty(b, c, device="cuda", dtype=BF16))
-        gate, o_norm = torch.randn(b, c, device="cuda", dtype=BF16), torch.ones(dk, device="cuda", dtype=BF16)
+        args = dict(mixed=torch.randn(s, b, 3 * c, device="cuda", dtype=BF16),
+                    conv_w=torch.randn(s, 3 * c, 4, device="cuda"), conv_state=conv, chan_off=0,
+                    g_raw=torch.randn(s, b, c, device="cuda", dtype=BF16), dt_bias=torch.randn(s, c, device="cuda"),
+                    a_log=torch.randn(s, hs, device="cuda"), lower_bound=-5.0,
+                    beta_raw=torch.randn(s, b, hs, device="cuda", dtype=BF16), state=state, head_off=0,
+                    core=torch.empty(s, b, c, device="cuda", dtype=BF16))
+        gate, o_norm = torch.randn(s, b, c, device="cuda", dtype=BF16), torch.ones(dk, device="cuda", dtype=BF16)
 
         def step():
             kda.decode(seqs, **args)

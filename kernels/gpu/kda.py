@@ -9,6 +9,12 @@ A program owns every channel of its head (q, k and v columns, the whole dk x dv 
 history and the state in place. A verify window of L rows runs its rows in order with the same per-step code as a
 one-row decode (DESIGN §5.1: verify rows = decode arithmetic) and leaves each row's state and conv history in the
 pending buffers instead of the slot; `commit` later keeps the last accepted row's.
+
+Virtual shards: every kernel here takes its operands as stacks over S local virtual shards ([S, T, ...], shard s's
+conv channels and state heads following shard s-1's in the rank's caches) and runs all of them in one launch. A
+program works on one head (or channel block) of one shard and reads that shard's operands through a shard stride, so
+a head's arithmetic is the same whichever launch it is in and however many shards share it: TP=1 (4 shards per
+launch) and TP=2 (2) give the same bits, and so does one launch per shard (S=1 with the shard's offsets).
 """
 
 from __future__ import annotations
@@ -64,18 +70,29 @@ def _store_history(dst, s_row, ch, h0, h1, h2, act: tl.constexpr, mask):
 
 
 @triton.jit
-def _kda_decode_kernel(mixed_ptr, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_conv_row, chan_off,
-                       graw_ptr, s_graw, dt_bias_ptr, a_log_ptr, braw_ptr, s_braw,
-                       state_ptr, s_state_slot, head_off, core_ptr, s_core, hist_out_ptr, s_hist_seq,
+def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_conv_row, chan_off,
+                       graw_ptr, s_graw_shard, s_graw, dt_bias_ptr, a_log_ptr, braw_ptr, s_braw_shard, s_braw,
+                       state_ptr, s_state_slot, head_off, core_ptr, s_core_shard, s_core, hist_out_ptr, s_hist_seq,
                        row0_ptr, len_ptr, slot_ptr, fresh_ptr, pend_ptr, pstate_ptr, s_pstate_seq, s_pstate_row,
-                       pconv_ptr, s_pconv_seq, s_pconv_row, C, lower_bound,
+                       pconv_ptr, s_pconv_seq, s_pconv_row, H, C, lower_bound,
                        HAS_LB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-    """One (sequence, head, block of BV value columns). q and k are recomputed by every value block of a head
-    (cheap) so blocks never wait on each other; the value block 0 alone writes q/k conv history."""
+    """One (sequence, head of one shard, block of BV value columns). q and k are recomputed by every value block of a
+    head (cheap) so blocks never wait on each other; the value block 0 alone writes q/k conv history. The shard only
+    moves the pointers (H heads and C = H x DK channels per shard): the arithmetic is the head's own."""
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    shard = tl.program_id(1) // H
+    head = tl.program_id(1) % H
     vb = tl.program_id(2)
     act = mixed_ptr.dtype.element_ty
+    shard64 = shard.to(tl.int64)
+    mixed_ptr += shard64 * s_mixed_shard
+    conv_w_ptr += shard * 3 * C * 4
+    graw_ptr += shard64 * s_graw_shard
+    dt_bias_ptr += shard * C
+    a_log_ptr += shard * H
+    braw_ptr += shard64 * s_braw_shard
+    core_ptr += shard64 * s_core_shard
+    chans = chan_off + shard * 3 * C  # this shard's first column in the rank's conv history
     row0 = tl.load(row0_ptr + seq)
     n_rows = tl.load(len_ptr + seq)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
@@ -87,7 +104,7 @@ def _kda_decode_kernel(mixed_ptr, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_
     qc = head * DK + ik  # this head's q columns in `mixed` and its conv-weight rows
     kc = C + head * DK + ik
     vc = 2 * C + head * DV + iv
-    hist = conv_ptr + slot * s_conv_slot + chan_off
+    hist = conv_ptr + slot * s_conv_slot + chans
     # A fresh sequence starts from zero history and state, whatever its slot held before.
     q0 = tl.where(fresh, 0.0, tl.load(hist + qc).to(tl.float32))
     q1 = tl.where(fresh, 0.0, tl.load(hist + s_conv_row + qc).to(tl.float32))
@@ -99,7 +116,7 @@ def _kda_decode_kernel(mixed_ptr, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_
     v1 = tl.where(fresh, 0.0, tl.load(hist + s_conv_row + vc).to(tl.float32))
     v2 = tl.where(fresh, 0.0, tl.load(hist + 2 * s_conv_row + vc).to(tl.float32))
 
-    hd = head_off + head
+    hd = head_off + shard * H + head
     st_ptr = state_ptr + slot * s_state_slot + hd * DK * DV + ik[:, None] * DV + iv[None, :]
     s = tl.where(fresh, 0.0, tl.load(st_ptr))
     rate = tl.exp(tl.load(a_log_ptr + head))
@@ -136,14 +153,14 @@ def _kda_decode_kernel(mixed_ptr, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_
         if pend >= 0:  # verify window: keep every row's state and history for the commit
             p_state = pstate_ptr + pend * s_pstate_seq + r * s_pstate_row + hd * DK * DV
             tl.store(p_state + ik[:, None] * DV + iv[None, :], s)
-            p_conv = pconv_ptr + pend * s_pconv_seq + r * s_pconv_row + chan_off
+            p_conv = pconv_ptr + pend * s_pconv_seq + r * s_pconv_row + chans
             _store_history(p_conv, s_conv_row, qc, q0, q1, q2, act, first_block)
             _store_history(p_conv, s_conv_row, kc, k0, k1, k2, act, first_block)
             _store_history(p_conv, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
 
     if pend < 0:  # decode step: the state moves on in place; the history goes through `hist_out` (see decode)
         tl.store(st_ptr, s)
-        out = hist_out_ptr + seq * s_hist_seq + chan_off
+        out = hist_out_ptr + seq * s_hist_seq + chans
         _store_history(out, s_conv_row, qc, q0, q1, q2, act, first_block)
         _store_history(out, s_conv_row, kc, k0, k1, k2, act, first_block)
         _store_history(out, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
@@ -153,77 +170,90 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
            g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
            beta_raw: torch.Tensor, state: torch.Tensor, head_off: int, core: torch.Tensor,
            pend_state: torch.Tensor | None = None, pend_conv: torch.Tensor | None = None) -> None:
-    """Run every decode-class row of one virtual shard's heads, writing their core outputs (rounded to the
-    activation dtype, before the gated norm) into `core`.
+    """Run every decode-class row of S virtual shards' heads in one launch, writing their core outputs (rounded to
+    the activation dtype, before the gated norm) into `core`.
 
-    mixed [T, 3C] (q|k|v before the conv, C = heads x dk of this shard); conv_w [3C, 4] fp32; conv_state [slots, 3,
-    channels of the rank] (this shard's columns start at chan_off); g_raw [T, heads*dk]; dt_bias [heads*dk] fp32;
-    a_log [heads] fp32; beta_raw [T, heads]; state [slots, rank heads, dk, dv] fp32 (this shard's heads start at
-    head_off); core [T, heads*dv]. Pending buffers (verify windows): pend_state [windows, L, rank heads, dk, dv]
-    fp32, pend_conv [windows, L, 3, channels of the rank].
+    Per shard s (leading dim S; any strides, unit last): mixed [S, T, 3C] (q|k|v before the conv, C = heads x dk of
+    one shard); conv_w [S, 3C, 4] fp32; g_raw [S, T, heads*dk]; dt_bias [S, heads*dk] fp32; a_log [S, heads] fp32;
+    beta_raw [S, T, heads]; core [S, T, heads*dv]. The rank's caches: conv_state [slots, 3, channels of the rank]
+    (shard s's columns start at chan_off + s x 3C); state [slots, rank heads, dk, dv] fp32 (shard s's heads start at
+    head_off + s x heads). Pending buffers (verify windows): pend_state [windows, L, rank heads, dk, dv] fp32,
+    pend_conv [windows, L, 3, channels of the rank].
     """
     if seqs.count == 0:
         return
-    heads = a_log.numel()
+    shards, heads = a_log.shape
     dk = state.shape[-2]
     dv = state.shape[-1]
-    if conv_w.shape[1] != CONV_TAPS or conv_state.shape[1] != CONV_TAPS - 1:
+    if conv_w.shape[2] != CONV_TAPS or conv_state.shape[1] != CONV_TAPS - 1:
         raise ValueError(f"the fused KDA decode kernel handles a {CONV_TAPS}-tap conv only")
     c = heads * dk
     for t in (mixed, g_raw, beta_raw, core):
-        if t.stride(-1) != 1:
-            raise ValueError("KDA decode operands need unit stride along their last dim")
+        if t.shape[0] != shards or t.stride(-1) != 1:
+            raise ValueError(f"KDA decode operands need {shards} shards and unit stride along their last dim")
     # Value blocks of a head read the q/k history that block 0 rewrites, so new history goes to a side buffer and
     # is copied into the decode steps' slots once every program is done.
     hist_out = torch.empty(seqs.count, *conv_state.shape[1:], dtype=conv_state.dtype, device=conv_state.device)
     ps = pend_state if pend_state is not None else state
     pc = pend_conv if pend_conv is not None else conv_state
     bv = min(32, dv)
-    _kda_decode_kernel[(seqs.count, heads, dv // bv)](
-        mixed, mixed.stride(0), conv_w.contiguous(), conv_state, conv_state.stride(0), conv_state.stride(1), chan_off,
-        g_raw, g_raw.stride(0), dt_bias, a_log, beta_raw, beta_raw.stride(0),
-        state, state.stride(0), head_off, core, core.stride(0), hist_out, hist_out.stride(0),
+    _kda_decode_kernel[(seqs.count, shards * heads, dv // bv)](
+        mixed, mixed.stride(0), mixed.stride(1), conv_w.contiguous(), conv_state, conv_state.stride(0),
+        conv_state.stride(1), chan_off, g_raw, g_raw.stride(0), g_raw.stride(1), dt_bias.contiguous(),
+        a_log.contiguous(), beta_raw, beta_raw.stride(0), beta_raw.stride(1),
+        state, state.stride(0), head_off, core, core.stride(0), core.stride(1), hist_out, hist_out.stride(0),
         seqs.row0, seqs.length, seqs.slot, seqs.fresh, seqs.pending,
         ps, ps.stride(0), ps.stride(1) if pend_state is not None else 0,
         pc, pc.stride(0), pc.stride(1) if pend_conv is not None else 0,
-        c, float(lower_bound) if lower_bound is not None else 0.0,
+        heads, c, float(lower_bound) if lower_bound is not None else 0.0,
         HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, num_warps=4)
-    chans = slice(chan_off, chan_off + 3 * c)
+    chans = slice(chan_off, chan_off + shards * 3 * c)
     commit_slots = seqs.slot.long()[seqs.commit]
     conv_state[commit_slots, :, chans] = hist_out[seqs.commit][:, :, chans]
 
 
 @triton.jit
-def _gated_norm_kernel(core_ptr, s_core, gate_ptr, s_gate, w_ptr, out_ptr, s_out, eps, DV: tl.constexpr):
+def _gated_norm_kernel(core_ptr, s_core_shard, s_core, gate_ptr, s_gate_shard, s_gate, w_ptr, out_ptr, s_out_shard,
+                       s_out, eps, DV: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    shard = tl.program_id(2).to(tl.int64)
     c = tl.arange(0, DV)
-    x = tl.load(core_ptr + row * s_core + head * DV + c).to(tl.float32)
-    gate = tl.load(gate_ptr + row * s_gate + head * DV + c).to(tl.float32)
+    x = tl.load(core_ptr + shard * s_core_shard + row * s_core + head * DV + c).to(tl.float32)
+    gate = tl.load(gate_ptr + shard * s_gate_shard + row * s_gate + head * DV + c).to(tl.float32)
     w = tl.load(w_ptr + c).to(tl.float32)
     x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DV + eps))
-    tl.store(out_ptr + row * s_out + head * DV + c, (w * x * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + shard * s_out_shard + row * s_out + head * DV + c,
+             (w * x * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
 
 
 def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """KDA's output norm per (row, head): RMSNorm over dv of the core output, times sigmoid(gate) (twin:
-    kernels/norms.gated_rms_norm). core, gate [T, heads*dv] -> [T, heads*dv]."""
-    t = core.shape[0]
+    kernels/norms.gated_rms_norm), every shard in one launch. core, gate [S, T, heads*dv] (any strides, unit last)
+    -> [S, T, heads*dv] contiguous."""
+    shards, t, width = core.shape
     dv = weight.numel()
-    out = torch.empty_like(core)
+    out = torch.empty(shards, t, width, dtype=core.dtype, device=core.device)
     if t:
-        _gated_norm_kernel[(t, core.shape[1] // dv)](core, core.stride(0), gate, gate.stride(0), weight, out,
-                                                     out.stride(0), float(eps), DV=dv, num_warps=2)
+        _gated_norm_kernel[(t, width // dv, shards)](core, core.stride(0), core.stride(1), gate, gate.stride(0),
+                                                     gate.stride(1), weight, out, out.stride(0), out.stride(1),
+                                                     float(eps), DV=dv, num_warps=2)
     return out
 
 
 @triton.jit
-def _prompt_conv_kernel(x_ptr, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, chan_off, first_ptr, slot_ptr,
-                        fresh_ptr, out_ptr, s_out, C3, TAPS: tl.constexpr, BLOCK: tl.constexpr):
-    """One prompt row, BLOCK channels: silu(sum_j w_j * input[i - 3 + j]) over taps oldest first, reading the
-    sequence's conv history for the inputs before its first row of this chunk (zeros for a fresh sequence)."""
+def _prompt_conv_kernel(x_ptr, s_x_shard, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, chan_off, first_ptr,
+                        slot_ptr, fresh_ptr, out_ptr, s_out_shard, s_out, C3, TAPS: tl.constexpr, BLOCK: tl.constexpr):
+    """One prompt row, BLOCK channels of one shard: silu(sum_j w_j * input[i - 3 + j]) over taps oldest first,
+    reading the sequence's conv history for the inputs before its first row of this chunk (zeros for a fresh
+    sequence). Shard s's channels are the C3 columns from chan_off + s x C3 in the history."""
     r = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    shard = tl.program_id(2)
+    x_ptr += shard.to(tl.int64) * s_x_shard
+    w_ptr += shard * C3 * TAPS
+    chans = chan_off + shard * C3  # this shard's first column in the rank's conv history
+    out_ptr += shard.to(tl.int64) * s_out_shard
     cm = ch < C3
     first = tl.load(first_ptr + r)
     i = r - first
@@ -233,7 +263,7 @@ def _prompt_conv_kernel(x_ptr, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, ch
     for j in tl.static_range(TAPS):
         src = i - (TAPS - 1) + j
         here = tl.load(x_ptr + (first + tl.maximum(src, 0)).to(tl.int64) * s_x + ch, mask=cm & (src >= 0), other=0.0)
-        past = tl.load(hist_ptr + slot * s_hist_slot + (TAPS - 1 + tl.minimum(src, -1)) * s_hist_row + chan_off + ch,
+        past = tl.load(hist_ptr + slot * s_hist_slot + (TAPS - 1 + tl.minimum(src, -1)) * s_hist_row + chans + ch,
                        mask=cm & (src < 0) & (fresh == 0), other=0.0)
         acc += tl.where(src >= 0, here, past).to(tl.float32) * tl.load(w_ptr + ch * TAPS + j, mask=cm, other=0.0)
     act = out_ptr.dtype.element_ty
@@ -242,16 +272,19 @@ def _prompt_conv_kernel(x_ptr, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, ch
 
 def prompt_conv(x: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, chan_off: int,
                 first: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """KDA's short conv + SiLU over the rows of several prompt chunks at once (twin: kernels/kda.causal_conv).
+    """KDA's short conv + SiLU over the rows of several prompt chunks and S virtual shards at once (twin:
+    kernels/kda.causal_conv).
 
-    x [T, C3] the chunks' inputs, sequence after sequence; per row (int32 [T]): `first` the row index of its
-    sequence's first row, `slot` its KDA slot, `fresh` 1 when the sequence starts at position 0. conv_state [slots,
-    3, channels of the rank], this shard's columns from chan_off. The history itself is not updated here."""
-    t, c3 = x.shape
-    out = torch.empty_like(x)
+    x [S, T, C3] the chunks' inputs, sequence after sequence (any strides, unit last); conv_w [S, C3, 4]; per row
+    (int32 [T]): `first` the row index of its sequence's first row, `slot` its KDA slot, `fresh` 1 when the sequence
+    starts at position 0. conv_state [slots, 3, channels of the rank], shard s's columns from chan_off + s x C3.
+    -> [S, T, C3] contiguous. The history itself is not updated here."""
+    shards, t, c3 = x.shape
+    out = torch.empty(shards, t, c3, dtype=x.dtype, device=x.device)
     if t:
         block = 1024
-        _prompt_conv_kernel[(t, triton.cdiv(c3, block))](
-            x, x.stride(0), conv_w.contiguous(), conv_state, conv_state.stride(0), conv_state.stride(1), chan_off,
-            first, slot, fresh, out, out.stride(0), c3, TAPS=CONV_TAPS, BLOCK=block, num_warps=4)
+        _prompt_conv_kernel[(t, triton.cdiv(c3, block), shards)](
+            x, x.stride(0), x.stride(1), conv_w.contiguous(), conv_state, conv_state.stride(0), conv_state.stride(1),
+            chan_off, first, slot, fresh, out, out.stride(0), out.stride(1), c3, TAPS=CONV_TAPS, BLOCK=block,
+            num_warps=4)
     return out

@@ -79,6 +79,23 @@ def test_batched_strided_weights() -> None:
     torch.testing.assert_close(out.double(), x.double() @ w_kn.double(), rtol=1e-3, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
+def test_stacked_shards_equal_one_product_per_shard(rows: int) -> None:
+    """Virtual shards in one launch (the model's stacked [S, N, K] weights): column-parallel with the input
+    broadcast (stride 0), row-parallel with each shard's own activations — every shard's output is its own
+    product's, bit for bit (K = 2048 makes the decode schedule split K, so the split sums are covered too)."""
+    s, t, n, k = 4, 5, 64, 2048
+    assert rows == 0 or gemm.schedule(n, k, gemm.RowClass.DECODE).split_k > 1
+    x = randn(t, k, seed=30)
+    w = randn(s, n, k, seed=31)
+    column = gemm.bmm(x.unsqueeze(0).expand(s, -1, -1), w, rows, out_dtype=torch.float32)
+    xs = randn(s, t, k, seed=32)
+    row = gemm.bmm(xs, w, rows, out_dtype=torch.float32)
+    for j in range(s):
+        assert torch.equal(column[j], gemm.matmul(x, w[j], rows, out_dtype=torch.float32)), f"column shard {j}"
+        assert torch.equal(row[j], gemm.matmul(xs[j], w[j], rows, out_dtype=torch.float32)), f"row shard {j}"
+
+
 def test_output_dtype_follows_input_by_default() -> None:
     out = gemm.matmul(randn(2, 256, seed=11), randn(32, 256, seed=12), 0)
     assert out.dtype == HALF and out.device.type == DEVICE

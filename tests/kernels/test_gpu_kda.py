@@ -1,5 +1,6 @@
 """The fused KDA decode / verify kernel (kernels/gpu/kda.py) against the torch twin (conv + recurrent step + gated
-RMSNorm, as services/rank_worker/model/kda_attention.py composes them), and its row invariance."""
+RMSNorm, as services/rank_worker/model/kda_attention.py composes them), its row invariance, and its virtual shards:
+S shards in one launch give each shard the bits of its own one-shard launch."""
 
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ CHAN_OFF = 8
 HEADS_RANK, HEAD_OFF = 3, 1  # the rank's state holds 3 heads; this shard's 2 start at head 1
 
 
-def make_params(seed: int = 0) -> dict[str, torch.Tensor]:
-    return dict(conv_w=randn(3 * C, 4, dtype=torch.float32, seed=seed + 1, scale=0.5),
-                dt_bias=randn(C, dtype=torch.float32, seed=seed + 2, scale=0.3),
-                a_log=randn(H, dtype=torch.float32, seed=seed + 3, scale=0.3),
+def make_params(seed: int = 0, shards: int = 1) -> dict[str, torch.Tensor]:
+    """Per-shard parameters stacked over `shards` virtual shards (the kernels' [S, ...] operands)."""
+    return dict(conv_w=randn(shards, 3 * C, 4, dtype=torch.float32, seed=seed + 1, scale=0.5),
+                dt_bias=randn(shards, C, dtype=torch.float32, seed=seed + 2, scale=0.3),
+                a_log=randn(shards, H, dtype=torch.float32, seed=seed + 3, scale=0.3),
                 o_norm=1 + randn(DK, seed=seed + 4, scale=0.1))
 
 
-def make_inputs(t: int, seed: int) -> dict[str, torch.Tensor]:
-    return dict(mixed=randn(t, 3 * C, seed=seed), g_raw=randn(t, C, seed=seed + 10),
-                beta_raw=randn(t, H, seed=seed + 20), gate=randn(t, C, seed=seed + 30))
+def make_inputs(t: int, seed: int, shards: int = 1) -> dict[str, torch.Tensor]:
+    # q|k|v and beta side by side in one tensor, as the model's fused projection leaves them
+    mixed_beta = randn(shards, t, 3 * C + H, seed=seed)
+    return dict(mixed=mixed_beta[..., : 3 * C], beta_raw=mixed_beta[..., 3 * C :],
+                g_raw=randn(shards, t, C, seed=seed + 10), gate=randn(shards, t, C, seed=seed + 30))
 
 
 def make_cache(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,25 +45,28 @@ def seqs(rows: list[tuple[int, int, int, int, int]]) -> kda.DecodeSeqs:
     return kda.DecodeSeqs.build(row0, length, slot, [bool(f) for f in fresh], pending, DEVICE)
 
 
-def run_kernel(p, x, conv, state, sq, pend_state=None, pend_conv=None) -> torch.Tensor:
-    core = torch.zeros(x["mixed"].shape[0], C, dtype=HALF, device=DEVICE)
-    kda.decode(sq, mixed=x["mixed"], conv_w=p["conv_w"], conv_state=conv, chan_off=CHAN_OFF, g_raw=x["g_raw"],
+def run_kernel(p, x, conv, state, sq, pend_state=None, pend_conv=None, chan_off: int = CHAN_OFF,
+               head_off: int = HEAD_OFF) -> torch.Tensor:
+    """Decode + gated norm over the shards stacked in p and x -> [S, T, C]."""
+    core = torch.zeros(*x["mixed"].shape[:2], C, dtype=HALF, device=DEVICE)
+    kda.decode(sq, mixed=x["mixed"], conv_w=p["conv_w"], conv_state=conv, chan_off=chan_off, g_raw=x["g_raw"],
                dt_bias=p["dt_bias"], a_log=p["a_log"], lower_bound=LB, beta_raw=x["beta_raw"], state=state,
-               head_off=HEAD_OFF, core=core, pend_state=pend_state, pend_conv=pend_conv)
+               head_off=head_off, core=core, pend_state=pend_state, pend_conv=pend_conv)
     return kda.gated_norm(core, x["gate"], p["o_norm"], EPS)
 
 
 def twin_step(p, x, row: int, hist: torch.Tensor, state: torch.Tensor):
-    """One decode row by the torch reference: (gated output [C], new history [3, 3C], new state [H, DK, DK])."""
+    """One decode row of shard 0 by the torch reference: (gated output [C], new history [3, 3C], new state
+    [H, DK, DK])."""
     f = lambda t: t.cpu().float()  # noqa: E731
-    new = x["mixed"][row : row + 1].cpu()
-    conv = ref.causal_conv(new.unsqueeze(0), f(p["conv_w"]), hist.unsqueeze(0)).squeeze(0)
+    new = x["mixed"][0, row : row + 1].cpu()
+    conv = ref.causal_conv(new.unsqueeze(0), f(p["conv_w"][0]), hist.unsqueeze(0)).squeeze(0)
     q, k, v = (c.view(1, H, DK) for c in conv.chunk(3, dim=-1))
-    g = (f(x["g_raw"][row]) + f(p["dt_bias"])).view(1, H, DK)
-    g = LB * torch.sigmoid(f(p["a_log"]).exp().view(1, H, 1) * g)
-    beta = torch.sigmoid(x["beta_raw"][row : row + 1].cpu()).float()
+    g = (f(x["g_raw"][0, row]) + f(p["dt_bias"][0])).view(1, H, DK)
+    g = LB * torch.sigmoid(f(p["a_log"][0]).exp().view(1, H, 1) * g)
+    beta = torch.sigmoid(x["beta_raw"][0, row : row + 1].cpu()).float()
     o, s = ref.recurrent(q, k, v, g, beta, state.unsqueeze(0))
-    out = gated_rms_norm(o.to(new.dtype), x["gate"][row].cpu().view(1, H, DK), p["o_norm"].cpu(), EPS)
+    out = gated_rms_norm(o.to(new.dtype), x["gate"][0, row].cpu().view(1, H, DK), p["o_norm"].cpu(), EPS)
     return out.reshape(-1), ref.conv_history(new.unsqueeze(0), hist.unsqueeze(0)).squeeze(0), s.squeeze(0)
 
 
@@ -71,7 +78,7 @@ def test_decode_and_verify_rows_match_twin() -> None:
     sq = seqs([(0, 1, 2, 0, -1), (1, 1, 4, 1, -1), (2, 3, 1, 0, 0), (5, 1, 0, 0, -1)])
     pend_state = torch.zeros(1, 3, HEADS_RANK, DK, DK, device=DEVICE)
     pend_conv = torch.zeros(1, 3, 3, CH, dtype=HALF, device=DEVICE)
-    out = run_kernel(p, x, conv, state, sq, pend_state, pend_conv)
+    out = run_kernel(p, x, conv, state, sq, pend_state, pend_conv)[0]
 
     mine = slice(CHAN_OFF, CHAN_OFF + 3 * C)
     heads = slice(HEAD_OFF, HEAD_OFF + H)
@@ -97,13 +104,24 @@ def test_decode_row_alone_equals_row_in_company() -> None:
     p, x = make_params(), make_inputs(6, seed=300)
     conv, state = make_cache(seed=400)
     alone_conv, alone_state = conv.clone(), state.clone()
-    alone = run_kernel(p, x, alone_conv, alone_state, seqs([(3, 1, 5, 0, -1)]))
+    alone = run_kernel(p, x, alone_conv, alone_state, seqs([(3, 1, 5, 0, -1)]))[0]
     crowd = run_kernel(p, x, conv, state, seqs([(0, 1, 0, 0, -1), (1, 2, 1, 0, 0), (3, 1, 5, 0, -1),
                                                  (4, 2, 2, 0, 1)]),
                        torch.zeros(2, 2, HEADS_RANK, DK, DK, device=DEVICE),
-                       torch.zeros(2, 2, 3, CH, dtype=HALF, device=DEVICE))
+                       torch.zeros(2, 2, 3, CH, dtype=HALF, device=DEVICE))[0]
     assert torch.equal(alone[3], crowd[3])
     assert torch.equal(alone_state[5], state[5]) and torch.equal(alone_conv[5], conv[5])
+
+
+def prompt_rows(chunks: list[tuple[int, int, bool]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first, slot, fresh) int32 per row of prompt chunks given as (slot, rows, fresh)."""
+    first, slot, fresh, lo = [], [], [], 0
+    for s, n, f in chunks:
+        first += [lo] * n
+        slot += [s] * n
+        fresh += [int(f)] * n
+        lo += n
+    return tuple(torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in (first, slot, fresh))
 
 
 def test_prompt_conv_matches_twin() -> None:
@@ -111,19 +129,58 @@ def test_prompt_conv_matches_twin() -> None:
     p = make_params()
     conv, _ = make_cache(seed=500)
     chunks = [(3, 7, True), (1, 5, False), (4, 2, False)]  # (slot, rows, fresh)
-    x = randn(sum(n for _, n, _ in chunks), 3 * C, seed=501)
-    first, slot, fresh, lo = [], [], [], 0
-    for s, n, f in chunks:
-        first += [lo] * n
-        slot += [s] * n
-        fresh += [int(f)] * n
-        lo += n
-    vec = lambda v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    out = kda.prompt_conv(x, p["conv_w"], conv, CHAN_OFF, vec(first), vec(slot), vec(fresh))
+    x = randn(1, sum(n for _, n, _ in chunks), 3 * C, seed=501)
+    out = kda.prompt_conv(x, p["conv_w"], conv, CHAN_OFF, *prompt_rows(chunks))[0]
     lo = 0
     mine = slice(CHAN_OFF, CHAN_OFF + 3 * C)
     for s, n, f in chunks:
         hist = torch.zeros(3, 3 * C, dtype=HALF) if f else conv[s, :, mine].cpu()
-        want = ref.causal_conv(x[lo : lo + n].cpu(), p["conv_w"].cpu().float(), hist)
+        want = ref.causal_conv(x[0, lo : lo + n].cpu(), p["conv_w"][0].cpu().float(), hist)
         torch.testing.assert_close(out[lo : lo + n].cpu().float(), want.float(), **HALF_TOL)
         lo += n
+
+
+# ----- virtual shards: S shards in one launch = one launch per shard, bit for bit -----
+
+S = 3  # shards in the fused launch (the rank holds exactly these: heads and conv channels shard after shard)
+
+
+def shard(d: dict[str, torch.Tensor], j: int) -> dict[str, torch.Tensor]:
+    """Shard j of stacked operands, as a one-shard stack (o_norm is shared)."""
+    return {k: v if k == "o_norm" else v[j : j + 1] for k, v in d.items()}
+
+
+def test_decode_shards_in_one_launch_equal_one_launch_per_shard() -> None:
+    """Decode rows and a verify window over 3 shards in one launch: the gated outputs, the slots' states and
+    histories and the pending buffers equal those of three one-shard launches (each at its shard's head and
+    channel offsets)."""
+    p, x = make_params(seed=7, shards=S), make_inputs(5, seed=600, shards=S)
+    conv = randn(SLOTS, 3, S * 3 * C, seed=601)
+    state = randn(SLOTS, S * H, DK, DK, dtype=torch.float32, seed=602, scale=0.2)
+    sq = seqs([(0, 1, 2, 0, -1), (1, 3, 1, 0, 0), (4, 1, 3, 1, -1)])  # decode, verify window of 3, fresh decode
+
+    def pending() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(1, 3, S * H, DK, DK, device=DEVICE),
+                torch.zeros(1, 3, 3, S * 3 * C, dtype=HALF, device=DEVICE))
+
+    fused_cache, per_cache = (conv.clone(), state.clone()), (conv.clone(), state.clone())
+    fused_pend, per_pend = pending(), pending()
+    fused = run_kernel(p, x, *fused_cache, sq, *fused_pend, chan_off=0, head_off=0)
+    for j in range(S):
+        alone = run_kernel(shard(p, j), shard(x, j), *per_cache, sq, *per_pend, chan_off=j * 3 * C, head_off=j * H)
+        assert torch.equal(fused[j], alone[0]), f"shard {j}: gated output"
+    for name, a, b in (("conv", fused_cache[0], per_cache[0]), ("state", fused_cache[1], per_cache[1]),
+                       ("pending state", fused_pend[0], per_pend[0]), ("pending conv", fused_pend[1], per_pend[1])):
+        assert torch.equal(a, b), name
+    assert not torch.equal(fused_cache[1], state)  # the decode steps moved their states on
+
+
+def test_prompt_conv_shards_in_one_launch_equal_one_launch_per_shard() -> None:
+    p = make_params(seed=8, shards=S)
+    conv = randn(SLOTS, 3, S * 3 * C, seed=700)
+    chunks = [(3, 6, True), (1, 2, False)]
+    rows = prompt_rows(chunks)
+    x = randn(S, 8, 3 * C, seed=701)
+    fused = kda.prompt_conv(x, p["conv_w"], conv, 0, *rows)
+    for j in range(S):
+        assert torch.equal(fused[j], kda.prompt_conv(x[j : j + 1], p["conv_w"][j : j + 1], conv, j * 3 * C, *rows)[0])

@@ -1,5 +1,6 @@
 """The GPU DSA indexer and sparse MLA kernels (kernels/gpu/mla.py) against their torch twins (kernels/dsa.py,
-kernels/mla.py): pool keys, scores, the selection, attention over the paged latent cache, and row invariance."""
+kernels/mla.py): pool keys, scores, the selection, attention over the paged latent cache, row invariance, and heads
+(every local virtual shard's) in one launch."""
 
 from __future__ import annotations
 
@@ -161,3 +162,17 @@ def test_row_alone_equals_row_in_company(paged: Paged, cls: dict) -> None:
     alone = run([1])[0]
     assert torch.equal(run([0, 1, 2, 3, 4])[1], alone)
     assert torch.equal(run([3, 1])[1], alone)
+
+
+@pytest.mark.parametrize("cls", CLASSES.values(), ids=CLASSES.keys())
+def test_heads_in_one_launch_equal_one_launch_per_shard(paged: Paged, cls: dict) -> None:
+    """The model attends with every local shard's heads in one launch: 4 shards of 2 heads each get the bits of
+    their own launch (a head's arithmetic never depends on the heads beside it in a program)."""
+    shards, heads = 4, 2
+    pos, seq = rows_of(QUERIES)
+    sel, count = mla.select_pools(None, pos, KP, keep=64, n_pools=max(LENS) // KP)
+    q_lat = randn(len(QUERIES), shards * heads, R, seed=45)
+    fused = attend(q_lat, paged, pos, seq, sel, count, **cls)
+    for j in range(shards):
+        mine = slice(j * heads, (j + 1) * heads)
+        assert torch.equal(fused[:, mine], attend(q_lat[:, mine], paged, pos, seq, sel, count, **cls)), f"shard {j}"

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import torch
 
+from services.rank_worker.model import gpu_rows
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
 from services.rank_worker.model.model import Glm5Model
 
 BLOCK = 16
+CAP = 96  # positions per slot in `step`'s block tables
 
 
 @lru_cache(maxsize=4)
@@ -58,6 +60,27 @@ def run_chunks(model: Glm5Model, cache: PagedCache, ids: list[int], chunks: list
         out.append(model.forward(batch, cache).logits)
         pos += n
     return torch.cat(out)
+
+
+def step(model: Glm5Model, cache: PagedCache, seqs: list[tuple[int, list[int], int, bool, bool]], *, gpu: bool
+         ) -> list[torch.Tensor]:
+    """One packed forward (the GPU path's `forward_gpu`, or the torch reference); seqs: (slot, new ids, start,
+    prompt, verify) in decode-class-first order -> logits of every row, per sequence. Verify windows keep one
+    accepted draft."""
+    ids = [i for _, new, _, _, _ in seqs for i in new]
+    batch = Batch(token_ids=torch.tensor(ids), starts=[st for _, _, st, _, _ in seqs],
+                  lengths=[len(new) for _, new, _, _, _ in seqs],
+                  block_tables=torch.tensor([table(slot, CAP) for slot, _, _, _, _ in seqs]),
+                  slots=[slot for slot, _, _, _, _ in seqs], logit_rows=torch.arange(len(ids)),
+                  verify=[v for *_, v in seqs], prompt=[p for *_, p, _ in seqs])
+    if gpu:
+        out = model.forward_gpu(batch, cache, gpu_rows.build(batch, kpool=model.cfg.index_kpool,
+                                                             block_size=cache.block_size))
+    else:
+        out = model.forward(batch, cache)
+    if any(v for *_, v in seqs):
+        model.commit_verify(batch, cache, {s: 1 for s, (*_, v) in enumerate(seqs) if v})
+    return list(out.logits.split(batch.lengths))
 
 
 def clone_cache(cache: PagedCache) -> PagedCache:

@@ -15,33 +15,10 @@ from tests.kernels.gpu_support import triton  # noqa: F401  (skips the module wi
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA; on a "
                                 "GPU tests/gpu/test_fast_path.py covers this at real dims")
 
-from services.rank_worker.model import gpu_rows  # noqa: E402
-from services.rank_worker.model.batch import Batch  # noqa: E402
 from services.rank_worker.model.model import Glm5Model  # noqa: E402
 from services.rank_worker.model.parallel import Sharding  # noqa: E402
 from services.rank_worker.model.tiny import make_tiny  # noqa: E402
-from tests.model.reference import clone_cache, fresh_cache, random_ids, table  # noqa: E402
-
-CAP = 96
-
-
-def step(model, cache, seqs: list[tuple[int, list[int], int, bool, bool]], *, gpu: bool) -> list[torch.Tensor]:
-    """One packed forward; seqs: (slot, new ids, start, prompt, verify) in decode-class-first order -> logits of
-    every row, per sequence."""
-    ids = [i for _, new, _, _, _ in seqs for i in new]
-    batch = Batch(token_ids=torch.tensor(ids), starts=[st for _, _, st, _, _ in seqs],
-                  lengths=[len(new) for _, new, _, _, _ in seqs],
-                  block_tables=torch.tensor([table(slot, CAP) for slot, _, _, _, _ in seqs]),
-                  slots=[slot for slot, _, _, _, _ in seqs], logit_rows=torch.arange(len(ids)),
-                  verify=[v for *_, v in seqs], prompt=[p for *_, p, _ in seqs])
-    if gpu:
-        out = model.forward_gpu(batch, cache, gpu_rows.build(batch, kpool=model.cfg.index_kpool,
-                                                             block_size=cache.block_size))
-    else:
-        out = model.forward(batch, cache)
-    if any(v for *_, v in seqs):
-        model.commit_verify(batch, cache, {s: 1 for s, (*_, v) in enumerate(seqs) if v})
-    return list(out.logits.split(batch.lengths))
+from tests.model.reference import CAP, clone_cache, fresh_cache, random_ids, step  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,7 @@ from services.rank_worker.model.model import Glm5Model  # noqa: E402
 from services.rank_worker.model.parallel import Sharding  # noqa: E402
 from services.rank_worker.model.tiny import make_tiny  # noqa: E402
 from services.rank_worker.model.weights import TEXT_PREFIX, WeightReader  # noqa: E402
-from tests.model.reference import clone_cache, fresh_cache, random_ids  # noqa: E402
-from tests.model.test_gpu_path import CAP, step  # noqa: E402
+from tests.model.reference import CAP, clone_cache, fresh_cache, random_ids, step  # noqa: E402
 
 
 class _PackedReader:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from services.rank_worker.model.model import Glm5Model
 from services.rank_worker.offline import GenerateRequest, generate_on_model
-from tests.model.reference import fresh_cache, run_chunks
+from tests.model.reference import CAP, fresh_cache, run_chunks, step
 
 
 def logits_and_greedy(model: Glm5Model, ids: list[int], prompt_len: int, max_tokens: int,
@@ -17,3 +19,25 @@ def logits_and_greedy(model: Glm5Model, ids: list[int], prompt_len: int, max_tok
     tokens = generate_on_model(model, GenerateRequest(prompt_ids=tuple(ids[:prompt_len]), max_tokens=max_tokens,
                                                       ignore_eos=True), kv_dtype=kv_dtype)
     return {"logits": logits.clone(), "tokens": tokens}
+
+
+def gpu_path_rounds(model: Glm5Model, rounds: list[list[tuple]], slots: int) -> dict:
+    """Packed rounds (reference.step's sequences: prompt chunks, decode rows, verify windows) through the GPU path
+    (`forward_gpu`, in Triton's CPU interpreter) from an empty cache -> every round's logits, and the Triton
+    kernel launches the rounds made on this rank, by kernel name."""
+    from triton.runtime.interpreter import InterpretedFunction  # every interpreted launch goes through its run
+
+    cache = fresh_cache(model, CAP, slots=slots)
+    launches: Counter[str] = Counter()
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        launches[self.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = counted
+    try:
+        logits = [torch.cat(step(model, cache, seqs, gpu=True)) for seqs in rounds]
+    finally:
+        InterpretedFunction.run = run
+    return {"logits": logits, "launches": launches}

@@ -3,9 +3,11 @@
 Both are split by intermediate channels over virtual shards: gate/up column-parallel, down row-parallel, so each
 shard returns a partial [T, D] that the caller reduces. The router is replicated (every rank routes identically).
 
-Storage serves both paths: a dense MLP keeps gate and up as two halves of one [2I, D] tensor (one GEMM on the GPU;
-the CPU twin reads the halves), and the MoE keeps every shard's experts stacked with the shared expert last
-([E+1, I, D] / [E+1, D, I]) so the GPU's grouped kernels treat it as one more expert (kernels/gpu/moe.py).
+Storage serves both paths: a dense MLP keeps per shard gate and up as two halves of one [2I, D] tensor, stacked
+over the rank's local virtual shards ([S, 2I, D], down [S, D, I]) so the GPU runs every local shard in one batched
+GEMM per projection; the CPU twin reads per-shard halves. The MoE keeps every shard's experts stacked with the
+shared expert last ([E+1, I, D] / [E+1, D, I]) so the GPU's grouped kernels treat it as one more expert
+(kernels/gpu/moe.py).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ class DenseMlp:
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [self.parts.partial(x, j) for j in range(len(self.parts.down))]
 
-    def forward_gpu(self, x: torch.Tensor, decode_rows: int) -> list[torch.Tensor]:
-        return [self.parts.partial_gpu(x, j, decode_rows) for j in range(len(self.parts.down))]
+    def forward_gpu(self, x: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        return self.parts.partials_gpu(x, decode_rows)
 
 
 class Moe:
@@ -91,7 +93,8 @@ class Moe:
             out.append(routed + shared)
         return out
 
-    def forward_gpu(self, x: torch.Tensor, decode_rows: int, n_real: torch.Tensor) -> list[torch.Tensor]:
+    def forward_gpu(self, x: torch.Tensor, decode_rows: int, n_real: torch.Tensor) -> torch.Tensor:
+        """Every local shard's partial [S, T, D] fp32."""
         from kernels.gpu import gemm
         from kernels.gpu import moe as gpu_moe
         c = self.cfg
@@ -100,36 +103,40 @@ class Moe:
         logits = gemm.matmul(x, self.router, decode_rows, torch.float32)
         ids, w = gpu_moe.route(logits, self.bias, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
                                scaling=c.routed_scaling_factor, n_real=n_real, shared=self.shared_apart is None)
-        if isinstance(self.gate, list):  # per-shard EXL3 stacks
-            out = [gpu_moe.experts(x, ids, w, g, u, d, c.swiglu_limit, decode_rows)[0]
-                   for g, u, d in zip(self.gate, self.up, self.down)]
+        if isinstance(self.gate, list):  # per-shard EXL3 stacks (the EXL3 grouped path takes one shard a launch)
+            out = torch.stack([gpu_moe.experts(x, ids, w, g, u, d, c.swiglu_limit, decode_rows)[0]
+                               for g, u, d in zip(self.gate, self.up, self.down)])
         else:
-            out = list(gpu_moe.experts(x, ids, w, self.gate, self.up, self.down, c.swiglu_limit, decode_rows,
-                                       shards=self.shards))
+            out = gpu_moe.experts(x, ids, w, self.gate, self.up, self.down, c.swiglu_limit, decode_rows,
+                                  shards=self.shards)
         if self.shared_apart is not None:  # added after the routed sum, the twin's order
-            out = [o + self.shared_apart.partial_gpu(x, j, decode_rows) for j, o in enumerate(out)]
+            out = out + self.shared_apart.partials_gpu(x, decode_rows)
         return out
 
 
 class _DenseParts:
-    """A dense SwiGLU MLP's per-shard tensors (gate and up as halves of one [2I, D] tensor: one GEMM on the GPU,
-    views for the CPU twin); also a shared expert stored apart from its routed experts."""
+    """A dense SwiGLU MLP's tensors stacked over the local virtual shards: gate_up [S, 2I, D] (gate and up as halves
+    of one tensor: one GEMM on the GPU, views for the CPU twin), down [S, D, I]; also a shared expert stored apart
+    from its routed experts."""
 
     def __init__(self, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
                  limit: float) -> None:
-        self.gate_up = [torch.cat([g, u]) for g, u in zip(gate, up)]
-        self.inter = [g.shape[0] for g in gate]
-        self.down = down
+        self.gate_up = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        self.inter = gate[0].shape[0]  # intermediate channels per shard
+        self.down = torch.stack(down)
         self.limit = limit
 
     def partial(self, x: torch.Tensor, j: int) -> torch.Tensor:
-        gate, up = self.gate_up[j].split(self.inter[j])
+        gate, up = self.gate_up[j].split(self.inter)
         return linear_fp32(moe.swiglu(linear(x, gate), linear(x, up), self.limit), self.down[j])
 
-    def partial_gpu(self, x: torch.Tensor, j: int, decode_rows: int) -> torch.Tensor:
+    def partials_gpu(self, x: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        """Every shard's partial [S, T, D] fp32: one batched GEMM per projection over the stacked shards (x
+        broadcast for gate/up), each shard with its one-shard (N, K) schedule (kernels/gpu/gemm.py)."""
         from kernels.gpu import gemm
-        gate, up = gemm.matmul(x, self.gate_up[j], decode_rows).split(self.inter[j], dim=-1)
-        return gemm.matmul(moe.swiglu(gate, up, self.limit), self.down[j], decode_rows, torch.float32)
+        s = self.gate_up.shape[0]
+        gate, up = gemm.bmm(x.unsqueeze(0).expand(s, -1, -1), self.gate_up, decode_rows).split(self.inter, dim=-1)
+        return gemm.bmm(moe.swiglu(gate, up, self.limit), self.down, decode_rows, torch.float32)
 
 
 def build_ffn(cfg: ModelConfig, reader: WeightReader, prefix: str, layer: int) -> DenseMlp | Moe:

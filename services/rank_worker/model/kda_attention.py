@@ -5,10 +5,12 @@ recurrence (chunked for prefill rows, one step for decode rows) -> gated RMSNorm
 Heads are split over virtual shards; each shard's heads run independently until o_proj, whose per-shard partial
 sums the caller reduces.
 
-Storage serves both paths: per shard q|k|v|b live in one tensor (one GEMM on the GPU), f_a|g_a in another; the CPU
-twin reads views of them. The GPU path (`forward_gpu`) runs decode and verify rows through the fused recurrent
-kernel (kernels/gpu/kda.py) and prompt chunks through fla-core's `chunk_kda` — chunk-grid and batch invariant and
-within 4e-4 of the twin, measured on an H200 (bench/results/kernels-20261130-235732.*).
+Storage serves both paths: every per-shard weight is stacked over the rank's local virtual shards ([S, ...]; per
+shard q|k|v|b live in one [3C + heads, D] slice, f_a|g_a in one replicated tensor), so the GPU path runs each op
+once for every local shard; the CPU twin reads per-shard views of the same tensors. The GPU path (`forward_gpu`)
+runs decode and verify rows through the fused recurrent kernel (kernels/gpu/kda.py) and prompt chunks through
+fla-core's `chunk_kda` — chunk-grid and batch invariant and within 4e-4 of the twin, measured on an H200
+(bench/results/kernels-20261130-235732.*).
 """
 
 from __future__ import annotations
@@ -38,23 +40,23 @@ class KdaAttention:
         self.lower_bound = cfg.linear_lower_bound
         p = prefix + "self_attn."
         q_w, k_w, v_w, b_w = (reader.split(p + f"{n}.weight", 0) for n in ("q_proj", "k_proj", "v_proj", "b_proj"))
-        self.qkvb = [torch.cat(ws) for ws in zip(q_w, k_w, v_w, b_w)]
-        self.mixed_width = [q.shape[0] + k.shape[0] + v.shape[0] for q, k, v in zip(q_w, k_w, v_w)]
-        self.q_w, self.k_w, self.v_w, self.b_w = zip(*(w.split([q.shape[0], k.shape[0], v.shape[0], b.shape[0]])
-                                                       for w, q, k, v, b in zip(self.qkvb, q_w, k_w, v_w, b_w)))
+        self.width = q_w[0].shape[0] + k_w[0].shape[0] + v_w[0].shape[0]  # q|k|v columns of one shard (3C)
+        self.qkvb = torch.stack([torch.cat(ws) for ws in zip(q_w, k_w, v_w, b_w)])  # [S, 3C + heads, D]
+        self.q_w, self.k_w, self.v_w, self.b_w = zip(*(w.split([q_w[0].shape[0], k_w[0].shape[0], v_w[0].shape[0],
+                                                                b_w[0].shape[0]]) for w in self.qkvb))
         q_c, k_c, v_c = (reader.split(p + f"{n}_conv1d.weight", 0) for n in "qkv")
-        # Per shard: [3 * channels, K] in (q, k, v) order — the layout of this shard's slice of the conv state.
-        self.conv_w = [torch.cat([a, b, c]).squeeze(1) for a, b, c in zip(q_c, k_c, v_c)]
+        # [S, 3C, K]: per shard (q, k, v) channels — the layout of the shard's slice of the conv state.
+        self.conv_w = torch.stack([torch.cat([a, b, c]).squeeze(1) for a, b, c in zip(q_c, k_c, v_c)])
         f_a, g_a = reader.full(p + "f_a_proj.weight"), reader.full(p + "g_a_proj.weight")
         self.fg_a = torch.cat([f_a, g_a])
         self.f_a, self.g_a = self.fg_a.split([f_a.shape[0], g_a.shape[0]])
-        self.f_b = reader.split(p + "f_b_proj.weight", 0)
-        self.dt_bias = reader.split(p + "dt_bias", 0)
-        self.a_log = reader.split(p + "A_log", 0)
-        self.g_b = reader.split(p + "g_b_proj.weight", 0)
+        self.f_b = torch.stack(reader.split(p + "f_b_proj.weight", 0))  # [S, heads * dk, f rank]
+        self.dt_bias = torch.stack(reader.split(p + "dt_bias", 0))  # [S, heads * dk]
+        self.a_log = torch.stack(reader.split(p + "A_log", 0))  # [S, heads]
+        self.g_b = torch.stack(reader.split(p + "g_b_proj.weight", 0))  # [S, heads * dv, g rank]
         self.o_norm = reader.full(p + "o_norm.weight")
-        self.o_w = reader.split(p + "o_proj.weight", 1)
-        self.heads = self.a_log[0].numel()  # heads per virtual shard
+        self.o_w = torch.stack(reader.split(p + "o_proj.weight", 1))  # [S, D, heads * dv] (row-parallel)
+        self.shards, self.heads = self.a_log.shape  # local virtual shards, heads per shard
 
     def _gate(self, fa: torch.Tensor, j: int) -> torch.Tensor:
         """Per-channel log-decay g <= 0 of shard j: [T, heads, dk] fp32."""
@@ -101,7 +103,7 @@ class KdaAttention:
             pend_conv = torch.zeros(len(verify), longest, *conv_all.shape[1:], dtype=conv_all.dtype, device=x.device)
             cache.pending[self.layer] = (verify, pend_state, pend_conv)
         partials = []
-        for j in range(len(self.q_w)):
+        for j in range(self.shards):
             mixed = torch.cat([linear(x, self.q_w[j]), linear(x, self.k_w[j]), linear(x, self.v_w[j])], dim=-1)
             chans = slice(j * mixed.shape[1], (j + 1) * mixed.shape[1])
             heads = slice(j * self.heads, (j + 1) * self.heads)
@@ -164,10 +166,16 @@ class KdaAttention:
 
     # ----- GPU fast path -----
 
-    def forward_gpu(self, x: torch.Tensor, batch: Batch, rows: GpuRows, cache: PagedCache) -> list[torch.Tensor]:
+    def forward_gpu(self, x: torch.Tensor, batch: Batch, rows: GpuRows, cache: PagedCache) -> torch.Tensor:
+        """Every local virtual shard in one launch per op -> the row-parallel partials [S, T, D] fp32.
+
+        Column-parallel projections are one batched GEMM over the shards' stacked weights with the input broadcast:
+        each batch element runs the one-shard (N, K) schedule (kernels/gpu/gemm.py), so each shard gets the bits of
+        its own product whatever the number of shards in the launch (TP=1 runs 4, TP=2 two). Never one wider
+        [S x N, K] product: its tiles and K split could differ from a shard's."""
         from kernels.gpu import gemm
         from kernels.gpu import kda as gpu_kda
-        d, t = rows.decode_rows, x.shape[0]
+        d, t, s = rows.decode_rows, x.shape[0], self.shards
         fa, ga = gemm.matmul(x, self.fg_a, d).split([self.f_a.shape[0], self.g_a.shape[0]], dim=-1)
         conv_all = cache.conv_state[self.layer]
         state_all = cache.kda_state[self.layer]
@@ -178,49 +186,49 @@ class KdaAttention:
             pend_conv = torch.empty(len(rows.verify), rows.window, *conv_all.shape[1:], dtype=conv_all.dtype,
                                     device=x.device)
             cache.pending[self.layer] = (rows.verify, pend_state, pend_conv)
-        partials = []
-        for j, w in enumerate(self.qkvb):
-            width = self.mixed_width[j]
-            xb = gemm.matmul(x, w, d)
-            mixed, beta_raw = xb[:, :width], xb[:, width:]
-            g_raw = gemm.matmul(fa, self.f_b[j], d)
-            gate = gemm.matmul(ga, self.g_b[j], d)
-            core = torch.empty(t, self.heads * self.dl, dtype=x.dtype, device=x.device)
-            gpu_kda.decode(rows.kda, mixed=mixed, conv_w=self.conv_w[j], conv_state=conv_all, chan_off=j * width,
-                           g_raw=g_raw, dt_bias=self.dt_bias[j], a_log=self.a_log[j], lower_bound=self.lower_bound,
-                           beta_raw=beta_raw, state=state_all, head_off=j * self.heads, core=core,
-                           pend_state=pend_state, pend_conv=pend_conv)
-            if rows.prompt is not None:
-                core[d:] = self._prompt_gpu(batch, rows, cache, mixed[d:], g_raw[d:], beta_raw[d:], j)
-            out = gpu_kda.gated_norm(core, gate, self.o_norm, self.eps)
-            partials.append(gemm.matmul(out, self.o_w[j], d, torch.float32))
-        return partials
+        xb = gemm.bmm(x.unsqueeze(0).expand(s, -1, -1), self.qkvb, d)  # [S, T, 3C + heads]
+        mixed, beta_raw = xb[..., : self.width], xb[..., self.width :]
+        g_raw = gemm.bmm(fa.unsqueeze(0).expand(s, -1, -1), self.f_b, d)
+        gate = gemm.bmm(ga.unsqueeze(0).expand(s, -1, -1), self.g_b, d)
+        core = torch.empty(s, t, self.heads * self.dl, dtype=x.dtype, device=x.device)
+        gpu_kda.decode(rows.kda, mixed=mixed, conv_w=self.conv_w, conv_state=conv_all, chan_off=0, g_raw=g_raw,
+                       dt_bias=self.dt_bias, a_log=self.a_log, lower_bound=self.lower_bound, beta_raw=beta_raw,
+                       state=state_all, head_off=0, core=core, pend_state=pend_state, pend_conv=pend_conv)
+        if rows.prompt is not None:
+            self._prompt_gpu(batch, rows, cache, mixed[:, d:], g_raw[:, d:], beta_raw[:, d:], core[:, d:])
+        out = gpu_kda.gated_norm(core, gate, self.o_norm, self.eps)
+        return gemm.bmm(out, self.o_w, d, torch.float32)
 
     def _prompt_gpu(self, batch: Batch, rows: GpuRows, cache: PagedCache, mixed: torch.Tensor, g_raw: torch.Tensor,
-                    beta_raw: torch.Tensor, j: int) -> torch.Tensor:
-        """Prompt chunks of shard j: the short conv over all of their rows, then one chunked-KDA call over all of
-        them from their slots' states (zero for a fresh sequence); states and histories move on in place."""
+                    beta_raw: torch.Tensor, core: torch.Tensor) -> None:
+        """Prompt chunks of every local shard ([S, prompt rows, ...] operands): the short conv over all of their
+        rows, then chunked KDA from their slots' states (zero for a fresh sequence) into `core`; states and
+        histories move on in place."""
+        from kernels.gpu import kda as gpu_kda
         p = rows.prompt
         conv_all = cache.conv_state[self.layer]
         state_all = cache.kda_state[self.layer]
-        width = mixed.shape[1]
-        chans = slice(j * width, (j + 1) * width)
-        heads = slice(j * self.heads, (j + 1) * self.heads)
-        from kernels.gpu import kda as gpu_kda
-        conv = gpu_kda.prompt_conv(mixed, self.conv_w[j], conv_all, j * width, p.row_first, p.row_slot, p.row_fresh)
+        s, width = self.shards, self.width
+        conv = gpu_kda.prompt_conv(mixed, self.conv_w, conv_all, 0, p.row_first, p.row_slot, p.row_fresh)
         lo = 0
-        for s in p.seqs:  # then each history moves on to the chunk's last inputs
-            n, slot = batch.lengths[s], batch.slots[s]
-            hist = conv_all[slot, :, chans] if batch.starts[s] else torch.zeros_like(conv_all[slot, :, chans])
-            conv_all[slot, :, chans] = kda.conv_history(mixed[lo : lo + n], hist)
+        for seq in p.seqs:  # then each history moves on to the chunk's last inputs (every shard's columns at once)
+            n, slot = batch.lengths[seq], batch.slots[seq]
+            hist = conv_all[slot].view(-1, s, width).transpose(0, 1)  # [S, K-1, 3C]
+            new = kda.conv_history(mixed[:, lo : lo + n], hist if batch.starts[seq] else torch.zeros_like(hist))
+            hist.copy_(new)
             lo += n
-        q, k, v = (c.reshape(1, -1, self.heads, self.dl) for c in conv.chunk(3, dim=-1))
-        init = state_all[p.slots][:, heads]
-        init = torch.where(p.fresh.view(-1, 1, 1, 1), 0.0, init)
-        out, final = _chunk_kda(q, k, v, g_raw.reshape(1, -1, self.heads, self.dl), beta_raw.reshape(1, -1, self.heads),
-                                init, p.cu_seqlens, self.a_log[j], self.dt_bias[j], self.lower_bound)
-        state_all[:, heads].index_copy_(0, p.slots, final)
-        return out.reshape(-1, self.heads * self.dl)
+        init = torch.where(p.fresh.view(-1, 1, 1, 1), 0.0, state_all[p.slots])
+        # fla-core's chunk_kda runs once per shard: its kernels autotune their configs (some change the K split) keyed
+        # on the head count, so one call over every local shard's heads could take another schedule at TP=1 (4
+        # shards' heads) than at TP=2 (2 shards'), and TP=1 = TP=2 would no longer hold by construction.
+        for j in range(s):
+            heads = slice(j * self.heads, (j + 1) * self.heads)
+            q, k, v = (c.reshape(1, -1, self.heads, self.dl) for c in conv[j].chunk(3, dim=-1))
+            out, final = _chunk_kda(q, k, v, g_raw[j].reshape(1, -1, self.heads, self.dl),
+                                    beta_raw[j].reshape(1, -1, self.heads), init[:, heads], p.cu_seqlens,
+                                    self.a_log[j], self.dt_bias[j], self.lower_bound)
+            state_all[:, heads].index_copy_(0, p.slots, final)
+            core[j] = out.reshape(-1, self.heads * self.dl)
 
 
 def _chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,

@@ -2,7 +2,8 @@
 
 Replicated: q_a_proj + norm (the query latent), kv_a_proj + norm (the cached key/value latent, one row per position
 shared by all heads) and the indexer. Split by heads over virtual shards: q_b_proj, kv_b_proj (folded into the query
-and the output, see kernels/mla.py) and o_proj (row-parallel partials). A "full" layer runs its indexer and leaves
+and the output, see kernels/mla.py) and o_proj (row-parallel partials), each stacked over the rank's local shards
+([S, ...]) so the GPU path runs every local shard in one launch per op; the CPU twin reads per-shard views. A "full" layer runs its indexer and leaves
 its per-sequence selection in `selections`; a "shared" layer reuses the nearest earlier full layer's selection.
 
 The projections that read the layer input (q_a, kv_a and the indexer's wk, k-pool gate and head weights) live in
@@ -137,15 +138,16 @@ class MlaAttention:
         views = list(self.x_proj.split(self.x_split))
         self.q_a, self.kv_a = views[:2]
         self.q_a_norm = reader.full(p + "q_a_layernorm.weight")
-        self.q_b = reader.split(p + "q_b_proj.weight", 0)
+        self.q_b = torch.stack(reader.split(p + "q_b_proj.weight", 0))  # [S, heads * dn, q rank]
         self.kv_a_norm = reader.full(p + "kv_a_layernorm.weight")
-        kv_b = reader.split(p + "kv_b_proj.weight", 0)
-        self.heads = kv_b[0].shape[0] // (self.dn + self.dv)  # heads per virtual shard
-        # kv_b rows per head are [k_nope (dn) | v (dv)]: keep W_uk [h, dn, r] and W_uv [h, dv, r] per shard.
-        per_head = [w.view(self.heads, self.dn + self.dv, self.r) for w in kv_b]
-        self.w_uk = [w[:, : self.dn] for w in per_head]
-        self.w_uv = [w[:, self.dn :] for w in per_head]
-        self.o_w = reader.split(p + "o_proj.weight", 1)
+        kv_b = torch.stack(reader.split(p + "kv_b_proj.weight", 0))
+        self.shards = kv_b.shape[0]
+        self.heads = kv_b.shape[1] // (self.dn + self.dv)  # heads per virtual shard
+        # kv_b rows per head are [k_nope (dn) | v (dv)]: W_uk [S x h, dn, r] and W_uv [S x h, dv, r], shard-major
+        # (the GPU runs every local head as one batch; the CPU twin reads shard j's heads [j h, (j + 1) h)).
+        per_head = kv_b.view(self.shards * self.heads, self.dn + self.dv, self.r)
+        self.w_uk, self.w_uv = per_head[:, : self.dn], per_head[:, self.dn :]
+        self.o_w = torch.stack(reader.split(p + "o_proj.weight", 1))  # [S, D, heads * dv] (row-parallel)
         self.indexer = Indexer(cfg, reader, prefix, views[2:]) if full_indexer else None
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: PagedCache, selections: Selections) -> list[torch.Tensor]:
@@ -169,23 +171,28 @@ class MlaAttention:
                           for b in range(0, n, ATTENTION_BLOCK)]
         seq_of = batch.row_seq.tolist()
         partials = []
-        for j in range(len(self.q_b)):
+        for j in range(self.shards):
+            heads = slice(j * self.heads, (j + 1) * self.heads)
             q = linear(q_resid, self.q_b[j]).view(-1, self.heads, self.dn)
             out = torch.zeros(x.shape[0], self.heads, self.dv, dtype=x.dtype, device=x.device)
             for rows, pos in spans:
                 latent = cache.gather_positions(store, batch.block_tables[seq_of[rows.start]], pos)
-                q_lat = torch.einsum("nhd,hdr->nhr", q[rows].float(), self.w_uk[j].float())
+                q_lat = torch.einsum("nhd,hdr->nhr", q[rows].float(), self.w_uk[heads].float())
                 o_lat = sparse_latent_attention(q_lat, latent, pos >= 0, self.scale)
-                out[rows] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[j].float()).to(x.dtype)
+                out[rows] = torch.einsum("nhr,hvr->nhv", o_lat, self.w_uv[heads].float()).to(x.dtype)
             partials.append(linear_fp32(out.reshape(x.shape[0], -1), self.o_w[j]))
         return partials
 
     def forward_gpu(self, x: torch.Tensor, rows: GpuRows, cache: PagedCache, selections: Selections
-                    ) -> list[torch.Tensor]:
+                    ) -> torch.Tensor:
+        """Every local virtual shard in one launch per op -> the row-parallel partials [S, T, D] fp32. The
+        per-head products run as one batch over all local heads and the projections as one batch over the shards'
+        stacked weights: each batch element keeps the one-shard (N, K) schedule, and the attention kernel works on
+        each head alone, so every shard gets the bits of its own launch (kernels/gpu/gemm.py, mla.py)."""
         from kernels.gpu import gemm
         from kernels.gpu import mla as gpu_mla
         from kernels.gpu import norms as gpu_norms
-        d, t = rows.decode_rows, x.shape[0]
+        d, t, s, h = rows.decode_rows, x.shape[0], self.shards, self.heads
         parts = gemm.matmul(x, self.x_proj, d).split(self.x_split, dim=-1)
         q_resid = gpu_norms.rms_norm(parts[0], self.q_a_norm, self.eps)
         latent = cache.latent[self.layer]
@@ -196,13 +203,12 @@ class MlaAttention:
         sel, count = selections[self.shares_with if self.indexer is None else self.layer]
         kpool = cache.kpool
         max_positions = min(sel.shape[1], rows.max_pools) * kpool + kpool
-        partials = []
-        for j, q_b in enumerate(self.q_b):
-            q = gemm.matmul(q_resid, q_b, d).view(t, self.heads, self.dn)
-            q_lat = gemm.bmm(q.transpose(0, 1), self.w_uk[j].transpose(1, 2), d)  # [heads, T, r]
-            o_lat = torch.empty(t, self.heads, self.r, dtype=x.dtype, device=x.device)
-            gpu_mla.sparse_attention(q_lat.transpose(0, 1), latent.data, latent.scale, rows.tables, rows.positions,
-                                     rows.row_seq, sel, count, kpool, self.scale, o_lat, d, max_positions)
-            out = gemm.bmm(o_lat.transpose(0, 1), self.w_uv[j], d)  # [heads, T, dv]
-            partials.append(gemm.matmul(out.transpose(0, 1).reshape(t, -1), self.o_w[j], d, torch.float32))
-        return partials
+        q = gemm.bmm(q_resid.unsqueeze(0).expand(s, -1, -1), self.q_b, d)  # [S, T, h * dn]
+        q = q.view(s, t, h, self.dn).transpose(1, 2).reshape(s * h, t, self.dn)  # every local head a batch
+        q_lat = gemm.bmm(q, self.w_uk.transpose(1, 2), d)  # [S h, T, r]
+        o_lat = torch.empty(t, s * h, self.r, dtype=x.dtype, device=x.device)
+        gpu_mla.sparse_attention(q_lat.transpose(0, 1), latent.data, latent.scale, rows.tables, rows.positions,
+                                 rows.row_seq, sel, count, kpool, self.scale, o_lat, d, max_positions)
+        out = gemm.bmm(o_lat.transpose(0, 1), self.w_uv, d)  # [S h, T, dv]
+        out = out.view(s, h, t, self.dv).transpose(1, 2).reshape(s, t, h * self.dv)
+        return gemm.bmm(out, self.o_w, d, torch.float32)

@@ -50,7 +50,7 @@ class Glm5Model:
         self.layers = [DecoderLayer(cfg, reader, f"{TEXT_PREFIX}layers.{i}.", i)
                        for i in range(cfg.num_hidden_layers)] if load_target else []
         self.norm = reader.full(TEXT_PREFIX + "norm.weight")
-        self.lm_head = reader.split("lm_head.weight", 0)
+        self.lm_head = torch.stack(reader.split("lm_head.weight", 0))  # [S, vocab / virtual shards, D]
         mtp_prefix = f"{TEXT_PREFIX}layers.{cfg.mtp_layer_index}."
         self.mtp = (MtpBlock(cfg, reader, mtp_prefix)
                     if load_mtp and cfg.num_nextn_predict_layers and reader.has(mtp_prefix + "eh_proj.weight") else None)
@@ -126,21 +126,26 @@ class Glm5Model:
     def _logits_gpu(self, hidden: torch.Tensor, logit_rows: torch.Tensor, decode_rows: int) -> torch.Tensor:
         """lm_head over the wanted rows, decode-class rows with the decode schedule and prompt rows with theirs,
         returned in logit_rows' order."""
-        from kernels.gpu import gemm
         wanted = logit_rows.cpu()  # host indices (the executor builds them on the host: no sync there)
         if torch.equal(wanted, torch.arange(hidden.shape[0])):  # every row, in order (a decode graph's batch)
-            return self.coll.gather_columns([gemm.matmul(hidden, w, decode_rows, torch.float32)
-                                             for w in self.lm_head])
+            return self._vocab_gpu(hidden, decode_rows)
         decode = wanted < decode_rows
         order = torch.sort((~decode).to(torch.int8), stable=True).indices
         picked = hidden[wanted[order].to(hidden.device)]
-        n_decode = int(decode.sum())
-        logits = self.coll.gather_columns([gemm.matmul(picked, w, n_decode, torch.float32) for w in self.lm_head])
+        logits = self._vocab_gpu(picked, int(decode.sum()))
         if torch.equal(order, torch.arange(order.numel())):
             return logits
         out = torch.empty_like(logits)
         out[order.to(logits.device)] = logits
         return out
+
+    def _vocab_gpu(self, hidden: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        """fp32 logits over the full vocabulary: every local vocab shard in one batched GEMM (each with its
+        one-shard schedule, kernels/gpu/gemm.py), then the ranks' columns gathered."""
+        from kernels.gpu import gemm
+        shards = self.lm_head.shape[0]
+        return self.coll.gather_columns(gemm.bmm(hidden.unsqueeze(0).expand(shards, -1, -1), self.lm_head,
+                                                 decode_rows, torch.float32))
 
     @torch.inference_mode()
     def commit_verify(self, batch: Batch, cache: PagedCache, accepted: dict[int, int]) -> None:

@@ -1,7 +1,8 @@
 """Tensor parallelism: which slices a rank owns, and the two collectives the model needs.
 
 Every sharded dimension is cut into a fixed number of *virtual shards* (default 4) whatever the rank count; a rank
-owns a contiguous run of them and computes each one's product separately. Row-parallel partial sums are all-gathered
+owns a contiguous run of them and computes each one's product separately (on the GPU in one launch for all of them,
+each shard with the schedule of its own product). Row-parallel partial sums are all-gathered
 (fp32) and added in virtual-shard order on every rank, so TP = 1, 2 and 4 perform the very same floating-point
 operations and give the same bits (DESIGN §5.3) — and every rank ends a reduction holding identical values.
 """
@@ -50,16 +51,17 @@ class Collective:
         self.sharding = sharding
         self.group = group
 
-    def gather_partials(self, partials: list[torch.Tensor]) -> torch.Tensor:
-        """Every virtual shard's partial result, stacked in virtual-shard order ([S, ...] fp32), on every rank."""
-        local = torch.stack([p.float() for p in partials])
+    def gather_partials(self, partials: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """Every virtual shard's partial result, stacked in virtual-shard order ([S, ...] fp32), on every rank.
+        partials: this rank's local shards' partials, as a list or already stacked ([local shards, ...])."""
+        local = partials.float() if isinstance(partials, torch.Tensor) else torch.stack([p.float() for p in partials])
         if self.sharding.world > 1:
             gathered = [torch.empty_like(local) for _ in range(self.sharding.world)]
             dist.all_gather(gathered, local.contiguous(), group=self.group)
             local = torch.cat(gathered)
         return local
 
-    def sum_partials(self, partials: list[torch.Tensor]) -> torch.Tensor:
+    def sum_partials(self, partials: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """Sum of every virtual shard's partial result, in virtual-shard order, identical on every rank."""
         local = self.gather_partials(partials)
         acc = local[0].clone()
@@ -67,9 +69,10 @@ class Collective:
             acc += part
         return acc
 
-    def gather_columns(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Concatenate column slices (e.g. vocab shards of the logits) from every rank in order."""
-        local = torch.cat(parts, dim=-1).contiguous()
+    def gather_columns(self, parts: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """Concatenate column slices (e.g. vocab shards of the logits) from every rank in order. parts: this rank's
+        local shards' slices, as a list or stacked ([local shards, rows, columns])."""
+        local = torch.cat(list(parts), dim=-1).contiguous()
         if self.sharding.world == 1:
             return local
         gathered = [torch.empty_like(local) for _ in range(self.sharding.world)]
