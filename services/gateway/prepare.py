@@ -84,6 +84,7 @@ class Prepared:
     reasoning: bool = False       # the prompt opened a think block: the reply starts with reasoning
     tools: dict[str, dict[str, Any] | None] | None = None  # name -> parameters, when tool calls are parsed
     think_close_id: int | None = None
+    min_tokens: int = 0           # stop strings count only in the text of later tokens (vLLM)
     image_tokens: int = 0         # prompt tokens that are image placeholders (usage reports them)
 
     def __post_init__(self) -> None:
@@ -213,7 +214,7 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
                     skip_special_tokens=req.skip_special_tokens, final_ids=frozenset(final), stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
                     return_token_ids=req.return_token_ids, requests=requests, n=req.n, logprobs=logprobs,
-                    think_close_id=ctx.think_close_id)
+                    think_close_id=ctx.think_close_id, min_tokens=req.min_tokens or 0)
 
 
 async def chat_images(ctx: ModelContext, messages: list[ChatMessage]) -> list[ProcessedImage]:
