@@ -11,8 +11,9 @@ Semantics (OpenAI where it defines them, vLLM otherwise; applied in vLLM's sampl
 Exactness (DESIGN §5).  Every step is an elementwise IEEE operation (each rounded once, the same on CPU and CUDA)
 or a scatter of distinct ids into one row, so a row's result depends only on its own logits and settings, never on
 the other rows.  A step a row does not use leaves its values untouched bit for bit (it is selected away with
-``where``, not added as 0, which would turn -0.0 into +0.0).  The ids travel sparse (a few per row), and only the
-rows that use any of this are densified, so rows without penalties cost nothing.
+``where``, and only the listed ids are touched: adding a bias of 0 would turn -0.0 into +0.0).  The ids travel
+sparse (a few per row) and stay sparse: the work is a gather and a scatter of each row's listed ids, on the rows that
+use any of this only, so rows without penalties cost nothing.
 """
 
 from __future__ import annotations
@@ -48,30 +49,31 @@ class Penalties:
         return Penalties(*(to_device(getattr(self, f.name), device) for f in fields(self)))
 
 
-def _dense(ids: Tensor, values: Tensor, vocab: int, fill) -> Tensor:
-    """[Q, V]: ``values`` at each row's ``ids``, ``fill`` elsewhere. Padding ids (-1) write to one extra column,
-    dropped afterwards; the real ids of a row are distinct, so the scatter's result does not depend on its order."""
-    out = torch.full((ids.shape[0], vocab + 1), fill, dtype=values.dtype, device=ids.device)
-    return out.scatter_(1, torch.where(ids >= 0, ids, vocab), values)[:, :vocab]
-
-
 def _penalise(z: Tensor, pen: Penalties) -> Tensor:
-    """The four steps on the penalised rows' logits ``z`` [Q, V] (float32)."""
-    vocab = z.shape[1]
+    """The four steps on the penalised rows' logits ``z`` [Q, V] (float32), each a gather of the listed ids' logits,
+    elementwise work on those, and a scatter back. The real ids of a row are distinct, so no scatter's result depends
+    on its order; padding ids (-1) read and write one extra column, dropped at the end."""
+    q, vocab = z.shape
+    z = torch.cat([z, z.new_zeros(q, 1)], dim=1)
+
+    def at(ids: Tensor) -> Tensor:
+        return torch.where(ids >= 0, ids, vocab)
+
     if pen.bias_ids.shape[1]:  # widths are host facts: no read of the device
-        biased = _dense(pen.bias_ids, pen.bias_ids >= 0, vocab, False)
-        z = torch.where(biased, z + _dense(pen.bias_ids, pen.bias_values, vocab, 0.0), z)
+        i = at(pen.bias_ids)
+        z.scatter_(1, i, z.gather(1, i) + pen.bias_values)
     if pen.banned_ids.shape[1]:
-        z = torch.where(_dense(pen.banned_ids, pen.banned_ids >= 0, vocab, False), float("-inf"), z)
+        z.scatter_(1, at(pen.banned_ids), float("-inf"))
     if pen.seen_ids.shape[1]:
-        seen = _dense(pen.seen_ids, pen.seen_ids >= 0, vocab, False)
+        i = at(pen.seen_ids)
+        v = z.gather(1, i)
         r = pen.repetition[:, None]
-        z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
-        counts = _dense(pen.seen_ids, pen.seen_counts, vocab, 0)
-        generated = counts > 0
+        v = torch.where(v > 0, v / r, v * r)
+        counts = pen.seen_counts
         f = pen.frequency[:, None] * counts.to(torch.float32)
-        z = torch.where(generated, (z - f) - pen.presence[:, None], z)
-    return z
+        v = torch.where(counts > 0, (v - f) - pen.presence[:, None], v)
+        z.scatter_(1, i, v)
+    return z[:, :vocab]
 
 
 def apply_penalties(logits: Tensor, pen: Penalties | None) -> Tensor:
