@@ -32,7 +32,8 @@ class Choices:
         self.streams = [
             GenerationStream(client, prep, OutputAssembler(
                 ctx.tokenizer, stops=prep.stops, include_stop_str=prep.include_stop_str,
-                skip_special_tokens=prep.skip_special_tokens, final_ids=prep.final_ids), metrics,
+                skip_special_tokens=prep.skip_special_tokens, final_ids=prep.final_ids, min_tokens=prep.min_tokens),
+                metrics,
                 keepalive_s=keepalive_s, metadata=metadata, index=i)
             for i in range(len(prep.requests))]
         self._tasks: list[asyncio.Task[None]] = []

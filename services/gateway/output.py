@@ -44,9 +44,11 @@ class Delta:
 
 class OutputAssembler:
     def __init__(self, tokenizer: TextTokenizer, *, stops: list[str], include_stop_str: bool = False,
-                 skip_special_tokens: bool = True, final_ids: frozenset[int] = frozenset()) -> None:
+                 skip_special_tokens: bool = True, final_ids: frozenset[int] = frozenset(), min_tokens: int = 0
+                 ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._stops = StopStringMatcher(stops, include_stop_str)
+        self._min_tokens = min_tokens  # vLLM: stop strings are looked for only in the text of later tokens
         self._final_ids = final_ids  # ids after which the scheduler stops (EOS unless ignore_eos, stop_token_ids)
         self._held: int | None = None
         self._held_lp: TokenLogprob | None = None
@@ -114,7 +116,7 @@ class OutputAssembler:
             delta.logprobs.append(lp)
         piece = self._detok.push(tid)
         if piece:
-            self._emit_text(self._stops.feed(piece), delta)
+            self._emit_text(piece if len(self.token_ids) <= self._min_tokens else self._stops.feed(piece), delta)
 
     def _emit_text(self, text: str, delta: Delta) -> None:
         if self._stops.hit is not None and self.stop_reason is None:

@@ -17,6 +17,7 @@ All the choices where OpenAI, vLLM and twinspark differ are made here, in one pl
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,7 @@ class Prepared:
     reasoning: bool = False       # the prompt opened a think block: the reply starts with reasoning
     tools: dict[str, dict[str, Any] | None] | None = None  # name -> parameters, when tool calls are parsed
     think_close_id: int | None = None
+    min_tokens: int = 0           # stop strings count only in the text of later tokens (vLLM)
     image_tokens: int = 0         # prompt tokens that are image placeholders (usage reports them)
 
     def __post_init__(self) -> None:
@@ -133,7 +135,34 @@ def _sampling(ctx: ModelContext, req: ChatCompletionRequest | CompletionRequest)
                                      min_p=pick("min_p", 0.0))
     if req.seed is not None:
         sampling.seed = req.seed & 0xFFFF_FFFF_FFFF_FFFF  # OpenAI seeds are signed 64-bit; ours are unsigned
+    sampling.presence_penalty = req.presence_penalty or 0.0
+    sampling.frequency_penalty = req.frequency_penalty or 0.0
+    sampling.repetition_penalty = req.repetition_penalty if req.repetition_penalty is not None else 1.0
+    sampling.logit_bias.update(_logit_bias(req.logit_bias or {}, ctx.vocab_size))
     return sampling
+
+
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+
+
+def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
+    """OpenAI's logit_bias (token id as a JSON key -> bias, the range checked by the schema) as ids; keys that name
+    the same id ("7", "07") are refused rather than one silently winning."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"Invalid 'logit_bias': at most {MAX_LOGIT_BIAS} entries are allowed, got {len(bias)}",
+                          param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"[0-9]{1,10}", key):  # not int(): it takes " 7", "+7" and "7_0"
+            raise bad_request(f"Invalid key in 'logit_bias': {key[:40]!r} is not a token id", param="logit_bias")
+        t = int(key)
+        if not 0 <= t < vocab:
+            raise bad_request(f"Invalid key in 'logit_bias': token id {t} is out of vocabulary (0..{vocab - 1})",
+                              param="logit_bias")
+        if t in out:
+            raise bad_request(f"Invalid 'logit_bias': token id {t} is given twice", param="logit_bias")
+        out[t] = value
+    return out
 
 
 def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
@@ -155,6 +184,8 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
             f"This model's maximum context length is {window} tokens. However, you requested {n + max_tokens} tokens "
             f"({n} in the {what}, {max_tokens} in the completion). Please reduce the length of the {what} or "
             "completion.", prompt_param)
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
     stop_ids = list(req.stop_token_ids or [])
     _check_ids(stop_ids, ctx.vocab_size, "stop_token_ids")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -170,7 +201,8 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
         request_id=request_id, prompt_ids=to_proto(prompt_ids), sampling=_sampling(ctx, req), max_tokens=max_tokens,
         stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
         priority=generate_pb2.PRIORITY_BACKGROUND if req.background else generate_pb2.PRIORITY_NORMAL,
-        no_draft=not req.draft, grammar=grammar or "", logprobs=want_lp, top_logprobs=logprobs or 0)
+        no_draft=not req.draft, grammar=grammar or "", logprobs=want_lp, top_logprobs=logprobs or 0,
+        min_tokens=req.min_tokens or 0)
     requests = [grpc_req]
     for i in range(1, best_of):  # choice i: the same request keyed by seed + i, under its own scheduler id
         choice = generate_pb2.GenerateRequest()
@@ -182,7 +214,7 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
                     skip_special_tokens=req.skip_special_tokens, final_ids=frozenset(final), stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
                     return_token_ids=req.return_token_ids, requests=requests, n=req.n, logprobs=logprobs,
-                    think_close_id=ctx.think_close_id)
+                    think_close_id=ctx.think_close_id, min_tokens=req.min_tokens or 0)
 
 
 async def chat_images(ctx: ModelContext, messages: list[ChatMessage]) -> list[ProcessedImage]:

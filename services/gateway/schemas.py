@@ -2,7 +2,7 @@
 
 Validation is strict (no "1.5" -> 1.5 coercion, no true -> 1) and closed (`extra="forbid"`): an unknown field is a
 400 naming it, so a client never believes a setting took effect when it did not. Fields we recognise but do not
-implement are declared too, accepted at their neutral value (n=1, logprobs=false, tools=[], penalties 0/1, ...)
+implement are declared too, accepted at their neutral value (length_penalty 1, use_beam_search false, ...)
 and refused otherwise by `check_unsupported`, again naming the field.
 """
 
@@ -197,13 +197,14 @@ class _Generation(_Strict):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    # Penalties (OpenAI's ranges; repetition_penalty and min_tokens are vLLM's), applied on the ranks before the draw.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
+    min_tokens: int | None = Field(None, ge=0)
     # Recognised, not implemented: only their neutral value is accepted (see _NEUTRAL).
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     length_penalty: Any = None
-    logit_bias: Any = None
-    min_tokens: Any = None
     priority: Any = None
     use_beam_search: Any = None
     prompt_logprobs: Any = None
@@ -290,12 +291,7 @@ def _empty(v: Any) -> bool:
 
 # field -> accepted-value predicate, and why the rest is refused
 _NEUTRAL: dict[str, Any] = {
-    "presence_penalty": _is(None, 0, 0.0),
-    "frequency_penalty": _is(None, 0, 0.0),
-    "repetition_penalty": _is(None, 1, 1.0),
     "length_penalty": _is(None, 1, 1.0),
-    "logit_bias": _empty,
-    "min_tokens": _is(None, 0),
     "priority": _is(None, 0),
     "use_beam_search": _is(None, False),
     "prompt_logprobs": _is(None),
@@ -328,7 +324,6 @@ _NEUTRAL: dict[str, Any] = {
 
 _WHY: dict[str, str] = {
     "priority": "is not supported; send \"background\": true for background priority",
-    "min_tokens": "is not supported by this server (min_tokens must be 0)",
 }
 
 

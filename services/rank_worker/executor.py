@@ -14,6 +14,7 @@ import torch
 
 from kernels import gpu
 from kernels.gpu import to_device
+from kernels.penalties import Penalties, apply_penalties
 from kernels.sampling import Filters, SamplingParams, apply_token_bitmask, processed_logprobs, sample
 from services.common.tensors import from_proto
 from services.rank_worker.kv_tiers import TierStore
@@ -158,6 +159,59 @@ def check_sampling(params: SamplingParams) -> None:
         raise PlanError("top_k must be >= 0")
     if not bool(((m >= 0) & (m <= 1)).all()):
         raise PlanError("min_p must be in [0, 1]")
+
+
+def _matrix(msg, name: str, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    t = _tensor(msg, name, dtype)
+    if t.dim() != 2 or t.shape[0] != rows:
+        raise PlanError(f"{name}: expected [{rows}, n], got {list(t.shape)}")
+    return t
+
+
+def _id_lists(msg, name: str, rows: int, vocab: int) -> torch.Tensor:
+    """int64 [rows, n] token ids padded with -1, distinct within each row (a scatter of repeated ids would depend
+    on its order on a GPU)."""
+    t = _matrix(msg, name, torch.int64, rows)
+    if t.shape[1] > vocab:
+        raise PlanError(f"{name}: {t.shape[1]} ids per row for a vocabulary of {vocab}")
+    if bool((t < -1).any()) or bool((t >= vocab).any()):
+        raise PlanError(f"{name}: ids must be in [0, {vocab}) or -1 (padding)")
+    s = t.sort(dim=1).values
+    if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
+        raise PlanError(f"{name}: an id is listed twice in one row")
+    return t
+
+
+def row_penalties(plan: StepPlan, r: int, vocab: int, max_positions: int) -> Penalties | None:
+    """The plan's penalties (StepPlan.penalties), validated, on the host; None when no row uses any. Ranges are
+    the gateway's and the scheduler's (services/scheduler/engine.py)."""
+    if not plan.HasField("penalties"):
+        return None
+    p = plan.penalties
+    rows = _vec(p.rows, "penalties.rows", torch.int64)
+    q = rows.numel()
+    if q == 0:
+        return None
+    if bool((rows < 0).any()) or bool((rows >= r).any()) or bool((rows[1:] <= rows[:-1]).any()):
+        raise PlanError(f"penalties.rows must be ascending sample rows in [0, {r})")
+    presence = _vec(p.presence, "penalties.presence", torch.float32, q)
+    frequency = _vec(p.frequency, "penalties.frequency", torch.float32, q)
+    repetition = _vec(p.repetition, "penalties.repetition", torch.float32, q)
+    if not bool(((presence.abs() <= 2) & (frequency.abs() <= 2)).all()):
+        raise PlanError("presence and frequency penalties must be in [-2, 2]")
+    if not bool((torch.isfinite(repetition) & (repetition > 0)).all()):
+        raise PlanError("repetition penalties must be finite and > 0")
+    seen = _id_lists(p.seen_ids, "penalties.seen_ids", q, vocab)
+    counts = _matrix(p.seen_counts, "penalties.seen_counts", torch.int64, q)
+    if counts.shape != seen.shape or bool((counts < 0).any()) or bool((counts > max_positions).any()) \
+            or bool(((seen < 0) & (counts != 0)).any()):
+        raise PlanError(f"penalties.seen_counts must be [Q, P] like seen_ids, in [0, {max_positions}], 0 at padding")
+    bias_ids = _id_lists(p.bias_ids, "penalties.bias_ids", q, vocab)
+    bias = _matrix(p.bias_values, "penalties.bias_values", torch.float32, q)
+    if bias.shape != bias_ids.shape or not bool((bias.abs() <= 100).all()):
+        raise PlanError("penalties.bias_values must be [Q, B] like bias_ids, in [-100, 100]")
+    banned = _id_lists(p.banned_ids, "penalties.banned_ids", q, vocab)
+    return Penalties(rows, presence, frequency, repetition, seen, counts, bias_ids, bias, banned)
 
 
 MAX_KEY = 64  # bytes of a tier key (the scheduler's are 16)
@@ -458,6 +512,7 @@ class Executor:
             batch, row_map = batch.permuted(order)
             rows = row_map[rows]
         masks = self.row_masks(plan, rows.numel())
+        pen = row_penalties(plan, rows.numel(), self.model.cfg.vocab_size, self.model.cfg.max_position_embeddings)
         want_k = self.logprobs_k(plan, rows.numel())
         t0 = time.perf_counter()
         # Tier moves first (a save reads blocks and slots the scheduler freed this round before anything reuses
@@ -474,6 +529,8 @@ class Executor:
             # The token sampled from the row at absolute position p sits at position p + 1: that is its key.
             positions = to_device(batch.host_positions()[rows] + 1, dev)
             logits = out.logits if masks is None else apply_token_bitmask(out.logits, masks[1], masks[0])
+            if pen is not None:  # after the grammar mask, before the draw and the logprobs (vLLM's order)
+                logits = apply_penalties(logits, pen.to(dev))
             filters = Filters.of(host_params, logits.shape[-1])  # from the host copy: no read of the device
             sampled = sample(logits, positions, params, filters)
             if want_k is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.tensors import to_proto
+from services.scheduler.penalties import row_penalties
 from services.scheduler.prefix import KDA_CHUNK
 from services.scheduler.request import Request
 from twinspark.v1 import generate_pb2, rank_pb2
@@ -106,6 +107,7 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
     mask_index: list[int] = []
     bitmask: list[torch.Tensor] = []
     logprobs_k: list[int] = []
+    penalised = []  # (sample row, spec, its ids) of the rows that use penalties, logit_bias or min_tokens
     images: list[rank_pb2.ImageRows] = []
     for s in seqs:
         if s.prompt:
@@ -116,6 +118,10 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
             sp = s.req.sampling
             rows = range(len(s.token_ids)) if s.verify else [len(s.token_ids) - 1]
             for j, r in enumerate(rows):
+                pen = s.req.penalties
+                if pen is not None:  # row j of a verify window follows drafts 1..j
+                    penalised.append((len(sample_rows), pen.spec, pen.row(s.req, s.token_ids[1 : j + 1] if s.verify
+                                                                         else [])))
                 sample_rows.append(len(token_ids) + r)
                 if s.masks is not None:
                     mask_index.append(len(bitmask))
@@ -157,6 +163,8 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
         plan.bitmask.CopyFrom(to_proto(torch.stack(bitmask)))
     if any(k >= 0 for k in logprobs_k):
         plan.logprobs_k.CopyFrom(to_proto(logprobs_k))
+    if penalised:
+        plan.penalties.CopyFrom(row_penalties(penalised))
     plan.images.extend(images)
     return plan
 

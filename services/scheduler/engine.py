@@ -32,6 +32,7 @@ from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.drafts import DrafterClient
 from services.scheduler.grammar import GrammarBook, GrammarError
 from services.scheduler.kv_tiers import TierIndex, state_key
+from services.scheduler.penalties import PenaltyError, PenaltySpec, PenaltyState
 from services.scheduler.pool import BlockPool, PoolExhausted
 from services.scheduler.prefix import KDA_CHUNK, Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
 from services.scheduler.ranks import ModelInfo, RankError, RankSet, Round
@@ -290,13 +291,18 @@ class Engine:
                 grammar = self.grammars.compile(msg.grammar)
             except GrammarError as exc:
                 raise InvalidRequest("invalid_grammar", str(exc)) from None
+        try:
+            spec = PenaltySpec.of(msg, info.vocab_size)
+        except PenaltyError as exc:
+            raise InvalidRequest("invalid_penalties", str(exc)) from None
         images = self._images(msg, len(prompt))
         return Request(
             request_id=rid, prompt=prompt, max_tokens=msg.max_tokens, images=images,
             sampling=SamplingSpec(temperature=sp.temperature, top_p=top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed),
             stop_ids=frozenset(msg.stop_token_ids), eos_ids=frozenset() if msg.ignore_eos else self._eos,
             priority=msg.priority, order=next(self._order), max_model_len=info.max_model_len,
-            no_draft=msg.no_draft, grammar=grammar, logprobs_k=msg.top_logprobs if msg.logprobs else -1)
+            no_draft=msg.no_draft, grammar=grammar, logprobs_k=msg.top_logprobs if msg.logprobs else -1,
+            penalties=PenaltyState(spec, prompt) if spec is not None else None)
 
     @staticmethod
     def _images(msg: generate_pb2.GenerateRequest, prompt_len: int) -> list[generate_pb2.Image]:
@@ -422,10 +428,12 @@ class Engine:
     def _overlap(self) -> bool:
         """Whether the next round may be planned before the previous one's result is in. Its decode rows then say
         "the token you sampled last" (the ranks fill it in), so it must need nothing else from that result: no
-        drafts (they start from the last token), no grammar masks (they depend on it), no hidden states."""
+        drafts (they start from the last token), no grammar masks (they depend on it), no penalties that count the
+        generated tokens (logit_bias and min_tokens do not), no hidden states."""
         if self.drafter is not None and self.cfg.num_draft_tokens > 0 and self.drafter.usable:
             return False
-        return not self.cfg.draft_hidden and not any(r.grammar is not None for r in self.running)
+        return not self.cfg.draft_hidden and not any(
+            r.grammar is not None or (r.penalties is not None and r.penalties.spec.reads_output) for r in self.running)
 
     async def _submit(self, seqs: list[PlannedSeq]) -> "_InFlight":
         self._grammar_masks(seqs)

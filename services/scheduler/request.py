@@ -25,6 +25,7 @@ from twinspark.v1 import generate_pb2
 
 if TYPE_CHECKING:
     from services.scheduler.grammar import RequestGrammar
+    from services.scheduler.penalties import PenaltyState
     from services.scheduler.tracing import RequestSpans
 
 _MASK64 = (1 << 64) - 1
@@ -75,7 +76,8 @@ class Request:
     def __init__(self, *, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingSpec,
                  stop_ids: frozenset[int], eos_ids: frozenset[int], priority: int, order: int,
                  max_model_len: int, no_draft: bool = False, grammar: RequestGrammar | None = None,
-                 logprobs_k: int = -1, images: list[generate_pb2.Image] | None = None) -> None:
+                 logprobs_k: int = -1, images: list[generate_pb2.Image] | None = None,
+                 penalties: PenaltyState | None = None) -> None:
         self.id = request_id
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
@@ -90,6 +92,7 @@ class Request:
         self.no_draft = no_draft
         self.grammar = grammar  # structured output: masks every sample row (drafts included)
         self.logprobs_k = logprobs_k  # -1: no logprobs; k >= 0: each token's logprob and the top k
+        self.penalties = penalties  # penalties / logit_bias / min_tokens and the history they read (None: none)
         self.images = images or []  # prompt images, by offset (the ranks embed them at their placeholder rows)
         self.drafted_tokens = 0  # drafts verified for this request
         self.accepted_tokens = 0  # of which the ranks accepted
@@ -201,6 +204,8 @@ class Request:
                 if self.spans is not None:
                     self.spans.first_token()
             self.tokens.append(sampled)
+            if self.penalties is not None:
+                self.penalties.counts[sampled] += 1
 
     def stop_reason(self) -> tuple[int, int] | None:
         """(FinishReason, stopping id or -1) when the last committed token ends the request.

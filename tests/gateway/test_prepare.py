@@ -69,3 +69,28 @@ def test_limits(ctx: ModelContext) -> None:
         with pytest.raises(GatewayError) as exc:
             asyncio.run(prepare_completion(ctx, req))
         assert exc.value.param == param
+
+
+def test_penalties_reach_the_generate_request(ctx: ModelContext) -> None:
+    prep = _chat(ctx, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.25,
+                 logit_bias={"5": 100, "9": -2.5}, min_tokens=3, max_tokens=8)
+    s = prep.request.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.25)
+    assert dict(s.logit_bias) == {5: 100.0, 9: -2.5} and prep.request.min_tokens == 3
+    plain = _chat(ctx).request
+    assert (plain.sampling.repetition_penalty, len(plain.sampling.logit_bias), plain.min_tokens) == (1.0, 0, 0)
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {" 5": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias", "out of vocabulary"),
+    ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias", "twice"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "<= max_tokens"),
+])
+def test_bad_penalty_values_are_400s(ctx: ModelContext, fields: dict, param: str, says: str) -> None:
+    with pytest.raises(GatewayError) as exc:
+        _chat(ctx, **fields)
+    assert exc.value.status == 400 and exc.value.param == param and says in exc.value.message, exc.value.message

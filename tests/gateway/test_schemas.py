@@ -38,9 +38,8 @@ def test_accepts_supported_and_neutral_fields() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"repetition_penalty": 1.1}, "repetition_penalty"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"use_beam_search": True}, "use_beam_search"),
     ({"priority": 1}, "priority"),
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ({"functions": [{"name": "f"}]}, "functions"),
@@ -49,6 +48,30 @@ def test_accepts_supported_and_neutral_fields() -> None:
 def test_unsupported_fields_are_named(fields: dict, param: str) -> None:
     err = _param_of_error(ChatCompletionRequest, {"messages": MSG, **fields})
     assert err.param == param and err.code == "unsupported_parameter"
+
+
+def test_penalties_are_accepted_in_range() -> None:
+    req = _chat(presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=1.3, logit_bias={"5": -100, "7": 100},
+                min_tokens=4)
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (-2.0, 2.0, 1.3)
+    assert req.logit_bias == {"5": -100.0, "7": 100.0} and req.min_tokens == 4
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.5}, "repetition_penalty"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ({"logit_bias": {"5": "up"}}, "logit_bias.5"),
+    ({"logit_bias": [5, 10]}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 2.5}, "min_tokens"),
+])
+def test_bad_penalties_are_named(fields: dict, param: str) -> None:
+    err = _param_of_error(ChatCompletionRequest, {"messages": MSG, **fields})
+    assert err.param == param and err.type == "invalid_request_error", (err.param, err.message)
 
 
 @pytest.mark.parametrize(("fields", "param"), [

@@ -104,3 +104,14 @@ def test_assembler_stop_string_truncates_ids(tokenizer: TextTokenizer) -> None:
     # ids up to the one that completed the stop string; none after it
     assert tokenizer.decode(a.token_ids).startswith("say STOP") and "now" not in tokenizer.decode(a.token_ids)
     assert a.finish(None).text == ""
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer: TextTokenizer) -> None:
+    """vLLM's min_tokens: a stop string in the text of the first min_tokens tokens does not stop the reply."""
+    ids = tokenizer.encode("a STOP b STOP c")
+    k = next(i for i in range(1, len(ids) + 1) if "STOP" in tokenizer.decode(ids[:i]))  # tokens to the 1st STOP
+    a = _assembler(tokenizer, stops=["STOP"], min_tokens=k)
+    text = a.add(ids).text + a.finish(None).text
+    assert text.startswith("a STOP b") and text.count("STOP") == 1 and a.stop_reason == "STOP"
+    plain = _assembler(tokenizer, stops=["STOP"])
+    assert plain.add(ids).text + plain.finish(None).text == "a "

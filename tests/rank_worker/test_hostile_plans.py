@@ -91,6 +91,30 @@ def _malformed() -> list[tuple[str, rank_pb2.StepPlan]]:
     bad("state copies of the wrong shape", state_copies=i32([1, 2, 3]))
     bad("too many state copies", state_copies=to_proto(torch.zeros(9, 2, dtype=torch.int32)))
     bad("state copy from a slot beyond the cache", state_copies=to_proto(torch.tensor([[0, 99]], dtype=torch.int32)))
+    def penalties(what: str, **fields) -> None:
+        good = dict(rows=i32([0]), presence=f32([0.5]), frequency=f32([0.5]), repetition=f32([1.2]),
+                    seen_ids=i32([[4, 9]]), seen_counts=i32([[1, 0]]), bias_ids=i32([[7]]), bias_values=f32([[3.0]]),
+                    banned_ids=i32([[2]]))
+        plan = _plan(1, [1, 2, 3], 0)
+        plan.penalties.CopyFrom(rank_pb2.RowPenalties(**{**good, **fields}))
+        out.append((what, plan))
+
+    penalties("a penalised row outside the sample rows", rows=i32([1]))
+    penalties("penalised rows listed twice", rows=i32([0, 0]), presence=f32([0.0] * 2), frequency=f32([0.0] * 2),
+              repetition=f32([1.0] * 2), seen_ids=i32([[4], [4]]), seen_counts=i32([[1], [1]]),
+              bias_ids=i32([[7], [7]]), bias_values=f32([[1.0], [1.0]]), banned_ids=i32([[2], [2]]))
+    penalties("presence penalty beyond 2", presence=f32([2.5]))
+    penalties("NaN frequency penalty", frequency=f32([math.nan]))
+    penalties("repetition penalty of 0", repetition=f32([0.0]))
+    penalties("a seen id listed twice", seen_ids=i32([[4, 4]]))
+    penalties("a seen id beyond the vocabulary", seen_ids=i32([[4, 10**6]]))
+    penalties("negative seen counts", seen_counts=i32([[-1, 0]]))
+    penalties("a count at padding", seen_ids=i32([[4, -1]]), seen_counts=i32([[1, 3]]))
+    penalties("counts of another shape", seen_counts=i32([[1]]))
+    penalties("a bias beyond 100", bias_values=f32([[100.5]]))
+    penalties("integer bias values", bias_values=i32([[3]]))
+    penalties("a banned id below -1", banned_ids=i32([[-2]]))
+    penalties("penalty vectors of the wrong length", presence=f32([0.5, 0.5]))
     plan = _plan(1, [1, 2, 3], 0)
     plan.tier_moves.add(kind=rank_pb2.TIER_SAVE, block_keys=[b"k" * 16], blocks=i32([0]))
     out.append(("a KV tier move on a rank without tiers", plan))

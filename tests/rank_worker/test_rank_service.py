@@ -49,23 +49,18 @@ def _plan(round_: int, tokens: list[int], start: int) -> rank_pb2.StepPlan:
         seed=to_proto([0], "int64"), request_ids=["r1"]))
 
 
-@pytest.fixture
-def ranks(tiny_default, tmp_path):
-    procs, ports = _start_ranks(tiny_default, 2, tmp_path)
+@pytest.fixture(scope="module")
+def ranks(tiny_default, tmp_path_factory):
+    procs, ports = _start_ranks(tiny_default, 2, tmp_path_factory.mktemp("ranks"))
     yield procs, [_stub(p) for p in ports]
     for p in procs:
         p.kill()
         p.wait()
 
 
-def test_tp2_service_matches_offline_generate(tiny_default, ranks):
-    procs, stubs = ranks
-    describe = [s.Describe(rank_pb2.DescribeRequest()) for s in stubs]
-    assert describe[0].fingerprint == describe[1].fingerprint and describe[1].rank == 1
-    prompt = [5, 17, 99, 3, 250, 8, 41]
-    expected = generate(tiny_default, GenerateRequest(prompt_ids=tuple(prompt), max_tokens=6, ignore_eos=True))
-
-    # Drive generation round by round: a plan can only be built once the previous token is known.
+def _drive(stubs, prompt: list[int], rounds: int, decorate=lambda plan, generated: None) -> list[int]:
+    """Generate round by round on every rank (a plan can only be built once the previous token is known);
+    `decorate(plan, generated)` adds to each plan (sealed again after). Every rank must sample the same ids."""
     queues = [Queue() for _ in stubs]
     results = [Queue() for _ in stubs]
 
@@ -77,20 +72,51 @@ def test_tp2_service_matches_offline_generate(tiny_default, ranks):
     for t in threads:
         t.start()
     got, pos, chunk = [], 0, prompt
-    for round_ in range(1, 7):
+    for round_ in range(1, rounds + 1):
         plan = _plan(round_, chunk, pos)
+        decorate(plan, got)
+        plan = seal(plan)
         for q in queues:
             q.put(plan)
         answers = [r.get(timeout=120) for r in results]
         assert all(not a.error for a in answers), [a.error for a in answers]
-        assert ids(answers[0].sampled) == ids(answers[1].sampled)
+        assert all(ids(a.sampled) == ids(answers[0].sampled) for a in answers)
         token = ids(answers[0].sampled)[0]
         got.append(token)
         pos += len(chunk)
         chunk = [token]
     for q in queues:
         q.put(None)
-    assert got == expected
+    return got
+
+
+def test_tp2_service_matches_offline_generate(tiny_default, ranks):
+    procs, stubs = ranks
+    describe = [s.Describe(rank_pb2.DescribeRequest()) for s in stubs]
+    assert describe[0].fingerprint == describe[1].fingerprint and describe[1].rank == 1
+    prompt = [5, 17, 99, 3, 250, 8, 41]
+    expected = generate(tiny_default, GenerateRequest(prompt_ids=tuple(prompt), max_tokens=6, ignore_eos=True))
+    assert _drive(stubs, prompt, 6) == expected
+
+
+def test_tp2_ranks_apply_penalties_alike(tiny_default, ranks):
+    """Penalties, logit bias and banned ids (StepPlan.penalties) on two ranks over gloo: the same ids on both, the
+    bias and bans honoured, and the greedy continuation changed."""
+    _, stubs = ranks
+    prompt = [5, 17, 99, 3, 250, 8, 41]
+    plain = generate(tiny_default, GenerateRequest(prompt_ids=tuple(prompt), max_tokens=6, ignore_eos=True))
+
+    def penalise(plan, generated):
+        counts = {t: generated.count(t) for t in dict.fromkeys(prompt + generated)}
+        plan.penalties.CopyFrom(rank_pb2.RowPenalties(
+            rows=to_proto([0]), presence=to_proto([1.5], "float32"), frequency=to_proto([2.0], "float32"),
+            repetition=to_proto([1.7], "float32"), seen_ids=to_proto([list(counts)]),
+            seen_counts=to_proto([list(counts.values())]), bias_ids=to_proto([[plain[0], 77]]),
+            bias_values=to_proto([[-100.0, 0.5]], "float32"),
+            banned_ids=to_proto([[plain[1]]] if len(generated) < 3 else torch.zeros(1, 0, dtype=torch.int32))))
+
+    got = _drive(stubs, prompt, 6, penalise)
+    assert got != plain and got[0] != plain[0] and plain[1] not in got[:3]
 
 
 def test_round_gap_stops_the_rank(tiny_default, tmp_path):

@@ -99,6 +99,7 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
         self.slot_pos = [0] * self.num_slots
         self.last_sampled: dict[int, int] = {}  # slot -> its last sampled token (what a pending token id means)
         self.pending_filled = 0  # decode rows sent before the token they continue from came back (pipelined)
+        self.penalties: list[rank_pb2.RowPenalties] = []  # StepPlan.penalties of every plan that had them (unapplied)
         self.slot_hash = [hashlib.sha256() for _ in range(self.num_slots)]
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -162,6 +163,8 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
 
     # -- the fake forward -----------------------------------------------------------------------------------------
     def _execute(self, plan: rank_pb2.StepPlan) -> list[int]:
+        if plan.HasField("penalties"):
+            self.penalties.append(plan.penalties)
         tokens = from_proto(plan.token_ids).tolist()
         starts = from_proto(plan.starts).tolist()
         lengths = from_proto(plan.lengths).tolist()

@@ -8,18 +8,20 @@ request gets alone (`standin_generate`, and the same server serving it alone).
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import socket
 
 import grpc
 import pytest
 
+from services.common.tensors import from_proto, to_proto
 from services.scheduler.engine import PIPELINE_DEPTH
 from services.scheduler.ranks import RankSet, StartupError
 from services.scheduler.request import derive_seed
 from tests.scheduler.harness import Reply, cluster, collect, generate, make_request, wait_until
 from tests.scheduler.standin_rank import StandinRank, standin_generate
-from twinspark.v1 import generate_pb2
+from twinspark.v1 import generate_pb2, rank_pb2
 
 pytestmark = pytest.mark.timeout(60)
 VOCAB = 1000
@@ -390,6 +392,43 @@ def test_rounds_overlap_without_drafts_and_replies_stay_exact():
             for p, r in zip(prompts, replies):
                 assert r.tokens == standin_generate(p, 30, vocab=VOCAB, seed=derive_seed(p))[0]
             assert c.ranks[0].pending_filled >= 40  # most decode rows were planned a round ahead
+            await wait_until(lambda: _pool_empty_async(c))
+            assert not c.standin_errors()
+    run(body())
+
+
+def test_penalised_rows_carry_their_history_and_only_output_penalties_stop_the_overlap():
+    """Each sample row of a frequency-penalised request carries the counts of the tokens generated before it, and
+    its rounds are not planned ahead (they need the last token); logit_bias and min_tokens rows (which need only
+    counts the scheduler has) stay overlapped, and min_tokens bans the stop ids for exactly its first rows."""
+    def seen(pen: rank_pb2.RowPenalties) -> dict[int, int]:
+        return {t: c for t, c in zip(from_proto(pen.seen_ids)[0].tolist(), from_proto(pen.seen_counts)[0].tolist())
+                if t >= 0}
+
+    async def body():
+        async with cluster(1, rank=dict(step_delay_s=0.005)) as c:
+            rank = c.ranks[0]
+            prompt = [3, 1, 4, 1, 5]
+            sampling = generate_pb2.Sampling(temperature=0.0, top_p=1.0, frequency_penalty=1.0)
+            reply = await collect(c.stub.Generate(generate_pb2.GenerateRequest(
+                request_id="f", prompt_ids=to_proto(prompt), sampling=sampling, max_tokens=12), timeout=20))
+            assert rank.pending_filled == 0 and len(rank.penalties) == 12
+            for i, pen in enumerate(rank.penalties):  # row i follows reply[:i]; no prompt ids (repetition is off)
+                assert seen(pen) == dict(collections.Counter(reply.tokens[:i])), i
+            rank.penalties.clear()
+            sampling = generate_pb2.Sampling(temperature=0.0, top_p=1.0, logit_bias={7: 2.5})
+            await collect(c.stub.Generate(generate_pb2.GenerateRequest(
+                request_id="b", prompt_ids=to_proto(prompt), sampling=sampling, max_tokens=30, min_tokens=4,
+                stop_token_ids=[999], ignore_eos=True), timeout=20))
+            assert rank.pending_filled >= 10  # still planned a round ahead
+            banned = [from_proto(p.banned_ids)[0].tolist() for p in rank.penalties]
+            assert banned[:4] == [[999]] * 4 and all(b == [] for b in banned[4:])
+            assert all(from_proto(p.bias_ids).tolist() == [[7]] and not seen(p) for p in rank.penalties)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(c.stub.Generate(generate_pb2.GenerateRequest(
+                    prompt_ids=to_proto(prompt), max_tokens=4,
+                    sampling=generate_pb2.Sampling(presence_penalty=2.5)), timeout=20))
+            assert err.value.details().startswith("invalid_penalties: presence_penalty")
             await wait_until(lambda: _pool_empty_async(c))
             assert not c.standin_errors()
     run(body())

@@ -140,3 +140,26 @@ def test_cli_flags_and_env_defaults(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert all(f in out for f in ("--ranks", "--max-waiting", "--max-num-seqs", "--max-num-batched-tokens",
                                   "--log-level", "--host", "--port"))
+
+
+def test_verify_window_rows_count_the_drafts_before_them():
+    """Row j of a verify window follows drafts 1..j (taken as accepted): its counts and min_tokens ban include them."""
+    from services.scheduler.batcher import PlannedSeq
+    from services.scheduler.penalties import PenaltySpec, PenaltyState
+
+    pool = BlockPool(num_blocks=40, block_size=4, num_slots=4)
+    d = _req("d", 6, order=0, cached=7, generated=2)  # generated [500, 501]
+    d.penalties = PenaltyState(PenaltySpec(presence=1.0, repetition=1.5, min_tokens=4), d.tokens[:6])
+    d.penalties.counts.update(d.generated)
+    d.eos_ids = frozenset({9})
+    d.reservation = pool.reserve(d.reserve_tokens)
+    plan = build_step_plan([PlannedSeq(d, 7, [501, 500, 77, 500], sample=True, verify=True)], block_size=4)
+    pen = plan.penalties
+    assert from_proto(pen.rows).tolist() == [0, 1, 2, 3]
+    rows = [dict((t, c) for t, c in zip(i, n) if t >= 0)
+            for i, n in zip(from_proto(pen.seen_ids).tolist(), from_proto(pen.seen_counts).tolist())]
+    prompt = {t: 0 for t in range(1, 7)}  # repetition is on: the prompt's ids ride along with count 0
+    assert rows == [{**prompt, 500: 1, 501: 1}, {**prompt, 500: 2, 501: 1}, {**prompt, 500: 2, 501: 1, 77: 1},
+                    {**prompt, 500: 3, 501: 1, 77: 1}]
+    assert from_proto(pen.banned_ids).tolist() == [[9], [9], [-1], [-1]]  # 2, 3 tokens before: banned; 4, 5: free
+    assert from_proto(pen.repetition).tolist() == [1.5] * 4

@@ -111,7 +111,7 @@ class TierMove(_message.Message):
     def __init__(self, kind: _Optional[_Union[TierMoveKind, str]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state_key: _Optional[bytes] = ..., slot: _Optional[int] = ..., pos: _Optional[int] = ..., chain: _Optional[bytes] = ..., to_disk: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden", "trace_context", "mask_index", "bitmask", "logprobs_k", "prompt", "tier_moves", "images")
+    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden", "trace_context", "mask_index", "bitmask", "logprobs_k", "prompt", "tier_moves", "images", "penalties")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class StepPlan(_message.Message):
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TIER_MOVES_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    PENALTIES_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _tensor_pb2.Tensor
     starts: _tensor_pb2.Tensor
@@ -167,7 +168,30 @@ class StepPlan(_message.Message):
     prompt: _tensor_pb2.Tensor
     tier_moves: _containers.RepeatedCompositeFieldContainer[TierMove]
     images: _containers.RepeatedCompositeFieldContainer[ImageRows]
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., mask_index: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bitmask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tier_moves: _Optional[_Iterable[_Union[TierMove, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageRows, _Mapping]]] = ...) -> None: ...
+    penalties: RowPenalties
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., mask_index: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bitmask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tier_moves: _Optional[_Iterable[_Union[TierMove, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageRows, _Mapping]]] = ..., penalties: _Optional[_Union[RowPenalties, _Mapping]] = ...) -> None: ...
+
+class RowPenalties(_message.Message):
+    __slots__ = ("rows", "presence", "frequency", "repetition", "seen_ids", "seen_counts", "bias_ids", "bias_values", "banned_ids")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
+    SEEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    BANNED_IDS_FIELD_NUMBER: _ClassVar[int]
+    rows: _tensor_pb2.Tensor
+    presence: _tensor_pb2.Tensor
+    frequency: _tensor_pb2.Tensor
+    repetition: _tensor_pb2.Tensor
+    seen_ids: _tensor_pb2.Tensor
+    seen_counts: _tensor_pb2.Tensor
+    bias_ids: _tensor_pb2.Tensor
+    bias_values: _tensor_pb2.Tensor
+    banned_ids: _tensor_pb2.Tensor
+    def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., presence: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., frequency: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., repetition: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seen_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seen_counts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bias_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bias_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., banned_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ImageRows(_message.Message):
     __slots__ = ("pixel_values", "grid_thw", "row", "first", "count")
