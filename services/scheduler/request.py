@@ -156,6 +156,8 @@ class Request:
         flight is counted (a request stopping at an EOS in flight gets one row too many, dropped at commit)."""
         if self.prompt_left:
             return True
+        if self.replay:  # a reply replay only prefills (it samples nothing): once its rows are planned it is done
+            return False
         n = len(self.tokens) + self.pending_samples
         return n - self.prompt_len < self.max_tokens and n < self.max_model_len
 

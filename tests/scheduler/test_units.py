@@ -163,3 +163,14 @@ def test_verify_window_rows_count_the_drafts_before_them():
                     {**prompt, 500: 3, 501: 1, 77: 1}]
     assert from_proto(pen.banned_ids).tolist() == [[9], [9], [-1], [-1]]  # 2, 3 tokens before: banned; 4, 5: free
     assert from_proto(pen.repetition).tolist() == [1.5] * 4
+
+
+def test_a_reply_replay_only_prefills():
+    """A replay (prompt + reply recomputed for the prefix cache) samples nothing: once its last chunk is in flight,
+    a round planned before that chunk is back gives it no decode row (which would write past its blocks)."""
+    rep = _req("r:reply", 128, order=0, cached=64)
+    rep.replay, rep.max_tokens = True, 1
+    seqs = plan_round([rep], budget=256)
+    assert [(s.start, len(s.token_ids), s.sample) for s in seqs] == [(64, 64, False)]
+    rep.plan_rows(seqs[0])
+    assert plan_round([rep], budget=256) == []
