@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from services.common.tensors import ids as tensor_ids
 from services.common.tensors import to_proto
@@ -68,6 +69,20 @@ class Record:
     completed: bool = False
 
 
+def _chunk(ids: list[int], request: generate_pb2.GenerateRequest) -> generate_pb2.TokenChunk:
+    """A TokenChunk of `ids`; with logprobs asked for, it carries them as the contract says (made-up values: each
+    chosen id gets -0.5, and the top list is that id then the lowest other ids, each 1.0 lower than the last)."""
+    chunk = generate_pb2.TokenChunk(ids=to_proto(ids))
+    if request.logprobs:
+        k = request.top_logprobs
+        top = [([t] + [i for i in range(k + 1) if i != t])[:k] for t in ids]
+        chunk.logprobs.CopyFrom(to_proto([-0.5] * len(ids), "float32"))
+        chunk.top_ids.CopyFrom(to_proto(torch.tensor(top, dtype=torch.int32).view(len(ids), k)))
+        chunk.top_logprobs.CopyFrom(to_proto(
+            torch.tensor([[-0.5 - j for j in range(k)] for _ in ids], dtype=torch.float32).view(len(ids), k)))
+    return chunk
+
+
 class StandinGenerator(generate_pb2_grpc.GeneratorServicer):
     def __init__(self) -> None:
         self.scripts: deque[list[Step]] = deque()
@@ -117,7 +132,7 @@ class StandinGenerator(generate_pb2_grpc.GeneratorServicer):
                                                                                     prefilled=step.prefilled))
                 elif isinstance(step, Tokens):
                     sent += len(step.ids)
-                    yield generate_pb2.GenerateEvent(tokens=generate_pb2.TokenChunk(ids=to_proto(step.ids)))
+                    yield generate_pb2.GenerateEvent(tokens=_chunk(step.ids, request))
                 elif isinstance(step, Sleep):
                     try:
                         await asyncio.wait_for(aborted.wait(), step.seconds)

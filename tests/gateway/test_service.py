@@ -72,6 +72,21 @@ def test_chat_with_openai_client(oai: openai.OpenAI, standin: StandinServer, tok
     assert not req.sampling.HasField("seed") and req.priority == generate_pb2.PRIORITY_NORMAL and not req.no_draft
 
 
+def test_chat_logprobs_from_the_scheduler(oai: openai.OpenAI, standin: StandinServer, tokenizer) -> None:
+    """The chunks' logprobs reach the reply: one entry per visible token, the top list as the scheduler sent it.
+    (The fuzzer found the stand-in sending chunks without them: the gateway then rightly answers 500.)"""
+    ids = _ids(tokenizer, "Hello")
+    standin.generator.push(Progress(), Tokens(ids + [EOS]), Finish(stop_token_id=EOS))
+    reply = oai.chat.completions.create(model="glm-tiny", messages=MSG, logprobs=True, top_logprobs=2,
+                                       extra_body={"chat_template_kwargs": OFF})
+    req = standin.generator.last().request
+    assert req.logprobs and req.top_logprobs == 2
+    content = reply.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == "Hello"
+    assert [c.logprob for c in content] == [-0.5] * len(content)
+    assert all([t.logprob for t in c.top_logprobs] == [-0.5, -1.5] for c in content)
+
+
 def test_completion_token_prompt_and_sampling_fields(http: httpx.Client, standin: StandinServer) -> None:
     r = http.post("/v1/completions", json={
         "model": "glm-tiny", "prompt": [[5, 6, 7]], "max_tokens": 2, "temperature": 0, "top_p": 0.5, "top_k": -1,
