@@ -10,6 +10,9 @@
 #                                      # default) served on random quantized weights (default w4a16+bf16)
 #   bash bench/gpu_check.sh long [LENGTHS]
 #                                      # only bench/long_context.py (default 8k, 64k, 256k, 1M tokens)
+#   bash bench/gpu_check.sh kernels [SECTIONS]
+#                                      # only bench/kernels.py (default: the MoE in bf16 and W4A16, its tile
+#                                      # sweeps and the invariance checks: what chooses `moe_schedule`)
 #
 # What the machine lacks comes along in git-ignored folders named in the call's `carry`:
 #   .device-kit    a copy of shared/device (the stack's wheels, fla-core, exllamav3 + its sm_90 extension)
@@ -36,12 +39,22 @@ if [ "${1:-}" = "long" ]; then
     tail -12 "$OUT/long_context.log"
     exit 0
 fi
+if [ "${1:-}" = "kernels" ]; then
+    python3 -m bench.kernels --only "${2:-moe,moesweep,invariance}" --out "$OUT" > "$OUT/kernels.log" 2>&1
+    grep -E "best|^.{11}moe (bf16|w4a16)|invariance" "$OUT/kernels.log" | tail -40
+    exit 0
+fi
 if [ "${1:-}" = "whole" ]; then
     layers=${2:-45}
     python3 -m bench.whole_model --write-dir /tmp/whole-model-config --layers "$layers" > /dev/null
     python3 -m bench.whole_model --model /tmp/whole-model-config --tp "${3:-2}" --formats "${4:-w4a16+bf16}" \
         --out "$OUT" > "$OUT/whole_model.log" 2>&1
     tail -12 "$OUT/whole_model.log"
+    # The stacks' own logs (rank: graph captures and their cost; scheduler: round times with TWINSPARK_LOG_LEVEL=debug;
+    # the rank profiler's tables with TWINSPARK_TORCH_PROFILER_DIR set) say where a slow level's time went.
+    for d in /tmp/twinspark-bench-*/logs; do
+        [ -d "$d" ] && mkdir -p "$OUT/stack-logs" && cp -r "$d" "$OUT/stack-logs/$(basename "$(dirname "$d")")"
+    done
     exit 0
 fi
 

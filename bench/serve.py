@@ -3,8 +3,9 @@ median, p99), output and total token throughput and request throughput, at sever
 
 Each level sends `--requests` completions of random-token prompts (`--prompt-len` ids, seeded) with a fixed output
 length (`ignore_eos`), streamed, at most `--concurrency` at a time; token times are the arrival times of the SSE
-chunks. Greedy by default (REFERENCE §5: quote the prompt class and temperature with every tok/s; random-token
-prompts, so drafts are off unless asked for). The stack is a running one (`--state-dir`) or one started here.
+chunks. Each level is measured after an untimed pass of its own (`--no-warmup`: from cold). Greedy by default
+(REFERENCE §5: quote the prompt class and temperature with every tok/s; random-token prompts, so drafts are off unless
+asked for). The stack is a running one (`--state-dir`) or one started here.
 
     python -m bench.serve --concurrency 1,4,16,64 --out bench/results                 # CPU, tiny, TP 2
     python -m bench.serve --state-dir ~/.local/state/twinspark --concurrency 1,4,16,64  # a running GPU stack
@@ -82,6 +83,18 @@ async def level(url: str, bodies: list[dict], concurrency: int) -> tuple[list[Sa
         return list(out), time.perf_counter() - t0
 
 
+def warm_up(url: str, bodies: list[dict], concurrency: int) -> float:
+    """An untimed pass at `concurrency` (vLLM `bench serve`'s warm-ups), with prompts unlike the measured ones (no
+    prefix-cache hits): the level's first kernel compiles and lazy CUDA-graph captures (one per batch bucket and
+    block-table width) land here, not in its figures. Returns its wall seconds, which the results keep: a long one
+    is what a cold server costs its first users."""
+    rng = random.Random(-concurrency)
+    fresh = [{**b, "prompt": [rng.randrange(5, 1000) for _ in b["prompt"]]} for b in bodies[:concurrency]]
+    t0 = time.perf_counter()
+    asyncio.run(level(url, fresh, concurrency))
+    return time.perf_counter() - t0
+
+
 def _stats(xs: list[float]) -> dict:
     if not xs:
         return {}
@@ -106,7 +119,9 @@ def markdown(data: dict) -> str:
     lines = [f"# serve — {data['date']}", "",
              f"- stack: {data['stack']}; completions, prompts of {a['prompt_len']} random token ids (seed "
              f"{a['seed']}), {a['output_len']} output tokens (ignore_eos), temperature {a['temperature']}, "
-             f"streamed; drafts {'on' if a['drafts'] else 'off'}", f"- {data['load']}", "",
+             f"streamed; drafts {'on' if a['drafts'] else 'off'}; "
+             f"{'each level after an untimed pass of its own' if a.get('warmup', True) else 'cold (no warm-up)'}",
+             f"- {data['load']}", "",
              "| concurrency | requests | ok | req/s | output tok/s | total tok/s | TTFT mean / median / p99 ms | "
              "TPOT mean / median / p99 ms | ITL mean / median / p99 ms | E2E median ms |",
              "|---:|---:|---:|---:|---:|---:|---|---|---|---:|"]
@@ -133,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--drafts", action="store_true", help="let the drafter propose (default: \"draft\": false)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="measure from cold: no untimed pass of each level first")
     ap.add_argument("--out", type=Path, default=None, help="folder for serve-<time>.json/.md (default: print only)")
     args = ap.parse_args(argv)
     stack = attach_or_start(args.state_dir, tp=args.tp, model=args.model)
@@ -147,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             bodies = [{"model": model["id"], "prompt": [rng.randrange(5, vocab) for _ in range(args.prompt_len)],
                        "max_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature,
                        "stream": True, "draft": args.drafts} for _ in range(n)]
+            warm = warm_up(stack.url + "/v1", bodies, c) if args.warmup else 0.0
             samples, wall = asyncio.run(level(stack.url + "/v1", bodies, c))
-            row = {"concurrency": c, **summarize(samples, wall, args.prompt_len)}
+            row = {"concurrency": c, **summarize(samples, wall, args.prompt_len), "warmup_s": warm}
             levels.append(row)
             print(f"concurrency {c}: {row['completed']}/{row['requests']} ok, {row['output_throughput']:.1f} "
                   f"output tok/s, TTFT median {row['ttft'].get('median_ms', float('nan')):.1f} ms, ITL median "

@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 from bench import exactness
 from bench.random_weights import REAL_DIMS
-from bench.serve import level, summarize
+from bench.serve import level, summarize, warm_up
 from bench.stack import attach_or_start, write_results
 
 LAYERS = 45
@@ -72,12 +72,14 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict:
     print(f"{fmt}: stack ready in {row['ready_s']} s", flush=True)
     try:
         url = stack.url + "/v1"
-        asyncio.run(level(url, _bodies(1, 16, 8, seed=1), 1))  # warm-up: first prefill, first decode graph
         levels = []
         for c in args.concurrency:
-            samples, wall = asyncio.run(level(url, _bodies(max(2, c), args.prompt_len, args.output_len, seed=c), c))
+            bodies = _bodies(max(2, c), args.prompt_len, args.output_len, seed=c)
+            warm = warm_up(url, bodies, c)
+            samples, wall = asyncio.run(level(url, bodies, c))
             s = summarize(samples, wall, args.prompt_len)
             s["concurrency"] = c
+            s["warmup_s"] = warm
             s["decode_tok_s_per_request"] = 1e3 / s["itl"]["median_ms"] if s["itl"] else 0.0
             levels.append(s)
             print(f"{fmt} concurrency {c}: {s['completed']}/{s['requests']} ok, output {s['output_throughput']:.1f} "
@@ -104,13 +106,14 @@ def markdown(data: dict) -> str:
              f"- {data['model']}: {data['config'].get('num_hidden_layers', '?')} layers + MTP at real dims, random "
              f"weights drawn on the GPUs, TP "
              f"{data['tp']}; served through `twinspark up --device cuda` (drafter off), completions of "
-             f"{data['prompt_len']} random token ids, {data['output_len']} tokens out, greedy, streamed", "",
+             f"{data['prompt_len']} random token ids, {data['output_len']} tokens out, greedy, streamed; each level "
+             f"after an untimed pass of its own (compiles, graph captures: its wall time is the warm-up column)", "",
              "| format (experts+rest) | ready s | concurrency | output tok/s | ITL median / p99 ms | decode tok/s "
-             "per request | TTFT median ms | GPU memory used MiB | burst / staggered = serial |",
-             "|---|---:|---:|---:|---|---:|---:|---|---|"]
+             "per request | TTFT median ms | warm-up s | GPU memory used MiB | burst / staggered = serial |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
     for r in data["formats"]:
         if "levels" not in r:
-            lines.append(f"| {r['format']} | {r['ready_s']} | failed: {r.get('error', '?')} | | | | | | |")
+            lines.append(f"| {r['format']} | {r['ready_s']} | failed: {r.get('error', '?')} | | | | | | | |")
             continue
         mem = ", ".join(f"{g['used_mib']}/{g['total_mib']}" for g in r.get("gpu_memory", []))
         ex = r.get("exact")
@@ -119,7 +122,8 @@ def markdown(data: dict) -> str:
             itl = s["itl"]
             lines.append(f"| {r['format']} | {r['ready_s']} | {s['concurrency']} | {s['output_throughput']:.1f} | "
                          f"{itl.get('median_ms', 0):.2f} / {itl.get('p99_ms', 0):.2f} | "
-                         f"{s['decode_tok_s_per_request']:.1f} | {s['ttft'].get('median_ms', 0):.0f} | {mem} | "
+                         f"{s['decode_tok_s_per_request']:.1f} | {s['ttft'].get('median_ms', 0):.0f} | "
+                         f"{s.get('warmup_s', 0):.1f} | {mem} | "
                          f"{exact} |")
     return "\n".join(lines) + "\n"
 

@@ -8,6 +8,7 @@ Exit codes that mean "this group cannot go on" (a supervisor restarts the whole 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -191,6 +192,12 @@ def run(args: argparse.Namespace) -> int:
         log.info("loading %s (%s, %s)", args.model, dtype, args.device)
         model = Glm5Model.load(args.model, sharding=sharding, group=group, dtype=dtype, device=device, progress=True,
                                load_vision=vision is not None and args.rank == 0)
+    if device.type == "cuda":
+        # Loading leaves freed staging memory in torch's caching allocator (per-shard tensors stacked into one,
+        # dequantized copies): hand it back, or the pool sizing below counts it as in use and the pool comes out
+        # that much smaller (vLLM does the same after its load).
+        gc.collect()
+        torch.cuda.empty_cache()
     try:
         num_blocks = args.num_blocks or _sized_pool(args, model, group, device)
     except ValueError as exc:

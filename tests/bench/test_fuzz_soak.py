@@ -59,4 +59,5 @@ def test_serve_bench(stack, tmp_path):
     for lv in data["levels"]:
         assert lv["completed"] == lv["requests"] == 3 and lv["output_throughput"] > 0
         assert lv["ttft"]["median_ms"] > 0 and lv["itl"]["median_ms"] > 0 and lv["tpot"]["p99_ms"] > 0
+        assert lv["warmup_s"] > 0  # each level measured after an untimed pass of its own
     assert "| concurrency | requests |" in next(tmp_path.glob("serve-*.md")).read_text()

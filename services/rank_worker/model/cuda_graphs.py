@@ -14,6 +14,7 @@ Outputs are views into the graph's static buffers: valid until the next replay (
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +76,13 @@ class DecodeGraphs:
         key = (bucket, width)
         g = self.graphs.get(key)
         if g is None:
+            t0 = time.perf_counter()
             g = self._capture(bucket, width)
             self.graphs[key] = g
-            log.info("captured a CUDA graph for %d decode rows, block tables of %d (%d graphs)", bucket, width,
-                     len(self.graphs))
+            # The time says what a lazy capture costs the round that meets a new shape (a served stall).
+            log.info("captured a CUDA graph for %d decode rows, block tables of %d in %.0f ms (%d graphs, pool %.2f "
+                     "GiB reserved)", bucket, width, (time.perf_counter() - t0) * 1e3, len(self.graphs),
+                     torch.cuda.memory_reserved(self.model.device) / 2**30)
         self._fill(g, batch, bucket)
         g.graph.replay()
         return ForwardOutput(g.out.logits[:b], g.out.hidden[:b])
