@@ -126,62 +126,157 @@ def moe_setup():
     return gate, up, down, router, bias
 
 
-def moe_run(x, weights, decode_rows):
+def moe_w4a16(weights):
+    """The same MoE with W4A16 experts (the whole-model bench's format): random packed words and scales, drawn on
+    the GPU as bench/random_weights draws them; router and bias unchanged."""
+    from kernels.gpu import wtiles
+    from kernels.quant import w4a16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def stack(n: int, k: int):
+        t = w4a16.random_linear((E + 1) * n, k, std=0.02, generator=gen, device="cuda")
+        return wtiles.quantized("w4a16", {name: v.view(E + 1, n, -1) for name, v in t.items()},
+                                {"group": w4a16.DEFAULT_GROUP})
+    _, _, _, router, bias = weights
+    return stack(MOE_I, D), stack(MOE_I, D), stack(D, MOE_I), router, bias
+
+
+def expert_bytes(weights) -> float:
+    """Bytes one expert's three projections occupy (int4 words + fp16 scales, or bf16)."""
+    gate, up, down = weights[:3]
+    if isinstance(gate, torch.Tensor):
+        return 3 * MOE_I * D * 2
+    return sum((w.data[0].numel() * w.data.element_size() + w.scale[0].numel() * w.scale.element_size())
+               for w in (gate, up, down))
+
+
+def moe_run(x, weights, decode_rows, n_real=None):
+    """n_real: a device scalar inside a CUDA graph (an int would be copied from the host while capturing)."""
     from kernels.gpu import gemm, moe
     gate, up, down, router, bias = weights
     logits = gemm.matmul(x, router, decode_rows, torch.float32)
-    ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5, n_real=x.shape[0])
+    ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5,
+                        n_real=x.shape[0] if n_real is None else n_real)
     return moe.experts(x, ids, rw, gate, up, down, 10.0, decode_rows)[0], ids
 
 
-def moe_rows(bw: float, mm: float, weights) -> list[dict]:
-    rows = []
-    for t in (1, 8, 64, 8192):
+def routed_inputs(t: int, weights, sets: int) -> list[tuple]:
+    """`sets` different batches of t rows, routed: (x, ids, weights) each. Timing cycles through them, so the
+    experts read differ call to call and the weights come from HBM, as in a model's many layers, not from L2."""
+    from kernels.gpu import gemm, moe
+    router, bias = weights[3], weights[4]
+    out = []
+    for _ in range(sets):
         x = torch.randn(t, D, device="cuda", dtype=BF16)
+        logits = gemm.matmul(x, router, t, torch.float32)
+        ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5, n_real=t)
+        out.append((x, ids, rw))
+    return out
+
+
+def graph_ms(calls: list) -> float:
+    """Median time per call of a CUDA graph replaying the calls in turn (how the served decode path runs them:
+    without the host's launch time, which would swamp a one-row MoE)."""
+    from triton.testing import do_bench_cudagraph
+    turn = iter(range(1 << 62))
+    return float(do_bench_cudagraph(lambda: calls[next(turn) % len(calls)](), rep=50, return_mode="median"))
+
+
+def moe_rows(bw: float, mm: float, weights, fmt: str = "bf16") -> list[dict]:
+    """The whole MoE (router GEMM, route, grouping, experts, combine): decode-class sizes in a CUDA graph over 8
+    routed batches in turn, the 8,192-token prompt eagerly (its launches are long enough)."""
+    rows = []
+    per_expert = expert_bytes(weights)
+    for t in (1, 8, 64, 8192):
         decode = t <= 64
-        ms = bench_ms(lambda: moe_run(x, weights, t if decode else 0))
-        _, ids = moe_run(x, weights, t if decode else 0)
-        hit = int(torch.unique(ids[:, :TOPK]).numel()) + 1
-        wbytes = hit * 3 * MOE_I * D * 2
+        if decode:
+            xs = [torch.randn(t, D, device="cuda", dtype=BF16) for _ in range(8)]
+            n_real = torch.tensor([t], dtype=torch.int32, device="cuda")
+            ms = graph_ms([lambda x=x: moe_run(x, weights, t, n_real) for x in xs])
+            hit = sum(int(torch.unique(moe_run(x, weights, t)[1][:, :TOPK]).numel()) + 1 for x in xs) / len(xs)
+        else:
+            x = torch.randn(t, D, device="cuda", dtype=BF16)
+            ms = bench_ms(lambda: moe_run(x, weights, 0))
+            hit = int(torch.unique(moe_run(x, weights, 0)[1][:, :TOPK]).numel()) + 1
         flops = 2 * t * (TOPK + 1) * 3 * MOE_I * D
-        ideal = max(wbytes / bw, flops / mm) * 1e3
-        rows.append(dict(kernel="moe", tokens=t, experts_touched=hit, ms=ms, roofline=ideal / ms))
-        log(f"moe t={t:5d}: {ms * 1e3:8.1f} us, {hit} experts touched, {ideal / ms:6.1%} of roofline")
+        ideal = max(hit * per_expert / bw, flops / mm) * 1e3
+        rows.append(dict(kernel="moe", format=fmt, tokens=t, experts_touched=hit, ms=ms, roofline=ideal / ms))
+        log(f"moe {fmt} t={t:5d}: {ms * 1e3:8.1f} us, {hit:.0f} experts touched, {ideal / ms:6.1%} of roofline")
     return rows
 
 
-def moe_sweep(bw: float, mm: float, weights) -> list[dict]:
-    """Prompt-row tiles of the grouped MoE kernels at 8,192 tokens, to choose `moe_schedule`'s by measurement."""
+# Decode-class candidates (block_m, block_n, block_k, warps, stages): more, narrower tiles put more programs and
+# loads in flight for the few experts one decode row reads; block_k stays within the int4 scale group (128).
+_MOE_DECODE_TILES = [(16, bn, bk, w, st) for bn, bk, w, st in (
+    (16, 128, 2, 4), (32, 128, 2, 4), (32, 128, 4, 4), (32, 64, 4, 5), (64, 128, 4, 4), (64, 64, 4, 5),
+    (64, 128, 4, 2), (64, 128, 8, 4), (128, 128, 4, 3), (128, 64, 4, 4))]
+
+
+def moe_sweep(bw: float, mm: float, formats: dict) -> list[dict]:
+    """Tiles of the grouped expert kernels, to choose `moe_schedule`'s by measurement: decode-class tiles at 1 and 8
+    rows per format (in a CUDA graph, cycling routed batches; each tile's output is compared with the current
+    schedule's, max |diff|: 0 means the tile changes no bits), then prompt tiles at 8,192 tokens (bf16)."""
     from kernels.gpu import gemm, moe
-    gate, up, down, router, bias = weights
+    rows = []
+    current = moe.moe_schedule(gemm.RowClass.DECODE)
+    for fmt, weights in formats.items():
+        gate, up, down = weights[:3]
+        per_expert = expert_bytes(weights)
+        for t in (1, 8):
+            sets = routed_inputs(t, weights, 8)
+            hit = sum(int(torch.unique(ids[:, :TOPK]).numel()) + 1 for _, ids, _ in sets) / len(sets)
+            ideal = hit * per_expert / bw * 1e3
+
+            def run(tile, x, ids, rw):
+                out = torch.empty(1, t, D, device="cuda")
+                moe._experts_one_class(x, ids, rw, gate, up, down, 10.0, tile, 1, out, 0)
+                return out
+            ref = run(current, *sets[0])
+            for cand in _MOE_DECODE_TILES:
+                tile = moe.MoeTile(*cand)
+                try:
+                    diff = float((run(tile, *sets[0]) - ref).abs().max())
+                    ms = graph_ms([lambda s=s: run(tile, *s) for s in sets])
+                except Exception as exc:  # e.g. out of shared memory
+                    log(f"moe sweep {fmt} t={t} {tile}: {type(exc).__name__}")
+                    continue
+                rows.append(dict(kernel="moe decode sweep", format=fmt, tokens=t, tile=tile.__dict__, ms=ms,
+                                 roofline=ideal / ms, max_abs_diff_vs_current=diff))
+                log(f"moe sweep {fmt} t={t} {tile}: {ms * 1e3:8.1f} us, {ideal / ms:6.1%} of roofline, "
+                    f"max |diff| vs current {diff:.3g}")
+            best = sorted((r for r in rows if r["format"] == fmt and r["tokens"] == t), key=lambda r: r["ms"])[:3]
+            for r in best:
+                log(f"moe sweep best {fmt} t={t}: {r['ms'] * 1e3:8.1f} us {r['roofline']:6.1%} {r['tile']}")
+    gate, up, down, router, bias = formats["bf16"]
     x = torch.randn(8192, D, device="cuda", dtype=BF16)
     logits = gemm.matmul(x, router, 0, torch.float32)
     ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5, n_real=8192)
     flops = 2 * 8192 * (TOPK + 1) * 3 * MOE_I * D
-    rows = []
     for tile in (moe.MoeTile(64, 128, 64, 4, 3), moe.MoeTile(128, 128, 64, 8, 3), moe.MoeTile(64, 256, 64, 8, 3),
                  moe.MoeTile(128, 256, 64, 8, 3), moe.MoeTile(128, 128, 64, 4, 4), moe.MoeTile(64, 128, 128, 8, 3)):
-        out = torch.empty(8192, D, device="cuda")
+        out = torch.empty(1, 8192, D, device="cuda")
         try:
-            ms = bench_ms(lambda: moe._experts_one_class(x, ids, rw, gate, up, down, 10.0, tile, out), reps=20)
+            ms = bench_ms(lambda: moe._experts_one_class(x, ids, rw, gate, up, down, 10.0, tile, 1, out, 0), reps=20)
         except Exception as exc:  # e.g. out of shared memory
             log(f"moe sweep {tile}: {type(exc).__name__}")
             continue
-        rows.append(dict(kernel="moe sweep", tile=tile.__dict__, ms=ms, roofline=flops / mm * 1e3 / ms))
-        log(f"moe sweep {tile}: {ms * 1e3:8.1f} us, {flops / mm * 1e3 / ms:6.1%} of the matmul roofline")
+        rows.append(dict(kernel="moe sweep", format="bf16", tokens=8192, tile=tile.__dict__, ms=ms,
+                         roofline=flops / mm * 1e3 / ms))
+        log(f"moe sweep t=8192 {tile}: {ms * 1e3:8.1f} us, {flops / mm * 1e3 / ms:6.1%} of the matmul roofline")
     return rows
 
 
-def moe_invariance(weights) -> list[dict]:
+def moe_invariance(formats: dict) -> list[dict]:
     out = []
     crowd = torch.randn(2048, D, device="cuda", dtype=BF16)
-    for cls, rows in (("decode", 1 << 30), ("prefill", 0)):
-        alone = moe_run(crowd[:1], weights, rows)[0]
-        worst = 0.0
-        for m in (2, 9, 64, 700, 2048):
-            worst = max(worst, float((moe_run(crowd[:m], weights, rows)[0][:1] - alone).abs().max()))
-        out.append(dict(check="moe row alone vs 2..2048 rows", rows=cls, max_abs_diff=worst))
-        log(f"invariance moe ({cls}): max |diff| {worst}")
+    for fmt, weights in formats.items():
+        for cls, rows in (("decode", 1 << 30), ("prefill", 0)):
+            alone = moe_run(crowd[:1], weights, rows)[0]
+            worst = 0.0
+            for m in (2, 9, 64, 700, 2048):
+                worst = max(worst, float((moe_run(crowd[:m], weights, rows)[0][:1] - alone).abs().max()))
+            out.append(dict(check="moe row alone vs 2..2048 rows", format=fmt, rows=cls, max_abs_diff=worst))
+            log(f"invariance moe {fmt} ({cls}): max |diff| {worst}")
     return out
 
 
@@ -333,13 +428,15 @@ def main(argv: list[str] | None = None) -> int:
             data["checks"] += gemm_invariance()
         if want("moe") or want("invariance") or want("moesweep"):
             weights = moe_setup()
+            formats = {"bf16": weights, "w4a16": moe_w4a16(weights)}
             if want("moe"):
-                data["rows"] += moe_rows(bw, mm, weights)
+                for fmt, w in formats.items():
+                    data["rows"] += moe_rows(bw, mm, w, fmt)
             if want("moesweep"):
-                data["rows"] += moe_sweep(bw, mm, weights)
+                data["rows"] += moe_sweep(bw, mm, formats)
             if want("invariance"):
-                data["checks"] += moe_invariance(weights)
-            del weights
+                data["checks"] += moe_invariance(formats)
+            del weights, formats
         if want("kda"):
             data["rows"] += kda_rows(bw)
         if want("mla"):
