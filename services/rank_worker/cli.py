@@ -78,6 +78,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "land here, checksummed, and survive a restart with the same checkpoint and settings")
     p.add_argument("--kv-disk-bytes", type=int, default=int(env("KV_DISK_BYTES", str(64 << 30))),
                    help="disk KV tier size on this rank in bytes (TWINSPARK_KV_DISK_BYTES, default 64 GiB)")
+    p.add_argument("--encoder-cache-tokens", type=int, default=int(env("ENCODER_CACHE_TOKENS", "16384")),
+                   help="vision-tower output rows rank 0 keeps (LRU, keyed by the image's digest) so an image prompt "
+                        "prefilled in several chunks is encoded once (TWINSPARK_ENCODER_CACHE_TOKENS, default 16384: "
+                        "two of the largest images; 0 = off)")
     p.add_argument("--virtual-shards", type=int, default=int(env("VIRTUAL_SHARDS", "4")),
                    help="virtual shards per sharded dim (a multiple of --world; the same on every rank)")
     p.add_argument("--random-weights", default=env("RANDOM_WEIGHTS"), metavar="FORMAT",
@@ -227,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
         instance_id=uuid.uuid4().hex,  # tells the scheduler a restarted group from the one it connected to
         tier_host_bytes=tiers.host_bytes if tiers else 0, tier_disk_bytes=tiers.disk_bytes if tiers else 0,
         block_bytes=tiers.block_bytes if tiers else 0, state_bytes=tiers.state_bytes if tiers else 0)
-    executor = Executor(model, cache, cuda_graphs=not args.enforce_eager, tiers=tiers, vision=vision)
+    executor = Executor(model, cache, cuda_graphs=not args.enforce_eager, tiers=tiers, vision=vision,
+                        encoder_cache_tokens=args.encoder_cache_tokens if args.rank == 0 else 0)
     server = serve(RankService(executor, describe), args.host, args.port, args.internal_token)
     log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", args.rank, args.host, args.port,
              num_blocks, args.block_size, args.num_slots)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +18,7 @@ from kernels.gpu import to_device
 from kernels.penalties import Penalties, apply_penalties
 from kernels.sampling import Filters, SamplingParams, apply_token_bitmask, processed_logprobs, sample
 from services.common.tensors import from_proto
+from services.rank_worker.encoder_cache import EncoderCache
 from services.rank_worker.kv_tiers import TierStore
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
@@ -32,6 +34,16 @@ PENDING_TOKEN = -1
 
 class PlanError(ValueError):
     """The plan is malformed or addresses memory this rank does not have."""
+
+
+class ImagePart(NamedTuple):
+    """One image of a plan, validated: its embeddings [first, first + count) go to packed rows row.."""
+    row: int
+    first: int
+    count: int
+    pixels: torch.Tensor
+    grid: tuple[int, int, int]
+    digest: bytes  # the request's sha256 of the pixels (empty: not known, the tower's output is not kept)
 
 
 @dataclass
@@ -219,14 +231,17 @@ MAX_KEY = 64  # bytes of a tier key (the scheduler's are 16)
 
 class Executor:
     def __init__(self, model: Glm5Model, cache: PagedCache, *, cuda_graphs: bool = True,
-                 tiers: TierStore | None = None, vision: VisionConfig | None = None) -> None:
+                 tiers: TierStore | None = None, vision: VisionConfig | None = None,
+                 encoder_cache_tokens: int = 0) -> None:
         """cuda_graphs: replay decode rounds from CUDA graphs on a GPU (vLLM's `--enforce-eager` turns it off).
         tiers: this rank's host-RAM / disk KV tiers (None: tier moves are refused). vision: the checkpoint's vision
-        tower geometry, on every rank (rank 0 runs the tower; every rank checks image rows alike)."""
+        tower geometry, on every rank (rank 0 runs the tower; every rank checks image rows alike).
+        encoder_cache_tokens: tower output rows rank 0 keeps for the later chunks of an image's prompt."""
         self.model = model
         self.cache = cache
         self.tiers = tiers
         self.vision = vision
+        self.encoder_cache = EncoderCache(encoder_cache_tokens)
         # slot -> the token sampled for it last, on the device (a PENDING_TOKEN is filled from it there, so a round
         # can be launched before the previous one is read back; see `_fill_pending`), and on the host the position
         # after the rows of that sampling round (set when the round is launched, or read back for verify windows).
@@ -409,8 +424,8 @@ class Executor:
             out.append((m, blocks))
         return out
 
-    def image_rows(self, plan: StepPlan, n_rows: int) -> list[tuple[int, int, int, torch.Tensor, tuple]]:
-        """The plan's images, validated: (row, first, count, pixels, grid) each."""
+    def image_rows(self, plan: StepPlan, n_rows: int) -> list[ImagePart]:
+        """The plan's images, validated."""
         if not plan.images:
             return []
         vc = self.vision
@@ -433,24 +448,37 @@ class Executor:
                     or im.row + im.count > n_rows:
                 raise PlanError(f"images[{i}]: embeddings [{im.first}, {im.first + im.count}) of {tokens} at rows "
                                 f"{im.row}.. do not fit")
-            out.append((im.row, im.first, im.count, pixels, (t, h, w)))
+            if len(im.digest) > MAX_KEY:
+                raise PlanError(f"images[{i}].digest: at most {MAX_KEY} bytes")
+            out.append(ImagePart(im.row, im.first, im.count, pixels, (t, h, w), bytes(im.digest)))
         return out
 
-    def embed_images(self, images: list[tuple[int, int, int, torch.Tensor, tuple]]
-                     ) -> list[tuple[int, torch.Tensor]] | None:
-        """Rank 0 runs the vision tower; every rank gets the embeddings of its rows (the same bits everywhere)."""
+    def embed_images(self, images: list[ImagePart]) -> list[tuple[int, torch.Tensor]] | None:
+        """Rank 0 runs the vision tower (or finds its output for an image an earlier chunk encoded); every rank
+        gets the embeddings of its rows (the same bits everywhere)."""
         if not images:
             return None
         m = self.model
         out = []
-        for row, first, count, pixels, grid in images:
+        for im in images:
             if m.coll.sharding.rank == 0:
-                assert m.vision is not None
-                e = m.vision.forward(pixels, [grid])[first : first + count].to(m.dtype).contiguous()
+                e = self._tower(im)[im.first : im.first + im.count].contiguous()
             else:
-                e = torch.empty(count, m.cfg.hidden_size, dtype=m.dtype, device=m.device)
-            out.append((row, m.coll.from_first(e)))
+                e = torch.empty(im.count, m.cfg.hidden_size, dtype=m.dtype, device=m.device)
+            out.append((im.row, m.coll.from_first(e)))
         return out
+
+    def _tower(self, im: ImagePart) -> torch.Tensor:
+        """The image's whole tower output in the model's dtype, kept under its digest for the prompt's next chunks."""
+        m = self.model
+        assert m.vision is not None
+        key = (im.digest, im.grid)
+        e = self.encoder_cache.get(key) if im.digest else None
+        if e is None:
+            e = m.vision.forward(im.pixels, [im.grid]).to(m.dtype)
+            if im.digest:
+                self.encoder_cache.put(key, e)
+        return e
 
     def run_tier_moves(self, moves: list[tuple[rank_pb2.TierMove, list[int]]]) -> list[bytes]:
         """Run the moves in order; the keys whose load failed on any rank (every rank drops them)."""

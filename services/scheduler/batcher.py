@@ -178,5 +178,5 @@ def _image_rows(s: PlannedSeq, row0: int) -> list[rank_pb2.ImageRows]:
         a, b = max(lo, im.offset), min(hi, im.offset + im.tokens)
         if a < b:
             out.append(rank_pb2.ImageRows(pixel_values=im.pixel_values, grid_thw=im.grid_thw, row=row0 + a - lo,
-                                          first=a - im.offset, count=b - a))
+                                          first=a - im.offset, count=b - a, digest=im.digest))
     return out

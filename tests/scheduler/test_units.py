@@ -174,3 +174,18 @@ def test_a_reply_replay_only_prefills():
     assert [(s.start, len(s.token_ids), s.sample) for s in seqs] == [(64, 64, False)]
     rep.plan_rows(seqs[0])
     assert plan_round([rep], budget=256) == []
+
+
+def test_an_image_split_over_two_chunks_goes_to_both_with_its_digest():
+    """Each chunk holding some of an image's placeholders carries the image, which rows get which embeddings, and the
+    request's digest (rank 0 keeps the tower's output under it, so the second chunk does not encode it again)."""
+    pool = BlockPool(num_blocks=40, block_size=4, num_slots=4)
+    r = _req("img", 20, order=0)
+    r.images = [generate_pb2.Image(digest=b"\x01" * 32, offset=5, tokens=10)]
+    r.reservation = pool.reserve(r.reserve_tokens)
+    seqs = plan_round([r], budget=8, align=4)
+    first = build_step_plan(seqs, block_size=4)
+    assert [(i.row, i.first, i.count, i.digest) for i in first.images] == [(5, 0, 3, b"\x01" * 32)]
+    r.plan_rows(seqs[0])  # sent: the next round plans the rows after it
+    second = build_step_plan(plan_round([r], budget=8, align=4), block_size=4)
+    assert [(i.row, i.first, i.count, i.digest) for i in second.images] == [(0, 3, 7, b"\x01" * 32)]

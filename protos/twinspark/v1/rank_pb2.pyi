@@ -194,18 +194,20 @@ class RowPenalties(_message.Message):
     def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., presence: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., frequency: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., repetition: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seen_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seen_counts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bias_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bias_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., banned_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ImageRows(_message.Message):
-    __slots__ = ("pixel_values", "grid_thw", "row", "first", "count")
+    __slots__ = ("pixel_values", "grid_thw", "row", "first", "count", "digest")
     PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     pixel_values: _tensor_pb2.Tensor
     grid_thw: _tensor_pb2.Tensor
     row: int
     first: int
     count: int
-    def __init__(self, pixel_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., row: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, pixel_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., row: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden", "logprobs", "top_ids", "top_logprobs", "refused", "tier_bad")
