@@ -1,7 +1,8 @@
 """Shared fixtures: tiny checkpoints written once per test session by `make-tiny`.
 
 Without a GPU, Triton kernels (kernels/gpu) run in Triton's CPU interpreter so their logic is tested against the
-torch twins here too. The switch must be set before anything imports triton, hence at the top of this file.
+torch twins here too. The switch must be set before anything imports triton, hence at the top of this file; the
+interpreter's `tl.dot` is made row-invariant as a GPU's is (tests/interpreter_dot.py says why).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tests import interpreter_dot
+    interpreter_dot.install()
 
 from services.rank_worker.model.tiny import make_tiny
 from tests.model.quant_helpers import QUANT_BLOCK
