@@ -233,6 +233,9 @@ def run(args: argparse.Namespace) -> int:
         block_bytes=tiers.block_bytes if tiers else 0, state_bytes=tiers.state_bytes if tiers else 0)
     executor = Executor(model, cache, cuda_graphs=not args.enforce_eager, tiers=tiers, vision=vision,
                         encoder_cache_tokens=args.encoder_cache_tokens if args.rank == 0 else 0)
+    if executor.graphs is not None:  # before serving, as vLLM does: a lazy capture stalls the round that needs it
+        # the same buckets on every rank (their collectives pair up), even if a rank was started with other slots
+        executor.graphs.capture_at_start(pool_size.agree(args.num_slots, group, device))
     server = serve(RankService(executor, describe), args.host, args.port, args.internal_token)
     log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", args.rank, args.host, args.port,
              num_blocks, args.block_size, args.num_slots)

@@ -4,9 +4,16 @@
 A batch of B decode rows replays the graph of the smallest bucket >= B; the rows past B are inert padding: token 0
 at position 0 of the rank's scratch slot and scratch block (PagedCache), and they take no part in expert routing
 (`n_real`). Every kernel of the fast path is row-invariant (DESIGN §5.1), so a real row's bits are the same in the
-graph as in the eager forward of the same batch (tests/gpu checks replay == eager bit for bit). Graphs are captured
-lazily, the first time a shape is seen, and share one memory pool. vLLM's name for turning them off is kept:
-`--enforce-eager`.
+graph as in the eager forward of the same batch (tests/gpu checks replay == eager bit for bit). All graphs share one
+memory pool. vLLM's name for turning them off is kept: `--enforce-eager`.
+
+When: a capture costs a few hundred ms on a small model and seconds on the release one, and a round that meets a new
+shape waits for it — on the H200 a cold stream's tokens came 30x slower than the offline step, the stalls being
+these captures. So, as vLLM does, the rank captures before it serves: every batch bucket up to its KDA slot count
+(no round has more decode rows than running sequences, each holding a slot) at the narrowest width. That width is
+floored at the blocks of `index_topk` tokens: every context up to there (where chats start) shares it, and it costs
+nothing there — its k-pools all fit the selection (no indexer scores), and the attention's extra splits are empty
+and merge as zeros. Longer contexts capture their width when first seen (the log says what it cost).
 
 Outputs are views into the graph's static buffers: valid until the next replay (the executor samples at once).
 """
@@ -18,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from kernels.gpu.kda import DecodeSeqs
 from services.rank_worker.model.batch import Batch
@@ -33,6 +41,22 @@ BATCH_BUCKETS = (1, 2, 4, *range(8, 257, 8))
 
 def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:
     return next((b for b in sizes if b >= n), None)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def graph_width(table_width: int, *, floor: int, cap: int) -> int:
+    """The block-table width a batch's graph is captured at: a power of two, at least `floor`, at most `cap`."""
+    return min(cap, max(floor, _pow2(table_width)))
+
+
+def start_buckets(max_rows: int) -> list[int]:
+    """The batch buckets captured before serving: every one up to the bucket of `max_rows` decode rows."""
+    top = _bucket(min(max_rows, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
+    return [b for b in BATCH_BUCKETS if b <= top]
 
 
 @dataclass
@@ -60,6 +84,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.max_width = cache.num_blocks  # no sequence addresses more blocks than the cache has
+        self.min_width = _pow2(-(-model.cfg.index_topk // cache.block_size))  # see the module docstring
 
     def fits(self, batch: Batch) -> bool:
         """A round of one-row decode steps only (no prompt chunk, no verify window), within the largest bucket."""
@@ -69,23 +94,40 @@ class DecodeGraphs:
             return False
         return all(n == 1 and not batch.is_prompt(s) for s, n in enumerate(batch.lengths))
 
+    def width(self, table_width: int) -> int:
+        return graph_width(table_width, floor=self.min_width, cap=self.max_width)
+
+    def capture_at_start(self, max_rows: int) -> None:
+        """Capture every batch bucket up to `max_rows` decode rows at the narrowest width, before serving. Every rank
+        of a group captures the same shapes in the same order (their collectives pair up, as in a round)."""
+        buckets = start_buckets(max_rows)
+        t0 = time.perf_counter()
+        for bucket in tqdm(buckets, desc="capturing CUDA graphs", unit="graph"):
+            self._graph(bucket, self.width(1), quiet=True)
+        log.info("captured %d CUDA graphs (decode rows %s, block tables of %d) in %.1f s, pool %.2f GiB reserved",
+                 len(buckets), ",".join(map(str, buckets)), self.width(1), time.perf_counter() - t0,
+                 torch.cuda.memory_reserved(self.model.device) / 2**30)
+
     def run(self, batch: Batch) -> ForwardOutput:
         b = batch.num_seqs
         bucket = _bucket(b, BATCH_BUCKETS)
-        width = min(self.max_width, 1 << max(0, (batch.block_tables.shape[1] - 1).bit_length()))
+        g = self._graph(bucket, self.width(batch.block_tables.shape[1]))
+        self._fill(g, batch, bucket)
+        g.graph.replay()
+        return ForwardOutput(g.out.logits[:b], g.out.hidden[:b])
+
+    def _graph(self, bucket: int, width: int, quiet: bool = False) -> _Graph:
         key = (bucket, width)
         g = self.graphs.get(key)
         if g is None:
             t0 = time.perf_counter()
             g = self._capture(bucket, width)
             self.graphs[key] = g
-            # The time says what a lazy capture costs the round that meets a new shape (a served stall).
-            log.info("captured a CUDA graph for %d decode rows, block tables of %d in %.0f ms (%d graphs, pool %.2f "
-                     "GiB reserved)", bucket, width, (time.perf_counter() - t0) * 1e3, len(self.graphs),
-                     torch.cuda.memory_reserved(self.model.device) / 2**30)
-        self._fill(g, batch, bucket)
-        g.graph.replay()
-        return ForwardOutput(g.out.logits[:b], g.out.hidden[:b])
+            if not quiet:  # a capture while serving: what it cost the round that met a new shape (a stall)
+                log.info("captured a CUDA graph for %d decode rows, block tables of %d in %.0f ms (%d graphs, pool "
+                         "%.2f GiB reserved)", bucket, width, (time.perf_counter() - t0) * 1e3, len(self.graphs),
+                         torch.cuda.memory_reserved(self.model.device) / 2**30)
+        return g
 
     # ----- host-filled static inputs: [positions B | slots B | fresh B | n_real 1] -----
 
