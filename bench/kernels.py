@@ -150,27 +150,35 @@ def expert_bytes(weights) -> float:
                for w in (gate, up, down))
 
 
-def moe_run(x, weights, decode_rows, n_real=None):
-    """n_real: a device scalar inside a CUDA graph (an int would be copied from the host while capturing)."""
+def route_rows(x, weights, decode_rows, n_real=None):
+    """The router GEMM and top-k: (ids, routing weights). n_real: a device scalar inside a CUDA graph (an int would
+    be copied from the host while capturing)."""
     from kernels.gpu import gemm, moe
-    gate, up, down, router, bias = weights
+    router, bias = weights[3], weights[4]
     logits = gemm.matmul(x, router, decode_rows, torch.float32)
-    ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5,
-                        n_real=x.shape[0] if n_real is None else n_real)
+    return moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5,
+                     n_real=x.shape[0] if n_real is None else n_real)
+
+
+def experts_touched(ids) -> int:
+    """Distinct routed experts the rows chose, + the shared one."""
+    return int(torch.unique(ids[:, :TOPK]).numel()) + 1
+
+
+def moe_run(x, weights, decode_rows, n_real=None):
+    from kernels.gpu import moe
+    gate, up, down = weights[:3]
+    ids, rw = route_rows(x, weights, decode_rows, n_real)
     return moe.experts(x, ids, rw, gate, up, down, 10.0, decode_rows)[0], ids
 
 
 def routed_inputs(t: int, weights, sets: int) -> list[tuple]:
     """`sets` different batches of t rows, routed: (x, ids, weights) each. Timing cycles through them, so the
     experts read differ call to call and the weights come from HBM, as in a model's many layers, not from L2."""
-    from kernels.gpu import gemm, moe
-    router, bias = weights[3], weights[4]
     out = []
     for _ in range(sets):
         x = torch.randn(t, D, device="cuda", dtype=BF16)
-        logits = gemm.matmul(x, router, t, torch.float32)
-        ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5, n_real=t)
-        out.append((x, ids, rw))
+        out.append((x, *route_rows(x, weights, t)))
     return out
 
 
@@ -193,11 +201,11 @@ def moe_rows(bw: float, mm: float, weights, fmt: str = "bf16") -> list[dict]:
             xs = [torch.randn(t, D, device="cuda", dtype=BF16) for _ in range(8)]
             n_real = torch.tensor([t], dtype=torch.int32, device="cuda")
             ms = graph_ms([lambda x=x: moe_run(x, weights, t, n_real) for x in xs])
-            hit = sum(int(torch.unique(moe_run(x, weights, t)[1][:, :TOPK]).numel()) + 1 for x in xs) / len(xs)
+            hit = sum(experts_touched(route_rows(x, weights, t)[0]) for x in xs) / len(xs)
         else:
             x = torch.randn(t, D, device="cuda", dtype=BF16)
             ms = bench_ms(lambda: moe_run(x, weights, 0))
-            hit = int(torch.unique(moe_run(x, weights, 0)[1][:, :TOPK]).numel()) + 1
+            hit = experts_touched(route_rows(x, weights, 0)[0])
         flops = 2 * t * (TOPK + 1) * 3 * MOE_I * D
         ideal = max(hit * per_expert / bw, flops / mm) * 1e3
         rows.append(dict(kernel="moe", format=fmt, tokens=t, experts_touched=hit, ms=ms, roofline=ideal / ms))
@@ -224,7 +232,7 @@ def moe_sweep(bw: float, mm: float, formats: dict) -> list[dict]:
         per_expert = expert_bytes(weights)
         for t in (1, 8):
             sets = routed_inputs(t, weights, 8)
-            hit = sum(int(torch.unique(ids[:, :TOPK]).numel()) + 1 for _, ids, _ in sets) / len(sets)
+            hit = sum(experts_touched(ids) for _, ids, _ in sets) / len(sets)
             ideal = hit * per_expert / bw * 1e3
 
             def run(tile, x, ids, rw):
@@ -247,10 +255,9 @@ def moe_sweep(bw: float, mm: float, formats: dict) -> list[dict]:
             best = sorted((r for r in rows if r["format"] == fmt and r["tokens"] == t), key=lambda r: r["ms"])[:3]
             for r in best:
                 log(f"moe sweep best {fmt} t={t}: {r['ms'] * 1e3:8.1f} us {r['roofline']:6.1%} {r['tile']}")
-    gate, up, down, router, bias = formats["bf16"]
+    gate, up, down = formats["bf16"][:3]
     x = torch.randn(8192, D, device="cuda", dtype=BF16)
-    logits = gemm.matmul(x, router, 0, torch.float32)
-    ids, rw = moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5, n_real=8192)
+    ids, rw = route_rows(x, formats["bf16"], 0)
     flops = 2 * 8192 * (TOPK + 1) * 3 * MOE_I * D
     for tile in (moe.MoeTile(64, 128, 64, 4, 3), moe.MoeTile(128, 128, 64, 8, 3), moe.MoeTile(64, 256, 64, 8, 3),
                  moe.MoeTile(128, 256, 64, 8, 3), moe.MoeTile(128, 128, 64, 4, 4), moe.MoeTile(64, 128, 128, 8, 3)):
