@@ -38,6 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    device = getattr(args, "device", None)
+    if isinstance(device, str):  # every subcommand with --device: refuse a device this install cannot run, up front
+        from services.common.device_check import device_problem, device_warnings
+
+        problem = device_problem(device)
+        if problem:
+            print(f"twinspark {args.command}: {problem}", file=sys.stderr)
+            return 2
+        for warning in device_warnings(device):
+            print(f"twinspark {args.command}: warning: {warning}", file=sys.stderr)
     return int(args.func(args) or 0)
 
 

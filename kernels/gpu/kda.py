@@ -19,37 +19,13 @@ launch) and TP=2 (2) give the same bits, and so does one launch per shard (S=1 w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu.seqs import DecodeSeqs
+
 CONV_TAPS = 4  # GLM-5.3-Flash's short conv; the fused kernel keeps the three previous inputs in registers
-
-
-@dataclass
-class DecodeSeqs:
-    """The decode-class sequences of one batch, as device int32 vectors (one entry per sequence)."""
-    row0: torch.Tensor  # packed index of the sequence's first row
-    length: torch.Tensor  # rows (1 for a decode step, the window size for a verify window)
-    slot: torch.Tensor  # KDA state slot
-    fresh: torch.Tensor  # 1 = starts at position 0 (zero state and history)
-    pending: torch.Tensor  # index into the pending buffers for verify windows, -1 = commit into the slot
-    commit: torch.Tensor  # int64 indices (into these sequences) of the decode steps, whose conv history moves on
-
-    @classmethod
-    def build(cls, row0: list[int], length: list[int], slot: list[int], fresh: list[bool], pending: list[int],
-              device: torch.device | str) -> "DecodeSeqs":
-        def vec(v: list) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)
-        commit = torch.tensor([i for i, p in enumerate(pending) if p < 0], dtype=torch.int64)
-        return cls(vec(row0), vec(length), vec(slot), vec([int(f) for f in fresh]), vec(pending),
-                   commit.to(device, non_blocking=True))
-
-    @property
-    def count(self) -> int:
-        return self.row0.numel()
 
 
 @triton.jit

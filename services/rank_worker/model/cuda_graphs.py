@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from kernels.gpu.kda import DecodeSeqs
+from kernels.gpu.seqs import DecodeSeqs
 from services.rank_worker.model.batch import Batch
 from services.rank_worker.model.cache import PagedCache
 from services.rank_worker.model.gpu_rows import GpuRows

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.gpu import to_device
-from kernels.gpu.kda import DecodeSeqs
+from kernels.gpu.seqs import DecodeSeqs
 from services.rank_worker.model.batch import Batch
 
 
