@@ -33,16 +33,16 @@ import torch
 
 from bench import roofline
 from bench.random_weights import build_model, bench_spec, spec_dims
-from services.rank_worker.model.quantize.select import Recipe
+from model.quantize.select import Recipe
 from kernels import moe
 
 try:
     from kernels.gpu import moe as gpu_moe
 except ImportError:  # no Triton: the CPU path only
     gpu_moe = None
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.row_store import KV_CACHE_DTYPES
-from services.rank_worker.model.tiny.spec import TinySpec
+from model.batch import Batch
+from model.row_store import KV_CACHE_DTYPES
+from model.checkpoint.spec import TinySpec
 
 BLOCK = 16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -297,7 +297,7 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
     pos = [args.context] * nmax
     graphs = None
     if device.type == "cuda" and not args.enforce_eager:
-        from services.rank_worker.model.cuda_graphs import DecodeGraphs
+        from model.cuda_graphs import DecodeGraphs
         graphs = DecodeGraphs(model, cache)
 
     def step(batch: Batch) -> None:

@@ -36,9 +36,9 @@ import torch
 from bench import roofline
 from bench.decode_prefill import DTYPES, finish, is_oom, log, random_tokens, setup, si
 from bench.random_weights import bench_config, bench_spec, build_model
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.parallel import Sharding
-from services.rank_worker.model.row_store import KV_CACHE_DTYPES
+from model.batch import Batch
+from model.parallel import Sharding
+from model.row_store import KV_CACHE_DTYPES
 from services.rank_worker.pool_size import pool_cost
 
 BLOCK = 16

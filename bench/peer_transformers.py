@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from bench import roofline
-from services.rank_worker.model.tiny.config_builder import model_config
-from services.rank_worker.model.tiny.spec import TinySpec
+from model.checkpoint.config_builder import model_config
+from model.checkpoint.spec import TinySpec
 
 # ids the multimodal wrapper's config needs; the bench never feeds media, so any ids inside the vocabulary do
 _MEDIA_IDS = {"<|image|>": 4, "<|video|>": 5, "<|begin_of_image|>": 6, "<|end_of_image|>": 7,

@@ -2,7 +2,7 @@
 download, no disk), dense or quantized (a quantize `Recipe`).
 
 The reader itself (`RandomWeightReader`, also behind `serve-rank --random-weights`) lives with the model in
-services/rank_worker/model/random_weights.py; this file fills a `TinySpec` with the release's dimensions.
+model/random_weights.py; this file fills a `TinySpec` with the release's dimensions.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.parallel import Collective, Sharding
-from services.rank_worker.model.quantize.select import Recipe
-from services.rank_worker.model.random_weights import RandomWeightReader, keeps_fp32, text_tensors
-from services.rank_worker.model.tiny.config_builder import text_config
-from services.rank_worker.model.tiny.spec import TinySpec, default_layer_pattern
+from model.config import ModelConfig
+from model.model import Glm5Model
+from model.parallel import Collective, Sharding
+from model.quantize.select import Recipe
+from model.random_weights import RandomWeightReader, keeps_fp32, text_tensors
+from model.checkpoint.config_builder import text_config
+from model.checkpoint.spec import TinySpec, default_layer_pattern
 
 __all__ = ["REAL_DIMS", "RandomWeightReader", "bench_config", "bench_spec", "build_model", "keeps_fp32",
            "spec_dims", "text_tensors"]

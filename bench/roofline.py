@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from bench.random_weights import keeps_fp32, text_tensors
-from services.rank_worker.model.row_store import row_bytes
-from services.rank_worker.model.tiny.spec import KDA, TinySpec
-from services.rank_worker.model.tiny.weights import TEXT
+from model.row_store import row_bytes
+from model.checkpoint.spec import KDA, TinySpec
+from model.checkpoint.weights import TEXT
 
 EMBED_KEY = TEXT + "embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"

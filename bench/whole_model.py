@@ -39,9 +39,9 @@ DENSE_LAYERS = 3
 
 def write_model_dir(out: Path, *, layers: int = LAYERS) -> Path:
     """The release's config (+ one MTP layer) with make-tiny's tokenizer, no weights."""
-    from services.rank_worker.model.tiny import write_model_files
-    from services.rank_worker.model.tiny.spec import TinySpec
-    from services.rank_worker.model.tiny.tokenizer_builder import build_tokenizer
+    from model.checkpoint import write_model_files
+    from model.checkpoint.spec import TinySpec
+    from model.checkpoint.tokenizer_builder import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     spec = TinySpec(num_hidden_layers=layers, dense_layers=DENSE_LAYERS, num_nextn_predict_layers=1, **REAL_DIMS)

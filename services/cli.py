@@ -13,8 +13,8 @@ import sys
 # (module, help) — each module defines `register(subparsers) -> None` which adds its subcommand(s) and sets
 # `func` on the parser to a callable taking the parsed namespace and returning an exit code.
 _COMMANDS = (
-    "services.rank_worker.model.tiny.cli",
-    "services.rank_worker.model.quantize.cli",
+    "model.checkpoint.cli",
+    "model.quantize.cli",
     "services.rank_worker.generate_cli",
     "services.rank_worker.cli",
     "services.scheduler.cli",

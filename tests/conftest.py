@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     from tests import interpreter_dot
     interpreter_dot.install()
 
-from services.rank_worker.model.tiny import make_tiny
+from model.checkpoint import make_tiny
 from tests.model.quant_helpers import QUANT_BLOCK
 
 
@@ -47,8 +47,8 @@ def tiny_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_fp8(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.rank_worker.model.quantize.convert import quantize_checkpoint
-    from services.rank_worker.model.quantize.select import Recipe
+    from model.quantize.convert import quantize_checkpoint
+    from model.quantize.select import Recipe
 
     out = tmp_path_factory.mktemp("tiny_fp8") / "ckpt"
     quantize_checkpoint(tiny_default, out, Recipe("fp8", "fp8", block=QUANT_BLOCK), progress=False)
@@ -57,8 +57,8 @@ def tiny_fp8(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 @pytest.fixture(scope="session")
 def tiny_w4a16(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.rank_worker.model.quantize.convert import quantize_checkpoint
-    from services.rank_worker.model.quantize.select import Recipe
+    from model.quantize.convert import quantize_checkpoint
+    from model.quantize.select import Recipe
 
     out = tmp_path_factory.mktemp("tiny_w4a16") / "ckpt"
     quantize_checkpoint(tiny_default, out, Recipe("w4a16", "w4a16", block=QUANT_BLOCK), progress=False)

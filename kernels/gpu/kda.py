@@ -1,7 +1,7 @@
 """KDA decode and verify rows on the GPU: one fused program per (sequence, head) does the short conv + SiLU, the
 q/k l2 norms, the forget gate and beta, the fp32 recurrent state update and the gated output RMSNorm.
 
-The torch twin is the composition in `services/rank_worker/model/kda_attention.py` (kernels/kda.py
+The torch twin is the composition in `model/kda_attention.py` (kernels/kda.py
 `causal_conv` + `recurrent`, kernels/norms.py `gated_rms_norm`); the rounding points of the twin (conv output,
 beta and the core output rounded to the activation dtype) are kept so the two agree to float noise.
 

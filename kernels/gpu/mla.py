@@ -1,6 +1,6 @@
 """NoPE MLA with the DSA indexer on the GPU: k-pool compression, indexer scores, and sparse attention over the
 paged latent cache. Torch twins: kernels/dsa.py (pool_keys, index_scores, select) and kernels/mla.py
-(latent_attention), as services/rank_worker/model/mla_attention.py composes them.
+(latent_attention), as model/mla_attention.py composes them.
 
 What differs from the twin, and why:
 - Compressed pool keys are computed once, when a pool's last position is written, and kept in the cache (one row

@@ -62,7 +62,7 @@ class MtpDrafter:
 
     def __init__(self, model_dir: str | Path, *, threshold: float = 0.0, history: int = 64, max_requests: int = 256,
                  max_draft: int = 8, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        from services.rank_worker.model.model import Glm5Model
+        from model.model import Glm5Model
 
         self.model = Glm5Model.load(model_dir, dtype=dtype, device=device, load_target=False, progress=False)
         if self.model.mtp is None:
@@ -92,7 +92,7 @@ class MtpDrafter:
         self._hist.pop(request_id, None)
 
     def _run(self, tokens: list[int], hidden: torch.Tensor, start: int):
-        from services.rank_worker.model.batch import Batch
+        from model.batch import Batch
 
         dev = self.model.device
         n = len(tokens)

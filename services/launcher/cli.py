@@ -130,7 +130,7 @@ def run_up(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         return _err(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.random_weights:
-        from services.rank_worker.model.quantize.select import Recipe
+        from model.quantize.select import Recipe
 
         try:
             Recipe.parse(args.random_weights)

@@ -33,7 +33,7 @@ def cache_root() -> Path:
 
 
 def _default_maker(out_dir: Path) -> Path:
-    from services.rank_worker.model.tiny import make_tiny  # imports torch: only when a checkpoint is really made
+    from model.checkpoint import make_tiny  # imports torch: only when a checkpoint is really made
 
     return make_tiny(out_dir, seed=SEED)
 
@@ -52,7 +52,7 @@ def ensure_tiny_default(root: str | Path | None = None,
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{NAME}.tmp-"))
     try:
         make(tmp)
-        (tmp / MARKER).write_text(json.dumps({"seed": SEED, "maker": "services.rank_worker.model.tiny.make_tiny"}) + "\n")
+        (tmp / MARKER).write_text(json.dumps({"seed": SEED, "maker": "model.checkpoint.make_tiny"}) + "\n")
         try:
             os.rename(tmp, target)  # atomic; fails if another process renamed its copy in first
         except OSError as e:

@@ -21,7 +21,7 @@ import torch
 
 from services.common.env import add_internal_token_flag, env
 from services.rank_worker import pool_size
-from services.rank_worker.model.row_store import KV_CACHE_DTYPES
+from model.row_store import KV_CACHE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("twinspark.rank")
@@ -98,10 +98,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _random_model(args: argparse.Namespace, recipe, sharding, group, dtype: torch.dtype, device):
     """The model of --model's config over weights drawn on the device (`--random-weights`)."""
-    from services.rank_worker.model.config import ModelConfig
-    from services.rank_worker.model.model import Glm5Model
-    from services.rank_worker.model.parallel import Collective
-    from services.rank_worker.model.random_weights import RandomWeightReader, spec_from_config
+    from model.config import ModelConfig
+    from model.model import Glm5Model
+    from model.parallel import Collective
+    from model.random_weights import RandomWeightReader, spec_from_config
 
     cfg = ModelConfig.from_pretrained(args.model)
     reader = RandomWeightReader(spec_from_config(cfg), sharding, dtype, device, recipe=recipe, log=log.info)
@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
     from services.rank_worker.distributed import join_group, rank_device
     from services.rank_worker.executor import Executor
     from services.rank_worker.kv_tiers import TierStore
-    from services.rank_worker.model.model import Glm5Model
-    from services.rank_worker.model.vision import VisionConfig
+    from model.model import Glm5Model
+    from model.vision import VisionConfig
     from services.rank_worker.peer_watch import EXIT_PEER_LOST, PeerWatch
     from services.rank_worker.server import RankService, serve
     from twinspark.v1 import rank_pb2
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     recipe = None
     if args.random_weights:
-        from services.rank_worker.model.quantize.select import Recipe
+        from model.quantize.select import Recipe
 
         try:
             recipe = Recipe.parse(args.random_weights, block=args.random_block_size)

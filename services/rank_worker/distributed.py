@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.rank_worker.model.parallel import Sharding
+from model.parallel import Sharding
 
 
 def free_port() -> int:

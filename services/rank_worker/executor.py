@@ -20,10 +20,10 @@ from kernels.sampling import Filters, SamplingParams, apply_token_bitmask, proce
 from services.common.tensors import from_proto
 from services.rank_worker.encoder_cache import EncoderCache
 from services.rank_worker.kv_tiers import TierStore
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.model import ForwardOutput, Glm5Model, accept_drafts
-from services.rank_worker.model.vision import VisionConfig
+from model.batch import Batch
+from model.cache import PagedCache
+from model.model import ForwardOutput, Glm5Model, accept_drafts
+from model.vision import VisionConfig
 from twinspark.v1 import rank_pb2
 from twinspark.v1.rank_pb2 import StepPlan
 
@@ -249,7 +249,7 @@ class Executor:
         self.slot_end: dict[int, int] = {}
         self.graphs = None
         if cuda_graphs and gpu.active(model.embed):
-            from services.rank_worker.model.cuda_graphs import DecodeGraphs
+            from model.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, cache)
 
     def forward(self, batch: Batch) -> ForwardOutput:

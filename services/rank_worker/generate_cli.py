@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from services.rank_worker.model.row_store import KV_CACHE_DTYPES
+from model.row_store import KV_CACHE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

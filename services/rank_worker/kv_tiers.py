@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from services.rank_worker.model.cache import PagedCache
+from model.cache import PagedCache
 
 log = logging.getLogger("twinspark.rank.tiers")
 

@@ -19,8 +19,8 @@ import torch
 
 from kernels.sampling import SamplingParams, sample
 from services.rank_worker.distributed import free_port, join_group, rank_device
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.model import Glm5Model
+from model.batch import Batch
+from model.model import Glm5Model
 
 
 @dataclass(frozen=True)

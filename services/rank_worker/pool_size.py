@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.parallel import Sharding
+from model.cache import PagedCache
+from model.config import ModelConfig
+from model.parallel import Sharding
 
 CPU_KV_CACHE_BYTES = 1 << 30
 

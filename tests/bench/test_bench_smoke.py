@@ -11,7 +11,7 @@ import torch
 
 from bench import roofline
 from bench.random_weights import RandomWeightReader, bench_spec, build_model
-from services.rank_worker.model.parallel import Sharding
+from model.parallel import Sharding
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,7 @@ def test_random_reader_dtypes_and_splits():
 
 
 def test_random_model_forward_is_finite():
-    from services.rank_worker.model.batch import Batch
+    from model.batch import Batch
 
     spec = bench_spec(layers=4, tiny=True)
     model, _ = build_model(spec, device="cpu", dtype=torch.float32)
@@ -83,8 +83,8 @@ def test_whole_model_dir_is_the_release_config(tmp_path):
     """`bench.whole_model --write-dir`: the release's text config (45 layers 3:1, 3 dense, 288 experts, one MTP
     layer) with make-tiny's tokenizer, and the random-weight reader lists the MTP block's tensors with it."""
     from bench.whole_model import write_model_dir
-    from services.rank_worker.model.config import ModelConfig
-    from services.rank_worker.model.random_weights import spec_from_config, text_tensors
+    from model.config import ModelConfig
+    from model.random_weights import spec_from_config, text_tensors
     out = write_model_dir(tmp_path / "release")
     cfg = ModelConfig.from_pretrained(out)
     assert cfg.num_hidden_layers == 45 and cfg.hidden_size == 4096 and cfg.n_routed_experts == 288

@@ -9,7 +9,7 @@ import torch
 from services.common.tensors import from_proto, ids, to_proto
 from services.drafter.methods import CopyDrafter, DraftMethodUnavailable, MtpDrafter, build
 from services.drafter.server import serve
-from services.rank_worker.model.batch import Batch
+from model.batch import Batch
 from services.scheduler.batcher import build_step_plan, plan_round
 from services.scheduler.request import Request, SamplingSpec, State
 from twinspark.v1 import drafter_pb2, drafter_pb2_grpc

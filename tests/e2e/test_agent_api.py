@@ -13,8 +13,8 @@ import openai
 import pytest
 import torch
 
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.model import Glm5Model
+from model.batch import Batch
+from model.model import Glm5Model
 from tests.e2e.stack import Stack
 
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}

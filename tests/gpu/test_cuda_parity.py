@@ -29,15 +29,15 @@ import pytest
 import torch
 
 from kernels.linear import pad_rows
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.tiny import DTYPES, VOCAB_MULTIPLE, write_model_files
-from services.rank_worker.model.tiny.config_builder import round_up
-from services.rank_worker.model.tiny.shards import plan_shards, write_shards
-from services.rank_worker.model.tiny.spec import TinySpec
-from services.rank_worker.model.tiny.tensor_spec import materialize
-from services.rank_worker.model.tiny.tokenizer_builder import build_tokenizer
-from services.rank_worker.model.tiny.weights import TEXT, all_tensors
+from model.batch import Batch
+from model.model import Glm5Model
+from model.checkpoint import DTYPES, VOCAB_MULTIPLE, write_model_files
+from model.checkpoint.config_builder import round_up
+from model.checkpoint.shards import plan_shards, write_shards
+from model.checkpoint.spec import TinySpec
+from model.checkpoint.tensor_spec import materialize
+from model.checkpoint.tokenizer_builder import build_tokenizer
+from model.checkpoint.weights import TEXT, all_tensors
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -45,7 +45,7 @@ def _exllamav3():
 
 @pytest.fixture(scope="module")
 def tiny_exl3(tmp_path_factory) -> Path:
-    from services.rank_worker.model.tiny import make_tiny
+    from model.checkpoint import make_tiny
     return make_tiny(tmp_path_factory.mktemp("exl3_interop") / "ckpt", seed=3, layers=2, experts=4, format="exl3",
                      exl3_bits=4, exl3_codebook="mul1")
 

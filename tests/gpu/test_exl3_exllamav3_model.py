@@ -2,7 +2,7 @@
 top-1 token at every decisive position (issue 10, Done-when 2).
 
 The checkpoint and prompt are tests/model/test_make_tiny_exllamav3.py's (LAYOUT, prompt_ids), checked on the CPU
-there: `make-tiny --format exl3 --preset exllamav3` (tiny/presets.py: the smallest dims exllamav3's kernels take, a
+there: `make-tiny --format exl3 --preset exllamav3` (model/checkpoint/presets.py: the smallest dims exllamav3's kernels take, a
 calm init), 4 layers KKKM (3 KDA, 1 MLA with its DSA indexer), a dense FFN then MoE (8 experts, top-2, a shared
 expert), 4-bit EXL3 MLPs (mul1), 16-bit attention; 128 random ids below the special tokens, so the indexer
 (index_topk 64, k-pools of 4) really selects past position 64.
@@ -42,8 +42,8 @@ from typing import Any
 import pytest
 import torch
 
-from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.tiny import make_tiny
+from model.model import Glm5Model
+from model.checkpoint import make_tiny
 from tests.model.quant_helpers import read_tensors
 from tests.model.test_make_tiny_exllamav3 import LAYOUT, PROMPT, compare_top1, prefill_logits, prompt_ids
 

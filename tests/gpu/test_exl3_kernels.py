@@ -165,7 +165,7 @@ def test_moe_matches_twin(experts: dict) -> None:
 @pytest.fixture(scope="module")
 def model():
     from bench.random_weights import bench_spec, build_model
-    from services.rank_worker.model.quantize.select import Recipe
+    from model.quantize.select import Recipe
     m, _ = build_model(bench_spec(layers=2, layer_pattern="KM"), device=DEV, dtype=torch.bfloat16, seed=0,
                        recipe=Recipe.parse("exl3"))
     return m

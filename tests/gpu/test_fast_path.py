@@ -33,7 +33,7 @@ def model():
 def quantized_model():
     """The same two layers with W4A16 (int4, group 128) experts, kept packed by the GPU path, the rest bf16."""
     from bench.random_weights import bench_spec, build_model
-    from services.rank_worker.model.quantize.select import Recipe
+    from model.quantize.select import Recipe
     spec = bench_spec(layers=2, layer_pattern="KM")
     m, reader = build_model(spec, device="cuda", dtype=torch.bfloat16, seed=0, recipe=Recipe.parse("w4a16+bf16"))
     assert reader.quantized_made > 0
@@ -42,7 +42,7 @@ def quantized_model():
 
 def _batch(seqs, device="cuda"):
     """seqs: (slot, ids, start, prompt, verify) in decode-class-first order."""
-    from services.rank_worker.model.batch import Batch
+    from model.batch import Batch
     ids = [i for _, new, *_ in seqs for i in new]
     nb = CAP // BLOCK
     return Batch(token_ids=torch.tensor(ids, device=device), starts=[st for _, _, st, _, _ in seqs],
@@ -102,7 +102,7 @@ def test_prompt_whole_equals_grid_chunks(model):
 
 
 def test_graph_replay_equals_eager(model):
-    from services.rank_worker.model.cuda_graphs import DecodeGraphs
+    from model.cuda_graphs import DecodeGraphs
     cache = _cache(model, 8)
     prompts = [_ids(100 + 11 * s, seed=20 + s) for s in range(5)]
     model.forward(_batch([(s, prompts[s], 0, True, False) for s in range(5)]), cache)

@@ -15,7 +15,7 @@ STEPS = 24
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
-    from services.rank_worker.model.model import Glm5Model
+    from model.model import Glm5Model
     from tests.gpu.test_cuda_parity import write_wide_tiny
     ckpt = write_wide_tiny(tmp_path_factory.mktemp("overlap") / "wide", seed=5, embed_gain=16.0)
     return Glm5Model.load(ckpt, dtype=torch.bfloat16, device="cuda", progress=False)

@@ -60,9 +60,9 @@ def test_burst_staggered_serial_identical_tp1_and_tp2(wide_ckpt, tmp_path):
 def _offline_step_ms(ckpt) -> float:
     """Median ms of one batch-1 decode step done in-process the way a rank does it: graph replay + keyed sampling."""
     from kernels.sampling import SamplingParams, sample
-    from services.rank_worker.model.batch import Batch
-    from services.rank_worker.model.cuda_graphs import DecodeGraphs
-    from services.rank_worker.model.model import Glm5Model
+    from model.batch import Batch
+    from model.cuda_graphs import DecodeGraphs
+    from model.model import Glm5Model
     model = Glm5Model.load(ckpt, dtype=torch.bfloat16, device="cuda", progress=False)
     cache = model.new_cache(num_blocks=64, block_size=16, num_slots=2)
     table = list(range(64))

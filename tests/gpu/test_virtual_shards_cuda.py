@@ -22,9 +22,9 @@ CAP = 512  # positions per sequence
 
 def build(spec, sharding, device: str, dtype: torch.dtype):
     from bench.random_weights import bench_config
-    from services.rank_worker.model.model import Glm5Model
-    from services.rank_worker.model.parallel import Collective
-    from services.rank_worker.model.random_weights import RandomWeightReader
+    from model.model import Glm5Model
+    from model.parallel import Collective
+    from model.random_weights import RandomWeightReader
     reader = RandomWeightReader(spec, sharding, dtype, device, seed=0)
     return Glm5Model(bench_config(spec), reader, Collective(sharding), load_mtp=False)
 
@@ -39,9 +39,9 @@ def rounds(vocab: int) -> list[list[tuple]]:
 
 def compare_shards(spec, device: str, dtype: torch.dtype) -> None:
     """Every layer's attention and FFN partials (and KDA caches) of a 4-shard rank vs 4 one-shard ranks."""
-    from services.rank_worker.model import gpu_rows
-    from services.rank_worker.model.batch import Batch
-    from services.rank_worker.model.parallel import Sharding
+    from model import gpu_rows
+    from model.batch import Batch
+    from model.parallel import Sharding
     fused = build(spec, Sharding(), device, dtype)
     ranks = [build(spec, Sharding(rank=r, world=4), device, dtype) for r in range(4)]
     models = [fused, *ranks]

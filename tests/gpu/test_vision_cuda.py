@@ -35,7 +35,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_tower_and_gpu_path_on_cuda(ckpt):
-    from services.rank_worker.model.model import Glm5Model
+    from model.model import Glm5Model
     from tests.model.image_prompt import image_prompt, prefill_logits
 
     p = image_prompt(ckpt, before=50, after=2)  # the image's 20 rows at positions 51..70: across the grid point 64

@@ -1,5 +1,5 @@
 """The fused KDA decode / verify kernel (kernels/gpu/kda.py) against the torch twin (conv + recurrent step + gated
-RMSNorm, as services/rank_worker/model/kda_attention.py composes them), its row invariance, and its virtual shards:
+RMSNorm, as model/kda_attention.py composes them), its row invariance, and its virtual shards:
 S shards in one launch give each shard the bits of its own one-shard launch."""
 
 from __future__ import annotations

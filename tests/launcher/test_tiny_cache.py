@@ -77,7 +77,7 @@ def test_cache_root_env(monkeypatch, tmp_path):
 
 
 def test_real_make_tiny(tmp_path):
-    path, made = ensure_tiny_default(tmp_path)  # the real services.rank_worker.model.tiny.make_tiny
+    path, made = ensure_tiny_default(tmp_path)  # the real model.checkpoint.make_tiny
     assert made and json.loads((path / "config.json").read_text())
     assert (path / "tokenizer.json").is_file() and list(path.glob("*.safetensors"))
     assert ensure_tiny_default(tmp_path) == (path, False)

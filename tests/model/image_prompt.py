@@ -14,10 +14,10 @@ import torch
 from PIL import Image
 
 from services.gateway.images import ImageProcessor
-from services.rank_worker.model import gpu_rows
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.model import Glm5Model
+from model import gpu_rows
+from model.batch import Batch
+from model.cache import PagedCache
+from model.model import Glm5Model
 from tests.model.reference import fresh_cache, random_ids, table
 
 # (first, count) -> the image's embeddings [first, first + count): what a chunk's placeholder rows take

@@ -11,8 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kernels.quant import QuantizedWeight, quantized_modules
-from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.quant_config import read_quant_configs
+from model.model import Glm5Model
+from model.quant_config import read_quant_configs
 from tests.model.reference import fresh_cache, run_chunks
 
 # Blocks / groups of 8: the tiny model's smallest tensor-parallel shard is 8 wide (32 expert channels / 4 shards).

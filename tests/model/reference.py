@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from services.rank_worker.model import gpu_rows
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.model import Glm5Model
+from model import gpu_rows
+from model.batch import Batch
+from model.cache import PagedCache
+from model.model import Glm5Model
 
 BLOCK = 16
 CAP = 96  # positions per slot in `step`'s block tables

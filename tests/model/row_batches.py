@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.model import Glm5Model
+from model.batch import Batch
+from model.cache import PagedCache
+from model.model import Glm5Model
 from tests.model.reference import clone_cache, fresh_cache, random_ids, run_chunks, table
 
 SEQS = 17

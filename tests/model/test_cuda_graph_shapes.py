@@ -1,9 +1,9 @@
-"""Which CUDA graphs a GPU rank captures (services/rank_worker/model/cuda_graphs.py): the shape rules, checked here
+"""Which CUDA graphs a GPU rank captures (model/cuda_graphs.py): the shape rules, checked here
 without a GPU; tests/gpu/test_fast_path.py checks on CUDA that a replay equals the eager forward bit for bit."""
 
 from __future__ import annotations
 
-from services.rank_worker.model.cuda_graphs import BATCH_BUCKETS, graph_width, start_buckets
+from model.cuda_graphs import BATCH_BUCKETS, graph_width, start_buckets
 
 
 def test_width_is_a_power_of_two_between_the_floor_and_the_cache():

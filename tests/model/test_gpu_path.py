@@ -15,9 +15,9 @@ from tests.kernels.gpu_support import triton  # noqa: F401  (skips the module wi
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA; on a "
                                 "GPU tests/gpu/test_fast_path.py covers this at real dims")
 
-from services.rank_worker.model.model import Glm5Model  # noqa: E402
-from services.rank_worker.model.parallel import Sharding  # noqa: E402
-from services.rank_worker.model.tiny import make_tiny  # noqa: E402
+from model.model import Glm5Model  # noqa: E402
+from model.parallel import Sharding  # noqa: E402
+from model.checkpoint import make_tiny  # noqa: E402
 from tests.model.reference import CAP, clone_cache, fresh_cache, random_ids, step  # noqa: E402
 
 

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpret
                                 "GPU tests/gpu/test_exl3_kernels.py covers this at real dims")
 
 from kernels.gpu.wtiles import Fmt  # noqa: E402
-from services.rank_worker.model.ffn import Moe  # noqa: E402
-from services.rank_worker.model.model import Glm5Model  # noqa: E402
-from services.rank_worker.model.parallel import Sharding  # noqa: E402
-from services.rank_worker.model.tiny import make_tiny  # noqa: E402
-from services.rank_worker.model.weights import TEXT_PREFIX, WeightReader  # noqa: E402
+from model.ffn import Moe  # noqa: E402
+from model.model import Glm5Model  # noqa: E402
+from model.parallel import Sharding  # noqa: E402
+from model.checkpoint import make_tiny  # noqa: E402
+from model.weights import TEXT_PREFIX, WeightReader  # noqa: E402
 from tests.model.reference import CAP, clone_cache, fresh_cache, random_ids, step  # noqa: E402
 
 

@@ -20,8 +20,8 @@ from tests.kernels.gpu_support import triton  # noqa: F401  (skips the module wi
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
 
-from services.rank_worker.model.model import Glm5Model  # noqa: E402
-from services.rank_worker.model.tiny import make_tiny  # noqa: E402
+from model.model import Glm5Model  # noqa: E402
+from model.checkpoint import make_tiny  # noqa: E402
 from services.rank_worker.offline import run_on_ranks  # noqa: E402
 from tests.model.reference import CAP, fresh_cache, random_ids, step  # noqa: E402
 from tests.model.tp_jobs import gpu_path_rounds  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from kernels.kv_quant import FP8, FP8_MAX, dequantize_rows, quantize_rows
 from kernels.linear import pad_rows
 from services.rank_worker import fingerprint
-from services.rank_worker.model.batch import Batch
+from model.batch import Batch
 from services.rank_worker.offline import GenerateRequest, generate_on_model, run_on_ranks
 from tests.model.reference import BLOCK, fresh_cache, our_model, random_ids, run_chunks, table
 from tests.model.row_batches import CAP, mixed_batch, packed_step, prepare

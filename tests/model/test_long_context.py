@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kernels import dsa
-from services.rank_worker.model import mla_attention
-from services.rank_worker.model.batch import Batch
+from model import mla_attention
+from model.batch import Batch
 from tests.model.reference import BLOCK, our_model, random_ids
 
 LENGTH = 4096

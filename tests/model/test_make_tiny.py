@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from services.rank_worker.model.config import MLA, ModelConfig
-from services.rank_worker.model.tiny import cli as tiny_cli
-from services.rank_worker.model.tiny import make_tiny, write_tiny
-from services.rank_worker.model.tiny.tensor_spec import keeps_fp32
-from services.rank_worker.model.tiny.tokenizer_builder import SPECIAL_TOKENS, TAG_TOKENS, chat_template_text
+from model.config import MLA, ModelConfig
+from model.checkpoint import cli as tiny_cli
+from model.checkpoint import make_tiny, write_tiny
+from model.checkpoint.tensor_spec import keeps_fp32
+from model.checkpoint.tokenizer_builder import SPECIAL_TOKENS, TAG_TOKENS, chat_template_text
 from tests.model.quant_helpers import read_tensors
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from services.rank_worker.model.tiny import make_tiny, write_tiny
+from model.checkpoint import make_tiny, write_tiny
 from tests.model.quant_helpers import read_tensors
 
 TEXT = "model.language_model."

@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from services.cli import main as twinspark
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.tiny import write_tiny
+from model.batch import Batch
+from model.model import Glm5Model
+from model.checkpoint import write_tiny
 from tests.model.quant_helpers import read_tensors
 from tests.model.reference import random_ids
 

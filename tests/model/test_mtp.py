@@ -14,7 +14,7 @@ import json
 import torch
 from safetensors import safe_open
 
-from services.rank_worker.model.batch import Batch
+from model.batch import Batch
 from tests.model.reference import BLOCK, fresh_cache, hf_model, our_model, random_ids
 
 TOL = 1e-4

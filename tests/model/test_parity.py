@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rank_worker.model.batch import Batch
+from model.batch import Batch
 from tests.model.reference import (cache_tensors, clone_cache, fresh_cache, hf_logits, hf_model, our_model,
                                    random_ids, run_chunks, table)
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.quantize.convert import quantize_checkpoint
-from services.rank_worker.model.quantize.select import Recipe
-from services.rank_worker.model.tiny import make_tiny
+from model.model import Glm5Model
+from model.quantize.convert import quantize_checkpoint
+from model.quantize.select import Recipe
+from model.checkpoint import make_tiny
 from services.rank_worker.offline import run_on_ranks
 from tests.model.quant_helpers import QUANT_BLOCK, prompt_logits, write_dequantized
 from tests.model.reference import random_ids
@@ -76,8 +76,8 @@ def mixed(tiny_exl3, tiny_default, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_mixed_checkpoints_hold_every_format(mixed):
-    from services.rank_worker.model.parallel import Sharding
-    from services.rank_worker.model.weights import WeightReader
+    from model.parallel import Sharding
+    from model.weights import WeightReader
 
     for name, path in mixed.items():
         reader = WeightReader(path, Sharding(), torch.float32, torch.device("cpu"), progress=False)

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import save_file
 
 from kernels.quant import QuantizedWeight
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.parallel import Sharding
-from services.rank_worker.model.quantize.convert import quantize_checkpoint
-from services.rank_worker.model.quantize.select import Recipe
-from services.rank_worker.model.weights import WeightReader
+from model.config import ModelConfig
+from model.model import Glm5Model
+from model.parallel import Sharding
+from model.quantize.convert import quantize_checkpoint
+from model.quantize.select import Recipe
+from model.weights import WeightReader
 from tests.model.quant_helpers import QUANT_BLOCK, prompt_logits, read_tensors
 from tests.model.reference import random_ids
 

@@ -8,12 +8,12 @@ import torch
 from safetensors import safe_open
 
 from kernels.quant import QuantizedWeight
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.parallel import Collective, Sharding
-from services.rank_worker.model.quantize.select import Recipe
-from services.rank_worker.model.random_weights import RandomWeightReader, spec_from_config
+from model.batch import Batch
+from model.config import ModelConfig
+from model.model import Glm5Model
+from model.parallel import Collective, Sharding
+from model.quantize.select import Recipe
+from model.random_weights import RandomWeightReader, spec_from_config
 from tests.model.quant_helpers import QUANT_BLOCK
 
 TEXT = "model.language_model."

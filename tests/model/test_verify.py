@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kernels.sampling import SamplingParams, sample
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.model import accept_drafts
+from model.batch import Batch
+from model.model import accept_drafts
 from tests.model.reference import fresh_cache, our_model, random_ids, run_chunks, table
 
 CAP = 96

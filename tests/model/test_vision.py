@@ -8,7 +8,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from services.rank_worker.model.model import Glm5Model
+from model.model import Glm5Model
 from tests.model.image_prompt import image_prompt, prefill_logits
 from tests.model.reference import hf_model
 
@@ -45,7 +45,7 @@ def test_image_prompt_logits_match_transformers(tiny_default, reference, chunks)
 def test_tower_attention_in_query_blocks(tiny_default, monkeypatch):
     """A large image's attention runs a block of query rows at a time (vision.SCORES_PER_BLOCK, so its scores never
     all exist at once); forced down to 7 rows a block, the tiny image's embeddings are what one block gives."""
-    from services.rank_worker.model import vision
+    from model import vision
 
     p = image_prompt(tiny_default)
     tower = _ours(tiny_default).vision

@@ -19,10 +19,10 @@ from tests.kernels.gpu_support import triton  # noqa: F401  (skips the module wi
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA; on a "
                                 "GPU tests/gpu/test_vision_cuda.py covers this")
 
-from services.rank_worker.model.batch import Batch  # noqa: E402
-from services.rank_worker.model.model import Glm5Model  # noqa: E402
-from services.rank_worker.model.parallel import Sharding  # noqa: E402
-from services.rank_worker.model.tiny import make_tiny  # noqa: E402
+from model.batch import Batch  # noqa: E402
+from model.model import Glm5Model  # noqa: E402
+from model.parallel import Sharding  # noqa: E402
+from model.checkpoint import make_tiny  # noqa: E402
 from tests.model.image_prompt import chunk_batches, gpu_path, image_prompt, prefill_logits  # noqa: E402
 from tests.model.reference import clone_cache, fresh_cache, table  # noqa: E402
 

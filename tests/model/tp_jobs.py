@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from services.rank_worker.model.model import Glm5Model
+from model.model import Glm5Model
 from services.rank_worker.offline import GenerateRequest, generate_on_model
 from tests.model.reference import CAP, fresh_cache, run_chunks, step
 

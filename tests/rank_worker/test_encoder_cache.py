@@ -10,8 +10,8 @@ import torch
 
 from services.rank_worker.encoder_cache import EncoderCache
 from services.rank_worker.executor import Executor, ImagePart
-from services.rank_worker.model.model import Glm5Model
-from services.rank_worker.model.vision import VisionConfig
+from model.model import Glm5Model
+from model.vision import VisionConfig
 from tests.model.image_prompt import image_prompt
 
 

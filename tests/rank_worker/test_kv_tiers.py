@@ -8,7 +8,7 @@ import torch
 
 from services.rank_worker import fingerprint as fp
 from services.rank_worker.kv_tiers import TierStore
-from services.rank_worker.model.tiny import make_tiny
+from model.checkpoint import make_tiny
 from tests.model.reference import our_model
 
 

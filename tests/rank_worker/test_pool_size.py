@@ -11,10 +11,10 @@ import torch
 
 from services.rank_worker import pool_size
 from services.rank_worker.distributed import free_port
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.parallel import Sharding
-from services.rank_worker.model.row_store import RowStore
+from model.cache import PagedCache
+from model.config import ModelConfig
+from model.parallel import Sharding
+from model.row_store import RowStore
 from tests.rank_worker.test_rank_service import TWINSPARK, _stub
 from twinspark.v1 import rank_pb2
 

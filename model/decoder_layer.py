@@ -9,15 +9,15 @@ import torch
 
 from kernels import mhc
 from kernels.norms import rms_norm
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.config import KDA, ModelConfig
-from services.rank_worker.model.ffn import Moe, build_ffn
-from services.rank_worker.model.gpu_rows import GpuRows
-from services.rank_worker.model.kda_attention import KdaAttention
-from services.rank_worker.model.mla_attention import MlaAttention, Selections
-from services.rank_worker.model.parallel import Collective
-from services.rank_worker.model.weights import WeightReader
+from model.batch import Batch
+from model.cache import PagedCache
+from model.config import KDA, ModelConfig
+from model.ffn import Moe, build_ffn
+from model.gpu_rows import GpuRows
+from model.kda_attention import KdaAttention
+from model.mla_attention import MlaAttention, Selections
+from model.parallel import Collective
+from model.weights import WeightReader
 
 
 class HyperConnection:

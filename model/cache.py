@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.parallel import Sharding
-from services.rank_worker.model.row_store import RowStore, row_bytes
+from model.batch import Batch
+from model.config import ModelConfig
+from model.parallel import Sharding
+from model.row_store import RowStore, row_bytes
 
 
 class PagedCache:

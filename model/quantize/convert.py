@@ -24,8 +24,8 @@ from tqdm import tqdm
 from kernels.quant import quantize, quantized_modules
 from kernels.quant import fp8 as fp8_format
 from kernels.quant import w4a16 as w4a16_format
-from services.rank_worker.model.quant_config import nest
-from services.rank_worker.model.quantize.select import Recipe
+from model.quant_config import nest
+from model.quantize.select import Recipe
 
 INDEX = "model.safetensors.index.json"
 

@@ -1,7 +1,7 @@
 """The vision tower's tensors (`model.visual.*`).
 
 The tiny checkpoint carries a one-block tower: transformers always builds one (and reports missing keys without
-it), and the rank runs it for image inputs (services/rank_worker/model/vision.py). The key list was taken once from transformers 5.23's
+it), and the rank runs it for image inputs (model/vision.py). The key list was taken once from transformers 5.23's
 `Glm5NextVisionModel` built with the tiny vision_config and is hard-coded here (make-tiny must not import
 transformers); the test that loads the checkpoint through transformers catches any drift.
 """

@@ -20,14 +20,14 @@ from typing import Union
 import torch
 
 from kernels.quant import QuantizedWeight, random_quantized
-from services.rank_worker.model.config import MLA, ModelConfig
-from services.rank_worker.model.parallel import Sharding
-from services.rank_worker.model.quantize.select import Recipe
-from services.rank_worker.model.tiny.spec import TinySpec
-from services.rank_worker.model.tiny.tensor_spec import TensorSpec, key_seed
-from services.rank_worker.model.tiny.vision_weights import PREFIX as VISION_PREFIX
-from services.rank_worker.model.tiny.weights import all_tensors
-from services.rank_worker.model.weights import _KEEP_FP32  # the loader's fp32 rule: follow it exactly
+from model.config import MLA, ModelConfig
+from model.parallel import Sharding
+from model.quantize.select import Recipe
+from model.checkpoint.spec import TinySpec
+from model.checkpoint.tensor_spec import TensorSpec, key_seed
+from model.checkpoint.vision_weights import PREFIX as VISION_PREFIX
+from model.checkpoint.weights import all_tensors
+from model.weights import _KEEP_FP32  # the loader's fp32 rule: follow it exactly
 
 Packed = Union[torch.Tensor, QuantizedWeight]
 

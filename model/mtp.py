@@ -11,14 +11,14 @@ import torch
 
 from kernels.linear import linear, pad_rows
 from kernels.norms import rms_norm
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.ffn import build_ffn
-from services.rank_worker.model.gpu_rows import GpuRows
-from services.rank_worker.model.mla_attention import MlaAttention
-from services.rank_worker.model.parallel import Collective
-from services.rank_worker.model.weights import WeightReader
+from model.batch import Batch
+from model.cache import PagedCache
+from model.config import ModelConfig
+from model.ffn import build_ffn
+from model.gpu_rows import GpuRows
+from model.mla_attention import MlaAttention
+from model.parallel import Collective
+from model.weights import WeightReader
 
 
 class MtpBlock:
@@ -52,7 +52,7 @@ class MtpBlock:
         quantized experts)."""
         from kernels.gpu import gemm
         from kernels.gpu import norms as gpu_norms
-        from services.rank_worker.model.ffn import Moe
+        from model.ffn import Moe
         if batch.hidden is None:
             raise ValueError("an MTP forward needs the target's hidden states (batch.hidden)")
         d = rows.decode_rows

@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from kernels.quant import QuantizedWeight, quantized_modules
 from kernels.quant.codec import Codec
-from services.rank_worker.model.parallel import Sharding
-from services.rank_worker.model.quant_config import read_quant_configs
+from model.parallel import Sharding
+from model.quant_config import read_quant_configs
 
 _KEEP_FP32 = ("e_score_correction_bias", "conv1d.weight", "dt_bias", "A_log", "_base", "_scale")
 TEXT_PREFIX = "model.language_model."

@@ -3,7 +3,7 @@
 The CPU path reads `Batch`'s Python lists inside the layers; on the GPU that would mean host syncs and per-sequence
 launches. `GpuRows` moves the row and sequence facts to the device once (one pinned host buffer, one copy), so the
 layers launch a fixed set of kernels whatever the batch, and a CUDA graph can replay them with the same buffers
-refilled (services/rank_worker/model/cuda_graphs.py builds a `GpuRows` over static buffers).
+refilled (model/cuda_graphs.py builds a `GpuRows` over static buffers).
 
 Rows are ordered decode-class first (Batch.class_order): rows [0, decode_rows) are decode steps and verify windows,
 the rest prompt chunks, so every kernel runs each class with its own fixed schedule on a contiguous run of rows.
@@ -17,7 +17,7 @@ import torch
 
 from kernels.gpu import to_device
 from kernels.gpu.seqs import DecodeSeqs
-from services.rank_worker.model.batch import Batch
+from model.batch import Batch
 
 
 @dataclass

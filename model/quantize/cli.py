@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if args.per_channel and args.format != "fp8":
         return _fail("--per-channel is an fp8 option")
 
-    from services.rank_worker.model.quantize.convert import quantize_checkpoint
-    from services.rank_worker.model.quantize.select import Recipe
+    from model.quantize.convert import quantize_checkpoint
+    from model.quantize.select import Recipe
 
     block = None if args.per_channel else args.block_size
     recipe = Recipe(experts=args.format, other=None if args.experts_only else args.format, block=block)

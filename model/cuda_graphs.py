@@ -28,10 +28,10 @@ import torch
 from tqdm import tqdm
 
 from kernels.gpu.seqs import DecodeSeqs
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.gpu_rows import GpuRows
-from services.rank_worker.model.model import ForwardOutput, Glm5Model
+from model.batch import Batch
+from model.cache import PagedCache
+from model.gpu_rows import GpuRows
+from model.model import ForwardOutput, Glm5Model
 
 log = logging.getLogger("twinspark.rank")
 

@@ -23,11 +23,11 @@ import torch
 from kernels import kda
 from kernels.linear import linear, linear_fp32, pad_rows
 from kernels.norms import gated_rms_norm
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.gpu_rows import GpuRows
-from services.rank_worker.model.weights import WeightReader
+from model.batch import Batch
+from model.cache import PagedCache
+from model.config import ModelConfig
+from model.gpu_rows import GpuRows
+from model.weights import WeightReader
 
 log = logging.getLogger("twinspark.rank")
 

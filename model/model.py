@@ -20,16 +20,16 @@ import torch
 from kernels import gpu
 from kernels.linear import linear_fp32, pad_rows
 from kernels.norms import rms_norm
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model import gpu_rows
-from services.rank_worker.model.decoder_layer import DecoderLayer
-from services.rank_worker.model.mla_attention import Selections
-from services.rank_worker.model.mtp import MtpBlock
-from services.rank_worker.model.parallel import Collective, Sharding
-from services.rank_worker.model.vision import VisionConfig, VisionTower
-from services.rank_worker.model.weights import TEXT_PREFIX, WeightReader
+from model.batch import Batch
+from model.cache import PagedCache
+from model.config import ModelConfig
+from model import gpu_rows
+from model.decoder_layer import DecoderLayer
+from model.mla_attention import Selections
+from model.mtp import MtpBlock
+from model.parallel import Collective, Sharding
+from model.vision import VisionConfig, VisionTower
+from model.weights import TEXT_PREFIX, WeightReader
 
 
 @dataclass

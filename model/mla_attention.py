@@ -19,11 +19,11 @@ from kernels import dsa
 from kernels.linear import linear, linear_fp32
 from kernels.mla import sparse_latent_attention
 from kernels.norms import layer_norm, rms_norm
-from services.rank_worker.model.batch import Batch
-from services.rank_worker.model.cache import PagedCache
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.gpu_rows import GpuRows
-from services.rank_worker.model.weights import WeightReader
+from model.batch import Batch
+from model.cache import PagedCache
+from model.config import ModelConfig
+from model.gpu_rows import GpuRows
+from model.weights import WeightReader
 
 # The CPU path works on blocks of query rows and of k-pools, so its buffers stay the same size whatever the context
 # length (a 1M-token prompt prefills with the memory of a short one, beside the cache itself): index scores

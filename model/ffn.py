@@ -16,8 +16,8 @@ import torch
 
 from kernels import moe
 from kernels.linear import linear, linear_fp32
-from services.rank_worker.model.config import ModelConfig
-from services.rank_worker.model.weights import WeightReader
+from model.config import ModelConfig
+from model.weights import WeightReader
 
 
 class DenseMlp:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.rank_worker.model.weights import WeightReader
+from model.weights import WeightReader
 
 PREFIX = "model.visual."
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kernels.quant import exl3
-from services.rank_worker.model.quantize.select import Recipe
+from model.quantize.select import Recipe
 
 from .tensor_spec import TensorSpec, key_seed, materialize
 
