@@ -30,8 +30,9 @@ from tqdm import tqdm
 from kernels.gpu.seqs import DecodeSeqs
 from model.batch import Batch
 from model.cache import PagedCache
-from model.gpu_rows import GpuRows
 from model.model import ForwardOutput, Glm5Model
+from ops.fused import FusedForward
+from ops.fused_rows import GpuRows
 
 log = logging.getLogger("twinspark.rank")
 
@@ -182,9 +183,9 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model.forward_gpu(batch, self.cache, rows)
+                self.model.run(FusedForward(batch, self.cache, rows))
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model.forward_gpu(batch, self.cache, rows)
+            out = self.model.run(FusedForward(batch, self.cache, rows))
         return _Graph(graph, packed, hosts, tokens, tables, out, rows, batch)

@@ -145,10 +145,11 @@ def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> No
             out.copy_(dst)
 
 
-def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dtype: torch.dtype | None = None
-        ) -> torch.Tensor:
+def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None) -> torch.Tensor:
     """Batched `x[b] @ w[b].T`: x [B, M, K], w [B, N, K] (views with any strides, or quantized: WeightArgs)
-    -> [B, M, N] in `out_dtype`.
+    -> [B, M, N] in `out_dtype`, written into `out` when given (a view of a wider output: a projection whose
+    linears are stored in several formats writes each run's columns in place).
 
     Rows [0, decode_rows) are decode-class, the rest prompt rows: one launch per class present, each with its own
     fixed schedule (0 = all prompt rows; >= M = all decode rows)."""
@@ -160,15 +161,18 @@ def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dty
     if w.fmt is Fmt.EXL3:  # y = had(had(x * suh) @ T) * svh / 128, T the trellis tiles as stored
         u = hadamard.rotate_in(x.reshape(b * m, k).contiguous(), w.suh, rows_per_vec=m).view(b, m, k)
         acc = _by_class(u, w, decode_rows, torch.float32)
-        return hadamard.rotate_out(acc.view(b * m, n), w.svh, out_dtype or x.dtype, rows_per_vec=m).view(b, m, n)
-    return _by_class(x, w, decode_rows, out_dtype or x.dtype)
+        y = hadamard.rotate_out(acc.view(b * m, n), w.svh, out_dtype or x.dtype, rows_per_vec=m).view(b, m, n)
+        return y if out is None else out.copy_(y)
+    return _by_class(x, w, decode_rows, out_dtype or x.dtype, out)
 
 
-def _by_class(x: torch.Tensor, w: WeightArgs, decode_rows: int, out_dtype: torch.dtype) -> torch.Tensor:
+def _by_class(x: torch.Tensor, w: WeightArgs, decode_rows: int, out_dtype: torch.dtype,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """One launch per row class present, each with its class's schedule (see `bmm`)."""
     b, m, k = x.shape
     n = w.n
-    out = torch.empty(b, m, n, dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(b, m, n, dtype=out_dtype, device=x.device)
     split = min(max(decode_rows, 0), m)
     if split:
         _launch(x[:, :split], w, out[:, :split], schedule(n, k, RowClass.DECODE))

@@ -39,6 +39,36 @@ def _conv_silu(h0, h1, h2, x, w_ptr, ch, act: tl.constexpr):
 
 
 @triton.jit
+def _load_history(hist, s_row, ch, fresh):
+    """The three previous inputs of channels `ch` (oldest first) in fp32; zero for a fresh sequence."""
+    h0 = tl.where(fresh, 0.0, tl.load(hist + ch).to(tl.float32))
+    h1 = tl.where(fresh, 0.0, tl.load(hist + s_row + ch).to(tl.float32))
+    h2 = tl.where(fresh, 0.0, tl.load(hist + 2 * s_row + ch).to(tl.float32))
+    return h0, h1, h2
+
+
+@triton.jit
+def _gate(g_raw, dt, rate, lower_bound, HAS_LB: tl.constexpr):
+    """Per-channel log-decay from the raw gate projection: GLM's safe gate with a lower bound, else -rate*softplus."""
+    g = g_raw + dt
+    if HAS_LB:
+        g = lower_bound * tl.sigmoid(rate * g)
+    else:  # -rate * softplus(g), softplus with torch's threshold of 20
+        g = -rate * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
+    return g
+
+
+@triton.jit
+def _delta_rule(s, q, k, v, g, beta):
+    """One step of the gated delta rule on a [DK, BV] state block -> (new state, output columns)."""
+    s = s * tl.exp(g)[:, None]
+    kv = tl.sum(s * k[:, None], axis=0)
+    delta = (v - kv) * beta
+    s = s + k[:, None] * delta[None, :]
+    return s, tl.sum(s * q[:, None], axis=0)
+
+
+@triton.jit
 def _store_history(dst, s_row, ch, h0, h1, h2, act: tl.constexpr, mask):
     tl.store(dst + ch, h0.to(act), mask=mask)
     tl.store(dst + s_row + ch, h1.to(act), mask=mask)
@@ -82,15 +112,9 @@ def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, 
     vc = 2 * C + head * DV + iv
     hist = conv_ptr + slot * s_conv_slot + chans
     # A fresh sequence starts from zero history and state, whatever its slot held before.
-    q0 = tl.where(fresh, 0.0, tl.load(hist + qc).to(tl.float32))
-    q1 = tl.where(fresh, 0.0, tl.load(hist + s_conv_row + qc).to(tl.float32))
-    q2 = tl.where(fresh, 0.0, tl.load(hist + 2 * s_conv_row + qc).to(tl.float32))
-    k0 = tl.where(fresh, 0.0, tl.load(hist + kc).to(tl.float32))
-    k1 = tl.where(fresh, 0.0, tl.load(hist + s_conv_row + kc).to(tl.float32))
-    k2 = tl.where(fresh, 0.0, tl.load(hist + 2 * s_conv_row + kc).to(tl.float32))
-    v0 = tl.where(fresh, 0.0, tl.load(hist + vc).to(tl.float32))
-    v1 = tl.where(fresh, 0.0, tl.load(hist + s_conv_row + vc).to(tl.float32))
-    v2 = tl.where(fresh, 0.0, tl.load(hist + 2 * s_conv_row + vc).to(tl.float32))
+    q0, q1, q2 = _load_history(hist, s_conv_row, qc, fresh)
+    k0, k1, k2 = _load_history(hist, s_conv_row, kc, fresh)
+    v0, v1, v2 = _load_history(hist, s_conv_row, vc, fresh)
 
     hd = head_off + shard * H + head
     st_ptr = state_ptr + slot * s_state_slot + hd * DK * DV + ik[:, None] * DV + iv[None, :]
@@ -112,18 +136,9 @@ def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, 
         v0, v1, v2 = v1, v2, xv
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (DK ** -0.5)
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        g = tl.load(graw_ptr + row * s_graw + head * DK + ik).to(tl.float32) + dt
-        if HAS_LB:
-            g = lower_bound * tl.sigmoid(rate * g)
-        else:  # -rate * softplus(g), softplus with torch's threshold of 20
-            g = -rate * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
+        g = _gate(tl.load(graw_ptr + row * s_graw + head * DK + ik).to(tl.float32), dt, rate, lower_bound, HAS_LB)
         beta = tl.sigmoid(tl.load(braw_ptr + row * s_braw + head).to(tl.float32)).to(act).to(tl.float32)
-
-        s = s * tl.exp(g)[:, None]
-        kv = tl.sum(s * k[:, None], axis=0)
-        delta = (v - kv) * beta
-        s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], axis=0)
+        s, o = _delta_rule(s, q, k, v, g, beta)
         tl.store(core_ptr + row * s_core + head * DV + iv, o.to(act))
 
         if pend >= 0:  # verify window: keep every row's state and history for the commit

@@ -18,7 +18,7 @@ count and every position whose top-1 differs. Compared with the reference:
   scores);
 - exllamav3 decoding: 96 prompt tokens, then the other 32 one forward each (teacher-forced), so its decode paths run
   too (KDA's recurrent step, DSA selection for one query, the MoE's single-row path);
-- twinspark's own GPU path (forward_gpu, bf16, EXL3 experts packed), for scale.
+- twinspark's own fused path (bf16, EXL3 experts packed), for scale.
 Also: exllamav3 loads exactly the checkpoint's EXL3 linears as EXL3 (the rest fp16), and its tokenizer encodes a
 chat prompt as twinspark's does from the same tokenizer files.
 
@@ -176,7 +176,7 @@ def test_exllamav3_decode_top1(exl: Exllamav3, prompt: list[int], reference: tor
 
 def test_twinspark_gpu_top1(ckpt: Path, prompt: list[int], reference: torch.Tensor) -> None:
     got = prefill_logits(Glm5Model.load(ckpt, dtype=torch.bfloat16, device="cuda", progress=False), prompt)
-    assert compare_top1("twinspark forward_gpu (bf16, EXL3 experts packed) vs fp32", got, reference) == 0
+    assert compare_top1("twinspark fused (bf16, EXL3 experts packed) vs fp32", got, reference) == 0
 
 
 def test_exllamav3_tokenizer_reads_the_checkpoint(ckpt: Path, exl: Exllamav3) -> None:

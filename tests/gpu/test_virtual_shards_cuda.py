@@ -39,9 +39,9 @@ def rounds(vocab: int) -> list[list[tuple]]:
 
 def compare_shards(spec, device: str, dtype: torch.dtype) -> None:
     """Every layer's attention and FFN partials (and KDA caches) of a 4-shard rank vs 4 one-shard ranks."""
-    from model import gpu_rows
     from model.batch import Batch
     from model.parallel import Sharding
+    from ops.fused import FusedForward
     fused = build(spec, Sharding(), device, dtype)
     ranks = [build(spec, Sharding(rank=r, world=4), device, dtype) for r in range(4)]
     models = [fused, *ranks]
@@ -55,20 +55,14 @@ def compare_shards(spec, device: str, dtype: torch.dtype) -> None:
                                                  for s, *_ in seqs], device=device),
                       slots=[s for s, *_ in seqs], logit_rows=torch.arange(len(ids)), verify=[v for *_, v in seqs],
                       prompt=[p for *_, p, _ in seqs])
-        rows = gpu_rows.build(batch, kpool=spec.index_kpool, block_size=BLOCK)
-        d = rows.decode_rows
+        fwds = [FusedForward(batch, c) for c in caches]
         x = (torch.randn(len(ids), spec.hidden_size, generator=gen) * 0.5).to(dtype=dtype, device=device)
         for i in range(spec.num_hidden_layers):
-            def attn(m, cache):
-                layer = m.layers[i]
-                if layer.is_kda:
-                    return layer.attn.forward_gpu(x, batch, rows, cache)
-                return layer.attn.forward_gpu(x, rows, cache, {})
-            want = attn(fused, caches[0])
-            got = torch.cat([attn(m, c) for m, c in zip(ranks, caches[1:])])
+            want = fused.layers[i].attn.forward(x, fwds[0], {})
+            got = torch.cat([m.layers[i].attn.forward(x, f, {}) for m, f in zip(ranks, fwds[1:])])
             assert torch.equal(want, got), f"round {r} layer {i} attention: max |d| {(want - got).abs().max():.1e}"
-            want = fused.layers[i].ffn.forward_gpu(x, d)
-            got = torch.cat([m.layers[i].ffn.forward_gpu(x, d) for m in ranks])
+            want = fused.layers[i].ffn.forward(x, fwds[0])
+            got = torch.cat([m.layers[i].ffn.forward(x, f) for m, f in zip(ranks, fwds[1:])])
             assert torch.equal(want, got), f"round {r} layer {i} ffn: max |d| {(want - got).abs().max():.1e}"
         for m, c in zip(models, caches):
             m.commit_verify(batch, c, {1: 2})

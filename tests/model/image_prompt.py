@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 
 from services.gateway.images import ImageProcessor
-from model import gpu_rows
 from model.batch import Batch
 from model.cache import PagedCache
 from model.model import Glm5Model
@@ -65,9 +64,8 @@ def torch_path(model: Glm5Model, batch: Batch, cache: PagedCache) -> torch.Tenso
 
 
 def gpu_path(model: Glm5Model, batch: Batch, cache: PagedCache) -> torch.Tensor:
-    """Logits of `Glm5Model.forward_gpu` (the Triton kernels: in the interpreter on a CPU)."""
-    rows = gpu_rows.build(batch, kpool=model.cfg.index_kpool, block_size=cache.block_size)
-    return model.forward_gpu(batch, cache, rows).logits
+    """Logits of the fused ops (the Triton kernels: in the interpreter on a CPU)."""
+    return model.forward(batch, cache, fused=True).logits
 
 
 def prefill_logits(model: Glm5Model, p: ImagePrompt, chunks: list[int] | None, embeds: Embeds,

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from model import gpu_rows
 from model.batch import Batch
 from model.cache import PagedCache
 from model.model import Glm5Model
@@ -64,7 +63,7 @@ def run_chunks(model: Glm5Model, cache: PagedCache, ids: list[int], chunks: list
 
 def step(model: Glm5Model, cache: PagedCache, seqs: list[tuple[int, list[int], int, bool, bool]], *, gpu: bool
          ) -> list[torch.Tensor]:
-    """One packed forward (the GPU path's `forward_gpu`, or the torch reference); seqs: (slot, new ids, start,
+    """One packed forward (the fused ops, or the torch reference); seqs: (slot, new ids, start,
     prompt, verify) in decode-class-first order -> logits of every row, per sequence. Verify windows keep one
     accepted draft."""
     ids = [i for _, new, _, _, _ in seqs for i in new]
@@ -73,11 +72,7 @@ def step(model: Glm5Model, cache: PagedCache, seqs: list[tuple[int, list[int], i
                   block_tables=torch.tensor([table(slot, CAP) for slot, _, _, _, _ in seqs]),
                   slots=[slot for slot, _, _, _, _ in seqs], logit_rows=torch.arange(len(ids)),
                   verify=[v for *_, v in seqs], prompt=[p for *_, p, _ in seqs])
-    if gpu:
-        out = model.forward_gpu(batch, cache, gpu_rows.build(batch, kpool=model.cfg.index_kpool,
-                                                             block_size=cache.block_size))
-    else:
-        out = model.forward(batch, cache)
+    out = model.forward(batch, cache, fused=gpu)
     if any(v for *_, v in seqs):
         model.commit_verify(batch, cache, {s: 1 for s, (*_, v) in enumerate(seqs) if v})
     return list(out.logits.split(batch.lengths))

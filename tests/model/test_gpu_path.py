@@ -1,4 +1,4 @@
-"""The GPU fast path (`Glm5Model.forward_gpu`: the Triton kernels of kernels/gpu, here in Triton's CPU interpreter)
+"""The GPU fast path (the fused ops of ops/fused.py: the Triton kernels of kernels/gpu, here in Triton's CPU interpreter)
 against the torch reference forward on a tiny checkpoint in fp32: the same logits for prompt chunks, decode rows and
 verify windows, and a decode row's logits bit-identical alone and packed with other rows.
 

@@ -1,4 +1,4 @@
-"""Virtual shards on the GPU path (`forward_gpu`, the Triton kernels of kernels/gpu in Triton's CPU interpreter): a
+"""Virtual shards on the GPU path (the fused ops: the Triton kernels of kernels/gpu in Triton's CPU interpreter): a
 rank runs all of its local virtual shards in one launch per op, and that changes no bit.
 
 A tiny model with 4 virtual shards runs the same rounds — prompt chunks, then a decode row, a verify window and a

@@ -1,4 +1,4 @@
-"""Images on the GPU path (`Glm5Model.forward_gpu`: the Triton kernels, here in Triton's CPU interpreter) on a tiny
+"""Images on the GPU path (the fused ops: the Triton kernels, here in Triton's CPU interpreter) on a tiny
 checkpoint in fp32. An image-conditioned prompt with its image across position 64, the chunked prefill's grid:
 - its logits match the torch path's (which match transformers': tests/model/test_vision.py) within
   tests/model/test_gpu_path.py's tolerance, prefilled in chunks on the grid (the second starts mid-image);

@@ -23,7 +23,7 @@ def logits_and_greedy(model: Glm5Model, ids: list[int], prompt_len: int, max_tok
 
 def gpu_path_rounds(model: Glm5Model, rounds: list[list[tuple]], slots: int) -> dict:
     """Packed rounds (reference.step's sequences: prompt chunks, decode rows, verify windows) through the GPU path
-    (`forward_gpu`, in Triton's CPU interpreter) from an empty cache -> every round's logits, and the Triton
+    (the fused ops, in Triton's CPU interpreter) from an empty cache -> every round's logits, and the Triton
     kernel launches the rounds made on this rank, by kernel name."""
     from triton.runtime.interpreter import InterpretedFunction  # every interpreted launch goes through its run
 

@@ -1,9 +1,9 @@
-"""What the GPU fast path needs to know about a batch's rows, as device tensors, built once per forward.
+"""What the fused ops need to know about a batch's rows, as device tensors, built once per forward.
 
-The CPU path reads `Batch`'s Python lists inside the layers; on the GPU that would mean host syncs and per-sequence
-launches. `GpuRows` moves the row and sequence facts to the device once (one pinned host buffer, one copy), so the
-layers launch a fixed set of kernels whatever the batch, and a CUDA graph can replay them with the same buffers
-refilled (model/cuda_graphs.py builds a `GpuRows` over static buffers).
+The reference ops read `Batch`'s Python lists; on a GPU that would mean host syncs and per-sequence launches.
+`GpuRows` moves the row and sequence facts to the device once (one pinned host buffer, one copy), so the layers
+launch a fixed set of kernels whatever the batch, and a CUDA graph can replay them with the same buffers refilled
+(model/cuda_graphs.py builds a `GpuRows` over static buffers). Nothing here imports Triton.
 
 Rows are ordered decode-class first (Batch.class_order): rows [0, decode_rows) are decode steps and verify windows,
 the rest prompt chunks, so every kernel runs each class with its own fixed schedule on a contiguous run of rows.

@@ -1,0 +1,301 @@
+"""The fused ops: the fixed-schedule Triton kernels of kernels/gpu, bound to one forward (docs/design.md §5.1).
+
+No host sync inside a forward, so a CUDA graph can capture it (model/cuda_graphs.py builds a `FusedForward` over
+static buffers). Rows come decode-class first (`GpuRows`): every kernel runs each row class with its own fixed
+schedule on a contiguous run of rows.
+
+Virtual shards: every local shard runs in one launch per op. Column-parallel projections are one batched GEMM over
+the shards' stacked weights with the input broadcast, and each batch element runs the one-shard (N, K) schedule
+(kernels/gpu/gemm.py), so a shard's bits are those of its own product whatever the number of shards in the launch
+(TP=1 runs 4, TP=2 two) — never one wider [S x N, K] product, whose tiles and K split could differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels import kda, moe
+from kernels.gpu import gemm
+from kernels.gpu import kda as gpu_kda
+from kernels.gpu import mhc as gpu_mhc
+from kernels.gpu import mla as gpu_mla
+from kernels.gpu import moe as gpu_moe
+from kernels.gpu import norms as gpu_norms
+from model.batch import Batch
+from model.cache import PagedCache
+from model.parallel import Collective
+from model.projection import Projection
+from model.row_store import RowStore
+from ops.fused_rows import GpuRows, build
+
+if TYPE_CHECKING:
+    from model.decoder_layer import HyperConnection
+    from model.ffn import Moe
+    from model.kda_attention import KdaAttention
+    from model.mla_attention import Indexer, MlaAttention
+
+log = logging.getLogger("twinspark.rank")
+
+
+class FusedForward:
+    def __init__(self, batch: Batch, cache: PagedCache, rows: GpuRows | None = None) -> None:
+        """rows: a prepared description (a CUDA graph's static one); by default built from the batch."""
+        self.batch = batch
+        self.cache = cache
+        self.rows = rows or build(batch, kpool=cache.kpool, block_size=cache.block_size)
+        self.n_rows = self.rows.n_rows
+        self.token_ids = batch.token_ids
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    # ----- products, norms, activations -----
+
+    def linear(self, x: torch.Tensor, p: Projection, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return project(x.unsqueeze(0), p, self.rows.decode_rows, out_dtype)[0]
+
+    def shard_linear(self, x: torch.Tensor, p: Projection, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [T, K] (broadcast to every shard) or [S, T, K] -> [S, T, N]."""
+        return project(_per_shard(x, p), p, self.rows.decode_rows, out_dtype)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return gpu_norms.rms_norm(x, w, eps)
+
+    def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+        return gpu_norms.layer_norm(x, w, b, eps)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        return moe.swiglu(gate, up, limit)
+
+    # ----- hyper-connections -----
+
+    def hc_pre(self, streams: torch.Tensor, hc: "HyperConnection", norm: torch.Tensor, eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block input normed by `norm`, post, comb) in two launches (kernels/gpu/mhc.py)."""
+        return gpu_mhc.pre(streams, hc.fn, hc.base, hc.scale, norm, rms_eps=eps, decode_rows=self.rows.decode_rows,
+                           **hc.kw)
+
+    def hc_post(self, partials: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                coll: Collective) -> torch.Tensor:
+        return gpu_mhc.post(coll.gather_partials(partials), streams, post, comb)
+
+    def hc_final(self, streams: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        # The streams' mean as elementwise adds in stream order (a torch mean reduces in a shape-chosen order).
+        total = streams[:, 0].float()
+        for i in range(1, streams.shape[1]):
+            total = total + streams[:, i].float()
+        return gpu_norms.rms_norm((total / streams.shape[1]).to(streams.dtype), norm, eps)
+
+    def logits(self, hidden: torch.Tensor, lm_head: Projection, coll: Collective) -> torch.Tensor:
+        """fp32 logits of `batch.logit_rows` over the full vocabulary: decode-class rows with the decode schedule and
+        prompt rows with theirs, returned in logit_rows' order; every local vocab shard in one batched GEMM."""
+        wanted = self.batch.logit_rows.cpu()  # host indices (the executor builds them on the host: no sync there)
+        if torch.equal(wanted, torch.arange(hidden.shape[0])):  # every row, in order (a decode graph's batch)
+            return coll.gather_columns(self.shard_linear(hidden, lm_head, torch.float32))
+        decode = wanted < self.rows.decode_rows
+        order = torch.sort((~decode).to(torch.int8), stable=True).indices
+        picked = hidden[wanted[order].to(hidden.device)]
+        logits = coll.gather_columns(project(_per_shard(picked, lm_head), lm_head, int(decode.sum()), torch.float32))
+        if torch.equal(order, torch.arange(order.numel())):
+            return logits
+        out = torch.empty_like(logits)
+        out[order.to(logits.device)] = logits
+        return out
+
+    # ----- caches -----
+
+    def write_rows(self, store: RowStore, values: torch.Tensor) -> None:
+        blocks, offsets = self.rows.addresses()
+        store.write(blocks, offsets, values)
+
+    # ----- KDA -----
+
+    def kda_core(self, attn: "KdaAttention", mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor
+                 ) -> torch.Tensor:
+        """Decode and verify rows through the fused recurrent kernel, prompt chunks through fla-core's chunk_kda
+        -> core [S, T, heads * dv]."""
+        rows, cache = self.rows, self.cache
+        d, s, t = rows.decode_rows, mixed.shape[0], mixed.shape[1]
+        conv_all, state_all = cache.conv_state[attn.layer], cache.kda_state[attn.layer]
+        pend_state = pend_conv = None
+        if rows.verify:  # every row's state until `commit` keeps the last accepted one (as the reference)
+            pend_state = torch.empty(len(rows.verify), rows.window, *state_all.shape[1:], dtype=state_all.dtype,
+                                     device=mixed.device)
+            pend_conv = torch.empty(len(rows.verify), rows.window, *conv_all.shape[1:], dtype=conv_all.dtype,
+                                    device=mixed.device)
+            cache.pending[attn.layer] = (rows.verify, pend_state, pend_conv)
+        core = torch.empty(s, t, attn.heads * attn.dl, dtype=mixed.dtype, device=mixed.device)
+        gpu_kda.decode(rows.kda, mixed=mixed, conv_w=attn.conv_w, conv_state=conv_all, chan_off=0, g_raw=g_raw,
+                       dt_bias=attn.dt_bias, a_log=attn.a_log, lower_bound=attn.lower_bound, beta_raw=beta_raw,
+                       state=state_all, head_off=0, core=core, pend_state=pend_state, pend_conv=pend_conv)
+        if rows.prompt is not None:
+            self._kda_prompt(attn, mixed[:, d:], g_raw[:, d:], beta_raw[:, d:], core[:, d:])
+        return core
+
+    def _kda_prompt(self, attn: "KdaAttention", mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
+                    core: torch.Tensor) -> None:
+        """Prompt chunks of every local shard ([S, prompt rows, ...] operands): the short conv over all of their
+        rows, then chunked KDA from their slots' states (zero for a fresh sequence) into `core`; states and
+        histories move on in place."""
+        p, b = self.rows.prompt, self.batch
+        conv_all, state_all = self.cache.conv_state[attn.layer], self.cache.kda_state[attn.layer]
+        s, width = attn.shards, attn.width
+        conv = gpu_kda.prompt_conv(mixed, attn.conv_w, conv_all, 0, p.row_first, p.row_slot, p.row_fresh)
+        lo = 0
+        for seq in p.seqs:  # then each history moves on to the chunk's last inputs (every shard's columns at once)
+            n, slot = b.lengths[seq], b.slots[seq]
+            hist = conv_all[slot].view(-1, s, width).transpose(0, 1)  # [S, K-1, 3C]
+            new = kda.conv_history(mixed[:, lo : lo + n], hist if b.starts[seq] else torch.zeros_like(hist))
+            hist.copy_(new)
+            lo += n
+        init = torch.where(p.fresh.view(-1, 1, 1, 1), 0.0, state_all[p.slots])
+        # fla-core's chunk_kda runs once per shard: its kernels autotune their configs (some change the K split) keyed
+        # on the head count, so one call over every local shard's heads could take another schedule at TP=1 (4
+        # shards' heads) than at TP=2 (2 shards'), and TP=1 = TP=2 would no longer hold by construction.
+        h, dl = attn.heads, attn.dl
+        for j in range(s):
+            heads = slice(j * h, (j + 1) * h)
+            q, k, v = (c.reshape(1, -1, h, dl) for c in conv[j].chunk(3, dim=-1))
+            out, final = _chunk_kda(q, k, v, g_raw[j].reshape(1, -1, h, dl), beta_raw[j].reshape(1, -1, h),
+                                    init[:, heads], p.cu_seqlens, attn.a_log[j], attn.dt_bias[j], attn.lower_bound)
+            state_all[:, heads].index_copy_(0, p.slots, final)
+            core[j] = out.reshape(-1, h * dl)
+
+    def kda_gated_norm(self, core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       heads: int) -> torch.Tensor:
+        return gpu_kda.gated_norm(core, gate, weight, eps)
+
+    # ----- MLA with the DSA indexer -----
+
+    def dsa_select(self, ix: "Indexer", x_parts: list[torch.Tensor], q_resid: torch.Tensor, layer: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this batch's index rows and completed pool keys, then each row's selected pools (pools [T, W]
+        int32 ascending, count [T] int32)."""
+        if not ix.tail:  # the attention kernel always appends the tail pool, as every GLM release does
+            raise NotImplementedError("the fused path needs index_kpool_always_select_tail")
+        rows, cache = self.rows, self.cache
+        wk_out, gate_out, w_out = x_parts
+        store = cache.index_keys[layer]
+        key = gpu_norms.layer_norm(wk_out, ix.k_norm_w, ix.k_norm_b, 1e-6)
+        self.write_rows(store, torch.cat([key, gate_out], dim=-1))
+        pooled = cache.pooled[layer]
+        gpu_mla.write_pools(store.data, store.scale, pooled, ix.ape, rows.tables, rows.positions, rows.row_seq,
+                            ix.kpool)
+        keep = ix.topk // ix.kpool
+        if rows.max_pools <= keep:  # every row sees at most `keep` pools: it takes them all, no scores needed
+            return gpu_mla.select_pools(None, rows.positions, ix.kpool, keep, rows.max_pools)
+        q = self.linear(q_resid, ix.wq_b).view(q_resid.shape[0], ix.heads, ix.dim)
+        w = w_out.float() * (ix.heads ** -0.5)
+
+        def scores_of(p0: int, p1: int) -> torch.Tensor:  # one tile of pools at a time: memory flat in the context
+            return gpu_mla.index_scores(q, w, pooled, rows.tables, rows.positions, rows.row_seq, ix.kpool, p1,
+                                        first=p0)
+        return gpu_mla.select_pools(scores_of, rows.positions, ix.kpool, keep, rows.max_pools)
+
+    def mla_attention(self, attn: "MlaAttention", q: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor]
+                      ) -> torch.Tensor:
+        """q [S, T, heads * dn] -> [S, T, heads * dv]. The per-head products run as one batch over all local heads,
+        and the attention kernel works on each head alone, so every shard gets the bits of its own launch."""
+        rows = self.rows
+        d, (s, t, _), h = rows.decode_rows, q.shape, attn.heads
+        latent = self.cache.latent[attn.layer]
+        sel, count = chosen
+        kpool = self.cache.kpool
+        max_positions = min(sel.shape[1], rows.max_pools) * kpool + kpool
+        q = q.view(s, t, h, attn.dn).transpose(1, 2).reshape(s * h, t, attn.dn)  # every local head a batch
+        q_lat = gemm.bmm(q, attn.w_uk.transpose(1, 2), d)  # [S h, T, r]
+        o_lat = torch.empty(t, s * h, attn.r, dtype=q.dtype, device=q.device)
+        gpu_mla.sparse_attention(q_lat.transpose(0, 1), latent.data, latent.scale, rows.tables, rows.positions,
+                                 rows.row_seq, sel, count, kpool, attn.scale, o_lat, d, max_positions)
+        out = gemm.bmm(o_lat.transpose(0, 1), attn.w_uv, d)  # [S h, T, dv]
+        return out.view(s, h, t, attn.dv).transpose(1, 2).reshape(s, t, h * attn.dv)
+
+    # ----- MoE -----
+
+    def moe(self, m: "Moe", x: torch.Tensor) -> torch.Tensor:
+        """Every local shard's partial [S, T, D] fp32: routing, the grouped experts (the shared expert as one more
+        expert when it is stored like them), the shared expert apart otherwise (added after the routed sum)."""
+        c, d = m.cfg, self.rows.decode_rows
+        if c.n_group > 1:  # grouped routing has no fused kernel (GLM-5.3-Flash routes with one group)
+            raise NotImplementedError("the fused MoE routes with n_group == 1 only")
+        logits = gemm.matmul(x, m.router, d, torch.float32)
+        ids, w = gpu_moe.route(logits, m.bias, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
+                               scaling=c.routed_scaling_factor, n_real=self.rows.n_real,
+                               shared=m.shared_apart is None)
+        if isinstance(m.gate, list):  # per-shard EXL3 stacks (the EXL3 grouped path takes one shard a launch)
+            out = torch.stack([gpu_moe.experts(x, ids, w, g, u, dn, c.swiglu_limit, d)[0]
+                               for g, u, dn in zip(m.gate, m.up, m.down)])
+        else:
+            out = gpu_moe.experts(x, ids, w, m.gate, m.up, m.down, c.swiglu_limit, d, shards=m.shards)
+        if m.shared_apart is not None:
+            out = out + m.shared_apart.forward(x, self)
+        return out
+
+
+def project(x: torch.Tensor, p: Projection, decode_rows: int, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """x [B, M, K] through every part of `p` ([B, N_i, K] each) -> [B, M, N], each part's columns written in place;
+    rows [0, decode_rows) with the decode schedule, the rest with the prompt one (kernels/gpu/gemm.py)."""
+    if len(p.parts) == 1:
+        return gemm.bmm(x, p.parts[0], decode_rows, out_dtype)
+    out = torch.empty(*x.shape[:2], p.n, dtype=out_dtype or x.dtype, device=x.device)
+    lo = 0
+    for part, width in zip(p.parts, p.widths):
+        gemm.bmm(x, part, decode_rows, out_dtype, out=out[..., lo : lo + width])
+        lo += width
+    return out
+
+
+def _per_shard(x: torch.Tensor, p: Projection) -> torch.Tensor:
+    """A sharded projection's input [S, T, K]: x itself, or x [T, K] broadcast to every shard."""
+    return x if x.dim() == 3 else x.unsqueeze(0).expand(p.shards, -1, -1)
+
+
+def _chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
+               init: torch.Tensor, cu_seqlens: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+               lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla-core's chunked KDA over varlen sequences with GLM's gate, beta and l2 norms inside the kernel
+    -> (out [1, T, H, dv] in the input dtype, final states [N, H, dk, dv] fp32). Without fla-core (or off CUDA,
+    where the Triton kernels run in the test interpreter) the torch twin runs sequence by sequence."""
+    chunk_kda = _fla_chunk_kda() if q.is_cuda else None
+    if chunk_kda is None:
+        return _chunk_kda_twin(q, k, v, g_raw, beta_raw, init, cu_seqlens, a_log, dt_bias, lower_bound)
+    return chunk_kda(q, k, v, g_raw, beta_raw, initial_state=init.contiguous(), output_final_state=True,
+                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None, lower_bound=lower_bound,
+                     A_log=a_log, dt_bias=dt_bias)
+
+
+@functools.cache
+def _fla_chunk_kda():
+    """fla-core's chunk_kda, or None (with one warning saying why) when it cannot be imported."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError as exc:
+        log.warning("fla-core is not usable (%s): prompt chunks run KDA with the torch twin, which is slow", exc)
+        return None
+    return chunk_kda
+
+
+def _chunk_kda_twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
+                    init: torch.Tensor, cu_seqlens: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                    lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_chunk_kda` by the torch reference (kernels/kda.py), with the gate and beta as the reference computes them."""
+    heads, dk = q.shape[2], q.shape[3]
+    g = g_raw[0].float() + dt_bias.float().view(heads, dk)
+    rate = a_log.float().exp().view(1, heads, 1)
+    g = lower_bound * torch.sigmoid(rate * g) if lower_bound is not None else \
+        -rate * torch.nn.functional.softplus(g, threshold=20.0)
+    beta = torch.sigmoid(beta_raw[0])
+    out = torch.empty(q.shape[1], heads, v.shape[-1], dtype=q.dtype, device=q.device)
+    finals = []
+    bounds = cu_seqlens.tolist()
+    for i in range(len(bounds) - 1):
+        r = slice(bounds[i], bounds[i + 1])
+        o, st = kda.chunked(q[0, r], k[0, r], v[0, r], g[r], beta[r], init[i])
+        out[r] = o.to(q.dtype)
+        finals.append(st)
+    return out.unsqueeze(0), torch.stack(finals)
