@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from kernels.gpu import to_device
+from kernels.sampling_rules import MIN_P, SAMPLER_TOP_P, SEED, TEMPERATURE, TOP_K
 
 __all__ = [
     "SamplingParams",
@@ -227,16 +228,10 @@ class SamplingParams:
         rows = len(temperature)
         if not all(len(v) == rows for v in (top_k, top_p, min_p, seed)):
             raise ValueError("all sampling parameter lists must have one value per row")
-        if any(not (t >= 0.0 and math.isfinite(t)) for t in temperature):
-            raise ValueError("temperature must be finite and >= 0")
-        if any(k < 0 for k in top_k):
-            raise ValueError("top_k must be >= 0 (0 = off)")
-        if any(not (0.0 <= p <= 1.0) for p in top_p):
-            raise ValueError("top_p must be in [0, 1] (1 = off)")
-        if any(not (0.0 <= p <= 1.0) for p in min_p):
-            raise ValueError("min_p must be in [0, 1] (0 = off)")
-        if any(not (-(2**63) <= s < 2**64) for s in seed):
-            raise ValueError("seed must fit in 64 bits")
+        for rule, values in ((TEMPERATURE, temperature), (TOP_K, top_k), (SAMPLER_TOP_P, top_p), (MIN_P, min_p),
+                             (SEED, seed)):
+            if not all(rule.holds(v) for v in values):
+                raise ValueError(f"{rule.name} must be {rule}")
         signed = [s - 2**64 if s >= 2**63 else s for s in seed]
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),

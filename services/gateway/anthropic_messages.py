@@ -20,6 +20,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
+from kernels.sampling_rules import MAX_API_TEMPERATURE, TEMPERATURE, TOP_K, TOP_P
+
 from .choices import Choices
 from .errors import GatewayError
 from .generation import Final, Keepalive
@@ -101,9 +103,9 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, le=MAX_API_TEMPERATURE, **TEMPERATURE.field())
+    top_p: float | None = Field(None, **TOP_P.field())
+    top_k: int | None = Field(None, **TOP_K.field())
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
 

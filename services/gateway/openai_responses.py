@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kernels.sampling_rules import MAX_API_TEMPERATURE, TEMPERATURE, TOP_P
+
 from .choices import Choices
 from .errors import GatewayError
 from .generation import Final, Keepalive
@@ -81,8 +83,8 @@ class ResponsesRequest(_Model):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, le=MAX_API_TEMPERATURE, **TEMPERATURE.field())
+    top_p: float | None = Field(None, **TOP_P.field())
     seed: int | None = None  # twinspark / vLLM extension: keyed sampling
     stream: bool = False
     store: bool = True

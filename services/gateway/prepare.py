@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kernels.sampling_rules import MAX_LOGIT_BIAS
 from services.common.tensors import to_proto
 from twinspark.v1 import generate_pb2
 
@@ -140,9 +141,6 @@ def _sampling(ctx: ModelContext, req: ChatCompletionRequest | CompletionRequest)
     sampling.repetition_penalty = req.repetition_penalty if req.repetition_penalty is not None else 1.0
     sampling.logit_bias.update(_logit_bias(req.logit_bias or {}, ctx.vocab_size))
     return sampling
-
-
-MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:

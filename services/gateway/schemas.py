@@ -13,6 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, N, PRESENCE_PENALTY,
+                                    REPETITION_PENALTY, SEED, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P, VLLM_TOP_K_OFF)
+
 from .errors import GatewayError, bad_request, unsupported
 
 
@@ -167,11 +170,11 @@ class _Generation(_Strict):
     model: Identifier | None = None  # optional as in vLLM: the one served model
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # vLLM: -1 (or 0) = off; int32 on the wire
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    temperature: float | None = Field(None, **TEMPERATURE.field())
+    top_p: float | None = Field(None, **TOP_P.field())
+    top_k: int | None = Field(None, ge=VLLM_TOP_K_OFF, le=TOP_K.hi)
+    min_p: float | None = Field(None, **MIN_P.field())
+    seed: int | None = Field(None, **SEED.field())
     max_tokens: int | None = Field(None, ge=1)
     stop: StopString | Annotated[list[StopString], Field(max_length=64)] | None = None
     stop_token_ids: Annotated[list[int], Field(max_length=1024)] | None = None
@@ -188,7 +191,7 @@ class _Generation(_Strict):
     metadata: dict[str, Any] | None = None
     prompt_cache_key: Identifier | None = None
     safety_identifier: Identifier | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, **N.field())
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None    # vLLM's older spellings of structured_outputs
@@ -198,11 +201,11 @@ class _Generation(_Strict):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
     # Penalties (OpenAI's ranges; repetition_penalty and min_tokens are vLLM's), applied on the ranks before the draw.
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
-    min_tokens: int | None = Field(None, ge=0)
+    presence_penalty: float | None = Field(None, **PRESENCE_PENALTY.field())
+    frequency_penalty: float | None = Field(None, **FREQUENCY_PENALTY.field())
+    repetition_penalty: float | None = Field(None, **REPETITION_PENALTY.field())
+    logit_bias: dict[str, Annotated[float, Field(**LOGIT_BIAS.field())]] | None = None  # token id -> bias
+    min_tokens: int | None = Field(None, **MIN_TOKENS.field())
     # Recognised, not implemented: only their neutral value is accepted (see _NEUTRAL).
     length_penalty: Any = None
     priority: Any = None
@@ -230,7 +233,7 @@ class ChatCompletionRequest(_Generation):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max", "xhigh"] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, **TOP_LOGPROBS.field())
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -251,8 +254,8 @@ class CompletionRequest(_Generation):
     # vLLM: a string, a token-id list, or a list holding one of either (batches of more than one are refused).
     prompt: str | list[int] | list[str] | list[list[int]]
     add_special_tokens: bool = True
-    logprobs: int | None = Field(None, ge=0, le=20)  # completions: the number of top logprobs (0 = chosen only)
-    best_of: int | None = Field(None, ge=1, le=16)
+    logprobs: int | None = Field(None, **TOP_LOGPROBS.field())  # completions: how many top logprobs (0: chosen only)
+    best_of: int | None = Field(None, **N.field())
     suffix: Any = None
     prompt_embeds: Any = None
 

@@ -17,6 +17,8 @@ from kernels import gpu
 from kernels.gpu import to_device
 from kernels.penalties import Penalties, apply_penalties
 from kernels.sampling import Filters, SamplingParams, apply_token_bitmask, processed_logprobs, sample
+from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, PRESENCE_PENALTY, REPETITION_PENALTY,
+                                    TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P)
 from services.common.tensors import from_proto
 from services.rank_worker.encoder_cache import EncoderCache
 from services.rank_worker.kv_tiers import TierStore
@@ -161,16 +163,11 @@ def check_positions(starts: torch.Tensor, lengths: torch.Tensor, max_positions: 
 
 
 def check_sampling(params: SamplingParams) -> None:
-    """The ranges the scheduler validates requests against (services/scheduler/engine.py)."""
-    t, p, m = params.temperature, params.top_p, params.min_p
-    if not bool((torch.isfinite(t) & (t >= 0)).all()):
-        raise PlanError("temperature must be finite and >= 0")
-    if not bool(((p > 0) & (p <= 1)).all()):
-        raise PlanError("top_p must be in (0, 1]")
-    if bool((params.top_k < 0).any()):
-        raise PlanError("top_k must be >= 0")
-    if not bool(((m >= 0) & (m <= 1)).all()):
-        raise PlanError("min_p must be in [0, 1]")
+    """The ranges the scheduler validates requests against (kernels/sampling_rules.py)."""
+    for rule, t in ((TEMPERATURE, params.temperature), (TOP_P, params.top_p), (TOP_K, params.top_k),
+                    (MIN_P, params.min_p)):
+        if not rule.holds(t):
+            raise PlanError(f"{rule.name} must be {rule}")
 
 
 def _matrix(msg, name: str, dtype: torch.dtype, rows: int) -> torch.Tensor:
@@ -196,7 +193,7 @@ def _id_lists(msg, name: str, rows: int, vocab: int) -> torch.Tensor:
 
 def row_penalties(plan: StepPlan, r: int, vocab: int, max_positions: int) -> Penalties | None:
     """The plan's penalties (StepPlan.penalties), validated, on the host; None when no row uses any. Ranges are
-    the gateway's and the scheduler's (services/scheduler/engine.py)."""
+    the gateway's and the scheduler's (kernels/sampling_rules.py)."""
     if not plan.HasField("penalties"):
         return None
     p = plan.penalties
@@ -209,10 +206,9 @@ def row_penalties(plan: StepPlan, r: int, vocab: int, max_positions: int) -> Pen
     presence = _vec(p.presence, "penalties.presence", torch.float32, q)
     frequency = _vec(p.frequency, "penalties.frequency", torch.float32, q)
     repetition = _vec(p.repetition, "penalties.repetition", torch.float32, q)
-    if not bool(((presence.abs() <= 2) & (frequency.abs() <= 2)).all()):
-        raise PlanError("presence and frequency penalties must be in [-2, 2]")
-    if not bool((torch.isfinite(repetition) & (repetition > 0)).all()):
-        raise PlanError("repetition penalties must be finite and > 0")
+    for rule, t in ((PRESENCE_PENALTY, presence), (FREQUENCY_PENALTY, frequency), (REPETITION_PENALTY, repetition)):
+        if not rule.holds(t):
+            raise PlanError(f"{rule.name} must be {rule}")
     seen = _id_lists(p.seen_ids, "penalties.seen_ids", q, vocab)
     counts = _matrix(p.seen_counts, "penalties.seen_counts", torch.int64, q)
     if counts.shape != seen.shape or bool((counts < 0).any()) or bool((counts > max_positions).any()) \
@@ -220,8 +216,8 @@ def row_penalties(plan: StepPlan, r: int, vocab: int, max_positions: int) -> Pen
         raise PlanError(f"penalties.seen_counts must be [Q, P] like seen_ids, in [0, {max_positions}], 0 at padding")
     bias_ids = _id_lists(p.bias_ids, "penalties.bias_ids", q, vocab)
     bias = _matrix(p.bias_values, "penalties.bias_values", torch.float32, q)
-    if bias.shape != bias_ids.shape or not bool((bias.abs() <= 100).all()):
-        raise PlanError("penalties.bias_values must be [Q, B] like bias_ids, in [-100, 100]")
+    if bias.shape != bias_ids.shape or not LOGIT_BIAS.holds(bias):
+        raise PlanError(f"penalties.bias_values must be [Q, B] like bias_ids, {LOGIT_BIAS}")
     banned = _id_lists(p.banned_ids, "penalties.banned_ids", q, vocab)
     return Penalties(rows, presence, frequency, repetition, seen, counts, bias_ids, bias, banned)
 
@@ -281,8 +277,8 @@ class Executor:
         if not plan.HasField("logprobs_k") or not plan.logprobs_k.shape or not plan.logprobs_k.shape[0]:
             return None
         k = _vec(plan.logprobs_k, "logprobs_k", torch.int64, r)
-        if bool((k < -1).any()) or bool((k > 20).any()):
-            raise PlanError("logprobs_k must be in [-1, 20]")
+        if not TOP_LOGPROBS.holds(k[k != -1]):  # -1: no logprobs for that row
+            raise PlanError(f"logprobs_k must be -1 or {TOP_LOGPROBS}")
         return k if bool((k >= 0).any()) else None
 
     @staticmethod

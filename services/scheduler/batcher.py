@@ -15,8 +15,9 @@ prompt).
 
 Drafts: a decoder with drafts gets a verify window, rows [last token, d_1..d_k], every row a sample row, after every
 decoder got its one row and while the budget lasts (drafts are cut to fit, never a decoder's own row). The rows
-fit the request's reservation: k <= tokens still allowed - 1 (see `Engine._draft_budget`). The token sampled at row position p is the token at position p + 1; ranks derive positions from
-starts/lengths, so nothing else travels.
+fit the request's reservation: k <= tokens still allowed - 1 (see `RoundScheduler.draft_wants`). The token sampled
+at row position p is the token at position p + 1; ranks derive positions from starts/lengths, so nothing else
+travels.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class PlannedSeq:
     sample: bool
     verify: bool = False  # token_ids = [last committed token, drafts...]; every row is sampled
     prompt: bool = False  # token_ids are prompt tokens (a prefill chunk): the ranks use prefill arithmetic
-    masks: list[torch.Tensor] | None = None  # grammar masks, one per sample row (set by the engine)
+    masks: list[torch.Tensor] | None = None  # grammar masks, one per sample row (`apply_grammar_masks`)
 
     @property
     def num_drafts(self) -> int:
@@ -95,6 +96,21 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
         out.append(PlannedSeq(r, start, toks, sample=not r.replay and start + len(toks) >= r.prompt_len, prompt=True))
         left -= len(toks)
     return out
+
+
+def apply_grammar_masks(seqs: list[PlannedSeq]) -> None:
+    """Masks for the sample rows of constrained requests; a verify window keeps only the drafts its grammar allows
+    (a forbidden draft would be rejected anyway: the rank's masked sample can never equal it)."""
+    for s in seqs:
+        g = s.req.grammar
+        if g is None or not s.sample:
+            continue
+        if s.verify:
+            s.masks, kept = g.window(s.token_ids[1:])
+            s.token_ids = s.token_ids[: 1 + len(kept)]
+            s.verify = bool(kept)
+        else:
+            s.masks = [g.mask()]
 
 
 def build_step_plan(seqs: list[PlannedSeq], block_size: int,

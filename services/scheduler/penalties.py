@@ -16,23 +16,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.tensors import to_proto
-from twinspark.v1 import generate_pb2, rank_pb2
+from twinspark.v1 import rank_pb2
 
 if TYPE_CHECKING:
     from services.scheduler.request import Request
 
-# OpenAI's bounds, checked by the gateway and again here (a hand-made Generate call must not reach the ranks).
-MAX_PENALTY = 2.0
-MAX_BIAS = 100.0
-MAX_BIAS_ENTRIES = 300
-
-
-class PenaltyError(ValueError):
-    """A Generate request's penalty settings are out of range; the message names the field."""
-
 
 @dataclass(frozen=True)
 class PenaltySpec:
+    """A request's settings, already in range (validation.py)."""
+
     presence: float = 0.0     # OpenAI presence_penalty, over the generated tokens
     frequency: float = 0.0    # OpenAI frequency_penalty, over the generated tokens
     repetition: float = 1.0   # vLLM repetition_penalty, over prompt + generated tokens
@@ -43,29 +36,6 @@ class PenaltySpec:
     def reads_output(self) -> bool:
         """Whether a row's values depend on the tokens generated before it (not only on how many)."""
         return self.presence != 0 or self.frequency != 0 or self.repetition != 1
-
-    @classmethod
-    def of(cls, msg: generate_pb2.GenerateRequest, vocab: int) -> "PenaltySpec | None":
-        """The request's settings, validated; None when it uses none (such rows carry nothing)."""
-        sp = msg.sampling
-        repetition = 1.0 if sp.repetition_penalty == 0 else sp.repetition_penalty  # proto3: 0 = unset
-        for name, v in (("presence_penalty", sp.presence_penalty), ("frequency_penalty", sp.frequency_penalty)):
-            if not -MAX_PENALTY <= v <= MAX_PENALTY:
-                raise PenaltyError(f"{name} must be in [-2, 2], got {v}")
-        if not (repetition > 0 and repetition != float("inf")):
-            raise PenaltyError(f"repetition_penalty must be > 0, got {sp.repetition_penalty}")
-        if len(sp.logit_bias) > MAX_BIAS_ENTRIES:
-            raise PenaltyError(f"logit_bias has {len(sp.logit_bias)} entries; at most {MAX_BIAS_ENTRIES} are allowed")
-        for t, b in sp.logit_bias.items():
-            if not 0 <= t < vocab:
-                raise PenaltyError(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})")
-            if not -MAX_BIAS <= b <= MAX_BIAS:
-                raise PenaltyError(f"logit_bias: the bias of token {t} must be in [-100, 100], got {b}")
-        if not 0 <= msg.min_tokens <= msg.max_tokens:
-            raise PenaltyError(f"min_tokens must be in [0, max_tokens = {msg.max_tokens}], got {msg.min_tokens}")
-        spec = cls(presence=sp.presence_penalty, frequency=sp.frequency_penalty, repetition=repetition,
-                   logit_bias=tuple(sorted(sp.logit_bias.items())), min_tokens=msg.min_tokens)
-        return spec if spec != cls() else None
 
 
 class PenaltyState:

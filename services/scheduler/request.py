@@ -110,7 +110,7 @@ class Request:
         self.pending_rows = 0
         self.pending_samples = 0
         self.release_deferred = False
-        # A reply replay (engine `_start_replay`): prefills a finished request's prompt + reply for the prefix cache,
+        # A reply replay (replay.py): prefills a finished request's prompt + reply for the prefix cache,
         # samples nothing, streams nothing, and gives way to any request that needs its slot or blocks.
         self.replay = False
         self.after: Request | None = None  # a replay's finished request, whose last rows may still be in flight

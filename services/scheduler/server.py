@@ -16,12 +16,13 @@ import grpc
 
 from services.common.internal_auth import server_interceptors
 from services.scheduler.admission import QueueFull
-from services.scheduler.engine import Engine, EngineConfig, InvalidRequest, Unavailable
+from services.scheduler.engine import Engine, EngineConfig, Unavailable
 from services.scheduler.drafts import DrafterClient
 from services.scheduler.grammar import GrammarBook
 from services.scheduler.ranks import RankSet
 from services.scheduler.request import State
 from services.scheduler.tracing import generate_parent
+from services.scheduler.validation import InvalidRequest
 from twinspark.v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("twinspark.scheduler.server")
@@ -45,7 +46,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             return
         except QueueFull as exc:
             log.info("refused %s: queue full (%d waiting), retry after %d s", request.request_id or "(no id)",
-                     len(self.engine.queue), exc.retry_after_s)
+                     len(self.engine.scheduler.queue), exc.retry_after_s)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
                                 trailing_metadata=(("retry-after", str(exc.retry_after_s)),))
             return
@@ -76,18 +77,18 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
 
     async def Health(self, request: generate_pb2.HealthRequest, context: grpc.aio.ServicerContext
                      ) -> generate_pb2.HealthReply:
-        e = self.engine
+        e, s = self.engine, self.engine.scheduler
         ranks = await self.ranks.ping(self.ping_timeout_s)  # real liveness, not just "no error seen yet"
         # Waiting for a failed rank group to restart, the scheduler itself is fine (the ranks are named down); ranks
         # that came back with other settings need a scheduler restart, so then the scheduler is down too.
         sched_alive = e.alive and self.ranks.stuck is None
-        detail = f"round {e.rounds}" if e.alive else "engine loop stopped"
+        detail = f"round {s.rounds}" if e.alive else "engine loop stopped"
         if self.ranks.stuck is not None:
             detail += f"; {self.ranks.stuck}"
         elif self.ranks.failure is not None:
             detail += f"; {self.ranks.failure.public}: waiting for the rank group to restart"
-        if e.prefix is not None:
-            detail += f"; {e.prefix.describe()}"
+        if s.kv.prefix is not None:
+            detail += f"; {s.kv.prefix.describe()}"
         if e.loop_error:
             detail += f"; last loop error: {e.loop_error}"
         components = [generate_pb2.ComponentHealth(name="scheduler", alive=sched_alive, detail=detail)]
@@ -98,12 +99,12 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             # Optional: without the drafter serving goes on (no drafts), so it does not make the reply unhealthy.
             components.append(generate_pb2.ComponentHealth(
                 name="drafter", alive=d.alive,
-                detail=f"{d.detail}; accepted {e.accepted_total} of {e.drafted_total} drafts in "
-                       f"{e.windows_total} windows"))
+                detail=f"{d.detail}; accepted {s.accepted_total} of {s.drafted_total} drafts in "
+                       f"{s.windows_total} windows"))
         return generate_pb2.HealthReply(
-            healthy=healthy, components=components, pool=e.pool_stats(),
-            running=e.num_running, waiting=len(e.queue), max_model_len=e.info.max_model_len, model=e.info.model,
-            prefix_cache_queries=e.prefix_queries, prefix_cache_hits=e.prefix_hits, tiers=e.tier_stats())
+            healthy=healthy, components=components, pool=s.pool_stats(),
+            running=s.num_running, waiting=len(s.queue), max_model_len=e.info.max_model_len, model=e.info.model,
+            prefix_cache_queries=s.kv.prefix_queries, prefix_cache_hits=s.kv.prefix_hits, tiers=s.kv.tier_stats())
 
 
 @dataclass
@@ -154,9 +155,9 @@ class Scheduler:
             raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
         await self.server.start()
         e = self.cfg.engine
-        px = self.engine.prefix
+        px = self.engine.scheduler.kv.prefix
         log.info("scheduler listening on %s:%d (max waiting %d, max seqs %d, %d tokens per round, prefix caching %s)",
-                 self.cfg.host, self.port, e.max_waiting, self.engine.max_running, e.max_num_batched_tokens,
+                 self.cfg.host, self.port, e.max_waiting, self.engine.scheduler.max_running, e.max_num_batched_tokens,
                  f"on, {len(px.slots)} snapshot slots" if px is not None else "off")
         return self.port
 

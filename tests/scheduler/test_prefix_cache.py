@@ -135,7 +135,7 @@ def test_filling_the_pool_evicts_lru_and_replies_stay_correct():
             assert out[0].finished.cached_tokens == 128
             h = await c.health()
             assert _empty(h) and not c.standin_errors()
-            assert "evicted" in h.components[0].detail and c.scheduler.engine.prefix.evictions > 0
+            assert "evicted" in h.components[0].detail and c.scheduler.engine.scheduler.kv.prefix.evictions > 0
     run(body())
 
 
