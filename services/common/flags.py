@@ -125,7 +125,8 @@ def from_args(settings: type[S], args: argparse.Namespace) -> S:
 
 
 def parse(settings: type[S], argv: list[str], environ: Mapping[str, str] | None = None, prog: str = "") -> S:
-    """Settings from a command line and an environment alone (tests, and programs that take no subcommand)."""
+    """Settings from a command line and an environment alone, without a subcommand's parser (what the tests of
+    each role's settings check)."""
     parser = argparse.ArgumentParser(prog=prog or None)
     add_flags(settings, parser, environ)
     return from_args(settings, parser.parse_args(argv))
