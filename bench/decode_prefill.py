@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch
 
-from bench import roofline
+from bench import flags, roofline
 from bench.random_weights import build_model, bench_spec, spec_dims
 from model.quantize.select import Recipe
 from kernels import moe
@@ -43,6 +43,7 @@ except ImportError:  # no Triton: the CPU path only
 from model.batch import Batch
 from model.row_store import KV_CACHE_DTYPES
 from model.checkpoint.spec import TinySpec
+from services.common import shared_flags as shared
 
 BLOCK = 16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -54,8 +55,8 @@ def _ints(s: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.decode_prefill", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4, help="text layers (default 4: KKKM)")
-    p.add_argument("--layer-pattern", default=None, help="K/M per layer (default: the release's 3:1 layout)")
+    flags.add(p, flags.LAYERS)
+    flags.add(p, flags.LAYER_PATTERN)
     p.add_argument("--batches", type=_ints, default=[1, 8, 64], help="decode batch sizes (default 1,8,64)")
     p.add_argument("--prefill", type=_ints, default=[2048, 8192], help="prefill lengths (default 2048,8192)")
     p.add_argument("--context", type=int, default=512, help="tokens in the cache per decode sequence (default 512)")
@@ -66,17 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing (default 1)")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="prefill in chunks of this many tokens (default 0: whole prompt; chunks of 2048 on OOM)")
-    p.add_argument("--budget-s", type=float, default=360.0,
-                   help="skip configs not started after this many seconds (default 360)")
+    flags.add(p, flags.BUDGET_S, "skip configs not started after this many seconds (default 360)", default="360")
     p.add_argument("--ceiling-iters", type=int, default=20, help="timed iterations of each ceiling (default 20)")
     p.add_argument("--copy-gib", type=float, default=4.0, help="bytes per copy in the bandwidth test (default 4 GiB)")
     p.add_argument("--matmul-n", type=int, default=8192, help="matmul size for the FLOP-rate test (default 8192)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights/activations (default bf16; "
-                   "float32 with --tiny)")
-    p.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
-    p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
-                   help="storage of the MLA latent / indexer rows, as serve-rank's flag (default auto)")
-    p.add_argument("--virtual", type=int, default=1, help="virtual TP shards (default 1: one product per weight)")
+    for spec in (flags.DTYPE, flags.DEVICE, flags.KV_CACHE_DTYPE, flags.VIRTUAL):
+        flags.add(p, spec)
     p.add_argument("--peer", choices=("transformers", "none"), default=None,
                    help="also time transformers' Glm5Next on the same shapes in this run (default on a GPU: "
                         "transformers; none: skip)")
@@ -85,15 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after timing, run one eager forward of each decode batch and prefill length under "
                         "torch.profiler and record the kernels that take the most GPU time (the results' 'profile' "
                         "section)")
-    p.add_argument("--random-weights", default=None, metavar="RECIPE",
-                   help="draw the linears a quantize recipe selects packed (e.g. w4a16+bf16; see serve-rank --help); "
-                        "the roofline figures still count weights at --dtype's size")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="time decode steps eagerly (default on a GPU: replay CUDA graphs, as serve-rank does)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny", action="store_true",
-                   help="make-tiny dimensions on the CPU, small ceilings: a smoke test of this script")
-    p.add_argument("--out", default=None, help="folder for the results (default bench/results)")
+    flags.add(p, shared.RANDOM_WEIGHTS, "draw the linears a quantize recipe selects packed (e.g. w4a16+bf16; see "
+              "serve-rank --help); the roofline figures still count weights at --dtype's size", metavar="RECIPE")
+    flags.add(p, shared.ENFORCE_EAGER, "time decode steps eagerly (default on a GPU: replay CUDA graphs, as "
+              "serve-rank does)")
+    flags.add(p, flags.SEED)
+    flags.add(p, flags.TINY, "make-tiny dimensions on the CPU, small ceilings: a smoke test of this script")
+    flags.add(p, flags.OUT)
     p.add_argument("--name", default=None, help="file stem (default decode_prefill-<date>)")
     return p.parse_args(argv)
 

@@ -33,8 +33,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch
 
-from bench import roofline
-from bench.decode_prefill import DTYPES, finish, is_oom, log, random_tokens, setup, si
+from bench import flags, roofline
+from bench.decode_prefill import finish, is_oom, log, random_tokens, setup, si
 from bench.random_weights import bench_config, bench_spec, build_model
 from model.batch import Batch
 from model.parallel import Sharding
@@ -57,19 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt lengths (default 8192,65536,262144,1048576; with --tiny 1024,4096,16384)")
     p.add_argument("--chunk", type=int, default=None,
                    help=f"prefill chunk in tokens, a multiple of {KDA_GRID} (default 4096; with --tiny 1024)")
-    p.add_argument("--layers", type=int, default=4, help="text layers (default 4: KKKM)")
-    p.add_argument("--layer-pattern", default=None, help="K/M per layer (default: the release's 3:1 layout)")
-    p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
-                   help="storage of the MLA latent / indexer rows in the timed runs, as serve-rank's flag")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="weights / activations (default bf16; float32 with --tiny)")
-    p.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
-    p.add_argument("--virtual", type=int, default=1, help="virtual TP shards (default 1)")
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="skip lengths not started after this many seconds (default 540)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny", action="store_true", help="make-tiny dimensions on the CPU: a smoke test of this script")
-    p.add_argument("--out", default=None, help="folder for the results (default bench/results)")
+    for spec in (flags.LAYERS, flags.LAYER_PATTERN, flags.KV_CACHE_DTYPE, flags.DTYPE, flags.DEVICE, flags.VIRTUAL):
+        flags.add(p, spec)
+    flags.add(p, flags.BUDGET_S, "skip lengths not started after this many seconds (default 540)", default="540")
+    for spec in (flags.SEED, flags.TINY, flags.OUT):
+        flags.add(p, spec)
     p.add_argument("--name", default=None, help="file stem (default long_context-<date>)")
     args = p.parse_args(argv)
     args.lengths = args.lengths or ([1024, 4096, 16384] if args.tiny else [8192, 65536, 262144, 1048576])

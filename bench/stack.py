@@ -15,7 +15,10 @@ from pathlib import Path
 
 import httpx
 
+from bench import flags
+from services.common import shared_flags as shared
 from services.launcher.ports import free_ports
+from services.launcher.settings import STATE_DIR
 
 
 @dataclass
@@ -87,9 +90,9 @@ def machine_load() -> dict:
 
 def add_stack_args(ap: argparse.ArgumentParser) -> None:
     """The flags that choose the stack a bench drives."""
-    ap.add_argument("--state-dir", help="a running `twinspark up`'s state dir (default: start one for the bench)")
-    ap.add_argument("--tp", type=int, default=2, help="ranks of the stack started for the bench (default 2)")
-    ap.add_argument("--model", help="checkpoint of the stack started for the bench (default the tiny one)")
+    flags.add(ap, STATE_DIR, "a running `twinspark up`'s state dir (default: start one for the bench)")
+    flags.add(ap, shared.TP, "ranks of the stack started for the bench (default 2)", default="2")
+    flags.add(ap, shared.MODEL, "checkpoint of the stack started for the bench (default the tiny one)")
 
 
 def load_line(before: dict, after: dict) -> str:

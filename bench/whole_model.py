@@ -28,10 +28,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import exactness
+from bench import exactness, flags
 from bench.random_weights import REAL_DIMS
 from bench.serve import level, summarize, warm_up
 from bench.stack import attach_or_start, write_results
+from services.common import shared_flags as shared
 
 LAYERS = 45
 DENSE_LAYERS = 3
@@ -136,16 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.whole_model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write-dir", type=Path, help="write the config + tokenizer directory here and stop")
-    ap.add_argument("--layers", type=int, default=LAYERS, help=f"text layers of the written config (default {LAYERS})")
-    ap.add_argument("--model", type=Path, help="a directory written by --write-dir (or any checkpoint's config)")
-    ap.add_argument("--tp", type=int, default=2, help="ranks, one GPU each (default 2)")
+    flags.add(ap, flags.LAYERS, f"text layers of the written config (default {LAYERS})", default=str(LAYERS))
+    flags.add(ap, shared.MODEL, "a directory written by --write-dir (or any checkpoint's config)", type=Path)
+    flags.add(ap, shared.TP, "ranks, one GPU each (default 2)", default="2")
     ap.add_argument("--formats", default="w4a16+bf16",
                     help="--random-weights recipes, comma-separated (default w4a16+bf16; on a GPU only the routed "
                          "experts stay packed so far, so a quantized rest is loaded dense)")
     ap.add_argument("--concurrency", type=_ints, default=[1, 8], help="levels (default 1,8)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks per rank (default: serve-rank's)")
+    flags.add(ap, shared.NUM_BLOCKS, "KV blocks per rank (default: serve-rank's)")
     ap.add_argument("--out", type=Path, default=None, help="folder for whole_model-<time>.json/.md")
     args = ap.parse_args(argv)
     if args.write_dir:

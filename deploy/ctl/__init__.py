@@ -2,5 +2,6 @@
 `twinspark up`), wait for /health, smoke-test, print the endpoint; and stop again.
 
 It needs only python3 on the host (twinspark itself may live only inside the image): the standard library and
-the stdlib-only launcher helpers (`services.launcher.ports`) of the checkout it runs from.
+the stdlib-only modules of the checkout it runs from (the launcher's `services.launcher.ports`, the services' flag
+declarations `services.common.shared_flags`).
 """

@@ -1,5 +1,8 @@
 """The deployment's settings: defaults from deploy/.env.example (the one list of settings), then deploy/.env (or
 --env-file), then the process environment (as docker compose does), checked and with the derived values filled in.
+
+The values a setting may take are the services' own flags' (services/common/shared_flags.py, standard library only
+like this package); a test holds .env.example's defaults to those flags' defaults.
 """
 
 from __future__ import annotations
@@ -10,12 +13,11 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common import shared_flags as flags
+
 DEPLOY = Path(__file__).resolve().parent.parent
 REPO = DEPLOY.parent
 EXAMPLE = DEPLOY / ".env.example"
-DRAFTERS = ("copy", "mtp", "none")
-KV_DTYPES = ("auto", "fp8", "fp8_e4m3")
-DEVICES = ("cpu", "cuda")
 LAUNCHERS = ("auto", "docker", "native")
 SECRETS = ("API_KEY", "INTERNAL_TOKEN")  # never printed, never on a command line (ssh gets them on stdin)
 
@@ -139,12 +141,11 @@ def check(s: Settings) -> None:
         raise SettingsError(f"GPU_MEMORY_UTILIZATION={v['GPU_MEMORY_UTILIZATION']!r} must be a number in (0, 1]")
     _int(s, "MAX_RESTARTS", 0)
     _int(s, "NUM_DRAFT_TOKENS", 0)
-    _choice(s, "DEVICE", DEVICES)
-    _choice(s, "DRAFTER", DRAFTERS)
-    _choice(s, "KV_CACHE_DTYPE", KV_DTYPES)
+    for flag in (flags.DEVICE, flags.DRAFTER, flags.KV_CACHE_DTYPE):  # each setting is its flag's variable
+        _choice(s, (flag.env_var or "").removeprefix("TWINSPARK_"), flag.choices or ())
     _choice(s, "LAUNCHER", LAUNCHERS)
-    if v["DTYPE"] not in ("", "bfloat16", "float16", "float32"):
-        raise SettingsError(f"DTYPE={v['DTYPE']!r} must be empty, bfloat16, float16 or float32")
+    if v["DTYPE"] not in ("", *flags.DTYPES):
+        raise SettingsError(f"DTYPE={v['DTYPE']!r} must be empty or one of {', '.join(flags.DTYPES)}")
     if v["MODEL"] and not (Path(v["MODEL"]).expanduser() / "config.json").is_file():
         raise SettingsError(f"MODEL={v['MODEL']!r} has no config.json (a Hugging Face checkpoint directory)")
     otel = v["OTEL_EXPORTER_OTLP_ENDPOINT"]

@@ -7,6 +7,7 @@
 - `tiny_cache.py`  the tiny checkpoint served when no `--model` is given, made once and cached atomically.
 - `supervisor.py`  starts the children, waits for health, supervises (restarts a child that exits — the ranks as one
                    group — up to `--max-restarts` per role), stops them (process groups, SIGTERM → SIGKILL).
+- `settings.py`    `up`'s and `down`'s flags, as the frozen settings the commands run on.
 - `cli.py`         `register(subparsers)` adding `up` and `down` (also runnable as `python -m services.launcher`).
 
 Nothing here imports torch: `up` must start (and `down` answer) in a blink.

@@ -4,68 +4,73 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from services.common import shared_flags as shared
+from services.common.flags import add_flags, flag, from_args
 
-from model.row_store import KV_CACHE_DTYPES
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+@dataclass(frozen=True, kw_only=True)
+class GenerateSettings:
+    """The model and device flags are the serving ones (environment defaults included); the request's own flags
+    have no variables: they describe one run, not a deployment."""
+
+    model: str = flag(shared.MODEL, required=True)
+    prompt: str | None = flag("prompt", "prompt text (tokenized as is, no chat template)", env=None, one_of="source")
+    ids: str | None = flag("ids", "prompt token ids, comma separated", env=None, one_of="source")
+    max_tokens: int = flag("max-tokens", "tokens to generate at most", default="32", type=int, env=None)
+    temperature: float = flag("temperature", "0 = greedy (default)", default="0", type=float, env=None)
+    top_p: float = flag("top-p", "nucleus sampling mass", default="1", type=float, env=None)
+    top_k: int = flag("top-k", "0 = off", default="0", type=int, env=None)
+    min_p: float = flag("min-p", "minimum probability relative to the top token", default="0", type=float, env=None)
+    seed: int = flag("seed", "sampling seed", default="0", type=int, env=None)
+    ignore_eos: bool = flag("ignore-eos", "keep generating past end-of-sequence tokens", switch=True, env=None)
+    tp: int = flag(shared.TP)
+    device: str = flag(shared.DEVICE)
+    dtype: str | None = flag(shared.DTYPE)
+    kv_cache_dtype: str = flag(shared.KV_CACHE_DTYPE)
+    json: bool = flag("json", 'print {"token_ids": [...], "text": "..."}', switch=True, env=None)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate tokens offline from a checkpoint",
                        description="Offline generation (no services). Prints the text, or JSON with --json.")
-    p.add_argument("--model", default=os.environ.get("TWINSPARK_MODEL"), required="TWINSPARK_MODEL" not in os.environ,
-                   help="checkpoint directory (env TWINSPARK_MODEL)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (tokenized as is, no chat template)")
-    src.add_argument("--ids", help="prompt token ids, comma separated")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--tp", type=int, default=int(os.environ.get("TWINSPARK_TP", "1")), help="tensor-parallel ranks")
-    p.add_argument("--device", default=os.environ.get("TWINSPARK_DEVICE", "cpu"), choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
-                   help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--kv-cache-dtype", default=os.environ.get("TWINSPARK_KV_CACHE_DTYPE", "auto"),
-                   choices=sorted(KV_CACHE_DTYPES), help="storage of the MLA latent + indexer cache rows: auto = the "
-                   "compute dtype; fp8 (= fp8_e4m3) = e4m3 with a per-row scale (env TWINSPARK_KV_CACHE_DTYPE)")
-    p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
+    add_flags(GenerateSettings, p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    return generate(from_args(GenerateSettings, args))
+
+
+def generate(s: GenerateSettings) -> int:
+    import torch
     from tokenizers import Tokenizer
 
-    from services.rank_worker.offline import GenerateRequest, generate
+    from model.row_store import KV_CACHE_DTYPES
+    from services.rank_worker import offline
 
-    model_dir = Path(args.model)
+    model_dir = Path(s.model)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    if args.ids is not None:
+    if s.ids is not None:
         try:
-            prompt = [int(x) for x in args.ids.split(",") if x.strip()]
+            prompt = [int(x) for x in s.ids.split(",") if x.strip()]
         except ValueError:
             print("error: --ids takes comma-separated integers", file=sys.stderr)
             return 2
     else:
-        prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
-    dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
-    req = GenerateRequest(prompt_ids=tuple(prompt), max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                          ignore_eos=args.ignore_eos)
+        prompt = tokenizer.encode(s.prompt, add_special_tokens=False).ids
+    req = offline.GenerateRequest(prompt_ids=tuple(prompt), max_tokens=s.max_tokens, temperature=s.temperature,
+                                  top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed, ignore_eos=s.ignore_eos)
     try:
-        tokens = generate(model_dir, req, tp=args.tp, device=args.device, dtype=dtype,
-                          kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
+        tokens = offline.generate(model_dir, req, tp=s.tp, device=s.device,
+                                  dtype=getattr(torch, shared.compute_dtype(s.dtype, s.device)),
+                                  kv_dtype=KV_CACHE_DTYPES[s.kv_cache_dtype])
     except (ValueError, RuntimeError) as e:  # a checkpoint the loader refuses (e.g. a split off the tile grid)
         print(f"generate: {e}", file=sys.stderr)
         return 1
     text = tokenizer.decode(tokens, skip_special_tokens=False)
-    print(json.dumps({"token_ids": tokens, "text": text}) if args.json else text)
+    print(json.dumps({"token_ids": tokens, "text": text}) if s.json else text)
     return 0

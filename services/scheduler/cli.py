@@ -8,8 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import dataclass
 
-from services.common.env import add_internal_token_flag, env
+from services.common import shared_flags as shared
+from services.common.flags import add_flags, flag, from_args
+
+log = logging.getLogger("twinspark.scheduler")
 
 
 def _positive_int(text: str) -> int:
@@ -19,101 +23,92 @@ def _positive_int(text: str) -> int:
     return v
 
 
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSettings:
+    ranks: str = flag("ranks", "rank worker addresses host:port,host:port in rank order", required=True)
+    host: str = flag("host", "listen address (default loopback; another address needs --internal-token)",
+                     default="127.0.0.1", env="SCHEDULER_HOST")
+    port: int = flag("port", "listen port (default 50051)", default="50051", type=int, env="SCHEDULER_PORT")
+    max_waiting: int = flag("max-waiting", "waiting-queue bound; beyond it Generate answers RESOURCE_EXHAUSTED + "
+                            "retry-after (default 64)", default="64", type=int)
+    max_num_seqs: int = flag("max-num-seqs", "running requests at most (also capped by the ranks' KDA slots) "
+                             "(default 16)", default="16", type=_positive_int)
+    max_num_batched_tokens: int = flag("max-num-batched-tokens", "token budget of one round: decode rows first, "
+                                       "then prefill chunks (default 256)", default="256", type=_positive_int)
+    enable_prefix_caching: bool = flag("enable-prefix-caching", "reuse cached prompt prefixes (full blocks + KDA "
+                                       "state snapshots) across requests (default on)", default="1", toggle=True)
+    reply_reuse: bool = flag("reply-reuse", "after each reply, prefill prompt + reply up to its last 64-token grid "
+                             "point in the background and snapshot it, so the conversation's next turn resumes there "
+                             "(default on; needs prefix caching)", default="1", toggle=True)
+    max_snapshots: int | None = flag("max-snapshots", "KDA state snapshot slots for the prefix cache, reserved from "
+                                     "the ranks' --num-slots (~142 MB each per rank at full size) (default: the "
+                                     "slots left after --max-num-seqs, at most 16)", type=int)
+    startup_timeout: float = flag("startup-timeout", "seconds to wait for every rank to answer Describe (default "
+                                  "300)", default="300", type=float)
+    rank_timeout: float = flag("rank-timeout", "seconds one round may take before the rank is declared hung; 0 = "
+                               "never (default 300)", default="300", type=float)
+    drafter: str | None = flag("drafter", "drafter address host:port; unset = no drafts")
+    num_draft_tokens: int = flag("num-draft-tokens", "drafts asked per decoding request and round (default 4)",
+                                 default="4", type=int)
+    draft_timeout: float = flag("draft-timeout", "seconds a Propose may take; slower rounds go on without drafts "
+                                "(default 0.5)", default="0.5", type=float)
+    draft_hidden: bool = flag("draft-hidden", "ask the ranks for hidden states and pass them to the drafter (MTP "
+                              "drafts)", switch=True)
+    tokenizer: str | None = flag("tokenizer", "checkpoint directory (or tokenizer.json) whose tokenizer the grammar "
+                                 "masks of structured output use; unset = structured output is refused")
+    internal_token: str | None = flag(shared.INTERNAL_TOKEN)
+    log_level: str = flag(shared.LOG_LEVEL)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve-scheduler", help="run the scheduler (queue, batching, KV pool) in front of the rank workers",
         description="Describe every rank, check they form one group, then serve the Generator gRPC service "
                     "(Generate / Abort / Health) to the gateway. Flags default from TWINSPARK_* variables.")
-    ranks = env("RANKS")
-    p.add_argument("--ranks", default=ranks, required=ranks is None,
-                   help="rank worker addresses host:port,host:port in rank order (TWINSPARK_RANKS)")
-    p.add_argument("--host", default=env("SCHEDULER_HOST", "127.0.0.1"),
-                   help="listen address (TWINSPARK_SCHEDULER_HOST, default loopback; another address needs "
-                        "--internal-token)")
-    p.add_argument("--port", type=int, default=int(env("SCHEDULER_PORT", "50051")),
-                   help="listen port (TWINSPARK_SCHEDULER_PORT, default 50051)")
-    p.add_argument("--max-waiting", type=int, default=int(env("MAX_WAITING", "64")),
-                   help="waiting-queue bound; beyond it Generate answers RESOURCE_EXHAUSTED + retry-after "
-                        "(TWINSPARK_MAX_WAITING, default 64)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=int(env("MAX_NUM_SEQS", "16")),
-                   help="running requests at most (also capped by the ranks' KDA slots) (TWINSPARK_MAX_NUM_SEQS, "
-                        "default 16)")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int,
-                   default=int(env("MAX_NUM_BATCHED_TOKENS", "256")),
-                   help="token budget of one round: decode rows first, then prefill chunks "
-                        "(TWINSPARK_MAX_NUM_BATCHED_TOKENS, default 256)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=env("ENABLE_PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
-                   help="reuse cached prompt prefixes (full blocks + KDA state snapshots) across requests "
-                        "(TWINSPARK_ENABLE_PREFIX_CACHING, default on)")
-    p.add_argument("--reply-reuse", action=argparse.BooleanOptionalAction,
-                   default=env("REPLY_REUSE", "1").lower() not in ("0", "false", "no", "off"),
-                   help="after each reply, prefill prompt + reply up to its last 64-token grid point in the "
-                        "background and snapshot it, so the conversation's next turn resumes there "
-                        "(TWINSPARK_REPLY_REUSE, default on; needs prefix caching)")
-    snaps = env("MAX_SNAPSHOTS")
-    p.add_argument("--max-snapshots", type=int, default=int(snaps) if snaps else None,
-                   help="KDA state snapshot slots for the prefix cache, reserved from the ranks' --num-slots "
-                        "(~142 MB each per rank at full size) (TWINSPARK_MAX_SNAPSHOTS, default: the slots left "
-                        "after --max-num-seqs, at most 16)")
-    p.add_argument("--startup-timeout", type=float, default=float(env("STARTUP_TIMEOUT", "300")),
-                   help="seconds to wait for every rank to answer Describe (TWINSPARK_STARTUP_TIMEOUT, default 300)")
-    p.add_argument("--rank-timeout", type=float, default=float(env("RANK_TIMEOUT", "300")),
-                   help="seconds one round may take before the rank is declared hung; 0 = never "
-                        "(TWINSPARK_RANK_TIMEOUT, default 300)")
-    p.add_argument("--drafter", default=env("DRAFTER") or None,
-                   help="drafter address host:port; unset = no drafts (TWINSPARK_DRAFTER)")
-    p.add_argument("--num-draft-tokens", type=int, default=int(env("NUM_DRAFT_TOKENS", "4")),
-                   help="drafts asked per decoding request and round (TWINSPARK_NUM_DRAFT_TOKENS, default 4)")
-    p.add_argument("--draft-timeout", type=float, default=float(env("DRAFT_TIMEOUT", "0.5")),
-                   help="seconds a Propose may take; slower rounds go on without drafts (default 0.5)")
-    p.add_argument("--draft-hidden", action="store_true", default=env("DRAFT_HIDDEN", "") in ("1", "true"),
-                   help="ask the ranks for hidden states and pass them to the drafter (MTP drafts)")
-    p.add_argument("--tokenizer", default=env("TOKENIZER") or None,
-                   help="checkpoint directory (or tokenizer.json) whose tokenizer the grammar masks of structured "
-                        "output use; unset = structured output is refused (TWINSPARK_TOKENIZER)")
-    add_internal_token_flag(p)
-    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="TWINSPARK_LOG_LEVEL, default INFO")
+    add_flags(SchedulerSettings, p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    return serve_scheduler(from_args(SchedulerSettings, args))
+
+
+def serve_scheduler(s: SchedulerSettings) -> int:
     from services.common.internal_auth import check_bind
     from services.common.telemetry import setup_tracing
     from services.scheduler.engine import EngineConfig
     from services.scheduler.ranks import StartupError
     from services.scheduler.server import SchedulerConfig, serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
     try:
-        check_bind(args.host, args.internal_token)
+        check_bind(s.host, s.internal_token)
     except ValueError as exc:
-        logging.getLogger("twinspark.scheduler").error("%s", exc)
+        log.error("%s", exc)
         return 2
     setup_tracing("twinspark-scheduler")
-    addresses = [a.strip() for a in args.ranks.split(",") if a.strip()]
+    addresses = [a.strip() for a in s.ranks.split(",") if a.strip()]
     if not addresses:
-        logging.getLogger("twinspark.scheduler").error("--ranks lists no addresses")
+        log.error("--ranks lists no addresses")
         return 2
     cfg = SchedulerConfig(
-        ranks=addresses, host=args.host, port=args.port,
-        engine=EngineConfig(max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            enable_prefix_caching=args.enable_prefix_caching, max_snapshots=args.max_snapshots,
-                            reply_reuse=args.reply_reuse,
-                            num_draft_tokens=max(0, args.num_draft_tokens), draft_hidden=args.draft_hidden),
-        drafter=args.drafter, draft_timeout_s=args.draft_timeout, tokenizer=args.tokenizer,
-        internal_token=args.internal_token,
-        startup_timeout_s=args.startup_timeout, rank_timeout_s=args.rank_timeout or None)
+        ranks=addresses, host=s.host, port=s.port,
+        engine=EngineConfig(max_waiting=s.max_waiting, max_num_seqs=s.max_num_seqs,
+                            max_num_batched_tokens=s.max_num_batched_tokens,
+                            enable_prefix_caching=s.enable_prefix_caching, max_snapshots=s.max_snapshots,
+                            reply_reuse=s.reply_reuse,
+                            num_draft_tokens=max(0, s.num_draft_tokens), draft_hidden=s.draft_hidden),
+        drafter=s.drafter, draft_timeout_s=s.draft_timeout, tokenizer=s.tokenizer, internal_token=s.internal_token,
+        startup_timeout_s=s.startup_timeout, rank_timeout_s=s.rank_timeout or None)
     try:
         asyncio.run(serve(cfg))
     except StartupError as exc:
-        logging.getLogger("twinspark.scheduler").error("refusing to start: %s", exc)
+        log.error("refusing to start: %s", exc)
         return 3
     except OSError as exc:
-        logging.getLogger("twinspark.scheduler").error("%s", exc)
+        log.error("%s", exc)
         return 2
     except ValueError as exc:  # settings the ranks cannot honour, e.g. --max-snapshots >= their KDA slots
-        logging.getLogger("twinspark.scheduler").error("refusing to start: %s", exc)
+        log.error("refusing to start: %s", exc)
         return 2
     return 0

@@ -42,7 +42,8 @@ def _plan(rnd: int, seqs: list[tuple[list[int], int, int, list[int]]], temperatu
 
 
 def _decode(model, pipelined: bool, temperature: float) -> list[list[int]]:
-    from services.rank_worker.executor import PENDING_TOKEN, Executor
+    from services.rank_worker.executor import Executor
+    from services.rank_worker.plan_checks import PENDING_TOKEN
     ex = Executor(model, model.new_cache(num_blocks=64, block_size=16, num_slots=4))
     prompts = [list(range(5, 45)), list(range(100, 117))]
     tables = [list(range(0, 16)), list(range(16, 32))]

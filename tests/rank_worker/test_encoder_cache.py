@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from services.rank_worker.encoder_cache import EncoderCache
-from services.rank_worker.executor import Executor, ImagePart
+from services.rank_worker.executor import Executor
+from services.rank_worker.plan_checks import ImagePart
 from model.model import Glm5Model
 from model.vision import VisionConfig
 from tests.model.image_prompt import image_prompt

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.rank_worker.executor import PENDING_TOKEN, Executor, PlanError
+from services.rank_worker.executor import Executor
+from services.rank_worker.plan_checks import PENDING_TOKEN, PlanError
 from tests.model.reference import our_model, random_ids
 from tests.rank_worker.test_state_copies import BLOCK, _plan
 

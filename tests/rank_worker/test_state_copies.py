@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from services.common.tensors import to_proto
-from services.rank_worker.executor import Executor, PlanError
+from services.rank_worker.executor import Executor
+from services.rank_worker.plan_checks import PlanError
 from tests.model.reference import our_model, random_ids
 from twinspark.v1 import rank_pb2
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from services.common.plan_checksum import seal
 from services.rank_worker import server as rank_server
-from services.rank_worker.executor import PlanError, StepOutput
+from services.rank_worker.plan_checks import PlanError
+from services.rank_worker.rounds import StepOutput
 from services.rank_worker.plan_queue import PlanQueue
 from twinspark.v1 import rank_pb2
 

@@ -1,0 +1,148 @@
+"""Command-line flags declared once: name, TWINSPARK_* environment variable, default and help.
+
+A subcommand's settings are a frozen dataclass whose fields are flags (`flag(...)`): `add_flags` puts them on the
+subcommand's parser, `from_args` reads the parsed namespace back into the dataclass, and the boot code takes the
+dataclass, never the namespace. A flag that several subcommands take is declared once in shared_flags.py and named
+by each of their dataclasses.
+
+Config is by flags with environment defaults (what compose files and .env set): a flag's environment variable
+replaces its default, the command line replaces both. An empty variable counts as unset, since compose passes
+`${X}` through empty when X is not set.
+
+Standard library only: deploy/ctl (start.sh, before any virtual environment exists) imports the declarations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Mapping, TypeVar
+
+S = TypeVar("S")
+
+# What turns an on/off flag's variable off; any other non-empty value turns it on.
+_OFF = ("0", "false", "no", "off")
+
+
+def env_bool(text: str) -> bool:
+    return text.strip().lower() not in _OFF
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option: `--name`, its variable TWINSPARK_<env>, its default as the environment would spell it."""
+
+    name: str  # without the dashes: "kv-cache-dtype"
+    help: str
+    default: str | None = None  # None: unset (the field is None unless given)
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    env: str | None = ""  # "" = the name in capitals (KV_CACHE_DTYPE); None = no variable
+    required: bool = False  # when neither the command line nor the variable gives a value
+    switch: bool = False  # on/off: `--name` turns it on (the variable may too)
+    toggle: bool = False  # on/off with both `--name` and `--no-name`
+    one_of: str = ""  # the name of a required group of flags of which exactly one is given
+    hidden: bool = False  # left out of --help (set by the program on itself, not by users)
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env_var(self) -> str | None:
+        return None if self.env is None else "TWINSPARK_" + (self.env or self.dest.upper())
+
+    def text(self, environ: Mapping[str, str]) -> str | None:
+        """The value's text before the command line: the variable's, else the default."""
+        got = environ.get(self.env_var, "") if self.env_var else ""
+        return got or self.default
+
+    def value(self, text: str | None) -> Any:
+        """A text (a variable's, a default's) as the field's value."""
+        if self.switch or self.toggle:
+            return text is not None and env_bool(text)
+        return None if text is None else self.type(text)
+
+    def add(self, parser: Any, environ: Mapping[str, str] | None = None) -> None:
+        """Add `--name` to an argparse parser (or group), its default read from `environ` (the process's)."""
+        text = self.text(os.environ if environ is None else environ)
+        help_text = argparse.SUPPRESS if self.hidden else \
+            self.help + (f" (env {self.env_var})" if self.env_var and self.env_var not in self.help else "")
+        if self.switch or self.toggle:
+            action = "store_true" if self.switch else argparse.BooleanOptionalAction
+            parser.add_argument(self.option, action=action, default=self.value(text), help=help_text)
+            return
+        # The text stays text: argparse converts a text default with `type` only when this subcommand is parsed,
+        # so a bad variable is one subcommand's usage error, not a crash of every command.
+        parser.add_argument(self.option, type=self.type, default=text, choices=self.choices, metavar=self.metavar,
+                            required=self.required and text is None, help=help_text)
+
+
+def flag(spec: Flag | str, help: str = "", **changes: Any) -> Any:
+    """A settings field that is a flag: a declared one (shared_flags.py), with `changes` for this subcommand, or a
+    new one named `spec`. Its dataclass default is the flag's own (no environment)."""
+    if isinstance(spec, str):
+        spec = Flag(spec, help, **changes)
+    elif help or changes:
+        spec = replace(spec, **({"help": help} if help else {}), **changes)
+    return field(default=spec.value(spec.default), metadata={"flag": spec})
+
+
+def flags_of(settings: type) -> list[Flag]:
+    """The flags of a settings dataclass, in field order; each field is named as its flag's destination."""
+    out = []
+    for f in fields(settings):
+        spec = f.metadata.get("flag")
+        if spec is None:
+            continue
+        if spec.dest != f.name:
+            raise TypeError(f"{settings.__name__}.{f.name} is the field of {spec.option}: name it {spec.dest}")
+        out.append(spec)
+    return out
+
+
+def add_flags(settings: type, parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """Every flag of `settings` on `parser`."""
+    groups: dict[str, Any] = {}
+    for spec in flags_of(settings):
+        target = parser
+        if spec.one_of:
+            if spec.one_of not in groups:
+                groups[spec.one_of] = parser.add_mutually_exclusive_group(required=True)
+            target = groups[spec.one_of]
+        spec.add(target, environ)
+
+
+def from_args(settings: type[S], args: argparse.Namespace) -> S:
+    """The settings a parsed namespace holds."""
+    return settings(**{spec.dest: getattr(args, spec.dest) for spec in flags_of(settings)})
+
+
+def parse(settings: type[S], argv: list[str], environ: Mapping[str, str] | None = None, prog: str = "") -> S:
+    """Settings from a command line and an environment alone, without a subcommand's parser (what the tests of
+    each role's settings check)."""
+    parser = argparse.ArgumentParser(prog=prog or None)
+    add_flags(settings, parser, environ)
+    return from_args(settings, parser.parse_args(argv))
+
+
+def to_argv(settings: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """The command line that gives `settings` again: every flag that is set (a switch only when on)."""
+    argv: list[str] = []
+    for spec in flags_of(type(settings)):
+        value = getattr(settings, spec.dest)
+        if spec.dest in skip or value is None:
+            continue
+        if spec.toggle:
+            argv.append(spec.option if value else f"--no-{spec.name}")
+        elif spec.switch:
+            argv += [spec.option] if value else []
+        else:
+            argv += [spec.option, str(value)]
+    return argv

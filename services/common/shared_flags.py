@@ -1,0 +1,64 @@
+"""The flags that several subcommands take (and that deploy/ctl checks), each declared once; a subcommand's own
+flags are declared in its settings dataclass. Names are vLLM's where vLLM has the setting.
+
+Standard library only (see flags.py): the choices here are the ones the model library implements (a test holds
+them to model.row_store.KV_CACHE_DTYPES and torch's dtypes).
+"""
+
+from __future__ import annotations
+
+from services.common.flags import Flag
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def log_level(text: str) -> str:
+    """A logging level in any case, as uvicorn spells it (lower case; `logging` takes it upper-cased)."""
+    level = text.strip().lower()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+log_level.__name__ = "log level"  # argparse names the type in its "invalid log level value" message
+
+
+def compute_dtype(dtype: str | None, device: str) -> str:
+    """--dtype, or the device's default when unset: bfloat16 on cuda, float32 on the CPU."""
+    return dtype or ("bfloat16" if device == "cuda" else "float32")
+
+
+MODEL = Flag("model", "checkpoint directory", metavar="DIR")
+DEVICE = Flag("device", "device the model runs on", default="cpu", choices=("cpu", "cuda"))
+DTYPE = Flag("dtype", "compute dtype (default float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
+KV_CACHE_DTYPE = Flag("kv-cache-dtype", "storage of the MLA latent + indexer cache rows: auto = the compute dtype; "
+                      "fp8 (= fp8_e4m3) = e4m3 with a per-row fp32 scale, about half the bf16 bytes",
+                      default="auto", choices=("auto", "fp8", "fp8_e4m3"))
+TP = Flag("tp", "tensor-parallel ranks", default="1", type=int, metavar="N")
+ENFORCE_EAGER = Flag("enforce-eager", "on a GPU, run decode rounds eagerly instead of replaying CUDA graphs (vLLM's "
+                     "flag; the same bits either way, graphs only save launch time)", switch=True)
+RANDOM_WEIGHTS = Flag("random-weights", "draw random weights on the device instead of reading shards (--model still "
+                      "gives the config and the tokenizer): FORMAT for every eligible linear, or EXPERTS+OTHER, from "
+                      "fp8, w4a16, exl3, bf16 (e.g. bf16, fp8, w4a16+fp8, exl3+bf16); quantized linears are drawn "
+                      "packed", metavar="FORMAT")
+RANDOM_BLOCK_SIZE = Flag("random-block-size", "with --random-weights: fp8 block edge and w4a16 group size",
+                         default="128", type=int, metavar="N")
+NUM_BLOCKS = Flag("num-blocks", "KV cache blocks per rank (0 = sized from memory by --kv-cache-memory-bytes or "
+                  "--gpu-memory-utilization, the group taking its smallest rank's figure); the served window is "
+                  "min(the checkpoint's max_position_embeddings, blocks x block size)", default="0", type=int)
+KV_HOST_BYTES = Flag("kv-host-bytes", "host-RAM KV tier behind the pool, bytes per rank: evicted prefix blocks and "
+                     "KDA snapshots wait here (0 = off)", default="0", type=int, metavar="BYTES")
+KV_DISK_DIR = Flag("kv-disk-dir", "disk KV tier directory (unset = off): entries pushed out of host RAM land here, "
+                   "checksummed, and survive a restart with the same checkpoint and settings", metavar="DIR")
+KV_DISK_BYTES = Flag("kv-disk-bytes", "disk KV tier size per rank in bytes (default 64 GiB)", default=str(64 << 30),
+                     type=int, metavar="BYTES")
+GATEWAY_PORT = Flag("port", "the gateway's HTTP port (default %(default)s)", default="8888", type=int, env="PORT")
+# `twinspark up`'s and start.sh's draft method (the drafter process's own flag is --method).
+DRAFTER = Flag("drafter", "draft method of the drafter process (copy: n-gram prompt lookup; mtp: the checkpoint's "
+               "MTP layer; none: no drafter, no drafts)", default="copy", choices=("copy", "mtp", "none"))
+INTERNAL_TOKEN = Flag("internal-token", "shared secret that every internal gRPC call carries and every internal "
+                      "server requires (the variable is preferred: an argv is visible to other local users; "
+                      "`twinspark up` and start.sh make one per run); unset = no check, loopback only",
+                      metavar="TOKEN")
+LOG_LEVEL = Flag("log-level", f"logging level: {', '.join(LOG_LEVELS)} (any case)", default="INFO", type=log_level)

@@ -1,0 +1,69 @@
+"""`twinspark up` and `twinspark down`: their settings, read once from the command line and the environment.
+
+`up` takes the serving flags the roles share (shared_flags.py) and passes them on in each role's argv (plan.py);
+the KV tier flags it passes on only when given, so that unset the ranks keep their own environment defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.common import shared_flags as shared
+from services.common.flags import Flag, flag
+
+STATE_DIR = Flag("state-dir", "where up.json and logs/ go (default $XDG_STATE_HOME/twinspark or "
+                  "~/.local/state/twinspark)", metavar="DIR")
+
+
+def _passed_on(spec: Flag) -> Any:
+    """A rank flag that `up` gives every rank when it is set."""
+    return flag(spec, help=f"{spec.help}; passed on to every rank (unset: the ranks' own {spec.env_var})",
+                default=None, env=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpSettings:
+    model: str | None = flag(shared.MODEL, help="checkpoint directory (default: the cached tiny checkpoint)")
+    tp: int = flag(shared.TP)
+    host: str = flag("host", "address the gateway listens on", default="127.0.0.1", env=None)
+    port: int = flag(shared.GATEWAY_PORT, help="gateway HTTP port (0 = pick a free one)", metavar="PORT")
+    device: str = flag(shared.DEVICE, help="device of the rank workers")
+    drafter: str = flag(shared.DRAFTER)
+    kv_cache_dtype: str = flag(shared.KV_CACHE_DTYPE)
+    kv_host_bytes: int | None = _passed_on(shared.KV_HOST_BYTES)
+    kv_disk_dir: str | None = _passed_on(shared.KV_DISK_DIR)
+    kv_disk_bytes: int | None = _passed_on(shared.KV_DISK_BYTES)
+    enforce_eager: bool = flag(shared.ENFORCE_EAGER)
+    random_weights: str | None = flag(shared.RANDOM_WEIGHTS)
+    random_block_size: int = flag(shared.RANDOM_BLOCK_SIZE)
+    detach: bool = flag("detach", "run the supervisor in the background; return once healthy (stop with "
+                        "`twinspark down`)", switch=True, env=None)
+    state_dir: str | None = flag(STATE_DIR)
+    startup_timeout: float = flag("startup-timeout", "seconds to wait for /health to answer 200", default="600",
+                                  type=float, metavar="S", env=None)
+    stop_grace: float = flag("stop-grace", "seconds between SIGTERM and SIGKILL when stopping the children",
+                             default="10", type=float, metavar="S", env=None)
+    max_restarts: int = flag("max-restarts", "restarts allowed per role (a rank group restart counts once) over the "
+                             "run's life; the next exit stops everything, except the optional drafter, which then "
+                             "stays down; 0 = the first exit stops everything", default="5", type=int, metavar="N")
+    role_command: str | None = flag("role-command", "command that runs a role's subcommand (serve-rank ...), "
+                                    "shell-quoted (default: this Python's `-m services.cli`; e.g. the console script "
+                                    ".../bin/twinspark)", metavar="CMD", env=None)
+    background: bool = flag("background", "set on the detached supervisor", switch=True, env=None, hidden=True)
+
+    def tier_flags(self) -> list[str]:
+        """The KV tier flags given to `up`, as every rank's argv gets them."""
+        out: list[str] = []
+        for spec in (shared.KV_HOST_BYTES, shared.KV_DISK_DIR, shared.KV_DISK_BYTES):
+            value = getattr(self, spec.dest)
+            if value is not None:
+                out += [spec.option, str(value)]
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class DownSettings:
+    state_dir: str | None = flag(STATE_DIR)
+    timeout: float | None = flag("timeout", "seconds to wait for the supervisor before SIGKILL (default: its stop "
+                                 "grace + 15)", type=float, metavar="S", env=None)

@@ -1,0 +1,61 @@
+"""`twinspark serve-rank`'s settings: every flag of a rank worker, read once from the command line and the
+TWINSPARK_* environment, then handed to the boot sequence (boot.py) as one frozen object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common import shared_flags as shared
+from services.common.flags import flag
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSettings:
+    model: str = flag(shared.MODEL, required=True)
+    rank: int = flag("rank", "this rank", default="0", type=int)
+    world: int = flag("world", "number of ranks", default="1", type=int, env="TP")
+    master_addr: str = flag("master-addr", "rank 0's address for the collective", default="127.0.0.1")
+    master_port: int = flag("master-port", "rank 0's port for the collective", default="29500", type=int)
+    peer_port: int | None = flag("peer-port", "rank 0's port for the peer watchdog's heartbeat connections "
+                                 "(default --master-port + 1)", type=int)
+    peer_timeout: float = flag("peer-timeout", "seconds a peer may stay silent before this rank leaves the group "
+                               "with exit code 5 (default 3)", default="3", type=float)
+    host: str = flag("host", "gRPC listen address (default loopback; another address needs --internal-token)",
+                     default="127.0.0.1", env="RANK_HOST")
+    port: int = flag("port", "gRPC port", default="50061", type=int, env="RANK_PORT")
+    device: str = flag(shared.DEVICE)
+    dtype: str | None = flag(shared.DTYPE)
+    kv_cache_dtype: str = flag(shared.KV_CACHE_DTYPE)
+    enforce_eager: bool = flag(shared.ENFORCE_EAGER)
+    num_blocks: int = flag(shared.NUM_BLOCKS)
+    kv_cache_memory_bytes: int = flag(
+        "kv-cache-memory-bytes", "bytes of this rank's KV pool, blocks and KDA slots together, when --num-blocks is 0 "
+        "(vLLM's flag; 0 = on CUDA by --gpu-memory-utilization, on the CPU 1 GiB or half the available RAM if less)",
+        default="0", type=int)
+    gpu_memory_utilization: float = flag(
+        "gpu-memory-utilization", "on CUDA with --num-blocks 0 and no --kv-cache-memory-bytes: the share of the GPU's "
+        "memory this rank may fill; the pool gets it less what is in use once the weights are loaded (vLLM's flag; "
+        "default 0.9)", default="0.9", type=float)
+    block_size: int = flag("block-size", "positions per KV block", default="16", type=int)
+    num_slots: int = flag("num-slots", "KDA state slots", default="32", type=int)
+    kv_host_bytes: int = flag(shared.KV_HOST_BYTES)
+    kv_disk_dir: str | None = flag(shared.KV_DISK_DIR)
+    kv_disk_bytes: int = flag(shared.KV_DISK_BYTES)
+    encoder_cache_tokens: int = flag(
+        "encoder-cache-tokens", "vision-tower output rows rank 0 keeps (LRU, keyed by the image's digest) so an image "
+        "prompt prefilled in several chunks is encoded once (default 16384: two of the largest images; 0 = off)",
+        default="16384", type=int)
+    virtual_shards: int = flag("virtual-shards", "virtual shards per sharded dim (a multiple of --world; the same on "
+                               "every rank)", default="4", type=int)
+    random_weights: str | None = flag(shared.RANDOM_WEIGHTS)
+    random_block_size: int = flag(shared.RANDOM_BLOCK_SIZE)
+    internal_token: str | None = flag(shared.INTERNAL_TOKEN)
+    log_level: str = flag(shared.LOG_LEVEL)
+
+    @property
+    def compute_dtype(self) -> str:
+        return shared.compute_dtype(self.dtype, self.device)
+
+    @property
+    def watchdog_port(self) -> int:
+        return self.peer_port if self.peer_port is not None else self.master_port + 1
