@@ -1,7 +1,7 @@
 """Decode-step latency and prefill throughput of our model runtime at real GLM-5.3-Flash layer dimensions.
 
 Random bf16 weights for L layers (default 4: 3 KDA + 1 MLA/DSA, 1 dense + 3 MoE FFNs, plus embeddings and lm_head)
-are drawn directly on the GPU, so nothing is downloaded or read from disk. Measured in one run (REFERENCE.md §5):
+are drawn directly on the GPU, so nothing is downloaded or read from disk. Measured in one run (docs/reference.md §5):
 - the two ceilings: HBM copy bandwidth and the bf16 matmul rate;
 - decode: one forward of B single-token rows, each sequence with `--context` tokens already in the cache (the
   contexts are prefilled once, untimed, as part of the setup); positions advance by one per step;

@@ -42,7 +42,7 @@ from model.row_store import KV_CACHE_DTYPES
 from services.rank_worker.pool_size import pool_cost
 
 BLOCK = 16
-KDA_GRID = 64  # prefill chunks start on this grid (DESIGN §5.1), as the scheduler cuts prompts
+KDA_GRID = 64  # prefill chunks start on this grid (docs/design.md §5.5), as the scheduler cuts prompts
 RELEASE_LAYERS = 45
 
 

@@ -1,6 +1,6 @@
 """The peer side of bench/decode_prefill.py: transformers' `Glm5NextForConditionalGeneration` (with fla-core's KDA
 kernels when they import) on the same shapes, timed the same way, so every figure comes with its ratio to the peer
-measured in the same run (REFERENCE §5).
+measured in the same run (docs/reference.md §5).
 
 The peer draws its own random weights with transformers' initialisation (its module layout fuses and renames
 tensors, and copying ours across would tie this bench to one transformers version's conversion rules). Timings do not

@@ -24,7 +24,7 @@ from model.checkpoint.spec import TinySpec, default_layer_pattern
 __all__ = ["REAL_DIMS", "RandomWeightReader", "bench_config", "bench_spec", "build_model", "keeps_fp32",
            "spec_dims", "text_tensors"]
 
-# GLM-5.3-Flash text dimensions (REFERENCE.md §1). Layer count and pattern are chosen per run.
+# GLM-5.3-Flash text dimensions (docs/reference.md §1). Layer count and pattern are chosen per run.
 REAL_DIMS: dict[str, object] = dict(
     hidden_size=4096,
     intermediate_size=12288,

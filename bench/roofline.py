@@ -1,6 +1,6 @@
 """The two ceilings (HBM copy bandwidth, bf16 matmul rate), measured, and the model's ideal bytes / FLOPs.
 
-REFERENCE.md §5: speed is reported as a fraction of the roofline, and the ceilings are measured in the same run.
+docs/reference.md §5: speed is reported as a fraction of the roofline, and the ceilings are measured in the same run.
 - decode is bandwidth-bound: ideal time = bytes a step must move (the weights it touches + the cache and KDA state
   it reads and writes) / measured copy bandwidth.
 - prefill is compute-bound: ideal time = FLOPs (2 x active params x tokens + attention) / measured matmul rate.

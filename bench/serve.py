@@ -4,7 +4,7 @@ median, p99), output and total token throughput and request throughput, at sever
 Each level sends `--requests` completions of random-token prompts (`--prompt-len` ids, seeded) with a fixed output
 length (`ignore_eos`), streamed, at most `--concurrency` at a time; token times are the arrival times of the SSE
 chunks. Each level is measured after an untimed pass of its own (`--no-warmup`: from cold). Greedy by default
-(REFERENCE §5: quote the prompt class and temperature with every tok/s; random-token prompts, so drafts are off unless
+(docs/reference.md §5: quote the prompt class and temperature with every tok/s; random-token prompts, so drafts are off unless
 asked for). The stack is a running one (`--state-dir`) or one started here.
 
     python -m bench.serve --concurrency 1,4,16,64 --out bench/results                 # CPU, tiny, TP 2

@@ -3,7 +3,7 @@ weights: `twinspark up --device cuda --tp N --model DIR --random-weights FORMAT`
 batch-1 decode rate (streamed, greedy, random-token prompts, drafts off), a small concurrency sweep, GPU memory per
 device once warm, and the 12-request burst / staggered = serial check (bench/exactness.py).
 
-DIR holds what a checkpoint holds but its weights: the release's text config (REFERENCE §1: 45 layers 3:1 KDA / MLA,
+DIR holds what a checkpoint holds but its weights: the release's text config (docs/reference.md §1: 45 layers 3:1 KDA / MLA,
 layers 0-2 dense, 288 experts, vocabulary 154,880, one MTP layer) with make-tiny's tokenizer and chat template (the
 release's tokenizer is not on this machine; the ids it produces all fall inside the vocabulary). `--write-dir`
 writes it and stops, so it can be made on a CPU machine.

@@ -2,7 +2,7 @@
 
 Each cached row (one position's latent, or its indexer key + gate) is scaled so its largest magnitude maps to
 e4m3's largest finite value (448). The scale depends on that row alone, so a row's stored bits never depend on
-which rows were written with it (DESIGN §5.2), and every step is elementwise or a max (exact in any order), so
+which rows were written with it (docs/design.md §5.2), and every step is elementwise or a max (exact in any order), so
 every rank and every batch shape stores the same bits.
 """
 

@@ -8,7 +8,7 @@ Semantics (OpenAI where it defines them, vLLM otherwise; applied in vLLM's sampl
    ``z_i / r`` where ``z_i > 0``, else ``z_i * r``;
 4. frequency and presence penalties (OpenAI) over the output: ``z_i - f * count_i - p * [count_i > 0]``.
 
-Exactness (DESIGN §5).  Every step is an elementwise IEEE operation (each rounded once, the same on CPU and CUDA)
+Exactness (docs/design.md §5).  Every step is an elementwise IEEE operation (each rounded once, the same on CPU and CUDA)
 or a scatter of distinct ids into one row, so a row's result depends only on its own logits and settings, never on
 the other rows.  A step a row does not use leaves its values untouched bit for bit (it is selected away with
 ``where``, and only the listed ids are touched: adding a bias of 0 would turn -0.0 into +0.0).  The ids travel

@@ -1,4 +1,4 @@
-"""The physical caches one rank owns (DESIGN §4).
+"""The physical caches one rank owns (docs/design.md §4).
 
 - MLA layers (and the MTP layer): latent rows (kv_lora_rank per position) in fixed-size blocks, addressed through a
   sequence's block table; full-indexer layers also keep each position's indexer key and k-pool gate score. Both are

@@ -3,7 +3,7 @@
 
 A batch of B decode rows replays the graph of the smallest bucket >= B; the rows past B are inert padding: token 0
 at position 0 of the rank's scratch slot and scratch block (PagedCache), and they take no part in expert routing
-(`n_real`). Every kernel of the fast path is row-invariant (DESIGN §5.1), so a real row's bits are the same in the
+(`n_real`). Every kernel of the fast path is row-invariant (docs/design.md §5.1), so a real row's bits are the same in the
 graph as in the eager forward of the same batch (tests/gpu checks replay == eager bit for bit). All graphs share one
 memory pool. vLLM's name for turning them off is kept: `--enforce-eager`.
 

@@ -4,7 +4,7 @@ Every sharded dimension is cut into a fixed number of *virtual shards* (default 
 owns a contiguous run of them and computes each one's product separately (on the GPU in one launch for all of them,
 each shard with the schedule of its own product). Row-parallel partial sums are all-gathered
 (fp32) and added in virtual-shard order on every rank, so TP = 1, 2 and 4 perform the very same floating-point
-operations and give the same bits (DESIGN §5.3) — and every rank ends a reduction holding identical values.
+operations and give the same bits (docs/design.md §5.3) — and every rank ends a reduction holding identical values.
 """
 
 from __future__ import annotations

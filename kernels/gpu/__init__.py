@@ -1,4 +1,4 @@
-"""Triton (GPU) fast paths of the ops in `kernels/`, each beside its torch reference twin (DESIGN §3, §5.1).
+"""Triton (GPU) fast paths of the ops in `kernels/`, each beside its torch reference twin (docs/design.md §3, §5.1).
 
 The torch functions in `kernels/*.py` stay the CPU path and the parity oracle; the modules here run on CUDA. Every
 kernel keeps the GPU exactness rules: its schedule (tiles, splits, reduction order) is a function of weight shapes

@@ -1,16 +1,16 @@
 """Fixed-schedule GEMM: `out[b] = x[b] @ w[b].T` with a tile schedule that depends on (N, K) and the row class only.
 
 Why not cuBLAS: it picks kernels and split-K by the row count, so one row's bits change with how many rows share
-the call (REFERENCE §6 measured logits moving by 0.17 at real dims). Here every output element is reduced over K
+the call (docs/reference.md §6 measured logits moving by 0.17 at real dims). Here every output element is reduced over K
 in the same order whatever M is: BLOCK_K steps in ascending K inside a split, splits summed in ascending order by
 `_sum_splits`. M only changes how many row tiles run, and the tensor-core product of a row never reads another
 row, so a row's result is the same alone or among 2,048 others.
 
-Two row classes get two schedules (DESIGN §5.1; TensorFold does the same): decode-class rows (decode steps and
+Two row classes get two schedules (docs/design.md §5.1; TensorFold does the same): decode-class rows (decode steps and
 verify windows) are few and memory-bound, so their schedule splits K to put enough programs on the chip; prompt
 rows (prefill chunks) are compute-bound and use big tiles with no split. A row always belongs to one class, so
 each class's arithmetic is fixed; the classes differ from each other, as a decode row and a prompt row of the
-same position are allowed to (documented in DESIGN §5.1).
+same position are allowed to (documented in docs/design.md §5.1).
 
 EXL3 weights run the same schedules over their decoded trellis tiles, between two row-wise Hadamard rotations
 (kernels/gpu/hadamard.py: every row on its own, so invariance holds through them).

@@ -8,7 +8,7 @@ decoded trellis tiles T as they are and these kernels rotate the rows around it.
 - `rotate_out`: y = had(acc) * svh / 16 from the GEMM's float32 accumulator. 1/8 * 1/16 = 1/128 (powers of two:
   exact scalings; 1/8 keeps the rotated rows near the input's magnitude, had() grows a block by sqrt(128)).
 
-Exactness (DESIGN §5.1): each program transforms whole 128-blocks of BLOCK_R rows with one fixed butterfly order
+Exactness (docs/design.md §5.1): each program transforms whole 128-blocks of BLOCK_R rows with one fixed butterfly order
 (the twin's `fwht`: pairs (i, i + h) for h = 1, 2, ..., 64, (a + b, a - b)) in float32, so a row's result depends on
 that row only, never on how many rows share the call. Rows can be gathered (`src_rows`: MoE slots read their
 token's row), take their sign/scale vector from a stack (`vec_rows`: each slot its expert's), be scattered

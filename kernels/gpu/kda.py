@@ -7,7 +7,7 @@ beta and the core output rounded to the activation dtype) are kept so the two ag
 
 A program owns every channel of its head (q, k and v columns, the whole dk x dv state), so it can update the conv
 history and the state in place. A verify window of L rows runs its rows in order with the same per-step code as a
-one-row decode (DESIGN §5.1: verify rows = decode arithmetic) and leaves each row's state and conv history in the
+one-row decode (docs/design.md §5.1: verify rows = decode arithmetic) and leaves each row's state and conv history in the
 pending buffers instead of the slot; `commit` later keeps the last accepted row's.
 
 Virtual shards: every kernel here takes its operands as stacks over S local virtual shards ([S, T, ...], shard s's

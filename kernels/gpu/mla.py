@@ -9,7 +9,7 @@ What differs from the twin, and why:
   O(context / kpool) reads instead of re-pooling everything.
 - Every row (decode, verify or prompt) runs the same programs over its own selection: a row attends to its
   selected pools in ascending order, then to its tail, with an online softmax in fp32. The schedule is a function
-  of the row's position and selection only, so a row's bits do not depend on its company (DESIGN §5.1).
+  of the row's position and selection only, so a row's bits do not depend on its company (docs/design.md §5.1).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ expert added last).
 Layout: the shared expert is stored as one more expert (index E, after the E routed ones) that every real row
 takes with weight 1, so it rides in the same grouped launches. Each row therefore has `k + 1` (token, expert)
 pairs, its routed experts in ascending index order and the shared one last; padding rows (past `n_real`) get a
-sentinel expert id and are never routed (DESIGN §5.1).
+sentinel expert id and are never routed (docs/design.md §5.1).
 
 Exactness: every (token, expert) product is one row of a tensor-core tile whose K order is fixed by the schedule,
 so it does not depend on which other tokens share the expert's tile; the combine adds a row's pair outputs in its

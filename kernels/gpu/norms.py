@@ -1,4 +1,4 @@
-"""Row-wise normalisations on the GPU, one program per row (DESIGN §5.1: norms run one program per row, so a row's
+"""Row-wise normalisations on the GPU, one program per row (docs/design.md §5.1: norms run one program per row, so a row's
 statistics are summed in the same order whatever the batch). Torch twins: kernels/norms.py.
 
 torch's own reductions choose how many threads and blocks share a row from the tensor's shape, the row count

@@ -13,7 +13,7 @@ Formats (storage as kernels/quant describes it; the torch twins are the codecs' 
   within float16 / float32 rounding, not bit for bit. The decoded tile itself equals the twin's `decode_tiles`.
 A fp8 / int4 tile is dequantized exactly as the twin dequantizes (value x scale in fp32, then rounded to the
 activation dtype), so a quantized product equals the same kernel's product with the twin's dequantized weights, bit
-for bit: the formats change the bytes read, never the arithmetic schedule (DESIGN §5.1).
+for bit: the formats change the bytes read, never the arithmetic schedule (docs/design.md §5.1).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The StepPlan checksum: the scheduler seals every plan with it, every rank verifies it with the same function.
 
 checksum = sha256 hex of the plan serialized deterministically with `checksum = ""`. A rank that sees a mismatch
-(or a round gap) answers an error and stops (DESIGN §6), so a corrupted or mixed-up plan never runs on one rank only.
+(or a round gap) answers an error and stops (docs/design.md §6), so a corrupted or mixed-up plan never runs on one rank only.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Policy (continuous batching with chunked prefill):
    least recently go first, so nobody starves.
 2. The rest of the budget goes to prefill chunks, FCFS (normal before background). A prompt longer than what is
    left is cut into chunks over several rounds; several short prompts can share a round. A chunk that does not
-   finish its prompt always ends on the absolute 64-token KDA grid (DESIGN §5.1), so drafts leave room for one
+   finish its prompt always ends on the absolute 64-token KDA grid (docs/design.md §5.5), so drafts leave room for one
    whole grid chunk while a prompt waits, and the engine requires a budget of at least the running sequences + 64.
 
 A sequence's `start` is the number of its tokens already in the cache; the rows to sample are the last row of each

@@ -1,6 +1,6 @@
 """The logical KV pool: which physical cache blocks and KDA state slots each sequence owns.
 
-The ranks own the memory (DESIGN §2); this class only decides addresses. A request reserves every block it can
+The ranks own the memory (docs/design.md §2); this class only decides addresses. A request reserves every block it can
 ever need (prompt + max_tokens) plus one KDA slot when it is admitted to running, so a running request never runs
 out of cache and nothing is ever preempted: the waiting queue absorbs the shortage instead.
 

@@ -25,7 +25,7 @@ Exactness of a resumed reply (tested in tests/rank_worker/test_state_copies.py, 
 - Bit-identical: the KDA states, MLA latent rows and logits of a request resumed at p (a multiple of 64) equal those
   of a fresh prefill whose chunk boundaries are multiples of 64 — the scheduler cuts prefill chunks there whenever a
   chunk crosses one (batcher.plan_round) — because the chunked KDA kernel chunks relative to each call's start and
-  every other op is row-invariant with absolute positions (DESIGN §5.2). Same bits -> same sampled tokens, greedy
+  every other op is row-invariant with absolute positions (docs/design.md §5.2). Same bits -> same sampled tokens, greedy
   or keyed-seeded.
 - Not guaranteed bit-identical, token-identical in practice: a fresh prefill that had to cut a chunk off the 64 grid
   (less than 64 tokens of round budget left after decode rows) runs the same maths on a different chunk grid, so its

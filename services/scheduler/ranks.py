@@ -351,7 +351,7 @@ class RankSet:
             raise self.failure  # type: ignore[misc]
         first = results[0]
         for c, r in zip(self.clients[1:], results[1:]):
-            if r.sampled and r.sampled != first.sampled:  # ranks must hold the same bits (DESIGN §5.3); say so
+            if r.sampled and r.sampled != first.sampled:  # ranks must hold the same bits (docs/design.md §5.3); say so
                 log.error("round %d: %s sampled %s but rank0 sampled %s (rank invariance broken)", plan.round,
                           c.name, r.sampled, first.sampled)
         self.last_accepted, self.last_hidden, self.last_logprobs = first.accepted, first.hidden, first.logprobs

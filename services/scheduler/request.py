@@ -33,7 +33,7 @@ _MASK64 = (1 << 64) - 1
 
 def derive_seed(prompt: list[int]) -> int:
     """The seed of a request that did not give one: the first 8 bytes (little-endian u64) of sha256 over the prompt
-    as little-endian int32 — so the same request always gets the same reply (DESIGN §5.1)."""
+    as little-endian int32 — so the same request always gets the same reply (docs/design.md §5.4)."""
     digest = hashlib.sha256(struct.pack(f"<{len(prompt)}i", *prompt)).digest()
     return int.from_bytes(digest[:8], "little")
 

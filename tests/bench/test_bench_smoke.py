@@ -50,7 +50,7 @@ def test_long_context_tiny_end_to_end(tmp_path):
 
 
 def test_real_dims_accounting_matches_reference():
-    """4 real-dimension layers: 2.01 B parameters read per batch-1 decode step (REFERENCE.md §5)."""
+    """4 real-dimension layers: 2.01 B parameters read per batch-1 decode step (docs/reference.md §5)."""
     spec = bench_spec(layers=4)
     need = roofline.decode_bytes(spec, torch.bfloat16, [512], [8, 8, 8])
     assert 2.00e9 < need["weight_params"] < 2.02e9

@@ -1,4 +1,4 @@
-"""Exactness end to end (DESIGN §5): concurrency, rank count and restarts never change a reply.
+"""Exactness end to end (docs/design.md §5): concurrency, rank count and restarts never change a reply.
 
 22 requests (11 greedy, 11 seeded at temperature 0.8, mixed prompt and output lengths) are first served one at a
 time; those replies are the saved references. Then they are re-run 4 at a time — 11 staggered, 11 in one burst —

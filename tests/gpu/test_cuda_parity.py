@@ -1,4 +1,4 @@
-"""bf16 on CUDA against the fp32 CPU reference on a tiny but wider checkpoint (DESIGN §7: GPU code is checked on a
+"""bf16 on CUDA against the fp32 CPU reference on a tiny but wider checkpoint (docs/design.md §7: GPU code is checked on a
 GPU against the torch reference, bf16 relative error 1e-3 to 1e-2).
 
 Checkpoints: make-tiny's layout and init at wider dimensions (hidden 512, 8 layers 3:1 KDA/MLA, 16 experts top-4,

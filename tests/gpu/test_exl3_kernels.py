@@ -2,7 +2,7 @@
 the 288 experts in the kernel tests, all of them in the model ones): our fixed-schedule GEMM and grouped MoE over
 trellis tiles (kernels/gpu), bf16 activations.
 
-- a row alone = the same row among 2..2,048 rows, bit for bit, for both row classes (DESIGN §5.1);
+- a row alone = the same row among 2..2,048 rows, bit for bit, for both row classes (docs/design.md §5.1);
 - against the torch twin (x @ dequantize(twin).T in fp32 on the GPU) within the float16 rounding of the rotated
   rows (tests/kernels/test_gpu_exl3.py states why; here a normwise bound and a max bound, both printed);
 - a model of two real-dim layers (KDA + dense FFN, MLA + MoE) with every eligible linear drawn as EXL3: a decode

@@ -2,7 +2,7 @@
 indexer, KDA 64x128; two layers KM: a KDA layer with a dense FFN, an MLA layer with the MoE), random bf16 weights:
 
 - a decode row alone = the same row packed with up to 2,048 other rows (decode rows, a verify window, prompt chunks
-  of many lengths): bit-identical logits (DESIGN §5.1);
+  of many lengths): bit-identical logits (docs/design.md §5.1);
 - a prompt prefilled whole = in chunks on the 64-token grid: bit-identical logits, and the decode step after it too
   (so the KDA state and the cache rows are identical);
 - a CUDA-graph replay of a decode round = the eager forward of the same round: bit-identical.

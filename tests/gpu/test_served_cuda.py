@@ -4,7 +4,7 @@ Checkpoint: make-tiny's layout at wider dimensions (tests/gpu/test_cuda_parity.p
 random bf16 weights. 12 requests of mixed prompt lengths (greedy and seeded T=0.8) are served one by one (the
 references), then staggered and all at once: the token ids must match 12/12 each way. With two GPUs the same runs
 at TP=2 over NCCL and TP=1 = TP=2. The stream test prints the inter-token time of one streamed request next to the
-offline decode step of the same checkpoint (a CUDA-graph replay plus sampling) — DESIGN's target is <= 1.2x.
+offline decode step of the same checkpoint (a CUDA-graph replay plus sampling) — the target in docs/design.md §8 is <= 1.2x.
 """
 
 from __future__ import annotations

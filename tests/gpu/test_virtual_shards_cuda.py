@@ -1,5 +1,5 @@
 """Virtual shards at real GLM-5.3-Flash widths on the GPU: a rank's local shards in one launch per op give each shard
-the bits of its own one-shard launch (DESIGN §5.3: TP=1 = TP=2 = TP=4).
+the bits of its own one-shard launch (docs/design.md §5.3: TP=1 = TP=2 = TP=4).
 
 Two layers (KDA, MLA/DSA; dense FFNs) are built over the same random bf16 weights as a TP=1 rank (4 virtual shards
 per launch) and as the 4 ranks of TP=4 (one shard each). No collective is needed: a layer's attention and FFN

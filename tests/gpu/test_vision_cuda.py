@@ -24,7 +24,7 @@ from PIL import Image
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.timeout(900)]
 
-BF16_REL_TOL = 2.5e-2  # bf16 against fp32 (DESIGN §7: 1e-3 to 1e-2); the CPU's bf16 tower measured 9.9e-3
+BF16_REL_TOL = 2.5e-2  # bf16 against fp32 (docs/design.md §7: 1e-3 to 1e-2); the CPU's bf16 tower measured 9.9e-3
 CHUNKS = [64, 64]
 
 

@@ -1,5 +1,5 @@
 """EXL3 on the GPU path (kernels/gpu: wtiles' trellis tile read, hadamard's rotations, gemm / moe's EXL3 branches)
-against the torch twin (kernels/quant/exl3.py), and their row invariance (DESIGN §5.1).
+against the torch twin (kernels/quant/exl3.py), and their row invariance (docs/design.md §5.1).
 
 The decoded trellis tiles and the rotations are the twin's arithmetic bit for bit. The products are not: the twin
 rotates the weight (float32), the kernels rotate the activations and multiply in float16 (float32 for float32

@@ -1,4 +1,4 @@
-"""The fixed-schedule GEMM (kernels/gpu/gemm.py) against torch, and its row invariance (DESIGN §5.1)."""
+"""The fixed-schedule GEMM (kernels/gpu/gemm.py) against torch, and its row invariance (docs/design.md §5.1)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Many sequences part-way through their prompts, and packed forwards of any subset of them: the material of the
-row-invariance checks (DESIGN §5.2), shared by the compute-dtype and the fp8-cache suites."""
+row-invariance checks (docs/design.md §5.2), shared by the compute-dtype and the fp8-cache suites."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Row invariance (DESIGN §5.2): a row's logits are bit-identical whether it is computed alone or packed with 1-16
+"""Row invariance (docs/design.md §5.2): a row's logits are bit-identical whether it is computed alone or packed with 1-16
 other rows (other sequences' decode rows and prefill chunks), on CPU in fp32."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """TP = 2 and TP = 4 (gloo processes on loopback) against TP = 1: same greedy tokens and bit-identical logits.
 
-Bit identity is by construction (DESIGN §5.3): every sharded dimension is cut into 4 virtual shards whatever the
+Bit identity is by construction (docs/design.md §5.3): every sharded dimension is cut into 4 virtual shards whatever the
 rank count, each shard's product is computed separately, and row-parallel partials are all-gathered and summed in
 shard order on every rank.
 """
