@@ -14,8 +14,10 @@ from dataclasses import dataclass
 FORMATS = ("fp8", "w4a16", "exl3")
 DENSE = "bf16"  # a recipe's name for "leave these modules dense"
 ROUTED_EXPERTS = ".mlp.experts."
+# (KDA's beta projection by its full name: "b_proj." alone also matched MLA's q_b_proj and kv_b_proj, which kept
+# the largest attention input projection dense under every recipe)
 _KEEP_DENSE = ("embed_tokens.", "lm_head.", ".mlp.gate.weight", "f_a_proj.", "f_b_proj.", "g_a_proj.", "g_b_proj.",
-               "b_proj.", "indexer.wk.", "indexer.weights_proj.")
+               "self_attn.b_proj.", "indexer.wk.", "indexer.weights_proj.")
 EXL3_TILE = 128
 
 
