@@ -21,6 +21,7 @@ import torch
 
 from services.common.env import add_internal_token_flag, env
 from services.rank_worker import pool_size
+from model.quantize.select import RECIPE_HELP
 from model.row_store import KV_CACHE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,8 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="virtual shards per sharded dim (a multiple of --world; the same on every rank)")
     p.add_argument("--random-weights", default=env("RANDOM_WEIGHTS"), metavar="FORMAT",
                    help="draw random weights on the device instead of reading shards (--model still gives the config "
-                        "and the tokenizer): FORMAT for every eligible linear, or EXPERTS+OTHER, from fp8, w4a16, "
-                        "exl3, bf16 (e.g. bf16, fp8, w4a16+fp8, exl3+bf16); quantized linears are drawn packed "
+                        f"and the tokenizer): {RECIPE_HELP}; quantized linears are drawn packed "
                         "(TWINSPARK_RANDOM_WEIGHTS)")
     p.add_argument("--random-block-size", type=int, default=int(env("RANDOM_BLOCK_SIZE", "128")), metavar="N",
                    help="with --random-weights: fp8 block edge and w4a16 group size (TWINSPARK_RANDOM_BLOCK_SIZE)")
