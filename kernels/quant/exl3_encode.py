@@ -5,8 +5,8 @@ lower error, this one a valid file of the same layout.
 
 1. Scales (the decode's diag(svh) . H . T^T . H . diag(suh) / 128, inverted): svh = random signs x each output row's
    RMS; after the output-side Hadamard, suh = random signs x each input column's RMS / (FILL x the codebook's
-   spread), so the rotated weight T has about the codebook's distribution. Both are rounded to float16 before T is computed from
-   them, so the decode meets exactly the scales T was fitted with.
+   spread), so the rotated weight T has about the codebook's distribution. Both are rounded to float16 before T is
+   computed from them, so the decode meets exactly the scales T was fitted with.
 2. Each 16x16 tile of T, in trellis step order, is a sequence of 256 values to code. A step's 16-bit state is the
    previous state shifted left by the step's k bits plus k new bits, and the sequence is circular (step 0's state
    holds the tile's last 16 - k bits). Encoding is a beam search (the M-algorithm): the `beam` cheapest partial

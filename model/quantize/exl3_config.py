@@ -40,9 +40,9 @@ def tensor_storage(plan: BitPlan, shapes: dict[str, tuple[int, int]], codebook: 
         stored = {"trellis": ((inp // exl3.TILE, out // exl3.TILE, int(exl3.TILE * bits)), torch.int16),
                   "suh": ((inp,), torch.float16), "svh": ((out,), torch.float16),
                   **{name: ((), torch.int32) for name in exl3.marker(codebook)}}
-        entry: dict[str, Any] = {"stored_tensors": {
-            f"{module}.{name}": {"shape": list(shape), "n_bytes": math.prod(shape) * dtype.itemsize, "dtype": str(dtype)}
-            for name, (shape, dtype) in stored.items()}, "quant_format": "exl3", "bits_per_weight": bits}
+        tensors = {f"{module}.{name}": {"shape": list(shape), "n_bytes": math.prod(shape) * dtype.itemsize,
+                                        "dtype": str(dtype)} for name, (shape, dtype) in stored.items()}
+        entry: dict[str, Any] = {"stored_tensors": tensors, "quant_format": "exl3", "bits_per_weight": bits}
         if codebook in exl3.MARKERS:
             entry[f"{codebook}_multiplier"] = exl3.MARKERS[codebook]
         storage[module] = entry
