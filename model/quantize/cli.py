@@ -35,9 +35,10 @@ def register(subparsers: Any) -> None:
                    help="fp8: e4m3 weights with block (or per-channel) float32 scales; w4a16: symmetric int4 in "
                         "groups along the input dim with float16 scales; exl3[:BITS]: exllamav3's trellis format at "
                         "an average of BITS bits per weight, any number from 1 to 8 "
-                        f"(default {EXL3_DEFAULT_BITS:g}; e.g. exl3:2.0, exl3:2.5, exl3:3.0): each linear gets a whole or half rate (half rates need the "
-                        "mul1 codebook) so the average lands on BITS, attention first, routed experts last; what "
-                        "each got is in the output's quantization_config.json")
+                        f"(default {EXL3_DEFAULT_BITS:g}; e.g. exl3:2.0, exl3:2.5, exl3:3.0): each linear gets a "
+                        "whole or half rate (half rates need the mul1 codebook) so the average lands on BITS, "
+                        "attention first, routed experts last; what each got is in the output's "
+                        "quantization_config.json")
     p.add_argument("--experts-only", action="store_true",
                    help="quantize only the routed experts (what the fused MoE kernel reads); other linears stay as "
                         "they are")
