@@ -6,7 +6,9 @@ so the random model and the tiny checkpoints never disagree about which tensors 
 `WeightReader` interface the model loads through; it draws each requested tensor on the device with a per-key
 generator and keeps no copy of its own (and none on the CPU). With a quantize `Recipe`, the linears the recipe
 selects are drawn directly in their packed form (random fp8 values / int4 nibbles / trellis words + scales), never
-as a dense copy; the dense views (`full` / `split`) dequantize them, the packed views return them as they are.
+as a dense copy; the dense views (`full` / `split`) dequantize them, the packed views return them as they are. The
+recipe is planned for the reader's virtual shards (a linear is packed only if each shard is whole tiles), and EXL3
+linears get the rates quantize/bits.py spreads the recipe's target bitrate over (`exl3:3.0+fp8`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from kernels.quant import QuantizedWeight, random_quantized
 from model.config import MLA, ModelConfig
 from model.parallel import Sharding
+from model.quantize import bits as exl3_bits
 from model.quantize.select import Recipe
 from model.checkpoint.spec import TinySpec
 from model.checkpoint.tensor_spec import TensorSpec, key_seed
@@ -91,8 +94,11 @@ class RandomWeightReader:
         self.dtype = dtype
         self.device = torch.device(device)
         self.seed = seed
-        self.recipe = recipe
+        self.recipe = None if recipe is None else dataclasses.replace(recipe, virtual=sharding.virtual)
         self.tensors = {t.key: t for t in text_tensors(spec)}
+        exl3 = {k: t.numel for k, t in self.tensors.items() if self.format_of(k) == "exl3"}
+        r = self.recipe
+        self.exl3_plan = exl3_bits.plan(exl3, r.exl3_bits, r.exl3_codebook) if r is not None and exl3 else None
         self.bytes_made = 0
         self.tensors_made = 0
         self.quantized_made = 0
@@ -121,7 +127,8 @@ class RandomWeightReader:
         else:
             r = self.recipe
             g = torch.Generator(device=self.device).manual_seed(key_seed(self.seed, key))
-            made = random_quantized(fmt, *t.shape, std=t.init.a, block=r.block, bits=r.exl3_bits,
+            bits = self.exl3_plan.bits[key] if fmt == "exl3" else r.exl3_bits
+            made = random_quantized(fmt, *t.shape, std=t.init.a, block=r.block, bits=bits,
                                     codebook=r.exl3_codebook, generator=g, device=self.device)
             size = made.nbytes
             self.quantized_made += 1

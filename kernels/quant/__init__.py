@@ -2,7 +2,7 @@
 
 - fp8.py:   FP8 e4m3, 128x128 block scales (DeepSeek-V3 style) or per-channel scales — Hopper dense + attention
 - w4a16.py: symmetric int4 in groups of 128 along the input dim, float16 scales — Hopper experts
-- exl3.py:  exllamav3's trellis format (decode only; quantization is exllamav3's GPU converter) — the seed's format
+- exl3.py:  exllamav3's trellis format (decode; exl3_encode.py: a torch beam-search encoder) — the seed's format
 - codec.py: what each format answers (names, shape, tensor-parallel cuts, dequantize); weight.py: `QuantizedWeight`
 """
 

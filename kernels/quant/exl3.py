@@ -99,13 +99,20 @@ def bits_of(trellis_words: int) -> float:
 
 
 @lru_cache(maxsize=None)
-def _windows(bits: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each step: the stream words its 16-bit state spans (first, next) and how far to shift their 32 bits."""
+def step_bits(bits: float) -> torch.Tensor:
+    """The bits each of a tile's 256 trellis steps adds to the stream: K, or at a half-integer rate floor(K) and
+    floor(K) + 1 alternating (the odd steps carry the extra bit)."""
     ka = int(bits)
     per_step = torch.full((STEPS,), ka, dtype=torch.int64)
     if bits != ka:
-        per_step[1::2] += 1  # half-integer rate: odd steps carry the extra bit
-    ends = per_step.cumsum(0)
+        per_step[1::2] += 1
+    return per_step
+
+
+@lru_cache(maxsize=None)
+def _windows(bits: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each step: the stream words its 16-bit state spans (first, next) and how far to shift their 32 bits."""
+    ends = step_bits(bits).cumsum(0)
     words = int(ends[-1]) // 16
     start = (ends - 16) % (16 * words)
     first = start // 16
@@ -124,6 +131,27 @@ def unpack_states(trellis: torch.Tensor) -> torch.Tensor:
     mem = trellis.to(torch.int64) & 0xFFFF
     stream = mem.view(*mem.shape[:-1], -1, 2).flip(-1).reshape(mem.shape)  # undo the pairwise swap
     return (((stream[..., first] << 16) | stream[..., nxt]) >> shift) & 0xFFFF
+
+
+@lru_cache(maxsize=None)
+def _stream_layout(bits: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each bit of a tile's stream: the step that adds it and how far to shift that step's value for it (the
+    step's bits go most significant first)."""
+    k = step_bits(bits)
+    owner = torch.repeat_interleave(torch.arange(STEPS), k)
+    offset = torch.arange(owner.numel()) - (k.cumsum(0) - k)[owner]
+    return owner, k[owner] - 1 - offset
+
+
+def pack_steps(values: torch.Tensor, bits: float) -> torch.Tensor:
+    """The inverse of `unpack_states`' stream: each step's new bits int64 [..., 256] (step j's value < 2^k_j) ->
+    the int16 trellis words [..., 16 * K], most significant bit first, each pair of words swapped."""
+    owner, shift = (t.to(values.device) for t in _stream_layout(bits))
+    stream = (values[..., owner] >> shift) & 1
+    weights = 1 << torch.arange(15, -1, -1, device=values.device)
+    words = (stream.view(*stream.shape[:-1], -1, 16) * weights).sum(-1)
+    words = words.view(*words.shape[:-1], -1, 2).flip(-1).reshape(words.shape)
+    return torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
 
 
 def decode_tiles(trellis: torch.Tensor, codebook_name: str) -> torch.Tensor:
@@ -168,7 +196,7 @@ def random_linear(out: int, inp: int, *, std: float, bits: float = 4, codebook_n
                   generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """EXL3 tensors of a random [out, in] linear whose dense weight has about `std` per element: random trellis words
     (every word sequence is a valid trellis), random signs in suh / svh, suh scaled by std / the codebook's std."""
-    _check(out, inp, bits, codebook_name)
+    check_linear(out, inp, bits, codebook_name)
     words = int(TILE * bits)
     kw = dict(generator=generator, device=device)
     trellis = torch.randint(-(1 << 15), 1 << 15, (inp // TILE, out // TILE, words), dtype=torch.int16, **kw)
@@ -189,7 +217,8 @@ def check_rate(bits: float, codebook_name: str) -> None:
                          f"({codebook_name})")
 
 
-def _check(out: int, inp: int, bits: float, codebook_name: str) -> None:
+def check_linear(out: int, inp: int, bits: float, codebook_name: str) -> None:
+    """Raise a ValueError unless an [out, in] linear can be EXL3 at this rate and codebook."""
     if out % HAD or inp % HAD:
         raise ValueError(f"EXL3 needs both dims to be multiples of {HAD} (Hadamard blocks); got [{out}, {inp}]")
     check_rate(bits, codebook_name)
@@ -208,7 +237,7 @@ class Exl3Codec(Codec):
         tk, tn, words = shapes["trellis"]
         cb = "mcg" if "mcg" in shapes else "mul1" if "mul1" in shapes else "3inst"
         bits = bits_of(words)
-        _check(tn * TILE, tk * TILE, bits, cb)
+        check_linear(tn * TILE, tk * TILE, bits, cb)
         if tuple(shapes["suh"]) != (tk * TILE,) or tuple(shapes["svh"]) != (tn * TILE,):
             raise ValueError(f"EXL3 suh {tuple(shapes['suh'])} / svh {tuple(shapes['svh'])} do not fit a trellis of "
                              f"{tk} x {tn} tiles")

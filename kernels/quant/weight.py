@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kernels.quant import exl3, fp8, w4a16
+from kernels.quant import exl3, exl3_encode, fp8, w4a16
 from kernels.quant.codec import Codec
 
 CODECS: dict[str, Codec] = {c.name: c for c in (fp8.CODEC, w4a16.CODEC, exl3.CODEC)}
@@ -77,16 +77,20 @@ class QuantizedWeight:
         return QuantizedWeight(self.format, {k: v.to(device) for k, v in self.tensors.items()}, self.shape, self.params)
 
 
-def quantize(w: torch.Tensor, format: str, *, block: int | None = None) -> QuantizedWeight:
-    """Quantize a dense [out, in] weight: fp8 with [block, block] scales (None = one scale per output channel) or
-    w4a16 with groups of `block` (None = 128). EXL3 needs exllamav3's trellis search on a GPU (not here)."""
+def quantize(w: torch.Tensor, format: str, *, block: int | None = None, bits: float = 4, codebook: str = "mul1",
+             generator: torch.Generator | None = None) -> QuantizedWeight:
+    """Quantize a dense [out, in] weight: fp8 with [block, block] scales (None = one scale per output channel),
+    w4a16 with groups of `block` (None = 128), or EXL3 at `bits` with `codebook` (exl3_encode.py's beam search;
+    `generator` draws its sign vectors)."""
     if format == "fp8":
         tensors = fp8.quantize_channels(w) if block is None else fp8.quantize_blocks(w, (block, block))
         return QuantizedWeight.from_tensors("fp8", tensors, {"weight_block_size": [block, block]} if block else None)
     if format == "w4a16":
         group = block or w4a16.DEFAULT_GROUP
         return QuantizedWeight.from_tensors("w4a16", w4a16.quantize(w, group), {"group_size": group})
-    raise ValueError(f"cannot quantize to {format!r} here (fp8 or w4a16; EXL3 runs exllamav3's converter on a GPU)")
+    if format == "exl3":
+        return QuantizedWeight.from_tensors("exl3", exl3_encode.quantize(w, bits, codebook, generator=generator))
+    raise ValueError(f"unknown format {format!r} (one of {', '.join(CODECS)})")
 
 
 def random_quantized(format: str, out: int, inp: int, *, std: float, block: int | None = 128, bits: float = 4,

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from kernels.quant import exl3
+from model.quantize import exl3_config
 
 from .config_builder import generation_config, model_config, preprocessor_config, processor_config, round_up
 from .presets import PRESETS
-from .quantized import EXL3_DIMS, FORMATS, exl3_quant_config, exl3_recipe, make_tensors
+from .quantized import EXL3_DIMS, FORMATS, exl3_plan, exl3_recipe, make_tensors
 from .shards import INDEX_NAME, plan_shards, write_shards
 from .spec import TinySpec, default_layer_pattern
 from .tensor_spec import TensorSpec
@@ -56,9 +56,10 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
                exl3_bits: float = 4, exl3_codebook: str = "mul1", preset: str = "default") -> TinyCheckpoint:
     """Write a tiny checkpoint into `out_dir` (created if missing) and describe what was written.
 
-    format: "dense" (every tensor in `dtype`) or "exl3" (wider MLPs stored as random EXL3 trellises of `exl3_bits`
-    bits with codebook `exl3_codebook`; see quantized.py). preset: a named set of dimensions (presets.py), e.g.
-    "exllamav3" for the smallest model exllamav3 runs whole."""
+    format: "dense" (every tensor in `dtype`) or "exl3" (wider MLPs stored as random EXL3 trellises at an average of
+    `exl3_bits` bits per weight, each linear's rate by quantize/bits.py, with codebook `exl3_codebook`; see
+    quantized.py). preset: a named set of dimensions (presets.py), e.g. "exllamav3" for the smallest model
+    exllamav3 runs whole."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if format not in FORMATS:
@@ -67,32 +68,34 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
         raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     torch_dtype = DTYPES[dtype]
     recipe = exl3_recipe(exl3_bits, exl3_codebook) if format == "exl3" else None
-    if recipe is not None:
-        exl3.check_rate(exl3_bits, exl3_codebook)
-    # Validate the options (TinySpec raises ValueError) before touching the output folder.
+    # Validate the options (TinySpec and the bit plan raise ValueError) before touching the output folder.
     spec = TinySpec(num_hidden_layers=layers, n_routed_experts=experts, index_topk=index_topk,
                     layer_pattern=layer_pattern or "", indexer_pattern=indexer_pattern or "",
                     **{**(EXL3_DIMS if recipe is not None else {}), **PRESETS[preset]})
     tok = build_tokenizer()
     spec = dataclasses.replace(spec, vocab_size=round_up(tok.get_vocab_size(), VOCAB_MULTIPLE))
+    specs = all_tensors(spec)
+    plan = exl3_plan(specs, recipe) if recipe is not None else None
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Remove shards from an earlier run into the same folder: a stale model-0000k-of-0000n would confuse loaders.
-    for old in [*out.glob("model*.safetensors"), out / INDEX_NAME]:
+    for old in [*out.glob("model*.safetensors"), out / INDEX_NAME, out / exl3_config.STORAGE_FILE]:
         if old.exists():
             old.unlink()
-    files = write_model_files(out, spec, tok, dtype=dtype, quantization_config=(
-        exl3_quant_config(exl3_bits, exl3_codebook) if recipe is not None else None))
+    qcfg = exl3_config.quant_config(plan, exl3_codebook) if plan is not None else None
+    files = write_model_files(out, spec, tok, dtype=dtype, quantization_config=qcfg)
+    if plan is not None:
+        shapes = {s.key: s.shape for s in specs}
+        files.append(exl3_config.write_storage(out, qcfg, exl3_config.tensor_storage(plan, shapes, exl3_codebook)))
 
-    specs = all_tensors(spec)
     total = sum(s.nbytes(torch_dtype) for s in specs)
     if max_shard_bytes is None:
         # total/3 plus one largest tensor: greedy packing then fills every shard but the last past total/3,
         # so there are 2-3 shards and no sliver of a last shard.
         max_shard_bytes = -(-total // SHARDS_TARGET) + max(s.nbytes(torch_dtype) for s in specs)
     shards = plan_shards(specs, torch_dtype, max_shard_bytes)
-    files += write_shards(out, shards, torch_dtype, lambda s: make_tensors(s, seed, torch_dtype, recipe),
+    files += write_shards(out, shards, torch_dtype, lambda s: make_tensors(s, seed, torch_dtype, recipe, plan),
                           progress=progress)
 
     return TinyCheckpoint(

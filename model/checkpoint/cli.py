@@ -36,16 +36,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="storage dtype; the router bias, KDA convs and gate params and mHC base/scale stay float32 "
                         "(default: bfloat16)")
-    p.add_argument("--format", choices=("dense", "exl3"), default="dense",
-                   help="dense: every tensor in --dtype; exl3: hidden 128 and MLPs 512 wide, every MLP linear whose "
-                        "dims are multiples of 128 (dense MLP, shared and routed experts, MTP eh_proj) stored as "
-                        "random EXL3 trellises in exllamav3's names and dtypes, attention in --dtype whatever its "
-                        "dims (default: dense)")
-    p.add_argument("--bits", type=float, default=4, help="exl3: bits per weight, 1-8 (or 1.5/2.5/3.5 with mul1)")
+    p.add_argument("--format", default="dense", metavar="dense|exl3[:BITS]",
+                   help="dense: every tensor in --dtype; exl3[:BITS]: hidden 128 and MLPs 512 wide, every MLP linear "
+                        "that is whole 128 x 128 tiles on each of 4 virtual shards (dense MLP, shared and routed "
+                        "experts, MTP eh_proj) stored as random EXL3 trellises in exllamav3's names and dtypes at an "
+                        "average of BITS bits per weight (1-8, default 4; e.g. exl3:2.5, exl3:3.0): each linear a "
+                        "whole or half rate (half rates need mul1), listed in quantization_config.json; attention in "
+                        "--dtype whatever its dims (default: dense)")
+    p.add_argument("--bits", type=float, default=None, help="exl3: the same as --format exl3:BITS")
     p.add_argument("--codebook", choices=("mul1", "mcg", "3inst"), default="mul1",
                    help="exl3: trellis codebook (exllamav3's default: mul1)")
     p.add_argument("--preset", choices=tuple(PRESETS), default="default",
-                   help="named dimensions: default = the CPU test model; exllamav3 = the smallest dims at which "
+                   help="named dimensions: default = the CPU test model; exl3 = hidden 128 and MLPs 512 wide (what "
+                        "--format exl3 writes; a dense model for `quantize --format exl3:BITS`); exllamav3 = the "
+                        "smallest dims at which "
                         "exllamav3 runs the whole model (hidden 128, KDA heads of 128, MLA latent 128, a calm "
                         "init; use with --format exl3 for an EXL3 checkpoint exllamav3 loads) (default: default)")
     p.set_defaults(func=run)
@@ -53,21 +57,28 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `twinspark --help` and other subcommands do not pay for torch/tokenizers imports.
+    from model.quantize.select import EXL3_DEFAULT_BITS, format_and_bits
+
     from . import write_tiny
 
     try:
+        fmt, bits = ("dense", args.bits) if args.format == "dense" else format_and_bits(args.format, args.bits)
+        if fmt not in ("dense", "exl3") or (fmt == "dense" and bits is not None):
+            raise ValueError(f"--format {args.format}{'' if bits is None else f' --bits {bits:g}'}: make-tiny "
+                             f"writes dense or exl3[:BITS]")
+        bits = EXL3_DEFAULT_BITS if bits is None else bits
         ckpt = write_tiny(args.out, seed=args.seed, layers=args.layers, experts=args.experts,
                           index_topk=args.index_topk, layer_pattern=args.layer_pattern,
                           indexer_pattern=args.indexer_pattern, dtype=args.dtype, progress=True,
-                          format=args.format, exl3_bits=args.bits, exl3_codebook=args.codebook, preset=args.preset)
-    except ValueError as e:  # bad pattern / sizes: a one-line message, not a traceback
+                          format=fmt, exl3_bits=bits, exl3_codebook=args.codebook, preset=args.preset)
+    except ValueError as e:  # bad pattern / sizes / bitrate: a one-line message, not a traceback
         print(f"make-tiny: {e}", file=sys.stderr)
         return 2
     s = ckpt.spec
     print(f"wrote tiny GLM-5.3-Flash checkpoint to {ckpt.path.resolve()}")
     print(f"  params: {ckpt.num_params:,} stored ({ckpt.num_text_params:,} text model, rest MTP block + vision tower), "
           f"dtype {ckpt.dtype}, seed {args.seed}"
-          + (f", EXL3 {args.bits:g} bits ({args.codebook}) MLPs" if ckpt.format == "exl3" else ""))
+          + (f", EXL3 {bits:g} bits ({args.codebook}) MLPs" if ckpt.format == "exl3" else ""))
     print(f"  layers: {s.layer_pattern} (K=KDA, M=MLA+DSA)  indexer: {s.indexer_pattern}  "
           f"experts: {s.n_routed_experts} top-{s.num_experts_per_tok}  index_topk: {s.index_topk}  vocab: {s.vocab_size}")
     print(f"  preset: {ckpt.preset}  hidden: {s.hidden_size}  KDA heads: {s.linear_num_heads} x {s.linear_head_dim}  "

@@ -1,6 +1,9 @@
 """Named size presets for `make-tiny`: TinySpec overrides chosen for one purpose.
 
 - "default": spec.py's dimensions, the CPU test model (milliseconds per forward).
+- "exl3": the default model with hidden 128 and MLPs 512 wide (EXL3_DIMS), the smallest at which its MLP linears
+  are whole 128 x 128 EXL3 tiles on each of 4 virtual shards: what `make-tiny --format exl3` writes, and a dense
+  model for `twinspark quantize --format exl3:BITS` (the default model, 64 wide, has no linear EXL3 can hold).
 - "exllamav3": the smallest dimensions at which exllamav3 1.6.5 runs the *whole* glm5_next model through its own
   kernels, so a twinspark-written EXL3 checkpoint can be compared with twinspark as a model, not only per linear
   (tests/gpu/test_exl3_exllamav3_model.py). The comment on each size says which of its kernels or loaders sets the
@@ -17,11 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
+EXL3_DIMS: dict[str, Any] = dict(hidden_size=128, intermediate_size=512, moe_intermediate_size=512)  # 4 x 128
+
 EXLLAMAV3: dict[str, Any] = dict(
     # modules/linear.py pads every linear to a multiple of 128 (pad_to) and trims only some outputs: KDA's o_proj
     # writes its padded width into the residual, so the residual width must already be a multiple of 128.
     hidden_size=128,
-    # EXL3 MLPs: 128-wide trellis tiles on each of twinspark's 4 virtual shards (as make-tiny's EXL3_DIMS).
+    # EXL3 MLPs: 128-wide trellis tiles on each of twinspark's 4 virtual shards (as EXL3_DIMS).
     intermediate_size=512,
     moe_intermediate_size=512,
     # The query latent: not a kernel width, but 128 leaves modules/linear.py nothing to pad (q_a_proj's output,
@@ -48,4 +53,4 @@ EXLLAMAV3: dict[str, Any] = dict(
     embed_std=16.0,
 )
 
-PRESETS: dict[str, dict[str, Any]] = {"default": {}, "exllamav3": EXLLAMAV3}
+PRESETS: dict[str, dict[str, Any]] = {"default": {}, "exl3": EXL3_DIMS, "exllamav3": EXLLAMAV3}

@@ -1,17 +1,25 @@
 """Write a quantized copy of a checkpoint, one safetensors shard at a time (memory: one output shard).
 
 Same shard files and key names as the input; a quantized linear `X.weight` becomes its format's tensors
-(`X.weight` + `X.weight_scale_inv` for fp8, `X.weight_packed` + `X.weight_scale` for w4a16), everything else is
-copied byte for byte, modules already quantized included (so fp8 on top of a `--experts-only` w4a16 checkpoint gives
-W4A16 experts + FP8 attention). config.json gets the `quantization_config` (an earlier one is kept nested), the index
-is rewritten, and the other files (tokenizer, chat template, generation config) are copied.
+(`X.weight` + `X.weight_scale_inv` for fp8, `X.weight_packed` + `X.weight_scale` for w4a16, `X.trellis` / `X.suh` /
+`X.svh` / marker for EXL3), everything else is copied byte for byte, modules already quantized included (so fp8 on
+top of a `--experts-only` w4a16 checkpoint gives W4A16 experts + FP8 attention). config.json gets the
+`quantization_config` (an earlier one is kept nested), the index is rewritten, and the other files (tokenizer, chat
+template, generation config) are copied; an EXL3 output also gets exllamav3's quantization_config.json.
+
+Everything is planned from the shard headers before a tensor is read: which linears the recipe packs (each one
+whole tiles on every virtual shard, select.py), the fp8 block / w4a16 group when it is chosen from that shard plan
+(`auto_block`), and EXL3's bits per linear for the target average (bits.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,11 +29,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kernels.quant import quantize, quantized_modules
+from kernels.quant import CODECS, quantize, quantized_modules
 from kernels.quant import fp8 as fp8_format
 from kernels.quant import w4a16 as w4a16_format
 from model.quant_config import nest
-from model.quantize.select import Recipe
+from model.quantize import bits as exl3_bits
+from model.quantize import exl3_config
+from model.quantize.select import Recipe, auto_block, tile_shape
 
 INDEX = "model.safetensors.index.json"
 
@@ -48,7 +58,7 @@ def quant_config(fmt: str, block: int | None) -> dict[str, Any]:
     if fmt == "w4a16":
         return {"quant_method": w4a16_format.QUANT_METHOD, "bits": 4, "group_size": block or w4a16_format.DEFAULT_GROUP,
                 "symmetric": True, "pack": "int32: 8 nibbles along in, lowest first, q + 8"}
-    raise ValueError(f"twinspark quantize writes fp8 or w4a16, not {fmt!r}")
+    raise ValueError(f"no quantization_config of its own for {fmt!r} (EXL3's: exl3_config.py)")
 
 
 def _source_files(src: Path) -> dict[str, list[str]]:
@@ -66,25 +76,89 @@ def _source_files(src: Path) -> dict[str, list[str]]:
         return {single.name: list(f.keys())}
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a run will write, decided from the shard headers alone."""
+
+    recipe: Recipe  # with the block actually used
+    targets: dict[str, str]  # weight key -> the format it is quantized to now
+    exl3: exl3_bits.BitPlan | None  # EXL3's bits per linear
+    shapes: dict[str, tuple[int, ...]]  # every stored tensor's
+    done: set[str]  # modules quantized in the input (copied as they are)
+
+    def lines(self, block_chosen: bool) -> list[str]:
+        """What the plan chose and why, one line each (the CLI prints them before quantizing)."""
+        r = self.recipe
+        tps = ", ".join(str(t) for t in range(1, r.virtual + 1) if r.virtual % t == 0)
+        out = [f"planned for {r.virtual} virtual shards: every packed linear is whole tiles on each, so the output "
+               f"loads at TP {tps}"]
+        if block_chosen and {"fp8", "w4a16"} & set(self.targets.values()):
+            out.append(f"block size {r.block}, from that plan: the largest of 128/64/32/16/8 that leaves no linear "
+                       f"dense that 8 would pack")
+        if self.exl3 is not None:
+            out.append(f"EXL3 at {r.exl3_bits:g} bits per weight ({r.exl3_codebook}): {self.exl3.summary()}")
+        return out
+
+
+def plan_checkpoint(files: dict[str, list[str]], src: Path, recipe: Recipe, *, choose_block: bool) -> Plan:
+    """The run's plan over `files` (shard -> keys). choose_block: pick the fp8 block / w4a16 group with
+    `auto_block` instead of recipe.block."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, keys in files.items():
+        with safe_open(src / name, "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
+    done = set(quantized_modules(shapes))  # modules quantized in the input: copied as they are
+    free = [(k, s) for k, s in shapes.items() if k.rpartition(".")[0] not in done]
+    if choose_block and recipe.block is not None:
+        recipe = dataclasses.replace(recipe, block=auto_block(recipe, free))
+    targets = {k: fmt for k, s in free if (fmt := recipe.format_for(k, s)) is not None}
+    if not targets:
+        raise ValueError(_nothing_fits(recipe))
+    exl3 = [k for k, fmt in targets.items() if fmt == "exl3"]
+    bits = exl3_bits.plan({k: shapes[k][0] * shapes[k][1] for k in exl3}, recipe.exl3_bits,
+                          recipe.exl3_codebook) if exl3 else None
+    return Plan(recipe, targets, bits, shapes, done)
+
+
+def _nothing_fits(recipe: Recipe) -> str:
+    tiles = " / ".join(f"{f} {'x'.join(map(str, tile_shape(f, recipe.block)))}" for f in recipe.formats)
+    hint = (" (the default make-tiny model is 64 wide; `make-tiny --preset exl3` writes one whose MLPs are 128 and "
+            "512 wide)" if "exl3" in recipe.formats else "")
+    return (f"no linear fits {'+'.join(recipe.formats)}: a linear is packed only when it is whole tiles ({tiles}) "
+            f"and so is each of its {recipe.virtual} virtual shards{hint}")
+
+
+def _generator(key: str) -> torch.Generator:
+    """A per-key generator (EXL3's sign vectors): the output depends on the key, not on the order of the run."""
+    seed = int.from_bytes(hashlib.sha256(f"twinspark-quantize/{key}".encode()).digest()[:8], "little") >> 1
+    return torch.Generator().manual_seed(seed)
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, device: str = "cpu",
-                        progress: bool = True) -> Summary:
+                        progress: bool = True, choose_block: bool = False,
+                        log: Callable[[str], None] | None = None) -> Summary:
+    """choose_block: the fp8 block / w4a16 group from the shard plan (select.auto_block) instead of recipe.block.
+    log: gets the plan's lines before any tensor is quantized."""
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise ValueError("--out must differ from --model (the input is read while the output is written)")
-    fmt = recipe.other or recipe.experts
-    if fmt is None or len(recipe.formats) != 1:
+    if len(recipe.formats) != 1:
         raise ValueError("one format per run: quantize the experts and the rest in two runs")
+    fmt = recipe.formats[0]
     config = json.loads((src / "config.json").read_text())
     old = config.get("quantization_config")
-    if old and old.get("quant_method") == quant_config(fmt, recipe.block)["quant_method"]:
+    if old and old.get("quant_method") == CODECS[fmt].quant_method:
         raise ValueError(f"{src} is already {fmt}; quantize its dense original instead")
     files = _source_files(src)
-    done = set(quantized_modules(k for keys in files.values() for k in keys))  # across every shard
+    plan = plan_checkpoint(files, src, recipe, choose_block=choose_block)
+    recipe = plan.recipe
+    for line in plan.lines(choose_block) if log else ():
+        log(line)
     dst.mkdir(parents=True, exist_ok=True)
-    for stale in [*dst.glob("*.safetensors"), dst / INDEX]:
+    for stale in [*dst.glob("*.safetensors"), dst / INDEX, dst / exl3_config.STORAGE_FILE]:
         stale.unlink(missing_ok=True)
 
-    summary = Summary(already=len(done))
+    summary = Summary(already=len(plan.done))
     weight_map: dict[str, str] = {}
     bar = tqdm(total=sum(len(k) for k in files.values()), desc=f"quantizing to {fmt}", unit="tensor",
                disable=not progress)
@@ -95,13 +169,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, dev
                 for key in keys:
                     t = f.get_tensor(key)
                     summary.bytes_in += t.numel() * t.element_size()
-                    was_quantized = key.rpartition(".")[0] in done
-                    target = None if was_quantized else recipe.format_for(key, tuple(t.shape))
+                    target = plan.targets.get(key)
                     if target is None:
                         out[key] = t
-                        summary.kept += not was_quantized
+                        summary.kept += key.rpartition(".")[0] not in plan.done
                     else:
-                        q = quantize(t.to(device), target, block=recipe.block)
+                        q = quantize(t.to(device), target, block=recipe.block, codebook=recipe.exl3_codebook,
+                                     bits=plan.exl3.bits[key] if target == "exl3" else 4, generator=_generator(key))
                         module = key.removesuffix(".weight")
                         out.update({f"{module}.{n}": v.cpu().contiguous() for n, v in q.tensors.items()})
                         summary.quantized[target] += 1
@@ -115,7 +189,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, dev
     if (src / INDEX).exists():
         index = {"metadata": {"total_size": summary.bytes_out}, "weight_map": dict(sorted(weight_map.items()))}
         (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    config["quantization_config"] = nest(quant_config(fmt, recipe.block), old)
+    if plan.exl3 is not None:
+        qcfg = exl3_config.quant_config(plan.exl3, recipe.exl3_codebook)
+        exl3_config.write_storage(dst, qcfg, exl3_config.tensor_storage(plan.exl3, plan.shapes, recipe.exl3_codebook))
+    else:
+        qcfg = quant_config(fmt, recipe.block)
+    config["quantization_config"] = nest(qcfg, old)
     (dst / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     for p in src.iterdir():  # tokenizer, chat template, generation config, ...
         if p.is_file() and p.name not in ("config.json", INDEX) and p.suffix != ".safetensors":

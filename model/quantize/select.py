@@ -4,11 +4,15 @@
 Kept dense whatever the recipe, as the released FP8 / EXL3 checkpoints do: embeddings and lm_head, the MoE router,
 KDA's low-rank gate projections (f_a/f_b/g_a/g_b) and beta projection, the DSA indexer's key head and per-head
 weights, the vision tower, and every tensor that is not a 2-D `.weight` (norms, convs, biases, mHC parameters).
-A linear whose dims do not fit the format's tile (fp8 blocks, w4a16 groups, EXL3's 128) also stays dense.
+A linear also stays dense unless it is whole tiles of the format (fp8 blocks, w4a16 groups, EXL3's 128) on every
+virtual shard the loader cuts it into (`fits`), so a quantized checkpoint loads at every TP size that divides the
+virtual shard count.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 FORMATS = ("fp8", "w4a16", "exl3")
@@ -19,27 +23,98 @@ ROUTED_EXPERTS = ".mlp.experts."
 _KEEP_DENSE = ("embed_tokens.", "lm_head.", ".mlp.gate.weight", "f_a_proj.", "f_b_proj.", "g_a_proj.", "g_b_proj.",
                "self_attn.b_proj.", "indexer.wk.", "indexer.weights_proj.")
 EXL3_TILE = 128
+EXL3_DEFAULT_BITS = 4.0
+EXL3_BITS_RANGE = (1.0, 8.0)  # exllamav3's: 1..8 bits per weight
+VIRTUAL_SHARDS = 4  # the rank worker's default (--virtual-shards)
+RECIPE_HELP = ("FORMAT for every eligible linear, or EXPERTS+OTHER, from fp8, w4a16, exl3[:BITS], bf16 (e.g. fp8, "
+               "w4a16+fp8, exl3:3.0+fp8, exl3:2.5+bf16); BITS is EXL3's average bits per weight, 1-8 (half steps "
+               "too; default 4): each linear gets a whole or half rate so the average lands on it")
+
+# How the model cuts each linear over the virtual shards (the reader.split / reader.full calls of model/ffn.py,
+# kda_attention.py, mla_attention.py and mtp.py), by the linear's name: the dims a shard boundary falls in.
+_ROW_PARALLEL = {"down_proj", "o_proj"}  # cut along the input dim
+_COLUMN_PARALLEL = {"gate_proj", "up_proj", "q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "lm_head"}
+_REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa", "eh_proj", "wq_b"}  # read whole on every rank
+
+
+def parse_format(spec: str) -> tuple[str, float | None]:
+    """"fp8", "w4a16", "bf16", "exl3" or "exl3:BITS" -> (format, EXL3 target bits or None)."""
+    name, sep, bits = spec.partition(":")
+    if name not in (*FORMATS, DENSE):
+        raise ValueError(f"{spec!r}: expected a format from {', '.join((*FORMATS, DENSE))}, exl3 with an optional "
+                         f":BITS (e.g. exl3:3.0)")
+    if not sep:
+        return name, None
+    if name != "exl3":
+        raise ValueError(f"{spec!r}: only exl3 takes a bitrate (exl3:BITS)")
+    try:
+        value = float(bits)
+    except ValueError:
+        value = math.nan
+    check_exl3_bits(value, f"{spec!r}: ")
+    return name, value
+
+
+def check_exl3_bits(bits: float, what: str = "") -> None:
+    """Raise a ValueError for an EXL3 target outside exllamav3's range (nan included)."""
+    lo, hi = EXL3_BITS_RANGE
+    if not lo <= bits <= hi:
+        raise ValueError(f"{what}EXL3 bits per weight must be a number from {lo:g} to {hi:g} (e.g. exl3:2.0, "
+                         f"exl3:2.5, exl3:3.0, exl3:4.0)")
+
+
+def format_and_bits(spec: str, bits: float | None) -> tuple[str, float | None]:
+    """A CLI's --format (FORMAT or exl3:BITS) with its older --bits flag folded in (the same as exl3:BITS)."""
+    fmt, rate = parse_format(spec)
+    if bits is None:
+        return fmt, rate
+    if fmt != "exl3":
+        raise ValueError(f"--bits is EXL3's bits per weight; --format is {spec}")
+    if rate is not None and rate != bits:
+        raise ValueError(f"--format {spec} and --bits {bits:g} disagree (give one)")
+    return parse_format(f"exl3:{bits}")
+
+
+def cut_dims(key: str) -> tuple[int, ...]:
+    """The dims of linear `key` that tensor parallelism cuts into virtual shards (0 = out, 1 = in); both for a
+    linear this table does not know, so it is only quantized when any cut would land on the tile grid."""
+    name = key.removesuffix(".weight").rpartition(".")[2]
+    if name in _REPLICATED:
+        return ()
+    if name in _ROW_PARALLEL:
+        return (1,)
+    if name in _COLUMN_PARALLEL:
+        return (0,)
+    return (0, 1)
 
 
 @dataclass(frozen=True)
 class Recipe:
     """experts: the routed experts' format; other: every other eligible linear's format (None = keep dense).
-    block: fp8's square block edge (None = one scale per output channel) and w4a16's group size."""
+    block: fp8's square block edge (None = one scale per output channel) and w4a16's group size. exl3_bits: EXL3's
+    target average bits per weight (model/quantize/bits.py spreads it over the linears). virtual: the virtual shards
+    the checkpoint is planned for (a linear is quantized only if each shard is whole tiles)."""
 
     experts: str | None
     other: str | None
     block: int | None = 128
-    exl3_bits: float = 4
+    exl3_bits: float = EXL3_DEFAULT_BITS
     exl3_codebook: str = "mul1"
+    virtual: int = VIRTUAL_SHARDS
 
     @classmethod
     def parse(cls, spec: str, **kw) -> "Recipe":
-        """"FMT" (every eligible linear) or "EXPERTS+OTHER" (e.g. "w4a16+fp8", "exl3+bf16")."""
+        """"FMT" (every eligible linear) or "EXPERTS+OTHER" (e.g. "w4a16+fp8", "exl3:3.0+bf16")."""
         parts = spec.split("+")
-        if len(parts) > 2 or any(p not in (*FORMATS, DENSE) for p in parts):
-            raise ValueError(f"{spec!r}: expected FORMAT or EXPERTS+OTHER with formats from "
-                             f"{', '.join((*FORMATS, DENSE))} (e.g. fp8, w4a16+fp8, exl3+bf16)")
-        experts, other = parts[0], parts[-1]
+        if len(parts) > 2:
+            raise ValueError(f"{spec!r}: expected {RECIPE_HELP}")
+        parsed = [parse_format(p) for p in parts]
+        rates = {bits for _, bits in parsed if bits is not None}
+        if len(rates) > 1:
+            raise ValueError(f"{spec!r}: one EXL3 bitrate per recipe (got {', '.join(f'{r:g}' for r in rates)})")
+        if rates:
+            kw["exl3_bits"] = rates.pop()
+        experts, other = parsed[0][0], parsed[-1][0]
         return cls(None if experts == DENSE else experts, None if other == DENSE else other, **kw)
 
     @property
@@ -53,14 +128,39 @@ class Recipe:
         if any(k in key for k in _KEEP_DENSE):
             return None
         fmt = self.experts if ROUTED_EXPERTS in key else self.other
-        return fmt if fmt is not None and fits(fmt, shape, self.block) else None
+        if fmt is None or not fits(fmt, (shape[0], shape[1]), self.block, self.virtual, cut_dims(key)):
+            return None
+        return fmt
 
 
-def fits(fmt: str, shape: tuple[int, ...], block: int | None) -> bool:
-    """Whether a [out, in] weight is whole tiles of `fmt` (so every tensor-parallel cut on them is possible)."""
-    out, inp = shape
+def tile_shape(fmt: str, block: int | None) -> tuple[int, int]:
+    """The [out, in] tile a format stores a linear in (a cut must fall on its grid)."""
     if fmt == "fp8":
-        return block is None or (out % block == 0 and inp % block == 0)
+        return (block, block) if block else (1, 1)
     if fmt == "w4a16":
-        return inp % (block or 128) == 0
-    return out % EXL3_TILE == 0 and inp % EXL3_TILE == 0
+        return 1, block or 128
+    return EXL3_TILE, EXL3_TILE
+
+
+def fits(fmt: str, shape: tuple[int, int], block: int | None, virtual: int = 1,
+         cut: tuple[int, ...] = (0, 1)) -> bool:
+    """Whether an [out, in] weight is whole tiles of `fmt`, and so is each of the `virtual` shards of the dims in
+    `cut` (then the loader can cut it at every TP size that divides `virtual`)."""
+    tiles = tile_shape(fmt, block)
+    if any(n % t for n, t in zip(shape, tiles)):
+        return False
+    return all(shape[d] % (virtual * tiles[d]) == 0 for d in cut)
+
+
+def auto_block(recipe: Recipe, tensors: list[tuple[str, tuple[int, ...]]],
+               candidates: tuple[int, ...] = (128, 64, 32, 16, 8)) -> int:
+    """The fp8 block / w4a16 group for a checkpoint of `tensors` ((key, shape) pairs): the largest candidate at
+    which every linear the recipe quantizes at the smallest candidate is still quantized, so a larger block never
+    leaves dense a linear that a smaller one would pack. For the tiny test model (64 wide, 4 virtual shards) that
+    is 8; for GLM-5.3-Flash 128."""
+    def packed(block: int) -> set[str]:
+        r = dataclasses.replace(recipe, block=block)
+        return {k for k, shape in tensors if r.format_for(k, shape) is not None}
+
+    want = packed(candidates[-1])
+    return next(b for b in candidates if packed(b) >= want)

@@ -40,8 +40,9 @@ ENFORCE_EAGER = Flag("enforce-eager", "on a GPU, run decode rounds eagerly inste
                      "flag; the same bits either way, graphs only save launch time)", switch=True)
 RANDOM_WEIGHTS = Flag("random-weights", "draw random weights on the device instead of reading shards (--model still "
                       "gives the config and the tokenizer): FORMAT for every eligible linear, or EXPERTS+OTHER, from "
-                      "fp8, w4a16, exl3, bf16 (e.g. bf16, fp8, w4a16+fp8, exl3+bf16); quantized linears are drawn "
-                      "packed", metavar="FORMAT")
+                      "fp8, w4a16, exl3[:BITS], bf16 (e.g. bf16, fp8, w4a16+fp8, exl3:3.0+fp8); BITS is EXL3's average "
+                      "bits per weight, 1-8 in half steps (default 4); quantized linears are drawn packed",
+                      metavar="FORMAT")
 RANDOM_BLOCK_SIZE = Flag("random-block-size", "with --random-weights: fp8 block edge and w4a16 group size",
                          default="128", type=int, metavar="N")
 NUM_BLOCKS = Flag("num-blocks", "KV cache blocks per rank (0 = sized from memory by --kv-cache-memory-bytes or "

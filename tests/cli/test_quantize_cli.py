@@ -1,5 +1,5 @@
-"""Quantized checkpoints as a user makes them: make-tiny, quantize (fp8, w4a16) or make-tiny --format exl3, then
-generate."""
+"""Quantized checkpoints as a user makes them: make-tiny, quantize (fp8, w4a16, exl3:BITS) or make-tiny --format
+exl3, then generate (the default flags end to end: test_quantized_defaults.py)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ def tiny_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("fmt, flags", [("fp8", ["--block-size", "8"]), ("w4a16", ["--block-size", "8"]),
-                                        ("fp8", ["--per-channel", "--experts-only"])])
+@pytest.mark.parametrize("fmt, flags", [("fp8", ["--per-channel", "--experts-only"]), ("w4a16", ["--block-size", "8"])])
 def test_quantize_then_generate(tiny_dir, tmp_path, fmt, flags):
     out = tmp_path / fmt
     proc = _run("quantize", "--model", str(tiny_dir), "--out", str(out), "--format", fmt, *flags)
@@ -53,10 +52,23 @@ def test_make_tiny_exl3_then_generate(tmp_path):
     assert len(_generate(out)) == 6
 
 
+def test_make_tiny_exl3_at_a_bitrate(tmp_path):
+    out = tmp_path / "exl3_25"
+    proc = _run("make-tiny", "--out", str(out), "--format", "exl3:2.5", "--codebook", "mcg", "--layers", "2",
+                "--experts", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "EXL3 2.5 bits (mcg) MLPs" in proc.stdout
+    rates = {e["bits_per_weight"] for e in json.loads((out / "quantization_config.json").read_text())
+             ["tensor_storage"].values()}
+    assert rates == {2, 3}
+    bad = _run("make-tiny", "--out", str(tmp_path / "bad"), "--format", "exl3:0.5")
+    assert bad.returncode == 2 and "from 1 to 8" in bad.stderr and not (tmp_path / "bad").exists()
+
+
 def test_a_split_off_the_block_grid_is_a_clear_error(tiny_dir, tmp_path):
-    out = tmp_path / "fp8_16"
+    out = tmp_path / "fp8_16"  # planned for 1 virtual shard, loaded at the default 4
     assert _run("quantize", "--model", str(tiny_dir), "--out", str(out), "--format", "fp8",
-                "--block-size", "16").returncode == 0
+                "--block-size", "16", "--virtual-shards", "1").returncode == 0
     proc = _run("generate", "--model", str(out), "--prompt", "hello")
     assert proc.returncode == 1 and "fp8 stores output rows in tiles of 16" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -65,10 +77,17 @@ def test_a_split_off_the_block_grid_is_a_clear_error(tiny_dir, tmp_path):
 def test_bad_options(tiny_dir, tmp_path):
     cases = [(["--format", "w4a16", "--block-size", "12"], "multiple of 8 for w4a16"),
              (["--format", "w4a16", "--per-channel"], "--per-channel is an fp8 option"),
-             (["--format", "exl3", "--experts-only"], "not an exllamav3 option")]
+             (["--format", "exl3:9"], "EXL3 bits per weight must be a number from 1 to 8"),
+             (["--format", "exl3:3", "--bits", "2"], "disagree"),
+             (["--format", "fp8:3"], "only exl3 takes a bitrate"),
+             (["--format", "fp8", "--exllamav3"], "--exllamav3 runs exllamav3's converter"),
+             (["--format", "exl3", "--exllamav3", "--experts-only"], "no --experts-only"),
+             (["--format", "exl3:3.0"], "no linear fits exl3"),  # the default tiny model is 64 wide
+             (["--format", "fp8", "--virtual-shards", "0"], "must be positive")]
     for flags, message in cases:
         proc = _run("quantize", "--model", str(tiny_dir), "--out", str(tmp_path / "x"), *flags)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
+        assert not (tmp_path / "x").exists(), flags
     same = _run("quantize", "--model", str(tiny_dir), "--out", str(tiny_dir), "--format", "fp8")
     assert same.returncode == 2 and "--out must differ from --model" in same.stderr
     missing = _run("quantize", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "y"), "--format", "fp8")
@@ -76,14 +95,15 @@ def test_bad_options(tiny_dir, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the converter would run")
-def test_exl3_without_a_cuda_gpu_says_what_it_needs(tiny_dir, tmp_path):
-    proc = _run("quantize", "--model", str(tiny_dir), "--out", str(tmp_path / "e"), "--format", "exl3")
+def test_exllamav3s_converter_without_a_cuda_gpu_says_what_it_needs(tiny_dir, tmp_path):
+    proc = _run("quantize", "--model", str(tiny_dir), "--out", str(tmp_path / "e"), "--format", "exl3:3.0",
+                "--exllamav3")
     assert proc.returncode == 2
     assert "needs a CUDA GPU and exllamav3" in proc.stderr and "missing here: a CUDA GPU" in proc.stderr
     assert not (tmp_path / "e").exists()
 
 
-@pytest.mark.parametrize("cmd", [["quantize"], ["make-tiny"]])
-def test_help(cmd):
+@pytest.mark.parametrize("cmd", [["quantize"], ["make-tiny"], ["serve-rank"]])
+def test_help_gives_the_bitrate_syntax(cmd):
     proc = _run(*cmd, "--help")
-    assert proc.returncode == 0 and "--format" in proc.stdout
+    assert proc.returncode == 0 and "exl3:3.0" in proc.stdout.replace("\n", " "), proc.stdout

@@ -6,7 +6,9 @@
   MLPs.
 - `modules/quant/exl3.py` `LinearEXL3.__init__`: trellis int16 with 3 dims, suh / svh float16; K = trellis.shape[-1]
   / 16; tensor-parallel splits slice trellis dim 1 (out) / dim 0 (in) by 16 (in / 16, out / 16 tiles).
-- `conversion/compile.py`: `quantization_config = {"quant_method": "exl3", "bits", "head_bits", "codebook", ...}`.
+- `conversion/compile.py`: `quantization_config = {"quant_method": "exl3", "bits", "head_bits", "codebook", ...}`;
+  `conversion/quant_config.py`: quantization_config.json = that + `tensor_storage` (each module's stored tensors and
+  `bits_per_weight`), which exllamav3's loader does not read (it takes K from the trellis' last dim).
 """
 
 from __future__ import annotations
@@ -63,7 +65,27 @@ def test_same_seed_same_bytes(tiny_exl3, tmp_path):
         assert (again / f.name).read_bytes() == f.read_bytes(), f.name
 
 
+def test_a_fractional_rate_is_a_mix_recorded_per_linear(tmp_path):
+    """--format exl3:2.5 with mcg (no half rate): 2 and 3 bits by quantize/bits.py's rule; each linear's rate in
+    quantization_config.json as exllamav3's converter records it (conversion/quant_config.py: tensor_storage)."""
+    out = make_tiny(tmp_path / "t", layers=2, experts=2, format="exl3", exl3_bits=2.5, exl3_codebook="mcg")
+    t = read_tensors(out)
+    storage = json.loads((out / "quantization_config.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert {k: v for k, v in storage.items() if k != "tensor_storage"} == cfg and 2 < cfg["bits"] <= 2.5
+    rates = {}
+    for module, entry in storage["tensor_storage"].items():
+        trellis = t[f"{module}.trellis"]
+        assert entry["quant_format"] == "exl3" and entry["mcg_multiplier"] == MARKER_VALUE["mcg"]
+        assert entry["bits_per_weight"] == trellis.shape[-1] / 16
+        assert entry["stored_tensors"][f"{module}.trellis"] == {"shape": list(trellis.shape),
+                                                              "n_bytes": trellis.numel() * 2, "dtype": "torch.int16"}
+        rates[module] = entry["bits_per_weight"]
+    assert set(rates.values()) == {2, 3}
+    assert set(rates) == {k.removesuffix(".trellis") for k in t if k.endswith(".trellis")}
+
+
 def test_bad_rate_is_refused_before_writing(tmp_path):
-    with pytest.raises(ValueError, match="1.5 / 2.5 / 3.5 with the mul1 codebook"):
-        write_tiny(tmp_path / "x", format="exl3", exl3_bits=2.5, exl3_codebook="mcg", progress=False)
+    with pytest.raises(ValueError, match="from 1 to 8"):
+        write_tiny(tmp_path / "x", format="exl3", exl3_bits=9, progress=False)
     assert not (tmp_path / "x").exists()

@@ -149,7 +149,7 @@ def test_mlps_are_exl3_and_attention_stays_dense(preset_ckpt: Path) -> None:
 
 
 def test_unknown_preset_is_refused_before_writing(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="preset must be one of default, exllamav3"):
+    with pytest.raises(ValueError, match="preset must be one of default, exl3, exllamav3"):
         write_tiny(tmp_path / "x", preset="huge", progress=False)
     assert not (tmp_path / "x").exists()
 

@@ -2,8 +2,9 @@
 
 - bit for bit the logits of a dense checkpoint written from their own dequantized weights (the loader's per-shard
   dequantization equals dequantizing whole tensors, and the model never sees the format);
-- within a stated distance of the unquantized model they were made from (fp8, w4a16; the EXL3 tiny checkpoint is
-  random trellises, it has no unquantized original). Measured on a 2-layer tiny model: the 8-layer one is chaotic
+- within a stated distance of the unquantized model they were made from (fp8, w4a16, and EXL3 from twinspark's
+  encoder on the EXL3-wide tiny model; make-tiny's EXL3 checkpoint is random trellises, with no unquantized
+  original). Measured on a 2-layer tiny model: the 8-layer one is chaotic
   (2% random noise on any one group of weights moves some logit by 3 standard deviations somewhere in 48 rows), so
   the distance is the median over rows of the logits' cosine similarity, which is stable. For scale, the same model
   with relative noise of 2% / 5% on its MLP and attention weights measured 0.9983-0.9987 / 0.9873-0.9898;
@@ -35,6 +36,9 @@ FORMATS = ["tiny_fp8", "tiny_w4a16", "tiny_exl3"]
 # rows with the same top-1 token) at least. Measured: fp8 (8x8 blocks) 0.9985 / 0.896, w4a16 (groups of 8) 0.9879 /
 # 0.646 — fp8 as close as 2% noise, w4a16 as 5%.
 TOLERANCE = {"fp8": (0.995, 0.8), "w4a16": (0.97, 0.5)}
+# EXL3 at 3 bits per weight on the MLPs of `make-tiny --preset exl3 --layers 2 --experts 2` (attention does not fit
+# its 128 x 128 tiles there): measured 0.9682 / 0.583 (2 bits 0.893 / 0.33, 4 bits 0.990 / 0.77).
+EXL3_TOLERANCE = (0.95, 0.45)
 
 
 def _load(path) -> Glm5Model:
@@ -63,6 +67,16 @@ def test_logits_close_to_the_unquantized_model(fmt, two_layers, tmp_path):
     print(f"{fmt}: median cosine {cos:.4f}, top-1 unchanged on {same_top1:.1%} of {len(IDS)} rows")
     min_cos, min_same = TOLERANCE[fmt]
     assert cos >= min_cos and same_top1 >= min_same
+
+
+def test_exl3_logits_close_to_the_unquantized_model(tmp_path):
+    src = make_tiny(tmp_path / "wide", layers=2, experts=2, layer_pattern="KM", preset="exl3")
+    quantize_checkpoint(src, tmp_path / "exl3", Recipe("exl3", "exl3", exl3_bits=3), progress=False)
+    got, ref = prompt_logits(_load(tmp_path / "exl3"), IDS), prompt_logits(_load(src), IDS)
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1).median().item()
+    same_top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"exl3 3 bpw: median cosine {cos:.4f}, top-1 unchanged on {same_top1:.1%} of {len(IDS)} rows")
+    assert cos >= EXL3_TOLERANCE[0] and same_top1 >= EXL3_TOLERANCE[1]
 
 
 @pytest.fixture(scope="module")

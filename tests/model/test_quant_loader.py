@@ -57,8 +57,9 @@ def test_rank_reads_only_its_virtual_shards(tiny_w4a16):
 
 
 def test_split_off_the_block_grid_is_refused(tiny_default, tmp_path):
-    # fp8 blocks of 16: an expert's 32 intermediate channels cut into 4 virtual shards of 8 split every block.
-    quantize_checkpoint(tiny_default, tmp_path / "fp8_16", Recipe("fp8", "fp8", block=16), progress=False)
+    # fp8 blocks of 16, planned for one virtual shard (so the experts are packed), loaded at the default 4: an
+    # expert's 32 intermediate channels cut into 4 virtual shards of 8 split every block.
+    quantize_checkpoint(tiny_default, tmp_path / "fp8_16", Recipe("fp8", "fp8", block=16, virtual=1), progress=False)
     with pytest.raises(ValueError, match=r"experts\.0\.gate_proj: fp8 stores output rows in tiles of 16.*\[0:8\)"):
         Glm5Model.load(tmp_path / "fp8_16", progress=False)
 

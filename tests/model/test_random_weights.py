@@ -82,3 +82,13 @@ def test_model_runs_on_random_quantized_weights(ckpt, spec, request):
 def test_bad_recipe_names_the_choices():
     with pytest.raises(ValueError, match="fp8, w4a16, exl3, bf16"):
         Recipe.parse("int8")
+
+
+def test_an_exl3_bitrate_recipe_draws_each_linear_at_its_planned_rate(tiny_exl3):
+    cfg = ModelConfig.from_pretrained(tiny_exl3)
+    reader = RandomWeightReader(spec_from_config(cfg), Sharding(), torch.float32, "cpu",
+                                recipe=Recipe.parse("exl3:2.5+bf16", exl3_codebook="mcg"))
+    bits = reader.exl3_plan.bits
+    assert set(bits.values()) == {2, 3} and all(".mlp.experts." in k for k in bits)  # +bf16: routed experts only
+    for key in (EXPERT, EXPERT.replace("layers.1", "layers.2")):
+        assert reader.full_packed(key).params == {"bits": bits[key], "codebook": "mcg"}
