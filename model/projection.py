@@ -92,7 +92,7 @@ def _join_run(run: list[list[Any]], sharded: bool) -> tuple[Any, int]:
     from kernels.gpu import wtiles  # packed operands exist on CUDA only
 
     per_linear = [wtiles.stack_quantized(list(ws)) if sharded else _one(ws[0]) for ws in run]
-    return wtiles.cat(per_linear, dim=1), width
+    return (per_linear[0] if len(per_linear) == 1 else wtiles.cat(per_linear, dim=1)), width
 
 
 def _one(w: QuantizedWeight) -> Any:

@@ -41,8 +41,8 @@ def parse_format(spec: str) -> tuple[str, float | None]:
     """"fp8", "w4a16", "bf16", "exl3" or "exl3:BITS" -> (format, EXL3 target bits or None)."""
     name, sep, bits = spec.partition(":")
     if name not in (*FORMATS, DENSE):
-        raise ValueError(f"{spec!r}: expected a format from {', '.join((*FORMATS, DENSE))}, exl3 with an optional "
-                         f":BITS (e.g. exl3:3.0)")
+        raise ValueError(f"{spec!r}: expected a format from {', '.join((*FORMATS, DENSE))} (exl3 optionally with "
+                         f":BITS, e.g. exl3:3.0), or EXPERTS+OTHER of two of them")
     if not sep:
         return name, None
     if name != "exl3":

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.linear import pad_rows
+import ops
+
 from model.batch import Batch
 from model.model import Glm5Model
 from model.checkpoint import DTYPES, VOCAB_MULTIPLE, write_model_files
@@ -139,12 +140,13 @@ def agreement(name: str, ours: torch.Tensor, ref: torch.Tensor) -> float:
 @torch.inference_mode()
 def layer_inputs_outputs(model: Glm5Model, ids: list[int], device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each layer's input and output residual streams ([T, hc, D]) in one full prefill (Glm5Model.forward's loop)."""
-    batch, cache = fresh(model, ids, len(ids), 0, device)
-    streams = model.embed[pad_rows(batch.token_ids)].unsqueeze(1).expand(-1, model.cfg.hc_mult, -1).contiguous()
+    # the reference ops on either device, layer by layer
+    fwd = ops.begin(*fresh(model, ids, len(ids), 0, device), fused=False)
+    streams = model.embed[fwd.token_ids].unsqueeze(1).expand(-1, model.cfg.hc_mult, -1).contiguous()
     selections, ins, outs = {}, [], []
     for layer in model.layers:
         ins.append(streams)
-        streams = layer.forward(streams, batch, cache, selections, model.coll)
+        streams = layer.forward(streams, fwd, selections, model.coll)
         outs.append(streams)
     return ins, outs
 
@@ -152,9 +154,10 @@ def layer_inputs_outputs(model: Glm5Model, ids: list[int], device: str) -> tuple
 @torch.inference_mode()
 def teacher_forced(model: Glm5Model, ids: list[int], inputs: list[torch.Tensor], device: str) -> list[torch.Tensor]:
     """Every layer of `model` run on the given input streams (the reference's), in order, over one fresh cache."""
-    batch, cache = fresh(model, ids, len(ids), 0, device)
+    # the reference ops on either device, layer by layer
+    fwd = ops.begin(*fresh(model, ids, len(ids), 0, device), fused=False)
     selections: dict = {}
-    return [layer.forward(x.to(device=device, dtype=model.dtype), batch, cache, selections, model.coll)
+    return [layer.forward(x.to(device=device, dtype=model.dtype), fwd, selections, model.coll)
             for layer, x in zip(model.layers, inputs)]
 
 

@@ -14,6 +14,8 @@ from functools import partial
 import pytest
 import torch
 
+import ops
+
 from kernels.kv_quant import FP8, FP8_MAX, dequantize_rows, quantize_rows
 from kernels.linear import pad_rows
 from services.rank_worker import fingerprint
@@ -81,8 +83,8 @@ def test_mla_layer_output_close_to_fp32_cache(ckpt):
     mla = [layer.attn for layer in model.layers if not layer.is_kda]
 
     def outputs(kv_dtype: torch.dtype | None) -> list[torch.Tensor]:
-        cache, selections = fresh_cache(model, len(ids), kv_dtype=kv_dtype), {}
-        return [torch.stack(attn.forward(x, batch, cache, selections)).sum(0)[: len(ids)] for attn in mla]
+        fwd, selections = ops.begin(batch, fresh_cache(model, len(ids), kv_dtype=kv_dtype), fused=False), {}
+        return [attn.forward(x, fwd, selections).sum(0)[: len(ids)] for attn in mla]
 
     for attn, ref, got in zip(mla, outputs(None), outputs(FP8)):
         rel = (got - ref).norm(dim=1) / ref.norm(dim=1)

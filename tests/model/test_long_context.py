@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import dsa
-from model import mla_attention
+from ops import reference
 from model.batch import Batch
 from tests.model.reference import BLOCK, our_model, random_ids
 
@@ -41,8 +41,8 @@ def needle_run(tiny_default):
         selected.append(out[-1])
         return out
 
-    mla_attention.dsa.select_positions, default_block = hooked, mla_attention.POOL_BLOCK
-    mla_attention.POOL_BLOCK = POOL_BLOCK
+    reference.dsa.select_positions, default_block = hooked, reference.POOL_BLOCK
+    reference.POOL_BLOCK = POOL_BLOCK
     try:
         ids = random_ids(LENGTH + 1, seed=7)
         blocks = -(-(LENGTH + 1) // BLOCK)
@@ -60,7 +60,7 @@ def needle_run(tiny_default):
 
         yield model, cache, decode, prompt_selections, selected, needle_pool
     finally:
-        mla_attention.dsa.select_positions, mla_attention.POOL_BLOCK = original, default_block
+        reference.dsa.select_positions, reference.POOL_BLOCK = original, default_block
 
 
 def test_the_needle_is_selected(needle_run) -> None:

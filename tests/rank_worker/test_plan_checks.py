@@ -86,7 +86,7 @@ def test_per_row_extras():
     index, bitmask = checks.row_masks(plan, 2)
     assert index.tolist() == [0, -1] and bitmask.shape == (1, 4)
     assert checks.logprobs_k(_plan([1, 2], rows=[0, 1], logprobs_k=to_proto([-1, -1])), 2) is None
-    with pytest.raises(PlanError, match=r"logprobs_k must be in \[-1, 20\]"):
+    with pytest.raises(PlanError, match=r"logprobs_k must be -1 or in \[0, 20\]"):
         checks.logprobs_k(_plan([1], logprobs_k=to_proto([21])), 1)
     with pytest.raises(PlanError, match="mask_index must be in"):
         checks.row_masks(_plan([1], mask_index=to_proto([1]), bitmask=to_proto(torch.zeros(1, 4, dtype=torch.int32))),
