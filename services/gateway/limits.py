@@ -174,7 +174,7 @@ class InputLimitsMiddleware:
             check_json_body(body, self.limits)
         except GatewayError as err:
             log_refused(scope["method"], scope["path"], err)
-            await err.response()(scope, receive, send)
+            await err.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 

@@ -722,10 +722,11 @@ class Engine:
                 lp = TokenLogprobs([logprobs[0][j] for j in rows_of], [logprobs[1][j][:k] for j in rows_of],
                                    [logprobs[2][j][:k] for j in rows_of])
             req.emit_tokens(out, lp)
-            if req.grammar is not None and stop is None:
+            if req.grammar is not None:  # stopping tokens too: a grammar that failed in `mask` allowed only EOS
                 error = req.grammar.commit(out)
                 if error is not None:
-                    self._finish(req, generate_pb2.FINISH_ERROR, error=f"structured output: {error}")
+                    self._finish(req, generate_pb2.FINISH_ERROR, error=f"invalid_grammar: structured output "
+                                 f"failed after {len(req.generated)} tokens: {error}")
                     continue
             if stop is not None:
                 self._finish(req, stop[0], stop_token_id=stop[1])

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
+from services.common.grammar_limits import parser_limits
+
 log = logging.getLogger("twinspark.scheduler.grammar")
 
 
@@ -57,7 +59,11 @@ class RequestGrammar:
         return masks[: len(kept) + 1], kept
 
     def commit(self, tokens: list[int]) -> str | None:
-        """Advance past committed tokens; an error text if the grammar rejects one (cannot happen with masks)."""
+        """Advance past committed tokens; an error text if the grammar failed. A mask cannot let a forbidden token
+        through, but the library can fail on its own limits (a parser row or lexer past its bound) in `mask` or
+        here; the matcher then stays failed (and also reads as stopped, hence the error check first)."""
+        if self._m.is_error():
+            return self._m.get_error()
         if self._m.is_stopped():  # past the grammar's end only stop ids follow; nothing left to check
             return None
         if not self._m.consume_tokens(tokens):
@@ -88,10 +94,13 @@ class GrammarBook:
         return book
 
     def compile(self, grammar: str) -> RequestGrammar:
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
-        if is_error:
-            raise GrammarError(messages[0] if messages else "invalid grammar")
-        matcher = LLMatcher(self._tok, grammar, log_level=0)
+        """The grammar's matcher (the gateway checked it under the same limits before admission)."""
+        try:
+            matcher = LLMatcher(self._tok, grammar, log_level=0, limits=parser_limits())
+        except BaseException as exc:  # noqa: BLE001 — a panic inside the library arrives as a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise GrammarError(f"the structured-output library failed on the grammar: {exc}") from None
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return RequestGrammar(matcher)
