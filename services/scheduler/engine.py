@@ -725,8 +725,7 @@ class Engine:
             if req.grammar is not None:  # stopping tokens too: a grammar that failed in `mask` allowed only EOS
                 error = req.grammar.commit(out)
                 if error is not None:
-                    self._finish(req, generate_pb2.FINISH_ERROR, error=f"invalid_grammar: structured output "
-                                 f"failed after {len(req.generated)} tokens: {error}")
+                    self._finish(req, generate_pb2.FINISH_ERROR, error=error)
                     continue
             if stop is not None:
                 self._finish(req, stop[0], stop_token_id=stop[1])
