@@ -34,7 +34,7 @@ from typing import IO
 
 from .errors import bad_request, unavailable
 
-DEADLINE_S = 0.5  # compile + walk. The scheduler compiles it again on its loop, holding every stream that long
+DEADLINE_S = 0.4  # compile + walk. The scheduler compiles it again on its loop, holding every stream that long
 WALKS = 4
 WALK_TOKENS = 48
 START_TIMEOUT_S = 60.0  # a fresh worker loads the tokenizer's vocabulary first
