@@ -79,7 +79,7 @@ def problem(case: "Case", status: int, content_type: str, body: bytes) -> str | 
 def _random_value(rng: random.Random, depth: int = 0) -> object:
     choices = [lambda: None, lambda: rng.choice([True, False]), lambda: rng.randint(-3, 8),
                lambda: rng.choice([-(2**63), 2**31, 2**64, 10**30]), lambda: rng.uniform(-1e6, 1e6),
-               lambda: rng.choice(["", "x", "ü" * 3, "\x00", "<|endoftext|>", "1.5", "true"])]
+               lambda: rng.choice(["", "x", "ü" * 3, "\x00", "<|endoftext|>", "1.5", "true", "a\ud800"])]
     if depth < 2:
         choices += [lambda: [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
                     lambda: {rng.choice(["a", "role", "content", "type"]): _random_value(rng, depth + 1)}]

@@ -57,6 +57,11 @@ def test_deeply_nested_json_is_a_400_naming_where(gateway: GatewayServer) -> Non
     ({"messages": [{"role": "user", "content": "x"}], "stop": ["s"] * 65}, "stop", None),
     ({"prompt": "x", "top_k": 2 ** 31}, "top_k", None),
     ({"prompt": "x", "model": "m" * 600}, "model", None),
+    # a lone surrogate escape (\ud800 in the JSON text) reached the tokenizer, the grammar library, ...: 500s
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content", "invalid_unicode"),
+    ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "\udfff"}},
+     "structured_outputs.regex", "invalid_unicode"),
+    ({"prompt": "x", "metadata": {"a\ud800": 1}}, "metadata", "invalid_unicode"),
 ])
 def test_limits_name_the_field(gateway: GatewayServer, body, param, code) -> None:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
