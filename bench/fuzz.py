@@ -31,7 +31,7 @@ from bench.malformed import Case, cases, problem
 from bench.stack import Stack, add_stack_args, attach_or_start, load_line, machine_load, write_results
 from services.gateway.limits import InputLimits
 
-WINDOW = "1024"
+WINDOW = "384"
 
 
 async def _one(client: httpx.AsyncClient, case: Case, timeout_s: float) -> tuple[str, str | None]:
@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds without an answer that count as a hang")
     ap.add_argument("--out", type=Path, default=None, help="directory for fuzz-<time>.json and .md")
     args = ap.parse_args(argv)
-    # A short window keeps the odd accidentally-valid request short (the fuzz is about the input, not decoding),
-    # yet holds a prompt with a tool's description, so tool grammars reach the check.
+    # A short window keeps the odd accidentally-valid request short (one without max_tokens decodes the rest of
+    # the window: 1,000 tokens took over the 120 s hang limit on the shared CPU), yet holds a prompt with one small
+    # tool's description (~260-310 tokens with the tiny tokenizer), so tool grammars reach the check.
     stack = attach_or_start(args.state_dir, tp=args.tp, model=args.model, env={"TWINSPARK_MAX_MODEL_LEN": WINDOW})
     try:
         pids, restarts = stack.processes(), stack.restarts()

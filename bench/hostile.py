@@ -10,6 +10,7 @@ Requests that happen to be valid stay cheap (a few tokens, n and best_of small):
 from __future__ import annotations
 
 import base64
+import io
 import json
 import random
 import struct
@@ -117,7 +118,16 @@ def _data_url(raw: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
 
 
+def _valid_png() -> bytes:
+    from PIL import Image  # the gateway's own dependency
+
+    raw = io.BytesIO()
+    Image.new("RGB", (40, 24), (30, 120, 200)).save(raw, "PNG")
+    return raw.getvalue()
+
+
 IMAGE_URLS: list[Callable[[], str]] = [
+    lambda: _data_url(_valid_png()),  # one that is fine, so the image path runs to the scheduler too
     lambda: _data_url(_png(100_000, 100_000)), lambda: _data_url(_png(2**31 - 1, 2)), lambda: _data_url(_png(0, 5)),
     lambda: _data_url(_png(7_000, 7_000)), lambda: _data_url(_png(2, 2, b"\0" * 3)),
     lambda: _data_url(_png(2, 2, b"\0" + b"\xff" * 6 + b"\0" + b"\x10" * 6)),
