@@ -15,67 +15,80 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kernels.sampling_rules import MAX_API_TEMPERATURE, TEMPERATURE, TOP_K, TOP_P
 
 from .choices import Choices
-from .errors import GatewayError
+from .errors import bad_request
 from .generation import Final, Keepalive
 from .prepare import Prepared
 from .reply_blocks import Close, Open, Step, Text, reply_steps
 from .reply_parser import ParsedReply, ToolCall
 from .responses import new_parser, parse_reply
-from .schemas import ChatCompletionRequest
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-
-
-def error_body(err: GatewayError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
-
-
-def error_response(err: GatewayError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=err.status, headers=err.headers)
-
+from .schemas import ChatCompletionRequest, Identifier, Renames, StopString, validated
+from .streaming import guarded
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Block(_Model):
+class _Block(BaseModel):
     # Clients send the blocks of earlier replies back as they got them, with fields newer than ours (citations,
     # caller, ...): a content block's unknown fields are ignored, the request's own are still refused.
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
-    text: str | None = None
-    id: str | None = None
-    name: str | None = None
-    input: dict[str, Any] | None = None
-    tool_use_id: str | None = None
-    content: str | list[dict[str, Any]] | None = None
-    is_error: bool | None = None
-    thinking: str | None = None
-    signature: str | None = None
-    data: str | None = None
     cache_control: dict[str, Any] | None = None
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+
+
+class ThinkingBlock(_Block):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Block):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
+# What each role's turn may hold (as Anthropic's API has it): the rest is refused, naming the block.
+_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use")}
 
 
 class Message(_Model):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: str | Annotated[list[Block], Field(min_length=1)]
 
 
 class Tool(_Model):
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
-    type: str | None = None
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, bash, ...) are not served
     cache_control: dict[str, Any] | None = None
 
 
@@ -84,6 +97,12 @@ class ToolChoice(_Model):
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
+    @model_validator(mode="after")
+    def _named(self) -> "ToolChoice":
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("'name' is given with type 'tool', and only then")
+        return self
+
 
 class Thinking(_Model):
     type: Literal["enabled", "disabled", "adaptive"]
@@ -91,9 +110,9 @@ class Thinking(_Model):
 
 
 class CountTokensRequest(_Model):
-    model: str
+    model: Identifier
     messages: list[Message] = Field(min_length=1)
-    system: str | list[Block] | None = None
+    system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
@@ -101,7 +120,7 @@ class CountTokensRequest(_Model):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[StopString], Field(max_length=64)] | None = None  # chat's bounds on `stop`
     stream: bool = False
     temperature: float | None = Field(None, le=MAX_API_TEMPERATURE, **TEMPERATURE.field())
     top_p: float | None = Field(None, **TOP_P.field())
@@ -110,43 +129,50 @@ class MessagesRequest(CountTokensRequest):
     service_tier: str | None = None
 
 
-def _text(content: str | list[Any] | None) -> str:
+# Chat's field paths as this API names them (the chat request is validated again after translation).
+RENAMES: Renames = [(r"^stop\b.*", "stop_sequences"), (r"^tools(\[\d+\])\.function\.parameters", r"tools\1.input_schema"),
+                    (r"^tools(\[\d+\])\.function", r"tools\1"), (r"^messages\b.*", "messages"),
+                    (r"^tool_choice\b.*", "tool_choice")]
+
+
+def _text(content: str | list[TextBlock] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(b.get("text", "") if isinstance(b, dict) else (b.text or "") for b in content)
+    return "".join(b.text for b in content)
 
 
-def to_chat(req: CountTokensRequest, *, max_tokens: int = 1, stream: bool = False) -> dict[str, Any]:
-    """The equivalent chat completions request (as JSON, validated by the chat schema afterwards)."""
-    messages: list[dict[str, Any]] = []
-    if req.system:
-        messages.append({"role": "system", "content": _text(req.system)})
-    for m in req.messages:
-        if isinstance(m.content, str):
-            messages.append({"role": m.role, "content": m.content})
-            continue
-        if m.role == "user":
-            texts = []
-            for b in m.content:
-                if b.type == "tool_result":
-                    messages.append({"role": "tool", "tool_call_id": b.tool_use_id or "", "content": _text(b.content)})
-                elif b.type == "text":
-                    texts.append(b.text or "")
-            if texts:
-                messages.append({"role": "user", "content": "".join(texts)})
-            continue
-        turn: dict[str, Any] = {"role": "assistant",
-                                "content": "".join(b.text or "" for b in m.content if b.type == "text")}
-        reasoning = "".join(b.thinking or "" for b in m.content if b.type == "thinking")
-        if reasoning:
-            turn["reasoning_content"] = reasoning
-        calls = [{"id": b.id or "", "type": "function", "function": {"name": b.name or "",
-                                                                      "arguments": json.dumps(b.input or {})}}
-                 for b in m.content if b.type == "tool_use"]
-        if calls:
-            turn["tool_calls"] = calls
-        messages.append(turn)
-    body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": stream,
+def _turns(i: int, m: Message) -> list[dict[str, Any]]:
+    """One Anthropic turn as chat messages: a user turn's tool results become tool messages of their own."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    for j, b in enumerate(m.content):
+        if b.type not in _ROLE_BLOCKS[m.role]:
+            raise bad_request(f"messages[{i}].content[{j}]: a {b.type!r} block is not accepted in a {m.role} turn "
+                              f"(it holds {', '.join(_ROLE_BLOCKS[m.role])} blocks)",
+                              param=f"messages[{i}].content[{j}].type")
+    if m.role == "user":
+        out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
+               for b in m.content if isinstance(b, ToolResultBlock)]
+        texts = [b.text for b in m.content if isinstance(b, TextBlock)]
+        return out + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+    turn: dict[str, Any] = {"role": "assistant", "content": "".join(b.text for b in m.content
+                                                                    if isinstance(b, TextBlock))}
+    reasoning = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
+    if reasoning:
+        turn["reasoning_content"] = reasoning
+    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+             for b in m.content if isinstance(b, ToolUseBlock)]
+    if calls:
+        turn["tool_calls"] = calls
+    return [turn]
+
+
+def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The equivalent chat completions request, validated as one (its errors name this API's fields)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": _text(req.system)}] if req.system else []
+    for i, m in enumerate(req.messages):
+        messages += _turns(i, m)
+    body: dict[str, Any] = {"messages": messages,
                             "chat_template_kwargs": {"enable_thinking": bool(req.thinking and
                                                                              req.thinking.type != "disabled")}}
     if req.tools:
@@ -155,17 +181,14 @@ def to_chat(req: CountTokensRequest, *, max_tokens: int = 1, stream: bool = Fals
         choice = req.tool_choice
         if choice is not None:
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
-                {"type": "function", "function": {"name": choice.name or ""}}
+                {"type": "function", "function": {"name": choice.name}}
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
     if isinstance(req, MessagesRequest):
-        body.update({k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
+        body.update({k: v for k, v in (("max_tokens", req.max_tokens), ("stream", req.stream),
+                                       ("temperature", req.temperature), ("top_p", req.top_p),
                                        ("top_k", req.top_k), ("stop", req.stop_sequences)) if v is not None})
-    return body
-
-
-def parse_chat(body: dict[str, Any]) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate(body, strict=False)
+    return validated(ChatCompletionRequest, body, renames=RENAMES)
 
 
 def _stop_reason(final: Final, reply_calls: int) -> tuple[str, str | None]:
@@ -206,8 +229,13 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-async def message_events(prep: Prepared, model: str, stream: Choices) -> AsyncIterator[str]:
-    """The SSE body of a streamed message."""
+def message_events(prep: Prepared, model: str, stream: Choices) -> AsyncIterator[str]:
+    """The SSE body of a streamed message; an error after the 200 is Anthropic's `error` event."""
+    return guarded(_events(prep, model, stream), stream,
+                   lambda err: f"event: error\ndata: {json.dumps(err.anthropic_body())}\n\n", prep.response_id)
+
+
+async def _events(prep: Prepared, model: str, stream: Choices) -> AsyncIterator[str]:
     start = {"id": prep.response_id, "type": "message", "role": "assistant", "model": model, "content": [],
              "stop_reason": None, "stop_sequence": None, "usage": _usage(None, len(prep.prompt_ids))}
     yield _event("message_start", {"message": start})
@@ -241,21 +269,19 @@ async def message_events(prep: Prepared, model: str, stream: Choices) -> AsyncIt
                         _event("content_block_stop", {"index": index})]
         return out
 
-    try:
-        async for event in reply_steps(parser, stream.events()):
-            if isinstance(event, Keepalive):
-                yield _event("ping", {})
-            elif isinstance(event, list):
-                for piece in write(event):
-                    yield piece
-            else:
-                stop, seq = _stop_reason(event, calls)
-                yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
-                                               "usage": {"output_tokens": event.completion_tokens}})
-                yield _event("message_stop", {})
-    except GatewayError as err:
-        stream.error = err
-        yield f"event: error\ndata: {json.dumps(error_body(err))}\n\n"
+    async for event in reply_steps(parser, stream.events()):
+        if isinstance(event, Keepalive):
+            yield _event("ping", {})
+        elif isinstance(event, list):
+            for piece in write(event):
+                yield piece
+        else:
+            stop, seq = _stop_reason(event, calls)
+            yield _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
+                                           "usage": {"output_tokens": event.completion_tokens}})
+            yield _event("message_stop", {})
+
+
 
 
 def new_message_id() -> str:

@@ -78,6 +78,6 @@ class ApiKeyMiddleware:
                 err = GatewayError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>' or "
                                         "'x-api-key: <key>').", type="invalid_request_error", code="invalid_api_key")
                 log_refused(scope["method"], scope["path"], err)
-                await err.response()(scope, receive, send)
+                await err.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -2,8 +2,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET /v1/responses/{id}), Anthropic's
 POST /v1/messages and /v1/messages/count_tokens, GET /v1/models, POST /tokenize, POST /detokenize, GET /health,
-GET /metrics, GET /openapi.json. Every error leaves in OpenAI's shape (`errors.py`; Anthropic's routes in
-Anthropic's shape); no exception escapes a handler.
+GET /metrics, GET /openapi.json. Every error leaves in its API's shape (`errors.py`: OpenAI's, Anthropic's on
+Anthropic's routes); no exception escapes a handler.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from .generation import Final
 from .limits import InputLimits, InputLimitsMiddleware
 from .metrics import GatewayMetrics
 from .openapi import request_body
-from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, render_chat
+from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, prepare_translated, render_chat
 from .responses import ChunkWriter, full_response
 from .scheduler_client import SchedulerClient
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
@@ -99,6 +99,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         await self.client.start()
+        self.ctx.grammar_check.start()
         probe = asyncio.create_task(self._probe())
         log.info("gateway serving %r from %s, scheduler at %s, window %d", self.model_name, self.settings.model_dir,
                  self.settings.scheduler, self.ctx.max_model_len)
@@ -106,6 +107,7 @@ class Gateway:
             yield
         finally:
             probe.cancel()
+            self.ctx.grammar_check.close()
             await self.client.close()
             telemetry.flush()  # the last chance: uvicorn ends the process by its own SIGTERM, skipping atexit
 
@@ -234,6 +236,7 @@ class Gateway:
         self.check_model(req.model)
         return await self._generate(request, await prepare_completion(self.ctx, req), started)
 
+    @request_body(responses_api.ResponsesRequest)
     async def responses(self, request: Request) -> Response:
         """OpenAI `POST /v1/responses`."""
         started = time.monotonic()
@@ -241,7 +244,7 @@ class Gateway:
         self.check_model(req.model)
         history = self.store.get(req.previous_response_id)[0] if req.previous_response_id else []
         turns = history + responses_api.input_messages(req)
-        prep = await prepare_chat(self.ctx, responses_api.to_chat(req, turns))
+        prep = await prepare_translated(self.ctx, responses_api.to_chat(req, turns), responses_api.RENAMES)
         prep.response_id = f"resp_{uuid.uuid4().hex}"
         stream = self.choices(prep)
         headers = {"x-request-id": prep.response_id}
@@ -264,40 +267,33 @@ class Gateway:
     async def stored_response(self, request: Request) -> Response:
         return JSONResponse(self.store.get(request.path_params["response_id"])[1])
 
+    @request_body(anthropic.MessagesRequest)
     async def messages(self, request: Request) -> Response:
-        """Anthropic `POST /v1/messages`; every error in Anthropic's shape."""
+        """Anthropic `POST /v1/messages` (its errors leave in Anthropic's shape: `_handled` shapes by route)."""
         started = time.monotonic()
-        try:
-            req = parse(anthropic.MessagesRequest, await request.body())
-            self.check_model(req.model)
-            prep = await prepare_chat(self.ctx, anthropic.parse_chat(
-                anthropic.to_chat(req, max_tokens=req.max_tokens, stream=req.stream)))
-            prep.response_id = anthropic.new_message_id()
-            stream = self.choices(prep)
-            headers = {"request-id": prep.response_id}
-            if req.stream:
-                await self.start_stream(prep, stream, started)
-                return SSEResponse(anthropic.message_events(prep, self.model_name, stream), headers=headers,
-                                   on_close=self.stream_closed(prep, stream, started))
-            finals = await self.complete(request, prep, stream, started)
-            if isinstance(finals, Response):
-                return finals
-            return JSONResponse(anthropic.full_message(prep, self.model_name, stream, finals[0]), headers=headers)
-        except GatewayError as err:
-            if not err.logged:
-                log.info("POST /v1/messages status=%d %s", err.status, err.message)
-            return anthropic.error_response(err)
+        req = parse(anthropic.MessagesRequest, await request.body())
+        self.check_model(req.model)
+        prep = await prepare_translated(self.ctx, anthropic.to_chat(req), anthropic.RENAMES)
+        prep.response_id = anthropic.new_message_id()
+        stream = self.choices(prep)
+        headers = {"request-id": prep.response_id}
+        if req.stream:
+            await self.start_stream(prep, stream, started)
+            return SSEResponse(anthropic.message_events(prep, self.model_name, stream), headers=headers,
+                               on_close=self.stream_closed(prep, stream, started))
+        finals = await self.complete(request, prep, stream, started)
+        if isinstance(finals, Response):
+            return finals
+        return JSONResponse(anthropic.full_message(prep, self.model_name, stream, finals[0]), headers=headers)
 
+    @request_body(anthropic.CountTokensRequest)
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic `POST /v1/messages/count_tokens`: the prompt's length as /v1/messages would render it."""
-        try:
-            req = parse(anthropic.CountTokensRequest, await request.body())
-            self.check_model(req.model)
-            chat = anthropic.parse_chat(anthropic.to_chat(req))
-            text = render_chat(self.ctx, chat.messages, True, chat.chat_template_kwargs, tools=chat.tools)
-            return JSONResponse({"input_tokens": len(await self.ctx.tokenizer.encode_async(text))})
-        except GatewayError as err:
-            return anthropic.error_response(err)
+        req = parse(anthropic.CountTokensRequest, await request.body())
+        self.check_model(req.model)
+        chat = anthropic.to_chat(req)
+        text = render_chat(self.ctx, chat.messages, True, chat.chat_template_kwargs, tools=chat.tools)
+        return JSONResponse({"input_tokens": len(await self.ctx.tokenizer.encode_async(text))})
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -384,7 +380,8 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 def _handled(fn: Handler) -> Handler:
-    """Every error becomes an OpenAI-shaped response; a bug is a 500, never a dropped connection."""
+    """Every error becomes a response in the route's API shape (errors.py); a bug is a 500, never a dropped
+    connection."""
 
     @functools.wraps(fn)  # keeps the handler's name and its `request_body` declaration (openapi.py)
     async def endpoint(request: Request) -> Response:
@@ -393,10 +390,10 @@ def _handled(fn: Handler) -> Handler:
         except GatewayError as err:
             if not err.logged:  # refused before reaching the scheduler (validation, model name, ...)
                 log_refused(request.method, request.url.path, err)
-            return err.response()
+            return err.response(request.url.path)
         except Exception:
             log.exception("%s %s failed", request.method, request.url.path)
-            return internal().response()
+            return internal().response(request.url.path)
 
     return endpoint
 
@@ -417,7 +414,8 @@ def _add_tracing(app: Starlette) -> None:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return GatewayError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code).response()
+    err = GatewayError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code)
+    return err.response(request.url.path)
 
 
 def create_app(settings: GatewaySettings) -> Starlette:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher
 
 from .errors import bad_request
 from .schemas import ChatCompletionRequest, ChatTool, CompletionRequest, NamedToolChoice
@@ -35,23 +35,15 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 
 class GrammarBuilder:
-    """Builds and checks grammars against the checkpoint's tokenizer (tags that are single added tokens are
-    referenced as tokens, which is how llguidance sees them)."""
+    """Builds grammars for the checkpoint's tokenizer (tags that are single added tokens are referenced as tokens,
+    which is how llguidance sees them); grammar_check.py compiles and checks them."""
 
-    def __init__(self, tokenizer_json: str, added_tokens: set[str], vocab_size: int, eos_ids: list[int]) -> None:
+    def __init__(self, added_tokens: set[str]) -> None:
         self._added = added_tokens
-        self._tok = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_ids)
 
     def tag(self, text: str) -> str:
         """A literal tag in Lark: the token itself when the vocabulary has it as one added token."""
         return text if text in self._added else json.dumps(text)
-
-    def check(self, grammar: str, param: str) -> str:
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
-        if is_error:
-            raise bad_request(f"invalid {param}: {messages[0] if messages else 'the grammar does not compile'}",
-                              param=param, code="invalid_grammar")
-        return grammar
 
     # -- the body: what the constrained part of the reply is -----------------------------------------------------
     def reply(self, body: dict[str, Any], reasoning: bool) -> str:
@@ -65,15 +57,15 @@ class GrammarBuilder:
     def _first(grammar_json: str) -> dict[str, Any]:
         return json.loads(grammar_json)["grammars"][0]
 
-    def json_schema(self, schema: dict[str, Any] | str, whitespace_pattern: str | None = None) -> dict[str, Any]:
+    def json_schema(self, schema: dict[str, Any] | str, whitespace_pattern: str | None = None,
+                    param: str = "response_format") -> dict[str, Any]:
         options = dict(_JSON_OPTIONS)
         if whitespace_pattern is not None:
             options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
         try:
             return self._first(LLMatcher.grammar_from_json_schema(schema, defaults=options))
         except (ValueError, TypeError) as exc:
-            raise bad_request(f"invalid JSON schema: {exc}", param="response_format", code="invalid_grammar") \
-                from None
+            raise bad_request(f"invalid JSON schema: {exc}", param=param, code="invalid_grammar") from None
 
     def lark(self, text: str) -> dict[str, Any]:
         return {"lark_grammar": text}
@@ -84,15 +76,14 @@ class GrammarBuilder:
     def choice(self, options: list[str]) -> dict[str, Any]:
         return {"lark_grammar": "start: " + " | ".join(json.dumps(o) for o in options)}
 
-    def grammar(self, text: str) -> dict[str, Any]:
+    def grammar(self, text: str, param: str = "structured_outputs.grammar") -> dict[str, Any]:
         """vLLM `grammar`: Lark (llguidance's dialect) or GBNF, told apart the way llguidance does."""
         from llguidance.gbnf_to_lark import any_to_lark
 
         try:
             return {"lark_grammar": any_to_lark(text)}
         except Exception as exc:  # noqa: BLE001 — the converter raises plain Exceptions on bad input
-            raise bad_request(f"invalid grammar: {exc}", param="structured_outputs.grammar",
-                              code="invalid_grammar") from None
+            raise bad_request(f"invalid grammar: {exc}", param=param, code="invalid_grammar") from None
 
     def tool_calls(self, tools: list[ChatTool], one: bool) -> dict[str, Any]:
         """One call (`one`) or one or more calls of the given tools, in GLM's format."""
@@ -149,9 +140,8 @@ def _thinking(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(THINK_OPEN)
 
 
-def request_body(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest
-                 ) -> tuple[dict[str, Any], str] | None:
-    """(body grammar, the field it came from), or None when the output is free."""
+def _source(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, str] | None:
+    """(kind, value, field) of what constrains the request's output: kind is json / regex / choice / grammar."""
     so, rf = req.structured_outputs, req.response_format
     legacy = [(k, getattr(req, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")
               if getattr(req, f"guided_{k}") is not None]
@@ -159,30 +149,41 @@ def request_body(b: GrammarBuilder, req: ChatCompletionRequest | CompletionReque
                                    ("structured_outputs", so is not None), ("guided_*", bool(legacy))) if on]
     if len(given) > 1:
         raise bad_request(f"give only one of {', '.join(given)}", param=given[1])
-    ws = req.guided_whitespace_pattern
     if rf is not None and rf.type == "json_object":
-        return b.json_schema({"type": "object"}, ws), "response_format"
+        return "json", {"type": "object"}, "response_format"
     if rf is not None and rf.type == "json_schema":
         assert rf.json_schema is not None
-        return b.json_schema(rf.json_schema.schema_, ws), "response_format"
+        return "json", rf.json_schema.schema_, "response_format.json_schema.schema"
     if so is not None:
-        ws = so.whitespace_pattern if so.whitespace_pattern is not None else ws
-        if so.json_ is not None:
-            return b.json_schema(so.json_, ws), "structured_outputs.json"
         if so.json_object:
-            return b.json_schema({"type": "object"}, ws), "structured_outputs.json_object"
-        if so.regex is not None:
-            return b.regex(so.regex), "structured_outputs.regex"
-        if so.choice is not None:
-            return b.choice(so.choice), "structured_outputs.choice"
-        assert so.grammar is not None
-        return b.grammar(so.grammar), "structured_outputs.grammar"
+            return "json", {"type": "object"}, "structured_outputs.json_object"
+        # exactly one is set (StructuredOutputs checks)
+        kind, value = next((k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                                ("grammar", so.grammar)) if v is not None)
+        return kind, value, f"structured_outputs.{kind}"
     if legacy:
         kind, value = legacy[0]
-        body = {"json": lambda: b.json_schema(value, ws), "regex": lambda: b.regex(value),
-                "choice": lambda: b.choice(value), "grammar": lambda: b.grammar(value)}[kind]()
-        return body, f"guided_{kind}"
+        return kind, value, f"guided_{kind}"
     return None
+
+
+def request_body(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest
+                 ) -> tuple[dict[str, Any], str] | None:
+    """(body grammar, the field it came from), or None when the output is free."""
+    source = _source(req)
+    if source is None:
+        return None
+    kind, value, param = source
+    ws = req.guided_whitespace_pattern
+    if req.structured_outputs is not None and req.structured_outputs.whitespace_pattern is not None:
+        ws = req.structured_outputs.whitespace_pattern
+    if kind == "json":
+        return b.json_schema(value, ws, param), param
+    if kind == "regex":
+        return b.regex(value), param
+    if kind == "choice":
+        return b.choice(value), param
+    return b.grammar(value, param), param
 
 
 def tool_body(b: GrammarBuilder, req: ChatCompletionRequest) -> tuple[dict[str, Any], str] | None:
@@ -202,8 +203,9 @@ def tool_body(b: GrammarBuilder, req: ChatCompletionRequest) -> tuple[dict[str, 
 
 
 def build_grammar(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest, prompt_text: str | None
-                  ) -> str | None:
-    """The request's grammar (llguidance JSON), checked against the tokenizer; None when unconstrained."""
+                  ) -> tuple[str, str] | None:
+    """(the request's grammar as llguidance JSON, the field it came from), not checked yet; None when
+    unconstrained."""
     body = request_body(b, req)
     if isinstance(req, ChatCompletionRequest):
         forced = tool_body(b, req)
@@ -215,5 +217,5 @@ def build_grammar(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequ
         return None
     grammar, param = body
     if prompt_text is None:  # completions: the grammar is the whole output
-        return b.check(json.dumps({"grammars": [grammar]}), param)
-    return b.check(b.reply(grammar, _thinking(prompt_text)), param)
+        return json.dumps({"grammars": [grammar]}), param
+    return b.reply(grammar, _thinking(prompt_text)), param

@@ -1,7 +1,9 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in each API's own shape: OpenAI's `{"error": {"message", "type", "param", "code"}}` everywhere but
+Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`), whose clients expect
+`{"type": "error", "error": {"type", "message"}}`.
 
-Every failure leaves the gateway through `GatewayError`, so clients (the official `openai` library included) always
-see the same shape and the right status, whatever went wrong underneath.
+Every failure leaves the gateway through `GatewayError`, so clients (the official `openai` and `anthropic`
+libraries included) always see their API's shape and the right status, whatever went wrong underneath.
 """
 
 from __future__ import annotations
@@ -12,6 +14,16 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 log = logging.getLogger("twinspark.gateway")
+
+ANTHROPIC_ROUTE = "/v1/messages"
+# Anthropic's error types by status (its API reference); other 4xx are request errors, other 5xx its api_error.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_route(path: str) -> bool:
+    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
 
 
 class GatewayError(Exception):
@@ -31,8 +43,16 @@ class GatewayError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The body in the shape of the API that `path` (the request's route) belongs to."""
+        return self.anthropic_body() if anthropic_route(path) else self.body()
+
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body_for(path), status_code=self.status, headers=self.headers)
 
 
 def default_type(status: int) -> str:

@@ -22,7 +22,7 @@ from services.common.tensors import from_proto
 from services.common.tensors import ids as tensor_ids
 from twinspark.v1 import generate_pb2
 
-from .errors import GatewayError, internal, unavailable
+from .errors import GatewayError, bad_request, internal, unavailable
 from .metrics import GatewayMetrics, RequestRecord
 from .output import Delta, OutputAssembler, TokenLogprob, token_sha
 from .prepare import Prepared
@@ -121,7 +121,7 @@ class GenerationStream:
         if isinstance(item, BaseException) or item is _END:
             raise self._fail(self._error_of(item))
         if item.WhichOneof("event") == "finished" and item.finished.reason == generate_pb2.FINISH_ERROR:
-            raise self._fail(unavailable(f"generation failed: {item.finished.error or 'unknown error'}"))
+            raise self._fail(self._finish_error(item.finished.error))
 
     async def _pump(self, call: grpc.aio.UnaryStreamCall) -> None:
         try:
@@ -152,6 +152,14 @@ class GenerationStream:
             return unavailable("the scheduler ended the stream without a Finished event")
         log.error("%s: scheduler stream failed: %r", self.request.request_id, item)
         return internal(f"scheduler stream failed: {item!r}")
+
+    def _finish_error(self, text: str) -> GatewayError:
+        """A FINISH_ERROR as the client's error: the request's own grammar failing is a 400 (generate.proto), never
+        a 503 — that would tell clients and routers the server is down."""
+        code, _, message = text.partition(": ")
+        if code == "invalid_grammar":
+            return bad_request(message, param=self.prep.grammar_param, code=code)
+        return unavailable(f"generation failed: {text or 'unknown error'}")
 
     def _fail(self, err: GatewayError) -> GatewayError:
         self.error = err
@@ -191,7 +199,7 @@ class GenerationStream:
                 f = item.finished
                 self.finished = f
                 if f.reason == generate_pb2.FINISH_ERROR:
-                    raise self._fail(unavailable(f"generation failed: {f.error or 'unknown error'}"))
+                    raise self._fail(self._finish_error(f.error))
                 stop_id = f.stop_token_id if f.reason == generate_pb2.FINISH_STOP and f.stop_token_id >= 0 else None
                 delta = self.assembler.finish(stop_id)
                 if delta:

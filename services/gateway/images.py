@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from .errors import bad_request
+from .errors import GatewayError, bad_request
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -141,8 +141,12 @@ def _decode(data: bytes, param: str) -> Image.Image:
             raise bad_request(f"the image is {img.width}x{img.height} pixels; at most {MAX_PIXELS} are accepted",
                               param=param, code="invalid_image")
         img.load()
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise bad_request(f"the image could not be decoded: {exc}", param=param, code="invalid_image") from None
+    except GatewayError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — PIL's decoders raise what they like on a malformed file
+        # (OSError, ValueError, DecompressionBombError, and SyntaxError for a broken PNG chunk, struct.error, ...)
+        raise bad_request(f"the image could not be decoded: {type(exc).__name__}: {exc}", param=param,
+                          code="invalid_image") from None
     return img
 
 

@@ -6,8 +6,9 @@ One ASGI middleware, in front of every route (so routes added later are covered 
   bounded, and replayed to the route, which then reads it as usual);
 - JSON body: nested deeper than `max_json_depth` → 400 (this also turns the RecursionError that the standard
   parser raises on very deep input into a 400); a string longer than `max_string_chars`, an array longer than
-  `max_array_items`, NaN / Infinity (not JSON numbers) or an integer beyond ±2^64 → 400. Every such error names the
-  path of the offending value in `param` (`messages[3].content`).
+  `max_array_items`, NaN / Infinity (not JSON numbers), an integer beyond ±2^64 or a string (or key) with a lone
+  surrogate escape (not Unicode) → 400. Every such error names the path of the offending value in `param`
+  (`messages[3].content`).
 A body that is not JSON at all passes through: the route answers its own `invalid_json` 400.
 
 Field-specific bounds (top_k fits int32, at most so many stop strings, ...) are in the pydantic schemas; these
@@ -66,6 +67,7 @@ def check_json_shape(data: Any, limits: InputLimits) -> None:
             if len(value) > limits.max_string_chars:
                 raise _limit(path, f"a string of {len(value)} characters is longer than the limit of "
                                    f"{limits.max_string_chars}", "string_too_long")
+            _check_unicode(value, path)
         elif isinstance(value, bool) or value is None:
             continue
         elif isinstance(value, int):
@@ -87,7 +89,20 @@ def check_json_shape(data: Any, limits: InputLimits) -> None:
                     if len(k) > limits.max_string_chars:
                         raise _limit(path, f"a key of {len(k)} characters is longer than the limit of "
                                            f"{limits.max_string_chars}", "string_too_long")
+                    _check_unicode(k, path)
                     stack.append((v, [*path, k], depth + 1))
+
+
+def _check_unicode(text: str, path: list[str | int]) -> None:
+    """JSON's \\u escapes can spell a lone surrogate (\\ud800), which is no Unicode text: the tokenizer, the
+    template, the grammar library and the JSON writer all fail on one, so it is refused here, once."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _limit(path, f"the string holds a lone surrogate ({text[exc.start]!a}), which is not Unicode text",
+                     "invalid_unicode") from None
 
 
 def _scalar_ok(v: Any) -> bool:
@@ -174,7 +189,7 @@ class InputLimitsMiddleware:
             check_json_body(body, self.limits)
         except GatewayError as err:
             log_refused(scope["method"], scope["path"], err)
-            await err.response()(scope, receive, send)
+            await err.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 

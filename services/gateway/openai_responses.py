@@ -19,20 +19,21 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kernels.sampling_rules import MAX_API_TEMPERATURE, TEMPERATURE, TOP_P
+from kernels.sampling_rules import MAX_API_TEMPERATURE, SEED, TEMPERATURE, TOP_P
 
 from .choices import Choices
-from .errors import GatewayError
+from .errors import GatewayError, bad_request
 from .generation import Final, Keepalive
 from .prepare import Prepared
 from .reply_blocks import Close, Open, Step, Text, reply_steps
 from .reply_parser import ParsedReply, ToolCall
 from .responses import new_parser, parse_reply, reasoning_tokens
-from .schemas import ChatCompletionRequest
+from .schemas import ChatCompletionRequest, Renames, validated
+from .streaming import guarded
 
 
 class _Model(BaseModel):
@@ -41,7 +42,7 @@ class _Model(BaseModel):
 
 class FunctionTool(_Model):
     type: Literal["function"]
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -75,7 +76,7 @@ class ReasoningConfig(_Model):
 
 class ResponsesRequest(_Model):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]  # items: validated one by one below
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
@@ -85,7 +86,7 @@ class ResponsesRequest(_Model):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, le=MAX_API_TEMPERATURE, **TEMPERATURE.field())
     top_p: float | None = Field(None, **TOP_P.field())
-    seed: int | None = None  # twinspark / vLLM extension: keyed sampling
+    seed: int | None = Field(None, **SEED.field())  # twinspark / vLLM extension: keyed sampling
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -116,12 +117,86 @@ class ResponseStore:
                                code="not_found") from None
 
 
-def _content_text(content: Any) -> str:
+class _Item(BaseModel):
+    # Clients send earlier output items back as they got them (ids, statuses, annotations, logprobs, ...): an
+    # item's unknown fields are ignored, the request's own are still refused.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Item):
+    type: Literal["input_text", "output_text", "text", "refusal", "input_image"]
+    text: str | None = None
+    refusal: str | None = None
+    image_url: str | None = None  # input_image: a data: (or, when the server allows them, http(s)) URL
+    detail: Literal["auto", "low", "high"] | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> "ContentPart":
+        if self.type == "input_image" and self.image_url is None:
+            raise ValueError("an 'input_image' part has `image_url` (file ids are not served)")
+        if self.type not in ("input_image", "refusal") and self.text is None:
+            raise ValueError(f"a {self.type!r} part has `text`")
+        return self
+
+
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+
+
+class FunctionCallItem(_Item):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Item):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ContentPart]
+
+
+class ReasoningText(_Item):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Item):
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+
+
+_ITEMS: dict[str, type[_Item]] = {"message": MessageItem, "function_call": FunctionCallItem,
+                                  "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+# Chat's field paths as this API names them (the chat request is validated again after translation).
+RENAMES: Renames = [(r"^messages\b.*", "input"), (r"^tools(\[\d+\])\.function", r"tools\1"),
+                    (r"^response_format\b.*", "text.format"), (r"^max_tokens$", "max_output_tokens"),
+                    (r"^reasoning_effort$", "reasoning.effort"), (r"^tool_choice\b.*", "tool_choice")]
+
+
+def _text(content: str | list[ContentPart]) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
+    return "".join(p.text or p.refusal or "" for p in content if p.type != "input_image")
+
+
+def _user_content(content: str | list[ContentPart]) -> str | list[dict[str, Any]]:
+    """A user turn's content: its text, or chat's text and image_url parts when it holds images."""
+    if isinstance(content, str) or all(p.type != "input_image" for p in content):
+        return _text(content)
+    return [{"type": "image_url", "image_url": {"url": p.image_url, **({"detail": p.detail} if p.detail else {})}}
+            if p.type == "input_image" else {"type": "text", "text": p.text or p.refusal or ""} for p in content]
+
+
+def _item(i: int, raw: dict[str, Any]) -> _Item:
+    kind = raw.get("type", "message")
+    model = _ITEMS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise GatewayError(400, f"input[{i}]: item type {kind!r} is not supported", param=f"input[{i}].type")
+    return validated(model, raw, at=f"input[{i}]")
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -130,38 +205,42 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         return [{"role": "user", "content": req.input}]
     out: list[dict[str, Any]] = []
     reasoning = ""
-    for i, item in enumerate(req.input):
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise GatewayError(400, f"input[{i}]: unknown role {role!r}", param=f"input[{i}].role")
-            msg = {"role": role, "content": _content_text(item.get("content"))}
-            if role == "assistant" and reasoning:
+    for i, raw in enumerate(req.input):
+        item = _item(i, raw)
+        if isinstance(item, MessageItem):
+            if item.role != "user" and not isinstance(item.content, str) and \
+                    any(p.type == "input_image" for p in item.content):
+                raise bad_request(f"input[{i}]: images are accepted in user messages only",
+                                  param=f"input[{i}].content")
+            msg = {"role": item.role, "content": _user_content(item.content) if item.role == "user"
+                   else _text(item.content)}
+            if item.role == "assistant" and reasoning:
                 msg["reasoning_content"], reasoning = reasoning, ""
             out.append(msg)
-        elif kind == "function_call":
-            call = {"id": item.get("call_id", ""), "type": "function",
-                    "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "{}")}}
-            if out and out[-1]["role"] == "assistant" and not out[-1]["content"] or \
-                    (out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls")):
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant" and (not out[-1]["content"] or out[-1].get("tool_calls")):
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call],
                             **({"reasoning_content": reasoning} if reasoning else {})})
                 reasoning = ""
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
-                        "content": _content_text(item.get("output"))})
-        elif kind == "reasoning":
-            reasoning += "".join(p.get("text", "") for p in (item.get("content") or []) + (item.get("summary") or [])
-                                 if isinstance(p, dict))
+        elif isinstance(item, FunctionCallOutputItem):
+            if not isinstance(item.output, str) and any(p.type == "input_image" for p in item.output):
+                raise bad_request(f"input[{i}]: images in a function call's output are not served",
+                                  param=f"input[{i}].output")
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
         else:
-            raise GatewayError(400, f"input[{i}]: item type {kind!r} is not supported", param=f"input[{i}].type")
+            assert isinstance(item, ReasoningItem)
+            reasoning += "".join(p.text for p in (item.content or []) + item.summary)
     return out
 
 
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The equivalent chat completions request, validated as one (its errors name this API's fields)."""
+    if not history:
+        raise bad_request("input: there is no message to answer (only reasoning items)", param="input")
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     body: dict[str, Any] = {"messages": messages, "stream": req.stream}
     if req.tools:
@@ -183,7 +262,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
     body.update({k: v for k, v in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
                                    ("top_p", req.top_p), ("seed", req.seed), ("parallel_tool_calls",
                                                                                 req.parallel_tool_calls)) if v is not None})
-    return ChatCompletionRequest.model_validate(body, strict=False)
+    return validated(ChatCompletionRequest, body, renames=RENAMES)
 
 
 def _item_id(prefix: str) -> str:
@@ -318,7 +397,7 @@ async def response_events(req: ResponsesRequest, prep: Prepared, model: str, str
                         ev("response.output_item.done", output_index=idx, item=item)]
         return out
 
-    try:
+    async def steps() -> AsyncIterator[str]:
         async for event in reply_steps(parser, stream.events()):
             if isinstance(event, Keepalive):
                 yield ": keepalive\n\n"
@@ -330,6 +409,9 @@ async def response_events(req: ResponsesRequest, prep: Prepared, model: str, str
                 on_done(body)
                 yield ev("response.completed" if body["status"] == "completed" else "response.incomplete",
                          response=body)
-    except GatewayError as err:
-        stream.error = err
-        yield ev("error", code=err.code, message=err.message, param=err.param)
+
+    def error(err: GatewayError) -> str:
+        return ev("error", code=err.code, message=err.message, param=err.param)
+
+    async for piece in guarded(steps(), stream, error, prep.response_id):
+        yield piece

@@ -30,9 +30,10 @@ from twinspark.v1 import generate_pb2
 
 from .checkpoint import CheckpointInfo
 from .constraints import THINK_CLOSE, THINK_OPEN, GrammarBuilder, build_grammar
-from .errors import bad_request, context_length_exceeded
+from .errors import GatewayError, bad_request, context_length_exceeded
+from .grammar_check import CLOSE, OPEN, GrammarChecker
 from .images import ImageLimits, ImageProcessor, ProcessedImage, load_image
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Renames, rename
 from .template import ChatTemplate
 from .tokenizer import TextTokenizer
 
@@ -51,13 +52,29 @@ class ModelContext:
     images: ImageProcessor | None = None  # the checkpoint's image processor (None: it reads no images)
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     grammar: GrammarBuilder = field(init=False)
+    grammar_check: GrammarChecker = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.max_model_len:
             self.max_model_len = self.checkpoint.max_model_len
-        self.grammar = GrammarBuilder(self.tokenizer.json, self.tokenizer.added_tokens, self.vocab_size,
-                                      sorted(self.checkpoint.eos_token_ids))
+        self.grammar = GrammarBuilder(self.tokenizer.added_tokens)
         self.think_close_id = self.tokenizer.token_to_id(THINK_CLOSE)  # counts reasoning tokens when one id
+        walk_ids = {t: i for t in (*CLOSE, *OPEN, THINK_CLOSE) if (i := self.tokenizer.token_to_id(t)) is not None}
+        # The gateway's lifespan starts the check's worker (else the first constrained request does).
+        self.grammar_check = GrammarChecker(self.tokenizer.json, self.vocab_size,
+                                            sorted(self.checkpoint.eos_token_ids), walk_ids)
+
+    async def constrain(self, prep: "Prepared", req: ChatCompletionRequest | CompletionRequest,
+                        prompt_text: str | None) -> None:
+        """Set the request's grammar, checked. Last of the refusals: the check compiles the grammar, the others
+        cost nothing."""
+        built = build_grammar(self.grammar, req, prompt_text)
+        if built is None:
+            return
+        await self.grammar_check.check(*built)
+        for r in prep.requests:
+            r.grammar = built[0]
+        prep.grammar_param = built[1]
 
     @property
     def vocab_size(self) -> int:
@@ -87,6 +104,7 @@ class Prepared:
     think_close_id: int | None = None
     min_tokens: int = 0           # stop strings count only in the text of later tokens (vLLM)
     image_tokens: int = 0         # prompt tokens that are image placeholders (usage reports them)
+    grammar_param: str | None = None  # the field the grammar came from: where a grammar failure points
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -164,8 +182,7 @@ def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
 
 
 def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-           max_tokens: int | None, prompt_param: str, *, grammar: str | None = None, logprobs: int | None = None,
-           best_of: int = 1) -> Prepared:
+           max_tokens: int | None, prompt_param: str, *, logprobs: int | None = None, best_of: int = 1) -> Prepared:
     window = ctx.max_model_len
     n = len(prompt_ids)
     if n == 0:
@@ -199,7 +216,7 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
         request_id=request_id, prompt_ids=to_proto(prompt_ids), sampling=_sampling(ctx, req), max_tokens=max_tokens,
         stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
         priority=generate_pb2.PRIORITY_BACKGROUND if req.background else generate_pb2.PRIORITY_NORMAL,
-        no_draft=not req.draft, grammar=grammar or "", logprobs=want_lp, top_logprobs=logprobs or 0,
+        no_draft=not req.draft, logprobs=want_lp, top_logprobs=logprobs or 0,
         min_tokens=req.min_tokens or 0)
     requests = [grpc_req]
     for i in range(1, best_of):  # choice i: the same request keyed by seed + i, under its own scheduler id
@@ -264,14 +281,27 @@ async def prepare_chat(ctx: ModelContext, req: ChatCompletionRequest) -> Prepare
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    prep = _build(ctx, "chat", req, ids, max_tokens, "messages", grammar=build_grammar(ctx.grammar, req, text),
+    prep = _build(ctx, "chat", req, ids, max_tokens, "messages",
                   logprobs=(req.top_logprobs or 0) if req.logprobs else None, best_of=req.n)
+    await ctx.constrain(prep, req, text)
     prep.reasoning = text.rstrip().endswith(THINK_OPEN)
     prep.image_tokens = sum(p.tokens for p in protos)
     for r in prep.requests:
         r.images.extend(protos)
     if req.tools and req.tool_choice != "none":
         prep.tools = {t.function.name: t.function.parameters for t in req.tools}
+    return prep
+
+
+async def prepare_translated(ctx: ModelContext, req: ChatCompletionRequest, renames: Renames) -> Prepared:
+    """`prepare_chat` for a request another API translated (Anthropic Messages, Responses): its errors, and the
+    field a later grammar failure points at, name that API's fields."""
+    try:
+        prep = await prepare_chat(ctx, req)
+    except GatewayError as err:
+        err.param = rename(err.param, renames)
+        raise
+    prep.grammar_param = rename(prep.grammar_param, renames)
     return prep
 
 
@@ -287,5 +317,7 @@ async def prepare_completion(ctx: ModelContext, req: CompletionRequest) -> Prepa
     else:
         ids = list(prompt)
         _check_ids(ids, ctx.vocab_size, "prompt")
-    return _build(ctx, "completion", req, ids, req.max_tokens, "prompt", grammar=build_grammar(ctx.grammar, req, None),
-                  logprobs=req.logprobs, best_of=req.best_of or req.n)
+    prep = _build(ctx, "completion", req, ids, req.max_tokens, "prompt", logprobs=req.logprobs,
+                  best_of=req.best_of or req.n)
+    await ctx.constrain(prep, req, None)
+    return prep

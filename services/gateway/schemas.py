@@ -9,9 +9,10 @@ and refused otherwise by `check_unsupported`, again naming the field.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, N, PRESENCE_PENALTY,
                                     REPETITION_PENALTY, SEED, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P, VLLM_TOP_K_OFF)
@@ -92,6 +93,30 @@ class FunctionDefinition(_Strict):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _grammar_keywords(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The keywords the tool-call grammar reads itself (constraints.py), type-checked here so a malformed
+        schema is a 400 naming them; the rest of the schema is the structured-output library's to judge."""
+        if schema is None:
+            return None
+        props = schema.get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(p, (dict, bool)) for p in props.values()):
+            raise ValueError("'properties' must be an object of schemas")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            raise ValueError("'required' must be an array of property names")
+        for key, prop in props.items():
+            if not isinstance(prop, dict) or prop.get("type") != "string":
+                continue
+            for bound in ("minLength", "maxLength"):
+                value = prop.get(bound)
+                if value is not None and (type(value) is not int or value < 0):
+                    raise ValueError(f"properties.{key}.{bound} must be a non-negative integer")
+            if not isinstance(prop.get("pattern", ""), str) or not isinstance(prop.get("enum", []), list):
+                raise ValueError(f"properties.{key}: 'pattern' must be a string and 'enum' an array")
+        return schema
 
 
 class ChatTool(_Strict):
@@ -360,14 +385,27 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def _first_error(exc: ValidationError) -> GatewayError:
+# A translated API's names for chat fields: (regex on the chat path, replacement), the first match wins.
+Renames = list[tuple[str, str]]
+
+
+def rename(param: str | None, renames: Renames) -> str | None:
+    for pattern, replacement in renames:
+        if param is not None and re.match(pattern, param):
+            return re.sub(pattern, replacement, param, count=1)
+    return param
+
+
+def _first_error(exc: ValidationError, renames: Renames | None = None, at: str = "") -> GatewayError:
     errors = exc.errors(include_url=False)
     head = _param_of(errors[0]["loc"]) if errors else None
     # Of the errors about the first bad field, the one deepest inside it is usually the real cause: for a union
     # (content: str | list[parts]) pydantic reports every member's failure.
     same = [e for e in errors if (_param_of(e["loc"]) or "").startswith(head or "")] or errors
     err = max(same, key=lambda e: len(_param_of(e["loc"]) or ""))
-    param = _param_of(err["loc"])
+    param = rename(_param_of(err["loc"]), renames or [])
+    if at:
+        param = at + (("" if param.startswith("[") else ".") + param if param else "")
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = f"Unrecognized request argument supplied: {param}"
@@ -389,6 +427,16 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def validated(model: type[BaseModel], data: Any, *, at: str = "", renames: Renames | None = None) -> Any:
+    """`model` from `data` that is part of a body (`at`: its path there) or that a translation layer built
+    (Anthropic Messages or Responses -> chat: `renames` maps chat's paths back to the caller's fields); any problem
+    becomes a 400 naming the caller's field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _first_error(exc, renames, at) from None
+
+
 def parse(model: type[_Strict], raw: bytes) -> Any:
     """Validate a JSON body into `model`; any problem becomes a 400 with `param` naming the field."""
     data = parse_json(raw)
@@ -403,6 +451,6 @@ def parse(model: type[_Strict], raw: bytes) -> Any:
 
 __all__ = [
     "ChatCompletionRequest", "ChatMessage", "ChatTool", "CompletionRequest", "NamedToolChoice", "ResponseFormat",
-    "StructuredOutputs", "DetokenizeRequest", "GatewayError",
-    "TokenizeRequest", "check_unsupported", "parse", "parse_json",
+    "StructuredOutputs", "DetokenizeRequest", "GatewayError", "Renames",
+    "TokenizeRequest", "check_unsupported", "parse", "parse_json", "rename", "validated",
 ]

@@ -8,6 +8,7 @@ a task watches `receive()` for `http.disconnect` and cancels the body at once, w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -31,34 +32,47 @@ def sse_data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def sse_events(stream: Choices, writer: ChunkWriter) -> AsyncIterator[str]:
-    """The whole SSE body of one streamed reply (OpenAI chat / completions chunks). Errors after the 200 become an
-    error event, then [DONE]."""
+async def guarded(events: AsyncIterator[str], stream: Choices, error_event: Callable[[GatewayError], str],
+                  response_id: str) -> AsyncIterator[str]:
+    """`events`, a stream body after its 200, with a failure ending it as `error_event` writes it (each API has its
+    own error event): a GatewayError as it is, anything else — a bug of ours — logged and sent as a 500, rather
+    than the stream cut silently."""
     try:
-        for chunk in writer.first():
-            yield sse_data(chunk)
-        async for index, event in stream.events():
-            if isinstance(event, Keepalive):
-                yield KEEPALIVE_COMMENT
-            elif isinstance(event, Delta):
-                for chunk in writer.delta(index, event):
-                    yield sse_data(chunk)
-            elif isinstance(event, Final):
-                for chunk in writer.finish(index, event):
-                    yield sse_data(chunk)
-        if writer.prep.include_usage:
-            yield sse_data(writer.usage(stream.finals))
-        yield DONE
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            async for piece in events:
+                yield piece
     except GatewayError as err:
-        yield sse_data(err.body())
-        yield DONE
+        stream.error = err
+        yield error_event(err)
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # a bug of ours: tell the client in the stream rather than cutting it silently
-        log.exception("%s: stream failed", writer.prep.response_id)
+    except Exception as exc:
+        log.exception("%s: stream failed", response_id)
         stream.error = internal(f"internal error: {type(exc).__name__}")
-        yield sse_data(stream.error.body())
-        yield DONE
+        yield error_event(stream.error)
+
+
+def sse_events(stream: Choices, writer: ChunkWriter) -> AsyncIterator[str]:
+    """The whole SSE body of one streamed reply (OpenAI chat / completions chunks). Errors after the 200 become an
+    error event, then [DONE]."""
+    return guarded(_chunks(stream, writer), stream, lambda err: sse_data(err.body()) + DONE, writer.prep.response_id)
+
+
+async def _chunks(stream: Choices, writer: ChunkWriter) -> AsyncIterator[str]:
+    for chunk in writer.first():
+        yield sse_data(chunk)
+    async for index, event in stream.events():
+        if isinstance(event, Keepalive):
+            yield KEEPALIVE_COMMENT
+        elif isinstance(event, Delta):
+            for chunk in writer.delta(index, event):
+                yield sse_data(chunk)
+        elif isinstance(event, Final):
+            for chunk in writer.finish(index, event):
+                yield sse_data(chunk)
+    if writer.prep.include_usage:
+        yield sse_data(writer.usage(stream.finals))
+    yield DONE
 
 
 class SSEResponse:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
+from services.common.grammar_limits import parser_limits
+
 log = logging.getLogger("twinspark.scheduler.grammar")
 
 
@@ -37,32 +39,53 @@ class RequestGrammar:
 
     def __init__(self, matcher: LLMatcher) -> None:
         self._m = matcher
+        self._masks: list[torch.Tensor] = []  # the masks of the rows sampled last, one per row
+        self._committed = 0
+
+    def _compute(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32)
 
     def mask(self) -> torch.Tensor:
         """int32 [ceil(V / 32)]: the tokens allowed next."""
-        return torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32)
+        self._masks = [self._compute()]
+        return self._masks[0]
 
     def window(self, drafts: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         """Masks for a decode row followed by `drafts` (one per row), and the drafts the grammar allows (a prefix
         of `drafts`). The matcher is back in its current state afterwards."""
-        masks = [self.mask()]
+        masks = [self._compute()]
         kept: list[int] = []
         for d in drafts:
             if not _allows(masks[-1], d) or not self._m.consume_token(d):
                 break
             kept.append(d)
-            masks.append(self.mask())
+            masks.append(self._compute())
         if kept:
             self._m.rollback(len(kept))
-        return masks[: len(kept) + 1], kept
+        self._masks = masks[: len(kept) + 1]
+        return self._masks, kept
 
     def commit(self, tokens: list[int]) -> str | None:
-        """Advance past committed tokens; an error text if the grammar rejects one (cannot happen with masks)."""
+        """Advance past committed tokens (the samples of the rows masked last); None, or the FINISH_ERROR text.
+
+        The library can fail on its own limits (a parser row or the lexer past its bound) in a mask or here, on
+        the request's grammar: "invalid_grammar: ..." (generate.proto: the client's 400). The matcher then stays
+        failed, and also reads as stopped (hence the error check first); a mask that failed allowed only EOS, so
+        the stopping token comes here too. A token outside its row's mask is ours (a rank that did not apply it)."""
+        if self._m.is_error():
+            return self._failed()
         if self._m.is_stopped():  # past the grammar's end only stop ids follow; nothing left to check
             return None
+        for t, mask in zip(tokens, self._masks):
+            if not _allows(mask, t):
+                return f"structured output: token {t} was sampled outside its grammar mask"
         if not self._m.consume_tokens(tokens):
-            return self._m.get_error() or "the grammar rejected a token"
+            return self._failed()
+        self._committed += len(tokens)
         return None
+
+    def _failed(self) -> str:
+        return f"invalid_grammar: the grammar failed after {self._committed} output tokens: {self._m.get_error()}"
 
 
 class GrammarBook:
@@ -88,10 +111,13 @@ class GrammarBook:
         return book
 
     def compile(self, grammar: str) -> RequestGrammar:
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
-        if is_error:
-            raise GrammarError(messages[0] if messages else "invalid grammar")
-        matcher = LLMatcher(self._tok, grammar, log_level=0)
+        """The grammar's matcher (the gateway checked it under the same limits before admission)."""
+        try:
+            matcher = LLMatcher(self._tok, grammar, log_level=0, limits=parser_limits())
+        except BaseException as exc:  # noqa: BLE001 — a panic inside the library arrives as a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise GrammarError(f"the structured-output library failed on the grammar: {exc}") from None
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return RequestGrammar(matcher)

@@ -242,10 +242,10 @@ class RoundScheduler:
         if hidden is not None:
             req.last_hidden = hidden[first + len(out) - 1]
         req.emit_tokens(out, _logprobs_of(req, logprobs, first, len(out)))
-        if req.grammar is not None and stop is None:
+        if req.grammar is not None:  # stopping tokens too: a grammar that failed in `mask` allowed only EOS
             error = req.grammar.commit(out)
             if error is not None:
-                self._finish(req, generate_pb2.FINISH_ERROR, error=f"structured output: {error}")
+                self._finish(req, generate_pb2.FINISH_ERROR, error=error)
                 return
         if stop is not None:
             self._finish(req, stop[0], stop_token_id=stop[1])

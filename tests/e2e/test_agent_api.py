@@ -277,3 +277,33 @@ def test_anthropic_messages(stack_tp2: Stack, m: str) -> None:
     with pytest.raises(anthropic.BadRequestError) as exc:
         a.messages.create(model=m, max_tokens=0, messages=user)
     assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_hostile_agent_requests_are_400s_in_each_apis_shape(client: openai.OpenAI, m: str, stack_tp2: Stack) -> None:
+    """Issue 26's four requests that were 5xx on the real stack: a 10,000-entry stop_sequences and a user turn
+    holding a thinking block (/v1/messages: 500), a Responses reasoning item whose text is a number (500), a
+    json_schema of 3,000 properties (a 503 after one token, from the grammar library mid-generation). Each is now
+    a 400 naming the field, in its API's shape, the grammar refused before admission; the stack serves on."""
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=stack_tp2.url, api_key="unused", max_retries=0, timeout=120)
+    user = [{"role": "user", "content": "Hello"}]
+    for fields, says in (({"stop_sequences": ["s"] * 10_000}, "stop_sequences"),
+                         ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x",
+                                                                       "signature": ""}]}]}, "messages[0].content[0]")):
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            a.messages.create(model=m, max_tokens=8, **{"messages": user, **fields})
+        assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "invalid_request_error"
+        assert says in exc.value.body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=m, input=[{"type": "reasoning", "id": "rs_1", "summary": [],
+                                                 "content": [{"type": "reasoning_text", "text": 5}]}, *user])
+    assert err.value.body["param"] == "input[0].content[0].text"
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3_000)}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=m, messages=user, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert err.value.body["code"] == "invalid_grammar"
+    assert err.value.body["param"] == "response_format.json_schema.schema"
+    assert httpx.get(stack_tp2.url + "/health", timeout=10).status_code == 200
+    assert a.messages.create(model=m, max_tokens=4, messages=user).stop_reason == "max_tokens"

@@ -56,3 +56,15 @@ def test_urls_are_refused_with_the_reason():
     assert "decoded" in _refusal("data:image/png;base64," + base64.b64encode(b"not an image").decode(),
                                  ImageLimits()).message
     assert "larger than" in _refusal(_png(_image(300, 300, 2)), ImageLimits(max_bytes=1000)).message
+
+
+def test_malformed_files_are_400s_whatever_pil_raises():
+    """PIL answers a broken PNG chunk with SyntaxError (not an OSError): it was a 500. Truncated files and a
+    header claiming 10^10 pixels are refused too."""
+    # 8x32 16-bit grey whose IDAT holds one byte more than its length says (found by fuzzing the decoder)
+    broken = "iVBORw0KGgoAAAANSUhEUgAAAAgAAAAgEAAAAABaC7pPAAAAD0lEQVR4nGNgGAWjAIeuNwAAAiAAAQTWznoAAAAASUVORK5CYII="
+    raw = base64.b64decode(_png(_image(8, 8, 3)).split(",", 1)[1])
+    bomb = raw[:16] + (100_000).to_bytes(4, "big") * 2 + raw[24:]
+    for data in (base64.b64decode(broken), raw[:40], bomb):
+        err = _refusal("data:image/png;base64," + base64.b64encode(data).decode(), ImageLimits())
+        assert err.code == "invalid_image", err.message

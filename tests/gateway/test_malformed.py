@@ -1,5 +1,5 @@
-"""The seeded malformed set (bench/malformed.py) against the real gateway in front of a STAND-IN scheduler: 0 5xx,
-every error in OpenAI's shape, and the limits' own answers (413, 431, 400 naming the field)."""
+"""The seeded hostile set (bench/malformed.py, bench/hostile.py) against the real gateway in front of a STAND-IN
+scheduler: 0 5xx, every error in its API's shape, and the limits' own answers (413, 431, 400 naming the field)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from bench.malformed import cases
+from bench.malformed import KINDS, cases, problem
 from services.gateway.limits import InputLimits, check_json_shape, deep_path
 from services.gateway.errors import GatewayError
 
@@ -26,21 +26,19 @@ def send(client: httpx.Client, case) -> httpx.Response | None:
         raise
 
 
-def test_600_malformed_requests_get_no_5xx(gateway: GatewayServer) -> None:
+def test_960_hostile_requests_get_no_5xx(gateway: GatewayServer) -> None:
     seen: dict[int, int] = {}
     with httpx.Client(base_url=gateway.url, timeout=30) as client:
-        for case in cases(seed=13, n=600):
+        for case in cases(seed=13, n=60 * len(KINDS)):
             r = send(client, case)
             if r is None:
                 seen[413] = seen.get(413, 0) + 1
                 continue
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
-            assert r.status_code < 500, (case.describe(), r.text[:300])
-            if r.status_code >= 400:
-                err = r.json()["error"]
-                assert set(err) == {"message", "type", "param", "code"}, case.describe()
+            assert problem(case, r.status_code, r.headers.get("content-type", ""), r.content) is None, \
+                (case.describe(), r.text[:300])
         assert client.get("/health").status_code == 200
-    assert {400, 413, 431} <= set(seen), seen
+    assert {200, 400, 413, 431} <= set(seen), seen
 
 
 def test_deeply_nested_json_is_a_400_naming_where(gateway: GatewayServer) -> None:
@@ -59,6 +57,11 @@ def test_deeply_nested_json_is_a_400_naming_where(gateway: GatewayServer) -> Non
     ({"messages": [{"role": "user", "content": "x"}], "stop": ["s"] * 65}, "stop", None),
     ({"prompt": "x", "top_k": 2 ** 31}, "top_k", None),
     ({"prompt": "x", "model": "m" * 600}, "model", None),
+    # a lone surrogate escape (\ud800 in the JSON text) reached the tokenizer, the grammar library, ...: 500s
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content", "invalid_unicode"),
+    ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "\udfff"}},
+     "structured_outputs.regex", "invalid_unicode"),
+    ({"prompt": "x", "metadata": {"a\ud800": 1}}, "metadata", "invalid_unicode"),
 ])
 def test_limits_name_the_field(gateway: GatewayServer, body, param, code) -> None:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

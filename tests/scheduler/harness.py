@@ -32,15 +32,18 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(n_ranks: int = 1, *, rank: dict[str, Any] | None = None, per_rank: list[dict[str, Any]] | None = None,
-                  progress_interval_s: float = 0.5, token: str | None = None, **engine: Any) -> AsyncIterator[Cluster]:
+                  progress_interval_s: float = 0.5, token: str | None = None, tokenizer: str | None = None,
+                  **engine: Any) -> AsyncIterator[Cluster]:
     """`n_ranks` stand-in ranks (shared kwargs `rank`, per-rank overrides `per_rank`) behind a real scheduler; with
-    `token`, every server requires it and every client (the test's included) sends it."""
+    `token`, every server requires it and every client (the test's included) sends it; with `tokenizer` (a
+    checkpoint directory), it serves structured output (the stand-ins sample without the masks)."""
     ranks = [StandinRank(rank=i, world=n_ranks, token=token, **(rank or {}), **((per_rank or [{}] * n_ranks)[i]))
              for i in range(n_ranks)]
     addrs = [await r.start() for r in ranks]
     sched = Scheduler(SchedulerConfig(ranks=addrs, host="127.0.0.1", port=0, engine=EngineConfig(**engine),
                                       startup_timeout_s=5, rank_timeout_s=10,
-                                      progress_interval_s=progress_interval_s, internal_token=token))
+                                      progress_interval_s=progress_interval_s, internal_token=token,
+                                      tokenizer=tokenizer))
     channel = None
     try:
         port = await sched.start()

@@ -1,0 +1,214 @@
+"""The admission check of a request's grammar: compiled and walked by the structured-output library (llguidance),
+in a child process, under the limits the scheduler's matchers run with (services/common/grammar_limits.py).
+
+Why a child process: the library can take the process down or hold it for long on hostile grammars — a chain of
+~1,000 `$ref`s or Lark rules overflows its stack (SIGSEGV), 100,000 choices trip an internal assertion (a panic)
+after 16 s, an object of 10,000 optional properties compiles for 10 s. Here a crash is a 400 for that request and a
+fresh worker for the next; a compile past `DEADLINE_S` is killed and refused. The worker compiles on a thread with
+half the usual 8 MiB stack, so what passes here compiles in the scheduler's main thread with room to spare.
+
+Why a walk: some limits bite only while generating. An object of 3,000 optional properties compiles, then its first
+token builds a parser row of 12,007 items (the limit is 2,000); `{"$ref": "#"}` compiles to a grammar that allows
+nothing. The worker walks each grammar for `WALK_TOKENS` tokens on `WALKS` seeded paths and refuses it on the first
+failure, with the library's message. The walks prefer structural tokens: one closes strings, objects and arrays
+soonest, one opens them and adds members, the others pick at random; every walk leaves reasoning at once through
+`</think>`. A walk cannot visit every path: a failure further in still ends that request with an `invalid_grammar`
+error (the scheduler's `FINISH_ERROR`), never a 503.
+
+    python -m services.gateway.grammar_check    # the worker: an init line on stdin, then one grammar a line
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import select
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO
+
+from .errors import bad_request, unavailable
+
+DEADLINE_S = 0.4  # compile + walk. The scheduler compiles it again on its loop, holding every stream that long
+WALKS = 4
+WALK_TOKENS = 48
+START_TIMEOUT_S = 60.0  # a fresh worker loads the tokenizer's vocabulary first
+_STACK_BYTES = 4 << 20
+_CRASHED = "the structured-output library crashed on this grammar"
+
+
+class GrammarChecker:
+    """The gateway's side: one worker process, one grammar at a time (on its own thread, so a queue of slow checks
+    never holds the event loop or the default thread pool)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int], ids: dict[str, int]) -> None:
+        """`ids`: the token ids of the walks' texts (CLOSE, OPEN, `</think>`) that are single tokens."""
+        self._init = json.dumps({"tokenizer": tokenizer_json, "vocab_size": vocab_size, "eos_ids": eos_ids,
+                                 "ids": ids}) + "\n"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
+
+    async def check(self, grammar: str, param: str) -> None:
+        """Raise a 400 `invalid_grammar` naming `param` when the library cannot run `grammar`."""
+        error = await asyncio.get_running_loop().run_in_executor(self._pool, self.verdict, grammar)
+        if error is not None:
+            raise bad_request(f"invalid {param}: {error}", param=param, code="invalid_grammar")
+
+    def start(self) -> None:
+        """Start the worker in the background (else the first constrained request waits for it)."""
+        self._pool.submit(self._worker)
+
+    def verdict(self, grammar: str) -> str | None:
+        """None when the grammar passed; else why not."""
+        proc = self._worker()
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(json.dumps({"grammar": grammar}).encode() + b"\n")
+            proc.stdin.flush()
+            line = _read_line(proc.stdout, DEADLINE_S)
+        except OSError:
+            line = b""
+        if line:
+            return json.loads(line)["error"]
+        self._drop()
+        self.start()  # the next check finds a worker ready
+        if line is None:
+            return f"the grammar is too complex: it did not compile and run its first tokens within {DEADLINE_S} s"
+        return _CRASHED
+
+    def close(self) -> None:
+        self._drop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _worker(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        self._drop()
+        proc = subprocess.Popen([sys.executable, "-m", "services.gateway.grammar_check"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(self._init.encode())
+        proc.stdin.flush()
+        if _read_line(proc.stdout, START_TIMEOUT_S) != b"ready\n":
+            proc.kill()
+            proc.wait()
+            raise unavailable("structured output is unavailable: the grammar checker did not start")
+        self._proc = proc
+        return proc
+
+    def _drop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
+def _read_line(stream: IO[bytes], timeout_s: float) -> bytes | None:
+    """One line from the worker: None after `timeout_s`, b"" when it died first."""
+    fd, buf = stream.fileno(), b""
+    deadline = time.monotonic() + timeout_s
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b""
+        buf += chunk
+    return buf
+
+
+# ------------------------------------------------------------------------------------------------ the worker
+
+# The walks' preferences, as token texts (the gateway sends their ids): walk 0 closes, walk 1 opens and extends.
+CLOSE = ('"', "}", "]", ",")
+OPEN = ("{", "[", ",", '"')
+
+
+def probe(tokenizer, grammar: str, eos_ids: list[int], ids: dict[str, int]) -> str | None:
+    """Compile `grammar` and walk it; the library's error, or None. `ids`: the token ids of CLOSE / OPEN texts and
+    of `</think>` (those the vocabulary has as one token)."""
+    from llguidance import LLMatcher
+
+    from services.common.grammar_limits import parser_limits
+
+    matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+    orders = [[ids[t] for t in texts if t in ids] for texts in (CLOSE, OPEN)]
+    for walk in range(WALKS):
+        rng = random.Random(walk)
+        for _ in range(WALK_TOKENS):
+            token = None if matcher.is_error() or matcher.is_stopped() else \
+                _next_token(matcher, eos_ids, ids, orders[walk] if walk < len(orders) else None, rng)
+            if token is None:
+                break
+            matcher.consume_token(token)
+        if matcher.is_error():
+            return _message(matcher.get_error())
+        matcher.reset()
+    return None
+
+
+def _next_token(matcher, eos_ids: list[int], ids: dict[str, int], order: list[int] | None, rng: random.Random
+                ) -> int | None:
+    """The walk's next token; None once only the end (or nothing, on an error) is left."""
+    import numpy as np
+
+    words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    allowed = np.unpackbits(words, bitorder="little").astype(bool)  # bit i of word j: token 32 j + i
+    allowed[[t for t in eos_ids if t < allowed.size]] = False
+    choices = np.flatnonzero(allowed)
+    if matcher.is_error() or choices.size == 0:
+        return None
+
+    def ok(text: str) -> bool:
+        return text in ids and ids[text] < allowed.size and bool(allowed[ids[text]])
+
+    if ok("</think>"):
+        return ids["</think>"]
+    if order is None:
+        return int(choices[rng.randrange(choices.size)])
+    if ok('"') and ok("}"):  # free text (a string's inside): close it rather than write braces into it
+        return ids['"']
+    return next((t for t in order if allowed[t]), int(choices[0]))
+
+
+def _message(error: str) -> str:
+    """The library's error without its placeholder for the verbose part; a bare stop reason explained."""
+    text = error.replace("<non-verbose/>", "").strip()
+    if text.startswith("NoExtension"):
+        return f"the grammar allows no output at this point (llguidance: {text})"
+    return text
+
+
+def _run(tokenizer, grammar: str, eos_ids: list[int], ids: dict[str, int], result: dict[str, str | None]) -> None:
+    try:
+        result["error"] = probe(tokenizer, grammar, eos_ids, ids)
+    except BaseException as exc:  # noqa: BLE001 — the library's panics are BaseExceptions
+        result["error"] = f"the structured-output library failed on this grammar: {exc}"
+
+
+def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
+    from llguidance import LLTokenizer
+
+    init = json.loads(stdin.readline())
+    tokenizer = LLTokenizer(init["tokenizer"], n_vocab=init["vocab_size"], eos_token=init["eos_ids"])
+    stdout.write(b"ready\n")
+    stdout.flush()
+    threading.stack_size(_STACK_BYTES)
+    for line in stdin:
+        result: dict[str, str | None] = {"error": _CRASHED}
+        compile_thread = threading.Thread(target=_run, args=(tokenizer, json.loads(line)["grammar"],
+                                                            init["eos_ids"], init["ids"], result))
+        compile_thread.start()
+        compile_thread.join()
+        stdout.write(json.dumps(result).encode() + b"\n")
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve(sys.stdin.buffer, sys.stdout.buffer)
