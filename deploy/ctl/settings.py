@@ -127,9 +127,10 @@ def check(s: Settings) -> None:
     v = s.values
     for key in ("PORT", "SCHEDULER_PORT", "DRAFTER_PORT", "RANK_PORT", "MASTER_PORT", "PEER_PORT"):
         _int(s, key, 1, 65535)
-    for key in ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "BLOCK_SIZE", "NUM_SLOTS", "TP",
-                "HEALTH_TIMEOUT", "PEER_TIMEOUT"):
+    for key in ("MAX_NUM_SEQS", "BLOCK_SIZE", "NUM_SLOTS", "TP", "HEALTH_TIMEOUT", "PEER_TIMEOUT"):
         _int(s, key, 1)
+    if v.get("MAX_NUM_BATCHED_TOKENS"):  # empty: the scheduler's default for the ranks' device
+        _int(s, "MAX_NUM_BATCHED_TOKENS", 1)
     _int(s, "MAX_WAITING", 0)
     _int(s, "NUM_BLOCKS", 0)  # 0 = sized from memory
     _int(s, "KV_CACHE_MEMORY_BYTES", 0)

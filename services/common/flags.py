@@ -146,3 +146,13 @@ def to_argv(settings: Any, skip: tuple[str, ...] = ()) -> list[str]:
         else:
             argv += [spec.option, str(value)]
     return argv
+
+
+def add_subcommand(sub: argparse._SubParsersAction, name: str, settings: type[S], run: Callable[[S], int],
+                   **parser_kw: Any) -> argparse.ArgumentParser:
+    """`twinspark NAME`: the settings' flags on a new subcommand parser, whose `func` builds the settings once from
+    the parsed flags and the environment and hands them to `run`."""
+    p = sub.add_parser(name, **parser_kw)
+    add_flags(settings, p)
+    p.set_defaults(func=lambda args: run(from_args(settings, args)))
+    return p

@@ -24,6 +24,16 @@ def log_level(text: str) -> str:
 log_level.__name__ = "log level"  # argparse names the type in its "invalid log level value" message
 
 
+def positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise ValueError(f"must be >= 1, got {v}")
+    return v
+
+
+positive_int.__name__ = "positive integer"  # argparse's "invalid positive integer value" message
+
+
 def compute_dtype(dtype: str | None, device: str) -> str:
     """--dtype, or the device's default when unset: bfloat16 on cuda, float32 on the CPU."""
     return dtype or ("bfloat16" if device == "cuda" else "float32")
@@ -54,6 +64,9 @@ KV_DISK_DIR = Flag("kv-disk-dir", "disk KV tier directory (unset = off): entries
                    "checksummed, and survive a restart with the same checkpoint and settings", metavar="DIR")
 KV_DISK_BYTES = Flag("kv-disk-bytes", "disk KV tier size per rank in bytes (default 64 GiB)", default=str(64 << 30),
                      type=int, metavar="BYTES")
+MAX_NUM_BATCHED_TOKENS = Flag("max-num-batched-tokens", "token budget of one round (vLLM's flag): decode rows first, "
+                              "then prompt chunks as large as the rest allows on the 64-token grid (default: 8192 "
+                              "when the ranks run on CUDA, 256 on the CPU)", type=positive_int, metavar="N")
 GATEWAY_PORT = Flag("port", "the gateway's HTTP port (default %(default)s)", default="8888", type=int, env="PORT")
 # `twinspark up`'s and start.sh's draft method (the drafter process's own flag is --method).
 DRAFTER = Flag("drafter", "draft method of the drafter process (copy: n-gram prompt lookup; mtp: the checkpoint's "

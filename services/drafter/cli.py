@@ -7,7 +7,8 @@ import logging
 from dataclasses import dataclass
 
 from services.common import shared_flags as shared
-from services.common.flags import add_flags, flag, from_args
+from services.common.flags import add_subcommand, flag
+from services.common.role_start import start_role
 
 log = logging.getLogger("twinspark.drafter")
 
@@ -31,32 +32,19 @@ class DrafterSettings:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve-drafter", help="run the drafter (speculative draft tokens for the scheduler)",
-        description="Serve the Drafter gRPC service. copy: n-gram prompt lookup over each request's own tokens "
-                    "(CPU, no model); mtp: the checkpoint's MTP layer fed the target's last hidden state; dflash2: "
-                    "needs user-supplied weights (not shipped).")
-    add_flags(DrafterSettings, p)
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    return serve_drafter(from_args(DrafterSettings, args))
+    add_subcommand(sub, "serve-drafter", DrafterSettings, serve_drafter,
+                   help="run the drafter (speculative draft tokens for the scheduler)",
+                   description="Serve the Drafter gRPC service. copy: n-gram prompt lookup over each request's own "
+                               "tokens (CPU, no model); mtp: the checkpoint's MTP layer fed the target's last hidden "
+                               "state; dflash2: needs user-supplied weights (not shipped).")
 
 
 def serve_drafter(s: DrafterSettings) -> int:
-    from services.common.internal_auth import check_bind
-    from services.common.telemetry import setup_tracing
     from services.drafter.methods import DraftMethodUnavailable, build
     from services.drafter.server import serve_forever
 
-    logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s drafter %(levelname)s %(name)s: %(message)s")
-    try:
-        check_bind(s.host, s.internal_token)
-    except ValueError as exc:
-        log.error("%s", exc)
+    if not start_role("drafter", s.log_level, host=s.host, internal_token=s.internal_token):
         return 2
-    setup_tracing("twinspark-drafter")
     kw = {}
     if s.method == "mtp":
         kw = dict(threshold=s.mtp_threshold, history=s.mtp_history, device=s.device)

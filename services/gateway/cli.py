@@ -6,13 +6,13 @@ Every flag has a TWINSPARK_* environment default, so compose files and .env set 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from services.common import shared_flags as shared
-from services.common.flags import add_flags, flag, from_args
+from services.common.flags import add_subcommand, flag
+from services.common.role_start import start_role
 from services.gateway.limits import InputLimits
 
 _LIMITS = InputLimits()  # the input limits' defaults
@@ -69,28 +69,20 @@ class ServeGatewaySettings:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve-gateway", help="serve the OpenAI-compatible HTTP API (gateway -> scheduler)",
-        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health and "
-                    "/metrics; generation is forwarded to the scheduler over gRPC as token ids.")
-    add_flags(ServeGatewaySettings, p)
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    return serve_gateway(from_args(ServeGatewaySettings, args))
+    add_subcommand(sub, "serve-gateway", ServeGatewaySettings, serve_gateway,
+                   help="serve the OpenAI-compatible HTTP API (gateway -> scheduler)",
+                   description="Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, "
+                               "/health and /metrics; generation is forwarded to the scheduler over gRPC as token ids.")
 
 
 def serve_gateway(s: ServeGatewaySettings) -> int:
     import uvicorn
 
-    from services.common.telemetry import setup_tracing
-
     from .app import GatewaySettings, create_app
     from .images import ImageLimits
 
-    logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("twinspark-gateway")  # before create_app: it adds the HTTP span middleware when on
+    # (tracing before create_app: it adds the HTTP span middleware when on)
+    start_role("gateway", s.log_level, log_format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         limits = s.input_limits()
         settings = GatewaySettings(model_dir=s.model, scheduler=s.scheduler, served_model_name=s.served_model_name,

@@ -41,6 +41,7 @@ class LaunchConfig:
     kv_tiers: tuple[str, ...] = ()  # the ranks' KV tier flags (--kv-host-bytes / --kv-disk-dir / --kv-disk-bytes)
     random_weights: str = ""  # ranks draw random weights in this recipe (serve-rank --random-weights); "" = read them
     random_block_size: int = 128
+    max_num_batched_tokens: int | None = None  # the scheduler's round budget; None: its device default
 
 
 # addrs: role name -> ["host:port", ...] for every replica of every role (known before any argv is built).
@@ -74,6 +75,8 @@ def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> 
 def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
     argv = ["serve-scheduler", "--ranks", ",".join(addrs["rank"]), "--host", host, "--port", str(port),
             "--tokenizer", c.model]
+    if c.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
     if addrs.get("drafter"):
         argv += ["--drafter", addrs["drafter"][0]]
         if c.drafter == "mtp":

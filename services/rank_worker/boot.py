@@ -59,16 +59,11 @@ def _leave(code: int) -> NoReturn:
 
 def serve_rank(s: RankSettings) -> int:
     """Boot a rank and serve until SIGTERM. Returns an exit code (the group-fatal ones leave at once)."""
-    from services.common.internal_auth import check_bind
-    from services.common.telemetry import setup_tracing
+    from services.common.role_start import start_role
 
-    logging.basicConfig(level=s.log_level.upper(), format=f"%(asctime)s rank{s.rank} %(levelname)s %(message)s")
-    try:
-        check_bind(s.host, s.internal_token)
-    except ValueError as exc:
-        log.error("%s", exc)
+    if not start_role(f"rank{s.rank}", s.log_level, host=s.host, internal_token=s.internal_token,
+                      log_format=f"%(asctime)s rank{s.rank} %(levelname)s %(message)s"):
         return 2
-    setup_tracing(f"twinspark-rank{s.rank}")
     recipe = None
     if s.random_weights:
         from model.quantize.select import Recipe

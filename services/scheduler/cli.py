@@ -11,16 +11,10 @@ import logging
 from dataclasses import dataclass
 
 from services.common import shared_flags as shared
-from services.common.flags import add_flags, flag, from_args
+from services.common.flags import add_subcommand, flag
+from services.common.role_start import start_role
 
 log = logging.getLogger("twinspark.scheduler")
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,9 +26,8 @@ class SchedulerSettings:
     max_waiting: int = flag("max-waiting", "waiting-queue bound; beyond it Generate answers RESOURCE_EXHAUSTED + "
                             "retry-after (default 64)", default="64", type=int)
     max_num_seqs: int = flag("max-num-seqs", "running requests at most (also capped by the ranks' KDA slots) "
-                             "(default 16)", default="16", type=_positive_int)
-    max_num_batched_tokens: int = flag("max-num-batched-tokens", "token budget of one round: decode rows first, "
-                                       "then prefill chunks (default 256)", default="256", type=_positive_int)
+                             "(default 16)", default="16", type=shared.positive_int)
+    max_num_batched_tokens: int | None = flag(shared.MAX_NUM_BATCHED_TOKENS)
     enable_prefix_caching: bool = flag("enable-prefix-caching", "reuse cached prompt prefixes (full blocks + KDA "
                                        "state snapshots) across requests (default on)", default="1", toggle=True)
     reply_reuse: bool = flag("reply-reuse", "after each reply, prefill prompt + reply up to its last 64-token grid "
@@ -61,32 +54,20 @@ class SchedulerSettings:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve-scheduler", help="run the scheduler (queue, batching, KV pool) in front of the rank workers",
-        description="Describe every rank, check they form one group, then serve the Generator gRPC service "
-                    "(Generate / Abort / Health) to the gateway. Flags default from TWINSPARK_* variables.")
-    add_flags(SchedulerSettings, p)
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    return serve_scheduler(from_args(SchedulerSettings, args))
+    add_subcommand(sub, "serve-scheduler", SchedulerSettings, serve_scheduler,
+                   help="run the scheduler (queue, batching, KV pool) in front of the rank workers",
+                   description="Describe every rank, check they form one group, then serve the Generator gRPC "
+                               "service (Generate / Abort / Health) to the gateway. Flags default from TWINSPARK_* "
+                               "variables.")
 
 
 def serve_scheduler(s: SchedulerSettings) -> int:
-    from services.common.internal_auth import check_bind
-    from services.common.telemetry import setup_tracing
     from services.scheduler.engine import EngineConfig
     from services.scheduler.ranks import StartupError
     from services.scheduler.server import SchedulerConfig, serve
 
-    logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
-    try:
-        check_bind(s.host, s.internal_token)
-    except ValueError as exc:
-        log.error("%s", exc)
+    if not start_role("scheduler", s.log_level, host=s.host, internal_token=s.internal_token):
         return 2
-    setup_tracing("twinspark-scheduler")
     addresses = [a.strip() for a in s.ranks.split(",") if a.strip()]
     if not addresses:
         log.error("--ranks lists no addresses")

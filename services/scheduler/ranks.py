@@ -92,6 +92,7 @@ class ModelInfo:
     tier_disk_bytes: int = 0
     block_bytes: int = 0
     state_bytes: int = 0
+    device: str = "cpu"  # where the ranks compute (their fingerprint's settings): sets the round budget's default
 
     @classmethod
     def from_describe(cls, d: rank_pb2.DescribeReply, group: list[rank_pb2.DescribeReply] | None = None
@@ -102,7 +103,8 @@ class ModelInfo:
                    eos_ids=tuple(d.eos_token_ids), max_model_len=d.max_model_len,
                    tier_host_bytes=min(r.tier_host_bytes for r in group),
                    tier_disk_bytes=min(r.tier_disk_bytes for r in group),
-                   block_bytes=max(r.block_bytes for r in group), state_bytes=max(r.state_bytes for r in group))
+                   block_bytes=max(r.block_bytes for r in group), state_bytes=max(r.state_bytes for r in group),
+                   device=d.settings.get("device", "cpu"))
 
 
 class _Refused(str):

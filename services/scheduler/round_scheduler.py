@@ -57,12 +57,24 @@ class ScheduledRound:
     loads: list[Snapshot]
 
 
+# Tokens one round may carry when --max-num-batched-tokens is not given, by the ranks' device. On a GPU, vLLM's and
+# SGLang's default on H100 / H200-class GPUs: long prompts prefill in big chunks (a round is one forward) while the
+# decode rows still go first in every round. On the CPU, small rounds keep the tiny model's streams responsive.
+DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 256}
+
+
+def step_budget(given: int | None, device: str) -> int:
+    """The round's token budget: `given`, else the device's default."""
+    return given if given is not None else DEFAULT_STEP_TOKENS.get(device, DEFAULT_STEP_TOKENS["cpu"])
+
+
 class RoundScheduler:
     def __init__(self, info: ModelInfo, cfg: EngineConfig, grammars: GrammarBook | None = None,
                  tier_listing: list[rank_pb2.TierEntry] | None = None) -> None:
         """`grammars`: None without a tokenizer (structured output is refused); `tier_listing`: the disk KV tier
         entries every rank holds."""
-        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
+        self.budget = step_budget(cfg.max_num_batched_tokens, info.device)
+        if cfg.max_num_seqs < 1 or self.budget < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.info = info
         self.cfg = cfg
@@ -73,10 +85,10 @@ class RoundScheduler:
         self.live: dict[str, Request] = {}  # waiting + running, by request id
         # A running request holds a KDA slot, so the ranks' slot count caps concurrency too.
         self.max_running = min(cfg.max_num_seqs, self.kv.pool.num_slots)
-        if cfg.max_num_batched_tokens < self.max_running + KDA_CHUNK:
+        if self.budget < self.max_running + KDA_CHUNK:
             # Prompts are cut only on the 64-token KDA grid (batcher.py): a round must hold every decode row and
             # one whole grid chunk, or a long prompt could never make progress.
-            raise ValueError(f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be at least the running "
+            raise ValueError(f"--max-num-batched-tokens ({self.budget}) must be at least the running "
                              f"sequences ({self.max_running}) + {KDA_CHUNK}")
         self.rounds = 0
         self.drafted_total = 0  # drafts verified, all requests
@@ -170,7 +182,7 @@ class RoundScheduler:
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> ScheduledRound | None:
         """The next round (`drafts`: request id -> proposed drafts for its decode row); None when there is nothing to
         send: no rows to run and no KV tier moves waiting."""
-        seqs = plan_round(self.running, self.cfg.max_num_batched_tokens, drafts)
+        seqs = plan_round(self.running, self.budget, drafts)
         if not seqs and not self.kv.tier_work:
             return None
         apply_grammar_masks(seqs)

@@ -157,7 +157,7 @@ class Scheduler:
         e = self.cfg.engine
         px = self.engine.scheduler.kv.prefix
         log.info("scheduler listening on %s:%d (max waiting %d, max seqs %d, %d tokens per round, prefix caching %s)",
-                 self.cfg.host, self.port, e.max_waiting, self.engine.scheduler.max_running, e.max_num_batched_tokens,
+                 self.cfg.host, self.port, e.max_waiting, self.engine.scheduler.max_running, self.engine.scheduler.budget,
                  f"on, {len(px.slots)} snapshot slots" if px is not None else "off")
         return self.port
 
