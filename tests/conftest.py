@@ -70,3 +70,34 @@ def tiny_exl3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`make-tiny --format exl3 --layers 4 --experts 4`: random 4-bit mul1 trellises for every MLP linear, bf16
     attention (4 layers and 4 experts: its MLPs are 16x the default tiny model's, and the CPU pays for them)."""
     return make_tiny(tmp_path_factory.mktemp("tiny_exl3") / "ckpt", format="exl3", layers=4, experts=4)
+
+
+# ----- tiers: every test gets one marker (pyproject.toml lists them), so a run can pick a tier with -m -----
+
+_STACK_AREAS = ("e2e", "deploy", "bench", "launcher", "cli")  # start real services or the CLI as processes
+TIERS = ("unit", "interpreter", "tp", "stack", "gpu")
+
+
+def _tier(item: pytest.Item) -> str:
+    """A test's own tier mark (tp: several rank processes over gloo), else one read off where it lives and what its
+    module imports."""
+    own = [m.name for m in item.iter_markers() if m.name in TIERS]
+    if own:
+        return own[0]
+    area = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0]
+    if area == "gpu":
+        return "gpu"
+    if area in _STACK_AREAS:
+        return "stack"
+    source = Path(getattr(item.module, "__file__", "") or "")
+    text = source.read_text() if source.is_file() else ""
+    if any(sign in text for sign in ("gpu_support", "fused=True", "gpu=True")):
+        return "interpreter"  # Triton kernels in Triton's CPU interpreter
+    return "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = _tier(item)
+        if not any(m.name == tier for m in item.iter_markers()):
+            item.add_marker(getattr(pytest.mark, tier))

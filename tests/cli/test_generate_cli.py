@@ -30,6 +30,7 @@ def test_help(cmd):
     assert proc.returncode == 0 and "usage:" in proc.stdout
 
 
+@pytest.mark.tp
 def test_generate_json_tp1_equals_tp2(tiny_dir):
     results = []
     for tp in ("1", "2"):

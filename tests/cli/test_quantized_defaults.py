@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.tp  # several rank processes over gloo
+
 TWINSPARK = str(Path(sys.executable).parent / "twinspark")
 
 

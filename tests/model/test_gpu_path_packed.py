@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpret
                                 "GPU tests/gpu covers packed formats at real dims")
 
 from kernels.gpu.wtiles import Fmt, WeightArgs  # noqa: E402
+from model.checkpoint import make_tiny  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.model import Glm5Model  # noqa: E402
 from model.parallel import Collective, Sharding  # noqa: E402
@@ -41,10 +42,13 @@ class _PackedReader:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_default, tmp_path_factory) -> tuple[Glm5Model, Glm5Model]:
-    """(dequantized, packed) of the default tiny model with every eligible linear in per-channel fp8."""
+def models(tmp_path_factory) -> tuple[Glm5Model, Glm5Model]:
+    """(dequantized, packed) of a 2-layer tiny model (KDA + dense MLP, MLA + MoE: every projection kind, at the
+    interpreter's smallest cost) with every eligible linear in per-channel fp8."""
+    dense_dir = make_tiny(tmp_path_factory.mktemp("packed_bf16") / "ckpt", seed=5, layers=2, experts=4,
+                          layer_pattern="KM")
     path = tmp_path_factory.mktemp("packed_fp8") / "ckpt"
-    quantize_checkpoint(tiny_default, path, Recipe("fp8", "fp8", block=None), progress=False)
+    quantize_checkpoint(dense_dir, path, Recipe("fp8", "fp8", block=None), progress=False)
     sharding = Sharding()  # four virtual shards: every sharded projection is cut four ways
     dense = Glm5Model.load(path, sharding=sharding, dtype=torch.float32, progress=False, load_mtp=False)
     reader = WeightReader(path, sharding, torch.float32, torch.device("cpu"), progress=False)

@@ -18,7 +18,8 @@ import torch
 
 from tests.kernels.gpu_support import triton  # noqa: F401  (skips the module without Triton)
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
+pytestmark = [pytest.mark.tp,  # several rank processes over gloo
+              pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")]
 
 from model.model import Glm5Model  # noqa: E402
 from model.checkpoint import make_tiny  # noqa: E402

@@ -159,6 +159,7 @@ def test_row_invariance_with_fp8(prepared_fp8, others):
             assert torch.equal(store.scale[blocks], other.scale[blocks]), name
 
 
+@pytest.mark.tp
 def test_tp2_equals_tp1_with_fp8(tiny_shared):
     job = partial(logits_and_greedy, ids=random_ids(96, seed=21), prompt_len=64, max_tokens=24, kv_dtype=FP8)
     tp1, tp2 = run_on_ranks(tiny_shared, job, tp=1), run_on_ranks(tiny_shared, job, tp=2)

@@ -100,6 +100,7 @@ def test_mixed_checkpoints_hold_every_format(mixed):
         assert set(reader.quant_configs) == {"fp8", {"exl3": "exl3", "w4a16": "twinspark_w4a16"}[name.split("+")[0]]}
 
 
+@pytest.mark.tp
 @pytest.mark.parametrize("name", ["exl3+fp8", "w4a16+fp8"])
 def test_tp2_equals_tp1(name, mixed):
     path = mixed[name]

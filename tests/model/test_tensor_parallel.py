@@ -16,6 +16,8 @@ from services.rank_worker.offline import run_on_ranks
 from tests.model.reference import random_ids
 from tests.model.tp_jobs import logits_and_greedy
 
+pytestmark = pytest.mark.tp  # several rank processes over gloo
+
 IDS = random_ids(96, seed=21)
 JOB = partial(logits_and_greedy, ids=IDS, prompt_len=64, max_tokens=24)
 

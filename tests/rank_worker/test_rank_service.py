@@ -90,6 +90,7 @@ def _drive(stubs, prompt: list[int], rounds: int, decorate=lambda plan, generate
     return got
 
 
+@pytest.mark.tp
 def test_tp2_service_matches_offline_generate(tiny_default, ranks):
     procs, stubs = ranks
     describe = [s.Describe(rank_pb2.DescribeRequest()) for s in stubs]
@@ -99,6 +100,7 @@ def test_tp2_service_matches_offline_generate(tiny_default, ranks):
     assert _drive(stubs, prompt, 6) == expected
 
 
+@pytest.mark.tp
 def test_tp2_ranks_apply_penalties_alike(tiny_default, ranks):
     """Penalties, logit bias and banned ids (StepPlan.penalties) on two ranks over gloo: the same ids on both, the
     bias and bans honoured, and the greedy continuation changed."""
