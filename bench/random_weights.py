@@ -21,32 +21,9 @@ from model.random_weights import RandomWeightReader, keeps_fp32, text_tensors
 from model.checkpoint.config_builder import text_config
 from model.checkpoint.spec import TinySpec, default_layer_pattern
 
-__all__ = ["REAL_DIMS", "RandomWeightReader", "bench_config", "bench_spec", "build_model", "keeps_fp32",
+__all__ = ["RandomWeightReader", "bench_config", "bench_spec", "build_model", "keeps_fp32",
            "spec_dims", "text_tensors"]
 
-# GLM-5.3-Flash text dimensions (docs/reference.md §1). Layer count and pattern are chosen per run.
-REAL_DIMS: dict[str, object] = dict(
-    hidden_size=4096,
-    intermediate_size=12288,
-    moe_intermediate_size=2048,
-    num_attention_heads=64,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=256,
-    v_head_dim=256,
-    n_routed_experts=288,
-    num_experts_per_tok=8,
-    n_shared_experts=1,
-    linear_num_heads=64,
-    linear_head_dim=128,
-    linear_conv_kernel_dim=4,
-    index_n_heads=32,
-    index_head_dim=128,
-    index_kpool=4,
-    index_topk=2048,
-    hc_mult=4,
-    vocab_size=154880,
-)
 REAL_PAD_TOKEN_ID = 154820
 TINY_VOCAB = 1088  # make-tiny's vocabulary size (1026 tokens rounded up to 64); the benchmark needs no tokenizer
 
@@ -57,10 +34,9 @@ def bench_spec(*, layers: int = 4, layer_pattern: str | None = None, tiny: bool 
     Layer pattern: the release's 3:1 layout by default ("KKKM" for 4 layers). FFNs: the first layer dense, the
     rest MoE (TinySpec's rule), so 4 layers = 3 KDA + 1 MLA/DSA, 1 dense + 3 MoE.
     """
-    dims = {} if tiny else dict(REAL_DIMS)
-    dims.setdefault("vocab_size", TINY_VOCAB)
-    return TinySpec(num_hidden_layers=layers, layer_pattern=layer_pattern or default_layer_pattern(layers),
-                    num_nextn_predict_layers=0, **dims)
+    shape = dict(num_hidden_layers=layers, layer_pattern=layer_pattern or default_layer_pattern(layers),
+                 num_nextn_predict_layers=0)
+    return TinySpec.tiny(vocab_size=TINY_VOCAB, **shape) if tiny else TinySpec(**shape)  # or the release's dims
 
 
 def bench_config(spec: TinySpec) -> ModelConfig:

@@ -29,7 +29,6 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import exactness, flags
-from bench.random_weights import REAL_DIMS
 from bench.serve import level, summarize, warm_up
 from bench.stack import attach_or_start, write_results
 from services.common import shared_flags as shared
@@ -45,7 +44,7 @@ def write_model_dir(out: Path, *, layers: int = LAYERS) -> Path:
     from model.checkpoint.tokenizer_builder import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    spec = TinySpec(num_hidden_layers=layers, dense_layers=DENSE_LAYERS, num_nextn_predict_layers=1, **REAL_DIMS)
+    spec = TinySpec(num_hidden_layers=layers, dense_layers=DENSE_LAYERS, num_nextn_predict_layers=1)  # the release
     write_model_files(out, spec, build_tokenizer(), dtype="bfloat16")
     return out
 

@@ -19,7 +19,10 @@ _MLA_SPELLINGS = {"deepseek_sparse_attention", "indexed_attention", "full_attent
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class Dimensions:
+    """GLM-5.3-Flash's sizes and constants, listed once: a checkpoint's `ModelConfig` reads them, make-tiny's
+    `TinySpec` writes them (model/checkpoint/spec.py). The defaults are the release's (docs/reference.md §1)."""
+
     vocab_size: int = 154880
     hidden_size: int = 4096
     intermediate_size: int = 12288
@@ -42,8 +45,7 @@ class ModelConfig:
     index_topk: int = 2048
     index_head_dim: int = 128
     index_n_heads: int = 32
-    index_kpool: int = 16
-    index_kpool_always_select_tail: bool = True
+    index_kpool: int = 4
     linear_num_heads: int = 64
     linear_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
@@ -53,6 +55,20 @@ class ModelConfig:
     hc_sinkhorn_iters: int = 20
     max_position_embeddings: int = 1048576
     num_nextn_predict_layers: int = 1
+    qk_rope_head_dim: int = 0  # NoPE, as released
+
+    def __post_init__(self) -> None:
+        if self.qk_rope_head_dim != 0:
+            raise ValueError("GLM-5.3-Flash MLA is NoPE: qk_rope_head_dim must be 0")
+
+
+# Where transformers' glm5_next class defaults differ from the release: what a config.json without the key means.
+_HF_DEFAULTS = {"index_kpool": 16}
+
+
+@dataclass(frozen=True)
+class ModelConfig(Dimensions):
+    index_kpool_always_select_tail: bool = True
     pad_token_id: int | None = 154820
     eos_token_id: tuple[int, ...] = ()
     layer_types: tuple[str, ...] = field(default_factory=tuple)
@@ -60,6 +76,7 @@ class ModelConfig:
     indexer_types: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         n = self.num_hidden_layers
         for name in ("layer_types", "mlp_layer_types", "indexer_types"):
             if len(getattr(self, name)) != n:
@@ -103,6 +120,8 @@ class ModelConfig:
         for name in cls.__dataclass_fields__:
             if name in text and name not in ("layer_types", "mlp_layer_types", "indexer_types", "eos_token_id"):
                 kw[name] = text[name]
+        for name, value in _HF_DEFAULTS.items():
+            kw.setdefault(name, value)
         lin = text.get("linear_attn_config") or {}
         for src, dst in (("head_dim", "linear_head_dim"), ("num_heads", "linear_num_heads"),
                          ("short_conv_kernel_size", "linear_conv_kernel_dim"), ("gate_lower_bound", "linear_lower_bound")):

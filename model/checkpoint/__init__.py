@@ -69,7 +69,7 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
     torch_dtype = DTYPES[dtype]
     recipe = exl3_recipe(exl3_bits, exl3_codebook) if format == "exl3" else None
     # Validate the options (TinySpec and the bit plan raise ValueError) before touching the output folder.
-    spec = TinySpec(num_hidden_layers=layers, n_routed_experts=experts, index_topk=index_topk,
+    spec = TinySpec.tiny(num_hidden_layers=layers, n_routed_experts=experts, index_topk=index_topk,
                     layer_pattern=layer_pattern or "", indexer_pattern=indexer_pattern or "",
                     **{**(EXL3_DIMS if recipe is not None else {}), **PRESETS[preset]})
     tok = build_tokenizer()

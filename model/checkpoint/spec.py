@@ -1,16 +1,15 @@
 """The shape of a tiny GLM-5.3-Flash: every dimension and per-layer schedule `make-tiny` writes.
 
-One frozen dataclass so the config writer and the weight generator can never disagree about a size. Defaults are
-the real architecture shrunk until a forward pass takes milliseconds on a CPU, while keeping every head count and
-intermediate size divisible by 4 so tensor-parallel splits up to 4 ranks still work.
+One frozen dataclass so the config writer and the weight generator can never disagree about a size; the model's own
+fields are model.config.Dimensions', listed once there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KDA = "linear_attention"
-MLA = "deepseek_sparse_attention"  # release spelling; transformers' save_pretrained writes "indexed_attention"
+from model.config import KDA, MLA, Dimensions
+
 TP_MAX = 4  # the widest tensor-parallel split the tiny model must still divide evenly into
 
 
@@ -19,41 +18,21 @@ def default_layer_pattern(layers: int) -> str:
     return "".join("M" if i % 4 == 3 else "K" for i in range(layers))
 
 
+# The tiny model's sizes: the release's (model.config.Dimensions) shrunk until a forward pass takes milliseconds on a
+# CPU, every head count and intermediate size still divisible by TP_MAX.
+TINY: dict[str, object] = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8, num_attention_heads=4,
+    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+    linear_num_heads=4, linear_head_dim=16,
+    index_n_heads=16,  # many heads make an all-ReLU-zero (tied) pool score rare: 2^-16 per pool
+    index_head_dim=16, index_topk=64, vocab_size=0)  # vocab: derived from the tokenizer at build time
+
+
 @dataclass(frozen=True)
-class TinySpec:
-    # text model
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    moe_intermediate_size: int = 32
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 4
-    q_lora_rank: int = 32
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 0  # NoPE, as released
-    v_head_dim: int = 16
-    n_routed_experts: int = 8
-    num_experts_per_tok: int = 2
-    n_shared_experts: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 2.5
-    swiglu_limit: float = 10.0
-    rms_norm_eps: float = 1e-5
-    linear_num_heads: int = 4
-    linear_head_dim: int = 16
-    linear_conv_kernel_dim: int = 4
-    linear_lower_bound: float = -5.0
-    index_n_heads: int = 16  # many heads make an all-ReLU-zero (tied) pool score rare: 2^-16 per pool
-    index_head_dim: int = 16
-    index_kpool: int = 4
-    index_topk: int = 64
-    hc_mult: int = 4
-    hc_eps: float = 1e-6
-    hc_sinkhorn_iters: int = 20
-    num_nextn_predict_layers: int = 1
-    max_position_embeddings: int = 1048576
+class TinySpec(Dimensions):
+    """A checkpoint to write: the model's dimensions (the release's unless given; `TinySpec.tiny` starts from the tiny
+    model's) and what only the writer needs."""
+
     dense_layers: int = 1  # leading layers with a dense FFN (the release: 3); the rest are MoE
     # std of the embedding rows; larger = a calmer model (each block's update small beside the residual, presets.py)
     embed_std: float = 1.0
@@ -70,13 +49,17 @@ class TinySpec:
     vision_spatial_merge_size: int = 2
     vision_temporal_patch_size: int = 2
     vision_in_channels: int = 3
-    # derived from the tokenizer at build time; 0 until then
-    vocab_size: int = 0
     layer_types: tuple[str, ...] = field(init=False)
     indexer_types: tuple[str, ...] = field(init=False)
     mlp_layer_types: tuple[str, ...] = field(init=False)
 
+    @classmethod
+    def tiny(cls, **overrides: object) -> "TinySpec":
+        """The tiny model (make-tiny's default), with `overrides`."""
+        return cls(**{**TINY, **overrides})
+
     def __post_init__(self) -> None:
+        super().__post_init__()
         n = self.num_hidden_layers
         if n < 1:
             raise ValueError(f"need at least 1 layer, got {n}")
@@ -114,8 +97,6 @@ class TinySpec:
                      "moe_intermediate_size", "hidden_size"):
             if getattr(self, name) % TP_MAX:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be divisible by {TP_MAX} for tensor parallelism")
-        if self.qk_rope_head_dim != 0:
-            raise ValueError("GLM-5.3-Flash MLA is NoPE: qk_rope_head_dim must be 0")
 
     @property
     def mtp_layer_index(self) -> int:

@@ -62,7 +62,7 @@ def write_wide_tiny(out: Path, *, seed: int = 0, dtype: str = "bfloat16", embed_
     """`write_tiny` with TinySpec dimensions replaced (WIDE + overrides) and optionally scaled embeddings."""
     torch_dtype = DTYPES[dtype]
     tok = build_tokenizer()
-    spec = TinySpec(**{**WIDE, **overrides})
+    spec = TinySpec.tiny(**{**WIDE, **overrides})
     spec = dataclasses.replace(spec, vocab_size=round_up(tok.get_vocab_size(), VOCAB_MULTIPLE))
     out.mkdir(parents=True, exist_ok=True)
     write_model_files(out, spec, tok, dtype=dtype)

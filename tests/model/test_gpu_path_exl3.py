@@ -3,13 +3,12 @@ grouped EXL3 kernels of kernels/gpu, in Triton's CPU interpreter) against the to
 the same experts dequantized at load: the same logits within float32 rounding, and a decode row's logits the same
 bits alone and packed with other rows.
 
-On the CPU the loader hands the model dense experts (packing is for CUDA), so `_PackedReader` — test-only — claims a
+On the CPU the loader hands the model dense experts (packing is for CUDA), so `PackedReader`
+(tests/model/packed_reader.py) — test-only — claims a
 CUDA device to the MoE layers while reading the shards on the CPU, which is what the interpreter computes on.
 On a GPU, tests/gpu/test_exl3_kernels.py runs the EXL3 model at real dims instead."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,18 +24,10 @@ from model.model import Glm5Model  # noqa: E402
 from model.parallel import Sharding  # noqa: E402
 from model.checkpoint import make_tiny  # noqa: E402
 from model.weights import TEXT_PREFIX, WeightReader  # noqa: E402
+from tests.model.packed_reader import PackedReader  # noqa: E402
 from tests.model.reference import CAP, clone_cache, fresh_cache, random_ids, step  # noqa: E402
 
 
-class _PackedReader:
-    """A CPU WeightReader that tells the MoE layers it is on CUDA, so they keep their EXL3 experts packed."""
-
-    def __init__(self, reader: WeightReader) -> None:
-        self._reader = reader
-        self.device = SimpleNamespace(type="cuda")
-
-    def __getattr__(self, name: str):
-        return getattr(self._reader, name)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +41,7 @@ def models(tmp_path_factory) -> tuple[Glm5Model, Glm5Model]:
     swapped = 0
     for i, layer in enumerate(packed.layers):
         if isinstance(layer.ffn, Moe):
-            layer.ffn = Moe(packed.cfg, _PackedReader(reader), f"{TEXT_PREFIX}layers.{i}.")
+            layer.ffn = Moe(packed.cfg, PackedReader(reader), f"{TEXT_PREFIX}layers.{i}.")
             assert layer.ffn.packed and layer.ffn.gate[0].fmt is Fmt.EXL3 and layer.ffn.shared_apart is None
             swapped += 1
     reader.close()

@@ -4,12 +4,11 @@ ops with each projection kept in its stored format, against the same fused ops o
 load. The GEMM dequantizes a tile exactly as the reference codec does (kernels/gpu/wtiles.py), so the two must agree
 bit for bit: the format changes the bytes read, never the arithmetic. Run in Triton's CPU interpreter.
 
-On the CPU the loader hands the model dense weights (packing is for CUDA), so `_PackedReader` — test-only — claims a
+On the CPU the loader hands the model dense weights (packing is for CUDA), so `PackedReader`
+(tests/model/packed_reader.py) — test-only — claims a
 CUDA device to the loader while reading on the CPU, which is what the interpreter computes on."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,18 +26,10 @@ from model.parallel import Collective, Sharding  # noqa: E402
 from model.quantize.convert import quantize_checkpoint  # noqa: E402
 from model.quantize.select import Recipe  # noqa: E402
 from model.weights import WeightReader  # noqa: E402
+from tests.model.packed_reader import PackedReader  # noqa: E402
 from tests.model.reference import CAP, fresh_cache, random_ids, step  # noqa: E402
 
 
-class _PackedReader:
-    """A CPU WeightReader that tells the loader it is on CUDA, so quantized linears stay packed."""
-
-    def __init__(self, reader: WeightReader) -> None:
-        self._reader = reader
-        self.device = SimpleNamespace(type="cuda")
-
-    def __getattr__(self, name: str):
-        return getattr(self._reader, name)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +44,7 @@ def models(tmp_path_factory) -> tuple[Glm5Model, Glm5Model]:
     dense = Glm5Model.load(path, sharding=sharding, dtype=torch.float32, progress=False, load_mtp=False)
     reader = WeightReader(path, sharding, torch.float32, torch.device("cpu"), progress=False)
     try:
-        packed = Glm5Model(ModelConfig.from_pretrained(path), _PackedReader(reader), Collective(sharding),
+        packed = Glm5Model(ModelConfig.from_pretrained(path), PackedReader(reader), Collective(sharding),
                            load_mtp=False)
     finally:
         reader.close()

@@ -66,7 +66,7 @@ def _tensors(spec: TinySpec) -> list[tuple[str, tuple[int, ...]]]:
 
 @pytest.mark.parametrize("fmt", ["fp8", "w4a16"])
 def test_the_block_comes_from_the_shard_plan(fmt):
-    tiny = _tensors(TinySpec(vocab_size=1088))
+    tiny = _tensors(TinySpec.tiny(vocab_size=1088))
     assert auto_block(Recipe(fmt, fmt), tiny) == 8  # 32 expert channels / 4 shards
     assert auto_block(Recipe(fmt, fmt, virtual=1), tiny) == 32  # unsplit, the 32-wide linears set it
     real = [(t.key, t.shape) for t in all_tensors(bench_spec(layers=4))]
