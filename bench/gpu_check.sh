@@ -8,6 +8,9 @@
 #   bash bench/gpu_check.sh whole [LAYERS] [TP] [FORMATS]
 #                                      # only bench/whole_model.py: the release config (45 layers + MTP by
 #                                      # default) served on random quantized weights (default w4a16+bf16)
+#   bash bench/gpu_check.sh profile [LAYERS] [FORMAT]
+#                                      # the whole-model bench at batch 1 (default 22 layers, w4a16+fp8) with the
+#                                      # rank profiler over rounds 401-440, then bench/trace_gaps.py on its trace
 #   bash bench/gpu_check.sh long [LENGTHS]
 #                                      # only bench/long_context.py (default 8k, 64k, 256k, 1M tokens)
 #   bash bench/gpu_check.sh kernels [SECTIONS]
@@ -42,6 +45,16 @@ fi
 if [ "${1:-}" = "kernels" ]; then
     python3 -m bench.kernels --only "${2:-moe,moesweep,invariance}" --out "$OUT" > "$OUT/kernels.log" 2>&1
     grep -E "best|^.{11}moe (bf16|w4a16)|invariance" "$OUT/kernels.log" | tail -40
+    exit 0
+fi
+if [ "${1:-}" = "profile" ]; then
+    python3 -m bench.whole_model --write-dir /tmp/whole-model-config --layers "${2:-22}" > /dev/null
+    TWINSPARK_TORCH_PROFILER_DIR="$OUT/prof" TWINSPARK_PROFILE_ROUNDS=400:40 python3 -m bench.whole_model \
+        --model /tmp/whole-model-config --tp 1 --formats "${3:-w4a16+fp8}" --concurrency 1 --out "$OUT" \
+        > "$OUT/whole_model.log" 2>&1
+    tail -4 "$OUT/whole_model.log"
+    python3 -m bench.trace_gaps "$OUT/prof/rank0-rounds.json" --out "$OUT/trace.md" | head -30
+    xz -T4 "$OUT/prof/rank0-rounds.json"  # ~90 MB of JSON; the .xz is ~2 MB
     exit 0
 fi
 if [ "${1:-}" = "whole" ]; then

@@ -226,9 +226,10 @@ def moe_sweep(bw: float, mm: float, formats: dict) -> list[dict]:
     schedule's, max |diff|: 0 means the tile changes no bits), then prompt tiles at 8,192 tokens (bf16)."""
     from kernels.gpu import gemm, moe
     rows = []
+    from kernels.gpu.wtiles import WeightArgs, dense
     current = moe.moe_schedule(gemm.RowClass.DECODE)
     for fmt, weights in formats.items():
-        gate, up, down = weights[:3]
+        gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in weights[:3])
         per_expert = expert_bytes(weights)
         for t in (1, 8):
             sets = routed_inputs(t, weights, 8)
@@ -255,7 +256,7 @@ def moe_sweep(bw: float, mm: float, formats: dict) -> list[dict]:
             best = sorted((r for r in rows if r["format"] == fmt and r["tokens"] == t), key=lambda r: r["ms"])[:3]
             for r in best:
                 log(f"moe sweep best {fmt} t={t}: {r['ms'] * 1e3:8.1f} us {r['roofline']:6.1%} {r['tile']}")
-    gate, up, down = formats["bf16"][:3]
+    gate, up, down = (dense(w) for w in formats["bf16"][:3])
     x = torch.randn(8192, D, device="cuda", dtype=BF16)
     ids, rw = route_rows(x, formats["bf16"], 0)
     flops = 2 * 8192 * (TOPK + 1) * 3 * MOE_I * D
@@ -414,7 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
-    p.add_argument("--only", default="", help="comma list of sections: gemm,sweep,moe,moesweep,kda,mla,mhc,invariance,fla")
+    p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, exl3inv, sweep, "
+                   "moe, moesweep, kda, mla, mhc, invariance, fla (formats / formatsweep / exl3inv: "
+                   "bench/kernels_formats.py — every weight format against exllamav3's EXL3 kernel, decode tiles per "
+                   "format, exllamav3's row invariance)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA GPU", file=sys.stderr)
@@ -431,6 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         if want("gemm"):
             data["rows"] += gemm_rows(bw, mm)
+        if want("formats"):
+            from bench.kernels_formats import format_rows
+            data["rows"] += format_rows(bw, log)
+        if want("formatsweep"):
+            from bench.kernels_formats import format_sweep
+            data["rows"] += format_sweep(bw, mm, log)
+        if want("exl3inv"):
+            from bench.kernels_formats import exllamav3_invariance
+            data["checks"] += exllamav3_invariance(log)
         if want("invariance"):
             data["checks"] += gemm_invariance()
         if want("moe") or want("invariance") or want("moesweep"):

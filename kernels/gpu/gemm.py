@@ -52,17 +52,24 @@ class Tile:
 def schedule(n: int, k: int, rows: RowClass) -> Tile:
     """The tile schedule for a weight of N outputs and K inputs (pure function of the shape and the row class).
 
-    Chosen by bench/kernels.py's sweep on an H200 (bench/results/kernels-20261130-235732.*): prompt rows reach
-    70-78% of the bf16 peak with 128x256 tiles; decode rows are bandwidth-bound, so their K is split until about
-    256 programs stream the weight, keeping at least 8 K steps per split (shorter splits measured 6x slower)."""
+    Chosen by bench/kernels.py's sweeps on an H200 (bench/results/kernels-20261130-235732.*,
+    kernels-20261202-*): prompt rows reach 70-78% of the bf16 peak with 128x256 tiles; decode rows are
+    bandwidth-bound, so their K is split until about 256 programs stream the weight, keeping at least 8 K steps
+    per split (shorter splits measured 6x slower). Decode tiles are 16 rows x 128 outputs for every format
+    (bench/results/kernels-20261202-122147.*: 16 tiles at one row): the best for fp8 and W4A16, and for bf16
+    within 17% of its best (16x32, which W4A16 runs 45% slower) — a 4096x12288 product at one row in bf16
+    29.8 us (80% of the HBM roofline; 32.4 us with the 64x64 tile used before), fp8 19.0 us (63%; 40.8 us
+    before), W4A16 32.5 us (40.9 us before). One tile for every format keeps a quantized product the dense
+    product of its dequantized weight (bit for bit in the interpreter; on a GPU within fp32 rounding, see
+    tests/kernels/test_gpu_gemm.py)."""
     if rows is RowClass.PREFILL:
         return Tile(block_m=128, block_n=256, block_k=64, split_k=1, warps=8, stages=3)
-    block_n, block_k = 64, 128
+    block_n, block_k = 128, 128
     tiles = triton.cdiv(n, block_n)
     split = 1
     while tiles * split < _DECODE_PROGRAMS and k % (2 * split * block_k) == 0 and k // (2 * split) >= 8 * block_k:
         split *= 2
-    return Tile(block_m=64, block_n=block_n, block_k=block_k, split_k=split, warps=4, stages=3)
+    return Tile(block_m=16, block_n=block_n, block_k=block_k, split_k=split, warps=4, stages=4)
 
 
 @triton.jit(do_not_specialize=["M"])

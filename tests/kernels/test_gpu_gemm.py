@@ -119,10 +119,21 @@ def _int4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32), s, q
 
 
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit off the GPU (the interpreter), within fp32 rounding on it (see the test below)."""
+    if DEVICE == "cuda":
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    else:
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
-def test_quantized_weights_equal_their_dequantized_twin_bit_for_bit(rows: int) -> None:
+def test_quantized_weights_equal_their_dequantized_twin(rows: int) -> None:
     """fp8 (block and channel scales) and int4 weights: the same schedule over the dequantized tiles, so the product
-    equals the dense GEMM of the twin's dequantized weight exactly."""
+    equals the dense GEMM of the twin's dequantized weight — bit for bit in Triton's interpreter; on a GPU within
+    fp32 rounding, since the compiler may lower a dot whose weight tile was built in registers to other tensor-core
+    instructions than one whose tile was loaded (seen on the H200 with the 16-row decode tile). Row invariance,
+    the exactness that matters, is exact on both (test_row_alone_equals_row_in_company)."""
     from kernels.gpu import wtiles
     n, k = 256, 512
     w = randn(n, k, seed=20, scale=0.05).float().cpu()
@@ -131,15 +142,15 @@ def test_quantized_weights_equal_their_dequantized_twin_bit_for_bit(rows: int) -
     fp8 = wtiles.quantized("fp8", {"weight": q8.to(DEVICE), "weight_scale_inv": s8.to(DEVICE)},
                            {"block": (128, 128)})
     deq8 = (q8.float() * s8.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(HALF).to(DEVICE)
-    assert torch.equal(gemm.matmul(x, fp8, rows, torch.float32), gemm.matmul(x, deq8, rows, torch.float32))
+    _same(gemm.matmul(x, fp8, rows, torch.float32), gemm.matmul(x, deq8, rows, torch.float32))
     cs = (w.abs().amax(1, keepdim=True) / 448)
     qc = (w / cs).to(torch.float8_e4m3fn)
     chan = wtiles.quantized("fp8", {"weight": qc.to(DEVICE), "weight_scale": cs.to(DEVICE)}, {"block": None})
-    assert torch.equal(gemm.matmul(x, chan, rows, torch.float32),
-                       gemm.matmul(x, (qc.float() * cs).to(HALF).to(DEVICE), rows, torch.float32))
+    _same(gemm.matmul(x, chan, rows, torch.float32),
+          gemm.matmul(x, (qc.float() * cs).to(HALF).to(DEVICE), rows, torch.float32))
     words, s4, q4 = _int4(w)
     int4 = wtiles.quantized("w4a16", {"weight_packed": words.to(DEVICE), "weight_scale": s4.to(DEVICE)},
                             {"group": 128})
     deq4 = (q4.float() * s4.float().repeat_interleave(128, 1)).to(HALF).to(DEVICE)
-    assert torch.equal(gemm.matmul(x, int4, rows, torch.float32), gemm.matmul(x, deq4, rows, torch.float32))
+    _same(gemm.matmul(x, int4, rows, torch.float32), gemm.matmul(x, deq4, rows, torch.float32))
 

@@ -1,0 +1,184 @@
+"""One product per weight format at the model's decode shapes: twinspark's fixed-schedule GEMM on bf16, fp8, W4A16
+and EXL3 weights, and exllamav3's own EXL3 kernel on the same EXL3 tensors, rows 1 / 8 / 32 / 256, in one run
+(bench.kernels' `formats` section).
+
+Each timing is the median per call of a CUDA graph that runs the product over several copies of the weight in turn
+(their bytes together exceed the H200's 50 MB L2, so every call streams its weight from HBM, as a model's layers
+do). The roofline is the stored bytes (values + scales) over the HBM bandwidth measured in the same run.
+exllamav3's kernel is called through its LinearEXL3 module (what its models run), on the trellis, suh and svh that
+twinspark's kernels read: the same bytes, so the ratio compares decoders, not files.
+
+Also here: `formatsweep`, the decode tiles per format (what chose gemm.schedule's decode tile), and `exl3inv`,
+whether exllamav3's kernel keeps a row's bits alone and among 2..256 rows (the condition for the engine to call it).
+
+    python -m bench.kernels --only formats,formatsweep,exl3inv --out $OUT
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+BF16 = torch.bfloat16
+# (name, N, K): KDA's fused q|k|v-like product, the MoE's gate|up and down of one expert, a dense down
+SHAPES = [("4096x12288", 12288, 4096), ("moe gate|up", 2 * 2048, 4096), ("moe down", 4096, 2048),
+          ("dense down", 4096, 12288)]
+ROWS = (1, 8, 32, 256)
+EXL3_BITS = (2.5, 3.0, 4.0)
+L2_BYTES = 200 << 20  # copies of a weight until their bytes pass this (four times the L2)
+
+
+def _bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values() if t.dim() > 0)
+
+
+def _weights(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], dict]:
+    """One random weight's stored tensors and parameters, drawn on the GPU."""
+    from kernels.quant import exl3, fp8, w4a16
+    kw = dict(std=0.02, generator=gen, device="cuda")
+    if fmt == "bf16":
+        return {"weight": (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(BF16)}, {}
+    if fmt == "fp8":
+        return fp8.random_linear(n, k, **kw), {"block": fp8.DEFAULT_BLOCK}
+    if fmt == "w4a16":
+        return w4a16.random_linear(n, k, **kw), {"group": w4a16.DEFAULT_GROUP}
+    bits = float(fmt.split(":")[1])
+    t = exl3.random_linear(n, k, bits=bits, **kw)
+    return {name: v.cuda() for name, v in t.items()}, {"codebook": "mul1"}
+
+
+def _ours(fmt: str, tensors: dict[str, torch.Tensor], params: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+    from kernels.gpu import gemm, wtiles
+    w = tensors["weight"] if fmt == "bf16" else wtiles.quantized(fmt.split(":")[0], tensors, params)
+    return lambda x: gemm.matmul(x, w, x.shape[0])
+
+
+def _exllamav3(tensors: dict[str, torch.Tensor], n: int, k: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """exllamav3's EXL3 linear over the same tensors (None when exllamav3 is not installed)."""
+    try:
+        from exllamav3.modules.quant.exl3 import LinearEXL3
+    except ImportError:
+        return None
+    lin = LinearEXL3(None, k, n, suh=tensors["suh"], svh=tensors["svh"], trellis=tensors["trellis"],
+                     mul1=tensors["mul1"], out_dtype=torch.half)
+    return lambda x: lin.forward(x, {})
+
+
+def _time(fns: list[Callable[[], object]]) -> float:
+    from bench.kernels import graph_ms
+    return graph_ms(fns)
+
+
+def format_rows(bw: float, log: Callable[[str], None]) -> list[dict]:
+    rows: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    formats = ["bf16", "fp8", "w4a16", *(f"exl3:{b}" for b in EXL3_BITS)]
+    for name, n, k in SHAPES:
+        for fmt in formats:
+            first, params = _weights(fmt, n, k, gen)
+            nbytes = _bytes(first)
+            copies = [first] + [_weights(fmt, n, k, gen)[0] for _ in range(max(1, math.ceil(L2_BYTES / nbytes)) - 1)]
+            ours = [_ours(fmt, t, params) for t in copies]
+            peer = [_exllamav3(t, n, k) for t in copies] if fmt.startswith("exl3") else []
+            for m in ROWS:
+                x = torch.randn(m, k, device="cuda", dtype=BF16)
+                ideal_us = nbytes / bw * 1e6
+                ms = _time([lambda f=f: f(x) for f in ours])
+                row = dict(kernel="format_gemm", shape=name, n=n, k=k, format=fmt, rows=m, weight_bytes=nbytes,
+                           us=ms * 1e3, roofline=ideal_us / (ms * 1e3))
+                msg = (f"formats {name:12s} {fmt:8s} rows={m:4d}: {ms * 1e3:8.1f} us, {ideal_us / (ms * 1e3):6.1%} "
+                       f"of roofline")
+                if peer and peer[0] is not None:
+                    xh = x.half()
+                    try:
+                        pms = _time([lambda f=f: f(xh) for f in peer])
+                        row.update(exllamav3_us=pms * 1e3, ratio=ms / pms)
+                        msg += f"; exllamav3 {pms * 1e3:8.1f} us, ours / theirs {ms / pms:5.2f}"
+                    except Exception as e:  # noqa: BLE001 - report and go on: the other rows still count
+                        row.update(exllamav3_error=repr(e)[:200])
+                        msg += f"; exllamav3 failed: {e!r}"[:160]
+                log(msg)
+                rows.append(row)
+            del copies, ours, peer
+            torch.cuda.empty_cache()
+    return rows
+
+
+# Decode-class GEMM candidates (block_m, block_n, block_k, warps, stages) for the quantized formats' sweep
+_SWEEP_TILES = [(bm, bn, bk, w, 4) for bm in (16, 64) for bn, bk in ((64, 128), (128, 128), (32, 128), (64, 64))
+                for w in (4, 8)]
+_SWEEP_SHAPES = [("4096x12288", 12288, 4096), ("dense down", 4096, 12288)]
+
+
+def _split(n: int, k: int, block_n: int, block_k: int) -> int:
+    """gemm.schedule's decode split rule for another tile width."""
+    from kernels.gpu import gemm
+    tiles, split = -(-n // block_n), 1
+    while tiles * split < gemm._DECODE_PROGRAMS and k % (2 * split * block_k) == 0 and k // (2 * split) >= 8 * block_k:
+        split *= 2
+    return split
+
+
+def format_sweep(bw: float, mm: float, log: Callable[[str], None]) -> list[dict]:
+    """Decode-class tiles of the GEMM on fp8, W4A16 and EXL3 weights at 1 row, then the best five at 32 rows (what
+    chose gemm.schedule's quantized decode tile); then the grouped MoE's decode tiles (bench.kernels' moe sweep)."""
+    from bench import kernels as kb
+    from kernels.gpu import gemm, wtiles
+    rows: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for fmt in ("bf16", "fp8", "w4a16", "exl3:3.0"):
+        for name, n, k in _SWEEP_SHAPES:
+            first, params = _weights(fmt, n, k, gen)
+            nbytes = _bytes(first)
+            copies = [first] + [_weights(fmt, n, k, gen)[0] for _ in range(math.ceil(L2_BYTES / nbytes) - 1)]
+            args = [wtiles.dense(t["weight"]) if fmt == "bf16" else wtiles.quantized(fmt.split(":")[0], t, params)
+                    for t in copies]
+            found: list[dict] = []
+            for m in (1, 32):
+                x = torch.randn(1, m, k, device="cuda", dtype=BF16)
+                out = torch.empty(1, m, n, device="cuda", dtype=torch.float32)
+                cands = _SWEEP_TILES if m == 1 else [tuple(r["tile"][f] for f in ("block_m", "block_n", "block_k",
+                                                                                    "warps", "stages"))
+                                                     for r in found[:5]]
+                for bm, bn, bk, w, st in cands:
+                    tile = gemm.Tile(bm, bn, bk, _split(n, k, bn, bk), w, st)
+                    try:
+                        ms = _time([lambda a=a: gemm._launch(x, a, out, tile) for a in args])
+                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                        log(f"formatsweep {fmt} {name} rows={m} {tile}: {type(e).__name__}")
+                        continue
+                    r = dict(kernel="format_gemm_sweep", format=fmt, shape=name, rows=m, tile=tile.__dict__,
+                             us=ms * 1e3, roofline=nbytes / bw / (ms / 1e3))
+                    rows.append(r)
+                    log(f"formatsweep {fmt} {name} rows={m} {bm}x{bn}x{bk} split {tile.split_k} w{w}: "
+                        f"{ms * 1e3:7.1f} us {r['roofline']:6.1%}")
+                if m == 1:
+                    found = sorted((r for r in rows if r["format"] == fmt and r["shape"] == name), key=lambda r: r["us"])
+                    for r in found[:5]:
+                        log(f"formatsweep best {fmt} {name}: {r['us']:7.1f} us {r['roofline']:6.1%} {r['tile']}")
+            del copies, args
+            torch.cuda.empty_cache()
+    weights = kb.moe_setup()
+    rows += kb.moe_sweep(bw, mm, {"bf16": weights, "w4a16": kb.moe_w4a16(weights)})
+    return rows
+
+
+def exllamav3_invariance(log: Callable[[str], None]) -> list[dict]:
+    """Whether exllamav3's EXL3 kernel gives a row the same bits alone as among 2..256 rows (what twinspark's
+    exactness rules ask of a kernel before the engine may use it)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    out = []
+    for name, n, k in SHAPES[:3]:
+        for bits in (3.0, 4.0):
+            t, _ = _weights(f"exl3:{bits}", n, k, gen)
+            f = _exllamav3(t, n, k)
+            if f is None:
+                return out
+            crowd = torch.randn(256, k, device="cuda", dtype=torch.half)
+            alone = f(crowd[:1].contiguous())
+            worst = {m: float((f(crowd[:m].contiguous())[:1] - alone).abs().max()) for m in (2, 8, 16, 17, 33, 144, 145, 256)}
+            out.append(dict(check="exllamav3 row alone vs m rows", shape=name, bits=bits, max_abs_diff=worst))
+            log(f"exllamav3 invariance {name} {bits} bpw: max |diff| by rows {worst}")
+    return out
