@@ -225,8 +225,8 @@ def moe_sweep(bw: float, mm: float, formats: dict) -> list[dict]:
     rows per format (in a CUDA graph, cycling routed batches; each tile's output is compared with the current
     schedule's, max |diff|: 0 means the tile changes no bits), then prompt tiles at 8,192 tokens (bf16)."""
     from kernels.gpu import gemm, moe
-    rows = []
     from kernels.gpu.wtiles import WeightArgs, dense
+    rows = []
     current = moe.moe_schedule(gemm.RowClass.DECODE)
     for fmt, weights in formats.items():
         gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in weights[:3])

@@ -49,10 +49,20 @@ def _weights(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[dict[str, 
     return {name: v.cuda() for name, v in t.items()}, {"codebook": "mul1"}
 
 
-def _ours(fmt: str, tensors: dict[str, torch.Tensor], params: dict) -> Callable[[torch.Tensor], torch.Tensor]:
-    from kernels.gpu import gemm, wtiles
-    w = tensors["weight"] if fmt == "bf16" else wtiles.quantized(fmt.split(":")[0], tensors, params)
-    return lambda x: gemm.matmul(x, w, x.shape[0])
+def _weight_args(fmt: str, tensors: dict[str, torch.Tensor], params: dict):
+    """What twinspark's kernels read of one weight (kernels.gpu.wtiles.WeightArgs)."""
+    from kernels.gpu import wtiles
+    if fmt == "bf16":
+        return wtiles.dense(tensors["weight"])
+    return wtiles.quantized(fmt.split(":")[0], tensors, params)
+
+
+def _copies(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[list[dict[str, torch.Tensor]], dict, int]:
+    """Random weights of one format, enough copies that their bytes pass L2_BYTES: (copies, parameters, bytes of
+    one copy)."""
+    first, params = _weights(fmt, n, k, gen)
+    nbytes = _bytes(first)
+    return [first] + [_weights(fmt, n, k, gen)[0] for _ in range(math.ceil(L2_BYTES / nbytes) - 1)], params, nbytes
 
 
 def _exllamav3(tensors: dict[str, torch.Tensor], n: int, k: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -66,26 +76,21 @@ def _exllamav3(tensors: dict[str, torch.Tensor], n: int, k: int) -> Callable[[to
     return lambda x: lin.forward(x, {})
 
 
-def _time(fns: list[Callable[[], object]]) -> float:
-    from bench.kernels import graph_ms
-    return graph_ms(fns)
-
-
 def format_rows(bw: float, log: Callable[[str], None]) -> list[dict]:
+    from bench.kernels import graph_ms
+    from kernels.gpu import gemm
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     formats = ["bf16", "fp8", "w4a16", *(f"exl3:{b}" for b in EXL3_BITS)]
     for name, n, k in SHAPES:
         for fmt in formats:
-            first, params = _weights(fmt, n, k, gen)
-            nbytes = _bytes(first)
-            copies = [first] + [_weights(fmt, n, k, gen)[0] for _ in range(max(1, math.ceil(L2_BYTES / nbytes)) - 1)]
-            ours = [_ours(fmt, t, params) for t in copies]
+            copies, params, nbytes = _copies(fmt, n, k, gen)
+            ours = [(lambda x, w=_weight_args(fmt, t, params): gemm.matmul(x, w, x.shape[0])) for t in copies]
             peer = [_exllamav3(t, n, k) for t in copies] if fmt.startswith("exl3") else []
             for m in ROWS:
                 x = torch.randn(m, k, device="cuda", dtype=BF16)
                 ideal_us = nbytes / bw * 1e6
-                ms = _time([lambda f=f: f(x) for f in ours])
+                ms = graph_ms([lambda f=f: f(x) for f in ours])
                 row = dict(kernel="format_gemm", shape=name, n=n, k=k, format=fmt, rows=m, weight_bytes=nbytes,
                            us=ms * 1e3, roofline=ideal_us / (ms * 1e3))
                 msg = (f"formats {name:12s} {fmt:8s} rows={m:4d}: {ms * 1e3:8.1f} us, {ideal_us / (ms * 1e3):6.1%} "
@@ -93,7 +98,7 @@ def format_rows(bw: float, log: Callable[[str], None]) -> list[dict]:
                 if peer and peer[0] is not None:
                     xh = x.half()
                     try:
-                        pms = _time([lambda f=f: f(xh) for f in peer])
+                        pms = graph_ms([lambda f=f: f(xh) for f in peer])
                         row.update(exllamav3_us=pms * 1e3, ratio=ms / pms)
                         msg += f"; exllamav3 {pms * 1e3:8.1f} us, ours / theirs {ms / pms:5.2f}"
                     except Exception as e:  # noqa: BLE001 - report and go on: the other rows still count
@@ -106,35 +111,23 @@ def format_rows(bw: float, log: Callable[[str], None]) -> list[dict]:
     return rows
 
 
-# Decode-class GEMM candidates (block_m, block_n, block_k, warps, stages) for the quantized formats' sweep
+# Decode-class GEMM candidates (block_m, block_n, block_k, warps, stages) for the formats' sweep
 _SWEEP_TILES = [(bm, bn, bk, w, 4) for bm in (16, 64) for bn, bk in ((64, 128), (128, 128), (32, 128), (64, 64))
                 for w in (4, 8)]
 _SWEEP_SHAPES = [("4096x12288", 12288, 4096), ("dense down", 4096, 12288)]
 
 
-def _split(n: int, k: int, block_n: int, block_k: int) -> int:
-    """gemm.schedule's decode split rule for another tile width."""
-    from kernels.gpu import gemm
-    tiles, split = -(-n // block_n), 1
-    while tiles * split < gemm._DECODE_PROGRAMS and k % (2 * split * block_k) == 0 and k // (2 * split) >= 8 * block_k:
-        split *= 2
-    return split
-
-
 def format_sweep(bw: float, mm: float, log: Callable[[str], None]) -> list[dict]:
-    """Decode-class tiles of the GEMM on fp8, W4A16 and EXL3 weights at 1 row, then the best five at 32 rows (what
-    chose gemm.schedule's quantized decode tile); then the grouped MoE's decode tiles (bench.kernels' moe sweep)."""
+    """Decode-class tiles of the GEMM on bf16, fp8, W4A16 and EXL3 weights at 1 row, then the best five at 32 rows
+    (what chose gemm.schedule's decode tile); then the grouped MoE's decode tiles (bench.kernels' moe sweep)."""
     from bench import kernels as kb
-    from kernels.gpu import gemm, wtiles
+    from kernels.gpu import gemm
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     for fmt in ("bf16", "fp8", "w4a16", "exl3:3.0"):
         for name, n, k in _SWEEP_SHAPES:
-            first, params = _weights(fmt, n, k, gen)
-            nbytes = _bytes(first)
-            copies = [first] + [_weights(fmt, n, k, gen)[0] for _ in range(math.ceil(L2_BYTES / nbytes) - 1)]
-            args = [wtiles.dense(t["weight"]) if fmt == "bf16" else wtiles.quantized(fmt.split(":")[0], t, params)
-                    for t in copies]
+            copies, params, nbytes = _copies(fmt, n, k, gen)
+            args = [_weight_args(fmt, t, params) for t in copies]
             found: list[dict] = []
             for m in (1, 32):
                 x = torch.randn(1, m, k, device="cuda", dtype=BF16)
@@ -143,9 +136,9 @@ def format_sweep(bw: float, mm: float, log: Callable[[str], None]) -> list[dict]
                                                                                     "warps", "stages"))
                                                      for r in found[:5]]
                 for bm, bn, bk, w, st in cands:
-                    tile = gemm.Tile(bm, bn, bk, _split(n, k, bn, bk), w, st)
+                    tile = gemm.Tile(bm, bn, bk, gemm.decode_split(n, k, bn, bk), w, st)
                     try:
-                        ms = _time([lambda a=a: gemm._launch(x, a, out, tile) for a in args])
+                        ms = kb.graph_ms([lambda a=a: gemm._launch(x, a, out, tile) for a in args])
                     except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                         log(f"formatsweep {fmt} {name} rows={m} {tile}: {type(e).__name__}")
                         continue
@@ -155,7 +148,8 @@ def format_sweep(bw: float, mm: float, log: Callable[[str], None]) -> list[dict]
                     log(f"formatsweep {fmt} {name} rows={m} {bm}x{bn}x{bk} split {tile.split_k} w{w}: "
                         f"{ms * 1e3:7.1f} us {r['roofline']:6.1%}")
                 if m == 1:
-                    found = sorted((r for r in rows if r["format"] == fmt and r["shape"] == name), key=lambda r: r["us"])
+                    found = sorted((r for r in rows if r["format"] == fmt and r["shape"] == name),
+                                   key=lambda r: r["us"])
                     for r in found[:5]:
                         log(f"formatsweep best {fmt} {name}: {r['us']:7.1f} us {r['roofline']:6.1%} {r['tile']}")
             del copies, args
@@ -178,7 +172,9 @@ def exllamav3_invariance(log: Callable[[str], None]) -> list[dict]:
                 return out
             crowd = torch.randn(256, k, device="cuda", dtype=torch.half)
             alone = f(crowd[:1].contiguous())
-            worst = {m: float((f(crowd[:m].contiguous())[:1] - alone).abs().max()) for m in (2, 8, 16, 17, 33, 144, 145, 256)}
+            # 144 / 145: exllamav3 reconstructs the weight and runs a dense GEMM above 144 rows
+            worst = {m: float((f(crowd[:m].contiguous())[:1] - alone).abs().max())
+                     for m in (2, 8, 16, 17, 33, 144, 145, 256)}
             out.append(dict(check="exllamav3 row alone vs m rows", shape=name, bits=bits, max_abs_diff=worst))
             log(f"exllamav3 invariance {name} {bits} bpw: max |diff| by rows {worst}")
     return out

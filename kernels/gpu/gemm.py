@@ -65,11 +65,18 @@ def schedule(n: int, k: int, rows: RowClass) -> Tile:
     if rows is RowClass.PREFILL:
         return Tile(block_m=128, block_n=256, block_k=64, split_k=1, warps=8, stages=3)
     block_n, block_k = 128, 128
+    return Tile(block_m=16, block_n=block_n, block_k=block_k, split_k=decode_split(n, k, block_n, block_k), warps=4,
+                stages=4)
+
+
+def decode_split(n: int, k: int, block_n: int, block_k: int) -> int:
+    """The decode schedule's K split for tiles of block_n x block_k: doubled until about _DECODE_PROGRAMS programs
+    stream the weight, while K divides evenly and each split keeps at least 8 K steps."""
     tiles = triton.cdiv(n, block_n)
     split = 1
     while tiles * split < _DECODE_PROGRAMS and k % (2 * split * block_k) == 0 and k // (2 * split) >= 8 * block_k:
         split *= 2
-    return Tile(block_m=16, block_n=block_n, block_k=block_k, split_k=split, warps=4, stages=4)
+    return split
 
 
 @triton.jit(do_not_specialize=["M"])
