@@ -13,6 +13,9 @@
 #                                      # rank profiler over rounds 401-440, then bench/trace_gaps.py on its trace
 #   bash bench/gpu_check.sh long [LENGTHS]
 #                                      # only bench/long_context.py (default 8k, 64k, 256k, 1M tokens)
+#   bash bench/gpu_check.sh longserved [BUDGET]
+#                                      # only bench/long_served.py: a 1,040,000-token prompt served beside a
+#                                      # decoding stream at the step budget (default 8192), then offline
 #   bash bench/gpu_check.sh kernels [SECTIONS]
 #                                      # only bench/kernels.py (default: the MoE in bf16 and W4A16, its tile
 #                                      # sweeps and the invariance checks: what chooses `moe_schedule`)
@@ -40,6 +43,11 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 if [ "${1:-}" = "long" ]; then
     python3 -m bench.long_context --out "$OUT" ${2:+--lengths "$2"} > "$OUT/long_context.log" 2>&1
     tail -12 "$OUT/long_context.log"
+    exit 0
+fi
+if [ "${1:-}" = "longserved" ]; then
+    python3 -m bench.long_served --out "$OUT" --budget "${2:-8192}" > "$OUT/long_served.log" 2>&1
+    tail -30 "$OUT/long_served.log"
     exit 0
 fi
 if [ "${1:-}" = "kernels" ]; then

@@ -141,11 +141,31 @@ def moe_w4a16(weights):
     return stack(MOE_I, D), stack(MOE_I, D), stack(D, MOE_I), router, bias
 
 
+def moe_exl3(weights, bits: float):
+    """The same MoE with EXL3 experts at `bits` per weight (mul1 codebook, random trellises drawn on the GPU as
+    bench/random_weights draws them); router and bias unchanged."""
+    from kernels.gpu import wtiles
+    from kernels.quant import exl3
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def stack(n: int, k: int):
+        t = exl3.random_linear((E + 1) * n, k, std=0.02, bits=bits, generator=gen, device="cuda")
+        trellis = t["trellis"].view(k // 16, E + 1, n // 16, -1).transpose(0, 1).contiguous()
+        return wtiles.quantized("exl3", {"trellis": trellis, "suh": t["suh"].expand(E + 1, k).contiguous(),
+                                         "svh": t["svh"].view(E + 1, n)}, {"codebook": "mul1"})
+    _, _, _, router, bias = weights
+    return stack(MOE_I, D), stack(MOE_I, D), stack(D, MOE_I), router, bias
+
+
 def expert_bytes(weights) -> float:
-    """Bytes one expert's three projections occupy (int4 words + fp16 scales, or bf16)."""
+    """Bytes one expert's three projections occupy (int4 words + fp16 scales, EXL3 trellis + sign vectors, or
+    bf16)."""
+    from kernels.gpu.wtiles import Fmt
     gate, up, down = weights[:3]
     if isinstance(gate, torch.Tensor):
         return 3 * MOE_I * D * 2
+    if gate.fmt is Fmt.EXL3:
+        return sum(w.data[0].numel() * 2 + (w.suh[0].numel() + w.svh[0].numel()) * 2 for w in (gate, up, down))
     return sum((w.data[0].numel() * w.data.element_size() + w.scale[0].numel() * w.scale.element_size())
                for w in (gate, up, down))
 
@@ -416,9 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
     p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, exl3inv, sweep, "
-                   "moe, moesweep, kda, mla, mhc, invariance, fla (formats / formatsweep / exl3inv: "
+                   "exl3pin, moe, moesweep, kda, mla, mhc, invariance, fla (formats / formatsweep / exl3inv / exl3pin: "
                    "bench/kernels_formats.py — every weight format against exllamav3's EXL3 kernel, decode tiles per "
-                   "format, exllamav3's row invariance)")
+                   "format, exllamav3's row invariance, and with its kernel choice pinned)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA GPU", file=sys.stderr)
@@ -444,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         if want("exl3inv"):
             from bench.kernels_formats import exllamav3_invariance
             data["checks"] += exllamav3_invariance(log)
+        if want("exl3pin"):
+            from bench.kernels_formats import exllamav3_forced
+            data["checks"] += exllamav3_forced(log)
         if want("invariance"):
             data["checks"] += gemm_invariance()
         if want("moe") or want("invariance") or want("moesweep"):
@@ -452,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
             if want("moe"):
                 for fmt, w in formats.items():
                     data["rows"] += moe_rows(bw, mm, w, fmt)
+                exl3_weights = moe_exl3(weights, 3.0)
+                data["rows"] += moe_rows(bw, mm, exl3_weights, "exl3:3.0")
+                del exl3_weights
             if want("moesweep"):
                 data["rows"] += moe_sweep(bw, mm, formats)
             if want("invariance"):

@@ -178,3 +178,47 @@ def exllamav3_invariance(log: Callable[[str], None]) -> list[dict]:
             out.append(dict(check="exllamav3 row alone vs m rows", shape=name, bits=bits, max_abs_diff=worst))
             log(f"exllamav3 invariance {name} {bits} bpw: max |diff| by rows {worst}")
     return out
+
+
+def exllamav3_forced(log: Callable[[str], None]) -> list[dict]:
+    """exllamav3's EXL3 GEMM with its kernel choice pinned (`force_shape_idx`, `force_num_sms`): a row's bits alone
+    vs among 2..256 rows, and the time per row count. Pinned, the kernel runs rows in slabs of its tile height over
+    a K split fixed by the shape and the block count, so it may keep rows invariant where its own choice does not."""
+    try:
+        from exllamav3.ext import exllamav3_ext as ext
+    except ImportError:
+        return []
+    from bench.kernels import graph_ms
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for name, n, k in SHAPES[:3]:
+        for bits in (2.5, 3.0, 4.0):
+            t, _ = _weights(f"exl3:{bits}", n, k, gen)
+            trellis, suh, svh = t["trellis"], t["suh"], t["svh"]
+            crowd = torch.randn(256, k, device="cuda", dtype=torch.half)
+            for shape in range(1, int(ext.exl3_gemm_num_kernel_shapes()) + 1):
+                def run(x: torch.Tensor, shape: int = shape) -> torch.Tensor:
+                    c = torch.empty(x.shape[0], n, device="cuda", dtype=torch.float32)
+                    ext.exl3_gemm(x, trellis, c, suh, torch.empty_like(x), svh, shape, False, True, sms)
+                    return c
+                try:
+                    alone = run(crowd[:1].contiguous())
+                    worst = {}
+                    for m in (2, 8, 16, 17, 33, 144, 256):
+                        many = run(crowd[:m].contiguous())
+                        last = run(crowd[m - 1:m].contiguous())
+                        worst[m] = max(float((many[:1] - alone).abs().max()), float((many[m - 1:] - last).abs().max()))
+                    times = {}
+                    for m in ROWS:
+                        x = crowd[:m].contiguous()
+                        times[m] = graph_ms([lambda x=x: run(x)]) * 1e3
+                except Exception as e:  # noqa: BLE001 - a shape this size or bitrate cannot take
+                    log(f"exllamav3 pinned {name} {bits} bpw shape {shape}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                row = dict(check="exllamav3 pinned shape: row alone vs m rows, time", shape=name, bits=bits,
+                           kernel_shape=shape, num_sms=sms, max_abs_diff=worst, us=times)
+                out.append(row)
+                log(f"exllamav3 pinned {name} {bits} bpw shape {shape}: max |diff| {max(worst.values())} "
+                    f"{worst}; us by rows " + ", ".join(f"{m}: {u:.1f}" for m, u in times.items()))
+    return out
