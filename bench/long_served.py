@@ -49,8 +49,10 @@ class DecodeStream(threading.Thread):
         self.error: str | None = None
 
     def run(self) -> None:
+        # return_token_ids: a chunk per round even when its ids decode to no text (a random-weight model over a
+        # small tokenizer emits many such ids), so the arrivals are the stream's token times
         body = {"prompt": [random.Random(1).randrange(5, 1000) for _ in range(128)], "max_tokens": self.max_tokens,
-                "ignore_eos": True, "temperature": 0, "stream": True, "draft": False}
+                "ignore_eos": True, "temperature": 0, "stream": True, "draft": False, "return_token_ids": True}
         try:
             with httpx.stream("POST", self.url + "/completions", json=body, timeout=None) as r:
                 if r.status_code != 200:
