@@ -67,6 +67,8 @@ def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> 
             "--master-addr", INTERNAL_HOST, "--master-port", str(shared["master"]), "--peer-port", str(shared["peer"]),
             "--host", host, "--port", str(port), "--device", c.device, "--kv-cache-dtype", c.kv_cache_dtype,
             *(["--enforce-eager"] if c.enforce_eager else []),
+            *(["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+              if c.max_num_batched_tokens is not None else []),
             *(["--random-weights", c.random_weights, "--random-block-size", str(c.random_block_size)]
               if c.random_weights else []),
             *c.kv_tiers]

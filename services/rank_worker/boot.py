@@ -1,5 +1,5 @@
 """A rank worker's boot sequence over its settings: join the TP group, check the group's settings, arm the peer
-watchdog, load this rank's shard, size the KV pool, capture CUDA graphs, serve StepPlans.
+watchdog, load this rank's shard, size the KV pool, capture CUDA graphs, warm up (on a GPU), serve StepPlans.
 
 Exit codes that mean "this group cannot go on" (a supervisor restarts the whole group): 3 a bad plan (server.py),
 4 the ranks' settings differ (fingerprint.py), 5 a peer was lost or never reached the watchdog (peer_watch.py);
@@ -64,6 +64,9 @@ def serve_rank(s: RankSettings) -> int:
     if not start_role(f"rank{s.rank}", s.log_level, host=s.host, internal_token=s.internal_token,
                       log_format=f"%(asctime)s rank{s.rank} %(levelname)s %(message)s"):
         return 2
+    # Autotuning results (fla-core's KDA kernels) persist in Triton's cache dir beside the compiled kernels, so a
+    # restart on this machine (or a container with that dir on a volume) skips them.
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     recipe = None
     if s.random_weights:
         from model.quantize.select import Recipe
@@ -205,6 +208,11 @@ def _serve(s: RankSettings, loaded: Loaded, num_blocks: int) -> None:
     if executor.graphs is not None:  # before serving, as vLLM does: a lazy capture stalls the round that needs it
         # the same buckets on every rank (their collectives pair up), even if a rank was started with other slots
         executor.graphs.capture_at_start(pool_size.agree(s.num_slots, loaded.group, loaded.device))
+    if loaded.device.type == "cuda":  # compile before serving, not on a user's request (warmup.py)
+        from services.common.step_budget import step_budget
+        from services.rank_worker.warmup import warm_up
+
+        warm_up(executor, step_budget(s.max_num_batched_tokens, s.device))
     describe = _describe(s, loaded, num_blocks, window, tiers)
     server = serve(RankService(executor, describe), s.host, s.port, s.internal_token)
     log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", s.rank, s.host, s.port, num_blocks,

@@ -54,6 +54,11 @@ class Executor:
             from model.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, cache)
 
+    def forget_slots(self) -> None:
+        """Drop what is known of every slot's last round (after the warm-up: the scheduler hands slots out fresh)."""
+        self.slot_end.clear()
+        self.next_token.zero_()
+
     def forward(self, batch: Batch) -> ForwardOutput:
         """One forward of the (class-ordered) batch: a CUDA graph replay for decode rounds when enabled."""
         if self.graphs is not None and self.graphs.fits(batch):

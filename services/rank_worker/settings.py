@@ -45,6 +45,9 @@ class RankSettings:
         "encoder-cache-tokens", "vision-tower output rows rank 0 keeps (LRU, keyed by the image's digest) so an image "
         "prompt prefilled in several chunks is encoded once (default 16384: two of the largest images; 0 = off)",
         default="16384", type=int)
+    max_num_batched_tokens: int | None = flag(
+        shared.MAX_NUM_BATCHED_TOKENS, "the scheduler's round budget: on a GPU the rank warms up at it before serving "
+        "(compiles every kernel a round of that size needs; default: 8192 on CUDA)")
     virtual_shards: int = flag("virtual-shards", "virtual shards per sharded dim (a multiple of --world; the same on "
                                "every rank)", default="4", type=int)
     random_weights: str | None = flag(shared.RANDOM_WEIGHTS)

@@ -58,7 +58,7 @@ class Unavailable(RuntimeError):
 class EngineConfig:
     max_waiting: int = 64
     max_num_seqs: int = 16
-    max_num_batched_tokens: int | None = None  # None: the ranks' device's default (round_scheduler.step_budget)
+    max_num_batched_tokens: int | None = None  # None: the ranks' device's default (services/common/step_budget.py)
     enable_prefix_caching: bool = True
     # KDA snapshot slots for the prefix index, reserved from the ranks' slot count (~142 MB each at full size on
     # every rank, see prefix.py). None: the slots left over after max_num_seqs, at most 16.

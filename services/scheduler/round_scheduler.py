@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from opentelemetry.context import Context
 
+from services.common.step_budget import step_budget
 from services.scheduler.admission import AdmissionQueue
 from services.scheduler.batcher import PlannedSeq, apply_grammar_masks, build_step_plan, plan_round
 from services.scheduler.grammar import GrammarBook
@@ -55,17 +56,6 @@ class ScheduledRound:
     seqs: list[PlannedSeq]
     plan: rank_pb2.StepPlan
     loads: list[Snapshot]
-
-
-# Tokens one round may carry when --max-num-batched-tokens is not given, by the ranks' device. On a GPU, vLLM's and
-# SGLang's default on H100 / H200-class GPUs: long prompts prefill in big chunks (a round is one forward) while the
-# decode rows still go first in every round. On the CPU, small rounds keep the tiny model's streams responsive.
-DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 256}
-
-
-def step_budget(given: int | None, device: str) -> int:
-    """The round's token budget: `given`, else the device's default."""
-    return given if given is not None else DEFAULT_STEP_TOKENS.get(device, DEFAULT_STEP_TOKENS["cpu"])
 
 
 class RoundScheduler:

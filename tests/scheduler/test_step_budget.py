@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 
+from services.common.step_budget import DEFAULT_STEP_TOKENS, step_budget
 from services.common.tensors import from_proto, to_proto
 from services.scheduler.engine import EngineConfig
 from services.scheduler.ranks import ModelInfo
-from services.scheduler.round_scheduler import DEFAULT_STEP_TOKENS, RoundScheduler, step_budget
+from services.scheduler.round_scheduler import RoundScheduler
 from twinspark.v1 import generate_pb2, rank_pb2
 
 INFO = ModelInfo(model="tiny", fingerprint="f", world=1, num_blocks=4096, block_size=16, num_slots=8, vocab_size=1000,
