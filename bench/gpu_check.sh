@@ -13,6 +13,9 @@
 #                                      # rank profiler over rounds 401-440, then bench/trace_gaps.py on its trace
 #   bash bench/gpu_check.sh long [LENGTHS]
 #                                      # only bench/long_context.py (default 8k, 64k, 256k, 1M tokens)
+#   bash bench/gpu_check.sh coldstart [LAYERS] [FORMATS]
+#                                      # only bench/cold_start.py: ready time cold and with a warm kernel cache,
+#                                      # the 12-request mix's first vs second pass (default 4 layers, w4a16+bf16)
 #   bash bench/gpu_check.sh longserved [BUDGET]
 #                                      # only bench/long_served.py: a 1,040,000-token prompt served beside a
 #                                      # decoding stream at the step budget (default 8192), then offline
@@ -43,6 +46,13 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 if [ "${1:-}" = "long" ]; then
     python3 -m bench.long_context --out "$OUT" ${2:+--lengths "$2"} > "$OUT/long_context.log" 2>&1
     tail -12 "$OUT/long_context.log"
+    exit 0
+fi
+if [ "${1:-}" = "coldstart" ]; then
+    python3 -m bench.whole_model --write-dir /tmp/cold-start-config --layers "${2:-4}" > /dev/null
+    python3 -m bench.cold_start --model /tmp/cold-start-config --random-weights "${3:-w4a16+bf16}" --out "$OUT" \
+        > "$OUT/cold_start.log" 2>&1
+    tail -8 "$OUT/cold_start.log"
     exit 0
 fi
 if [ "${1:-}" = "longserved" ]; then
