@@ -70,8 +70,8 @@ class Moe:
                        for ws, sh in zip(routed, shared))
         stacks = [[wtiles.stack_quantized([w[j] for w in ws + ([sh] if together else [])]) for j in range(self.shards)]
                   for ws, sh in zip(routed, shared)]
-        if stacks[0][0].fmt is wtiles.Fmt.EXL3:  # the EXL3 MoE path runs one virtual shard per launch
-            self.gate, self.up, self.down = stacks
+        if stacks[0][0].fmt is wtiles.Fmt.EXL3:  # each shard's experts a block of all three stacks (moe.experts)
+            self.gate, self.up, self.down = (wtiles.cat(st, dim=0) for st in stacks)
         else:
             self.gate, self.up = (wtiles.cat(st, dim=1) for st in stacks[:2])
             self.down = wtiles.cat(stacks[2], dim=0)

@@ -226,11 +226,7 @@ class FusedForward:
         ids, w = gpu_moe.route(logits, m.bias, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
                                scaling=c.routed_scaling_factor, n_real=self.rows.n_real,
                                shared=m.shared_apart is None)
-        if isinstance(m.gate, list):  # per-shard EXL3 stacks (the EXL3 grouped path takes one shard a launch)
-            out = torch.stack([gpu_moe.experts(x, ids, w, g, u, dn, c.swiglu_limit, d)[0]
-                               for g, u, dn in zip(m.gate, m.up, m.down)])
-        else:
-            out = gpu_moe.experts(x, ids, w, m.gate, m.up, m.down, c.swiglu_limit, d, shards=m.shards)
+        out = gpu_moe.experts(x, ids, w, m.gate, m.up, m.down, c.swiglu_limit, d, shards=m.shards)
         if m.shared_apart is not None:
             out = out + m.shared_apart.forward(x, self)
         return out

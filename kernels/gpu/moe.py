@@ -287,33 +287,47 @@ def _grouped(a: torch.Tensor, w: WeightArgs, groups: Groups, tile: MoeTile) -> t
 
 def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs, up: WeightArgs,
                   down: WeightArgs, limit: float, tile: MoeTile, shards: int, out: torch.Tensor, row0: int) -> None:
-    """EXL3 expert stacks (one virtual shard: `shards` is 1): per slot, rotate in (its token's row, its expert's
-    suh), grouped GEMM over the trellis tiles, rotate out (its expert's svh); gate and up then SwiGLU, down then the
-    routing weight, by pair; into out[0, row0 : row0 + T]."""
+    """EXL3 expert stacks, every local shard in one launch per step: per (shard, slot) row, rotate in (its token's
+    row, its shard's expert's suh), grouped GEMM over the trellis tiles, rotate out (that expert's svh); gate and up
+    then SwiGLU, down then the routing weight, by pair; into out[:, row0 : row0 + T].
+
+    The stacks hold the shards' experts one block after another ([shards * (E+1), ...]: gate / up with the shard's
+    I_local outputs, down with its I_local inputs). Shard s's rows are a copy of the slot grid whose tiles read
+    expert block s * (E+1) + e, so each row's arithmetic is the one-shard launch's: the tiles and the grouping are
+    the same for every shard."""
     t, d = x.shape
-    n_exp = gate.data.shape[0]
+    n_exp = gate.data.shape[0] // shards
     pairs_per_row = ids.shape[1]
     groups = group_pairs(ids, n_exp, tile.block_m)
     pair = groups.pair_of_slot
+    cap = pair.shape[0]
+    n_pairs = t * pairs_per_row
     token = torch.where(pair >= 0, pair // pairs_per_row, -1).to(torch.int32)
-    # each slot's expert (num_experts on unused tiles: no row); expand, not repeat_interleave: no host sync
-    expert = groups.expert_of_block[:, None].expand(-1, tile.block_m).reshape(-1)
+    offsets = torch.arange(shards, device=x.device, dtype=torch.int32)[:, None] * n_exp
+    # each shard's tiles read its own expert block; unused tiles (expert n_exp) a sentinel past every block
+    block_expert = torch.where(groups.expert_of_block[None, :] < n_exp, groups.expert_of_block[None, :] + offsets,
+                               shards * n_exp).reshape(-1).to(torch.int32)
+    all_shards = Groups(pair.repeat(shards), block_expert, groups.blocks * shards)
+    # each row's expert (expand, not repeat_interleave: no host sync)
+    expert = block_expert[:, None].expand(-1, tile.block_m).reshape(-1)
     act = x.dtype
 
     def projection(src: torch.Tensor, w: WeightArgs, src_rows: torch.Tensor | None) -> torch.Tensor:
-        u = hadamard.rotate_in(src, w.suh, rows=pair.shape[0], src_rows=src_rows, vec_rows=expert)
-        return _grouped(u, w, groups, tile)
+        u = hadamard.rotate_in(src, w.suh, rows=shards * cap, src_rows=src_rows, vec_rows=expert)
+        return _grouped(u, w, all_shards, tile)
 
-    g = hadamard.rotate_out(projection(x, gate, token), gate.svh, act, vec_rows=expert)
-    u = hadamard.rotate_out(projection(x, up, token), up.svh, act, vec_rows=expert)
-    h = torch.empty_like(g)
+    g = hadamard.rotate_out(projection(x, gate, token.repeat(shards)), gate.svh, act, vec_rows=expert)
+    u = hadamard.rotate_out(projection(x, up, token.repeat(shards)), up.svh, act, vec_rows=expert)
+    h = torch.empty_like(g)  # row (s, slot): shard s's I_local columns, down's input for that shard
     block = 1024
     _swiglu_kernel[(triton.cdiv(h.numel(), block),)](g, u, h, h.numel(), float(limit), BLOCK=block)
-    y = torch.empty(t * pairs_per_row, d, dtype=torch.float32, device=x.device)
-    hadamard.rotate_out(projection(h, down, None), down.svh, torch.float32, vec_rows=expert, out=y, out_rows=pair,
-                        row_weight=weights.reshape(-1))
-    _combine_kernel[(t, triton.cdiv(d, block), 1)](y, ids, out, n_exp, d, t, out.shape[1], row0,
-                                                   PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
+    y = torch.empty(shards, n_pairs, d, dtype=torch.float32, device=x.device)
+    shard = torch.arange(shards, device=x.device)[:, None]
+    out_rows = torch.where(pair[None, :] >= 0, pair[None, :] + shard * n_pairs, -1)
+    hadamard.rotate_out(projection(h, down, None), down.svh, torch.float32, vec_rows=expert, out=y.view(-1, d),
+                        out_rows=out_rows.reshape(-1).to(torch.int32), row_weight=weights.reshape(-1).repeat(shards))
+    _combine_kernel[(t, triton.cdiv(d, block), shards)](y, ids, out, n_exp, d, t, out.shape[1], row0,
+                                                        PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
 
 
 def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,
@@ -354,17 +368,19 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
     [E+1, I, D]; down [shards * (E+1), D, I / shards] (the shared expert last in each shard's block; dense, or
     quantized stacks as WeightArgs) -> [shards, T, D] fp32: each virtual shard's partial of the routed + shared
     outputs. The shards' slices of I lie side by side in gate / up (one launch computes all of them); shard s's
-    partial reads its own I columns and down block. Every element is computed as a one-shard call on that shard's
-    weights would compute it: the tiles are fixed per row class, never by how many shards share the launch.
-    Rows [0, decode_rows) are decode-class and the rest prompt rows; each class is grouped and run with its own
+    partial reads its own I columns and down block. EXL3 stacks instead hold each shard's experts one block after
+    another in all three ([shards * (E+1), ...]; each expert's Hadamard vectors are its own). Every element is
+    computed as a one-shard call on that shard's weights would compute it: the tiles are fixed per row class, never
+    by how many shards share the launch. Rows [0, decode_rows) are decode-class and the rest prompt rows; each class is grouped and run with its own
     fixed schedule."""
     gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in (gate, up, down))
-    if gate.n % shards or down.data.shape[0] != shards * gate.data.shape[0]:
-        raise ValueError(f"{shards} shards: gate/up need I divisible by it and down one expert block per shard")
     if (gate.fmt is Fmt.EXL3) != (down.fmt is Fmt.EXL3) or (gate.fmt is Fmt.EXL3) != (up.fmt is Fmt.EXL3):
         raise ValueError("EXL3 experts need gate, up and down all in EXL3")
-    if gate.fmt is Fmt.EXL3 and shards != 1:
-        raise ValueError("EXL3 experts run one virtual shard per call")
+    if gate.fmt is Fmt.EXL3:
+        if gate.data.shape[0] % shards or not gate.data.shape[0] == up.data.shape[0] == down.data.shape[0]:
+            raise ValueError(f"{shards} shards: EXL3 stacks need one expert block per shard in gate, up and down")
+    elif gate.n % shards or down.data.shape[0] != shards * gate.data.shape[0]:
+        raise ValueError(f"{shards} shards: gate/up need I divisible by it and down one expert block per shard")
     t = x.shape[0]
     out = torch.empty(shards, t, x.shape[1], dtype=torch.float32, device=x.device)
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()

@@ -187,8 +187,8 @@ def cat(parts: list[WeightArgs], dim: int) -> WeightArgs:
     """Same-format weights joined along the batch (0) or the N (1) dim: data and scales alike (along N every part
     must be whole scale blocks, so each keeps its own scales)."""
     first = parts[0]
-    if first.fmt is Fmt.EXL3:  # its Hadamard vectors would need joining too; EXL3 stacks run per shard
-        raise ValueError("EXL3 weights are not joined")
+    if first.fmt is Fmt.EXL3:
+        return _cat_exl3(parts, dim)
     if any(p.fmt != first.fmt or p.block_n != first.block_n or p.block_k != first.block_k for p in parts):
         raise ValueError("joined weights must share one format and its block sizes")
     if dim == 1 and any(p.n % first.block_n for p in parts):
@@ -198,3 +198,19 @@ def cat(parts: list[WeightArgs], dim: int) -> WeightArgs:
     data = torch.cat([p.data for p in parts], dim=dim)
     scale = data if first.fmt is Fmt.DENSE else torch.cat([p.scale for p in parts], dim=dim)
     return WeightArgs(first.fmt, data, scale, first.block_n, first.block_k)
+
+
+def _cat_exl3(parts: list[WeightArgs], dim: int) -> WeightArgs:
+    """EXL3 stacks one after another (dim 0: the virtual shards' expert blocks), their Hadamard vectors alike. Not
+    along N: a 16-column trellis tile and a 128-point rotation block would straddle two linears' vectors."""
+    first = parts[0]
+    if dim != 0:
+        raise ValueError("EXL3 weights are joined along the batch dim only")
+    if any(p.fmt is not Fmt.EXL3 or p.block_n != first.block_n or p.block_k != first.block_k
+           or p.data.shape[1:] != first.data.shape[1:] for p in parts):
+        raise ValueError("joined EXL3 weights must share one codebook, bitrate and shape")
+    if len(parts) == 1:
+        return first
+    data = torch.cat([p.data for p in parts])
+    return WeightArgs(Fmt.EXL3, data, data, first.block_n, first.block_k, torch.cat([p.suh for p in parts]),
+                      torch.cat([p.svh for p in parts]))

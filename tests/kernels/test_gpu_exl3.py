@@ -156,3 +156,23 @@ def test_mixed_formats_are_refused(experts: dict) -> None:
     dense_down = experts["down_dense"].to(HALF).to(DEVICE)
     with pytest.raises(ValueError, match="EXL3"):
         moe.experts(x, ids, rw, experts["gate"], experts["up"], dense_down, LIMIT, 0)
+
+
+@pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
+def test_shards_in_one_launch_equal_one_launch_per_shard(rows: int) -> None:
+    """Two virtual shards' EXL3 experts stacked one block after the other (what a rank at TP 1 holds) in one call =
+    each shard's own call, bit for bit: what keeps TP 1 = TP 2 with EXL3 experts."""
+    g = torch.Generator().manual_seed(17)
+    shards = []
+    for _ in range(2):
+        shards.append([wtiles.stack_quantized([random_quantized("exl3", o, i, std=0.08, bits=3, codebook="mcg",
+                                                                 generator=g).to(DEVICE) for _ in range(E + 1)])
+                       for o, i in ((I, D), (I, D), (D, I))])
+    x = randn(9, D, seed=18)
+    logits = gemm.matmul(x, randn(E, D, seed=19, scale=0.3), rows, torch.float32)
+    ids, rw = moe.route(logits, torch.zeros(E, device=DEVICE), top_k=TOP_K, norm_topk_prob=True, scaling=1.5,
+                        n_real=x.shape[0])
+    fused = moe.experts(x, ids, rw, *(wtiles.cat([s[j] for s in shards], dim=0) for j in range(3)), LIMIT, rows,
+                        shards=2)
+    for j, stacks in enumerate(shards):
+        assert torch.equal(fused[j], moe.experts(x, ids, rw, *stacks, LIMIT, rows)[0]), f"shard {j}"

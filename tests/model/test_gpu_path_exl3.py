@@ -42,7 +42,7 @@ def models(tmp_path_factory) -> tuple[Glm5Model, Glm5Model]:
     for i, layer in enumerate(packed.layers):
         if isinstance(layer.ffn, Moe):
             layer.ffn = Moe(packed.cfg, PackedReader(reader), f"{TEXT_PREFIX}layers.{i}.")
-            assert layer.ffn.packed and layer.ffn.gate[0].fmt is Fmt.EXL3 and layer.ffn.shared_apart is None
+            assert layer.ffn.packed and layer.ffn.gate.fmt is Fmt.EXL3 and layer.ffn.shared_apart is None
             swapped += 1
     reader.close()
     assert swapped == 1
