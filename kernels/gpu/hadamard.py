@@ -17,14 +17,19 @@ token's row), take their sign/scale vector from a stack (`vec_rows`: each slot i
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 HAD = 128
 _BLOCK_R = 16  # rows per program (a power of two; any value gives the same bits per row)
 IN_SCALE = 1.0 / 8
 OUT_SCALE = 1.0 / 16
+# Triton's CPU interpreter has no libdevice; it never contracts a multiply into an add either.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -52,7 +57,7 @@ def had128(v, R: tl.constexpr):
 def _rotate_kernel(src_ptr, vec_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, out_rows_ptr, weight_ptr,
                    R, C, V, rows_per_vec, ssr, svr, sor, scale,
                    PRE: tl.constexpr, SRC_ROWS: tl.constexpr, VEC_ROWS: tl.constexpr, OUT_ROWS: tl.constexpr,
-                   WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr):
+                   WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, ROUNDED_MUL: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * 128 + tl.arange(0, 128)
     in_range = r < R
@@ -67,7 +72,13 @@ def _rotate_kernel(src_ptr, vec_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, out_ro
     x = tl.load(src_ptr + srow[:, None] * ssr + c[None, :], mask=m, other=0.0).to(tl.float32)
     vec = tl.load(vec_ptr + vrow[:, None] * svr + c[None, :], mask=m, other=0.0).to(tl.float32)
     if PRE:  # input side: sign/scale, then rotate
-        y = had128(x * vec, BLOCK_R) * scale
+        # The product rounded on its own, as the twin's is: the compiler may otherwise fuse it into the first
+        # butterfly's add (an fma: one rounding fewer, other bits). mul_rn is never contracted.
+        if ROUNDED_MUL:
+            x = libdevice.mul_rn(x, vec)
+        else:
+            x = x * vec
+        y = had128(x, BLOCK_R) * scale
     else:  # output side: rotate, then sign/scale
         y = had128(x, BLOCK_R) * (vec * scale)
     if WEIGHT:
@@ -94,7 +105,7 @@ def _rows(src: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, pre: bool, sc
             dummy if out_rows is None else out_rows, out if row_weight is None else row_weight,
             r, c, vec2.shape[0], max(rows_per_vec, 1), src.stride(0), vec2.stride(0), out.stride(0), float(scale),
             PRE=pre, SRC_ROWS=src_rows is not None, VEC_ROWS=vec_rows is not None, OUT_ROWS=out_rows is not None,
-            WEIGHT=row_weight is not None, BLOCK_R=_BLOCK_R)
+            WEIGHT=row_weight is not None, BLOCK_R=_BLOCK_R, ROUNDED_MUL=not _INTERPRETED)
     return out
 
 
