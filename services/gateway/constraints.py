@@ -46,10 +46,12 @@ class GrammarBuilder:
         return text if text in self._added else json.dumps(text)
 
     # -- the body: what the constrained part of the reply is -----------------------------------------------------
-    def reply(self, body: dict[str, Any], reasoning: bool) -> str:
-        """The whole reply: [reasoning `</think>`] or [newline], then the body grammar (named "body")."""
-        head = f"start: THINK {self.tag(THINK_CLOSE)} NL @body\nTHINK: /(?s:.*)/\n" if reasoning \
-            else "start: NL @body\n"
+    def reply(self, body: dict[str, Any], reasoning: bool, calls: bool = False) -> str:
+        """The whole reply: [reasoning `</think>`] or [newline], then the body grammar (named "body"). With
+        `calls` (the body is tool calls) a call may also open straight from the reasoning: a tool call's opening
+        ends thinking (the scheduler's thinking budget counts it so too, and never forces `</think>` into it)."""
+        head = f"start: THINK {self.tag(THINK_CLOSE)} NL @body{' | THINK @body' if calls else ''}\n" \
+            "THINK: /(?s:.*)/\n" if reasoning else "start: NL @body\n"
         top = {"name": "reply", "lark_grammar": head + "NL: /\\n/\n"}
         return json.dumps({"grammars": [top, {**body, "name": "body"}]})
 
@@ -135,12 +137,12 @@ class GrammarBuilder:
         return name
 
 
-def _thinking(prompt_text: str) -> bool:
+def opens_thinking(prompt_text: str) -> bool:
     """The prompt opened a think block: the reply starts with reasoning, ended by </think>."""
     return prompt_text.rstrip().endswith(THINK_OPEN)
 
 
-def _source(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, str] | None:
+def source(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, str] | None:
     """(kind, value, field) of what constrains the request's output: kind is json / regex / choice / grammar."""
     so, rf = req.structured_outputs, req.response_format
     legacy = [(k, getattr(req, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")
@@ -170,10 +172,10 @@ def _source(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, s
 def request_body(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest
                  ) -> tuple[dict[str, Any], str] | None:
     """(body grammar, the field it came from), or None when the output is free."""
-    source = _source(req)
-    if source is None:
+    found = source(req)
+    if found is None:
         return None
-    kind, value, param = source
+    kind, value, param = found
     ws = req.guided_whitespace_pattern
     if req.structured_outputs is not None and req.structured_outputs.whitespace_pattern is not None:
         ws = req.structured_outputs.whitespace_pattern
@@ -202,11 +204,13 @@ def tool_body(b: GrammarBuilder, req: ChatCompletionRequest) -> tuple[dict[str, 
     return None
 
 
-def build_grammar(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest, prompt_text: str | None
+def build_grammar(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest, reasoning: bool | None
                   ) -> tuple[str, str] | None:
     """(the request's grammar as llguidance JSON, the field it came from), not checked yet; None when
-    unconstrained."""
+    unconstrained. `reasoning`: the prompt opened a think block (the grammar starts after it); None for a completion
+    that did not (its grammar is the whole output)."""
     body = request_body(b, req)
+    forced = None
     if isinstance(req, ChatCompletionRequest):
         forced = tool_body(b, req)
         if forced is not None and body is not None:
@@ -216,6 +220,6 @@ def build_grammar(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequ
     if body is None:
         return None
     grammar, param = body
-    if prompt_text is None:  # completions: the grammar is the whole output
+    if reasoning is None:
         return json.dumps({"grammars": [grammar]}), param
-    return b.reply(grammar, _thinking(prompt_text)), param
+    return b.reply(grammar, reasoning, calls=forced is not None), param
