@@ -133,7 +133,8 @@ class MessagesRequest(CountTokensRequest):
 
 
 # Chat's field paths as this API names them (the chat request is validated again after translation).
-RENAMES: Renames = [(r"^stop\b.*", "stop_sequences"), (r"^tools(\[\d+\])\.function\.parameters", r"tools\1.input_schema"),
+RENAMES: Renames = [(r"^stop\b.*", "stop_sequences"),
+                    (r"^tools(\[\d+\])\.function\.parameters", r"tools\1.input_schema"),
                     (r"^tools(\[\d+\])\.function", r"tools\1"), (r"^messages\b.*", "messages"),
                     (r"^tool_choice\b.*", "tool_choice"), (r"^thinking_token_budget$", "thinking.budget_tokens")]
 

@@ -32,7 +32,7 @@ from services.common.tensors import to_proto
 from twinspark.v1 import generate_pb2
 
 from .checkpoint import CheckpointInfo
-from .constraints import THINK_CLOSE, THINK_OPEN, GrammarBuilder, build_grammar, opens_thinking
+from .constraints import THINK_CLOSE, THINK_OPEN, TOOL_TAGS, GrammarBuilder, build_grammar, opens_thinking
 from .errors import GatewayError, bad_request, context_length_exceeded
 from .grammar_check import CLOSE, OPEN, GrammarChecker
 from .images import ImageLimits, ImageProcessor, ProcessedImage, load_image
@@ -64,7 +64,9 @@ class ModelContext:
     def __post_init__(self) -> None:
         if not self.max_model_len:
             self.max_model_len = self.checkpoint.max_model_len
-        self.grammar = GrammarBuilder(self.tokenizer.added_tokens)
+        tag_ids = {t: i for t in (THINK_CLOSE, TOOL_TAGS[0]) if (i := self.tokenizer.token_to_id(t)) is not None}
+        self.grammar = GrammarBuilder(self.tokenizer.added_tokens, tag_ids, self.tokenizer.size,
+                                      self.checkpoint.eos_token_ids)
         self.thinking = ThinkingIds(self.tokenizer, self.thinking_settings)
         walk_ids = {t: i for t in (*CLOSE, *OPEN, THINK_CLOSE) if (i := self.tokenizer.token_to_id(t)) is not None}
         # The gateway's lifespan starts the check's worker (else the first constrained request does).

@@ -161,8 +161,11 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
     if any(verify):
         plan.verify.CopyFrom(to_proto(verify))
     if bitmask:
+        # One width for all rows (the words past a mask's own are zero: those ids are not in its vocabulary).
+        words = max(m.numel() for m in bitmask)
         plan.mask_index.CopyFrom(to_proto(mask_index))
-        plan.bitmask.CopyFrom(to_proto(torch.stack(bitmask)))
+        plan.bitmask.CopyFrom(to_proto(torch.stack([torch.nn.functional.pad(m, (0, words - m.numel()))
+                                                    for m in bitmask])))
     if any(k >= 0 for k in logprobs_k):
         plan.logprobs_k.CopyFrom(to_proto(logprobs_k))
     if penalised:

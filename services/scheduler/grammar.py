@@ -46,7 +46,7 @@ class RequestGrammar:
         return torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32)
 
     def mask(self) -> torch.Tensor:
-        """int32 [ceil(V / 32)]: the tokens allowed next."""
+        """int32 [V // 32 + 1] (llguidance's width): the tokens allowed next."""
         self._masks = [self._compute()]
         return self._masks[0]
 

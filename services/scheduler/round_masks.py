@@ -16,8 +16,9 @@ from services.scheduler.grammar import allows
 
 
 def one_token_mask(token: int, vocab: int) -> torch.Tensor:
-    """int32 [ceil(vocab / 32)] allowing `token` alone (bit i of word j allows token 32 j + i)."""
-    mask = torch.zeros(-(-vocab // 32), dtype=torch.int32)
+    """int32 [vocab // 32 + 1] allowing `token` alone (bit i of word j allows token 32 j + i): llguidance's width
+    for that vocabulary, so it stacks with grammar masks in one plan."""
+    mask = torch.zeros(vocab // 32 + 1, dtype=torch.int32)
     bit = 1 << (token % 32)
     mask[token // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # the word's bits as a signed int32
     return mask

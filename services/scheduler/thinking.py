@@ -20,10 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.common.thinking_limits import MAX_END_IDS, MAX_FORCED_IDS
 from twinspark.v1 import generate_pb2
-
-MAX_FORCED = 256
-MAX_END_IDS = 16
 
 
 @dataclass(frozen=True)
@@ -40,8 +38,8 @@ def spec_error(msg: generate_pb2.ThinkingBudget, vocab: int) -> str | None:
     forced, ends = list(msg.forced_ids), set(msg.end_ids)
     if msg.budget < 0:
         return f"thinking.budget must be >= 0, got {msg.budget}"
-    if not 1 <= len(forced) <= MAX_FORCED or not 1 <= len(msg.end_ids) <= MAX_END_IDS:
-        return f"thinking needs 1..{MAX_FORCED} forced_ids and 1..{MAX_END_IDS} end_ids"
+    if not 1 <= len(forced) <= MAX_FORCED_IDS or not 1 <= len(msg.end_ids) <= MAX_END_IDS:
+        return f"thinking needs 1..{MAX_FORCED_IDS} forced_ids and 1..{MAX_END_IDS} end_ids"
     bad = [t for t in forced + list(ends) if not 0 <= t < vocab]
     if bad:
         return f"thinking: token id {bad[0]} is outside the vocabulary [0, {vocab})"

@@ -15,7 +15,7 @@ from services.scheduler.batcher import PlannedSeq
 from services.scheduler.engine import EngineConfig
 from services.scheduler.grammar import GrammarBook, allows
 from services.scheduler.ranks import ModelInfo
-from services.scheduler.round_masks import apply_round_masks, one_token_mask
+from services.scheduler.round_masks import one_token_mask
 from services.scheduler.round_scheduler import RoundScheduler
 from services.scheduler.thinking import ThinkingBudget, ThinkingSpec
 from services.scheduler.validation import InvalidRequest
@@ -187,6 +187,22 @@ def test_with_a_grammar_the_forced_rows_are_the_forced_token_and_the_grammar_fol
     step = s.schedule()
     assert _masks(step.plan) == [[198]]  # the grammar's newline after the think block
     assert req.finished is None
+
+
+def test_a_forced_row_and_a_grammar_row_share_one_plan(tiny_default: Path):
+    """A thinking-only request's forced mask and another request's grammar mask stack into one bitmask."""
+    vocab, end = 1088, 1017
+    book = GrammarBook.load(str(tiny_default), vocab, [1000])
+    info = ModelInfo(model="tiny", fingerprint="f", world=1, num_blocks=64, block_size=16, num_slots=4,
+                     vocab_size=vocab, eos_ids=(1000,), max_model_len=2048)
+    s = RoundScheduler(info, EngineConfig(max_num_seqs=2, max_num_batched_tokens=130, enable_prefix_caching=False),
+                       grammars=book)
+    s.add(_msg("g", [1, 2, 3], grammar=_reply_grammar(tiny_default)))
+    s.add(_msg("t", [4, 5, 6], thinking=generate_pb2.ThinkingBudget(budget=0, forced_ids=[end], end_ids=[end])))
+    step = s.schedule()
+    masks = _masks(step.plan)
+    assert masks[1] == [end] and end in masks[0] and 72 in masks[0]
+    assert from_proto(step.plan.bitmask).shape[1] == len(book.compile(_reply_grammar(tiny_default)).mask())
 
 
 def test_a_grammar_that_forbids_the_forced_token_ends_as_invalid_grammar(tiny_default: Path):
