@@ -160,7 +160,7 @@ def test_a_budget_that_leaves_no_room_is_a_400_saying_what_it_needs(client: open
 
 def test_chat_stream_is_reasoning_then_content_and_completions_force_the_same_ids(client: openai.OpenAI, m: str,
                                                                                    stack: Stack, forced):
-    args = dict(model=m, messages=[{"role": "user", "content": "Count to 5."}], max_tokens=48, seed=7,
+    args = dict(model=m, messages=[{"role": "user", "content": "Count to 5."}], max_tokens=32, seed=7,
                 extra_body={"thinking_token_budget": 12, "return_token_ids": True})
     full = client.chat.completions.create(**args)
     ids = full.choices[0].model_extra["token_ids"]
@@ -177,7 +177,7 @@ def test_chat_stream_is_reasoning_then_content_and_completions_force_the_same_id
     assert "".join(content) == full.choices[0].message.content
     # Completions: a raw prompt that opens a think block gets the same budget, in the same place.
     prompt = httpx.post(stack.url + "/tokenize", json={"messages": args["messages"]}, timeout=30).json()["tokens"]
-    done = client.completions.create(model=m, prompt=prompt, max_tokens=48, seed=7,
+    done = client.completions.create(model=m, prompt=prompt, max_tokens=32, seed=7,
                                      extra_body={"thinking_token_budget": 12, "return_token_ids": True})
     assert done.choices[0].model_extra["token_ids"] == ids
     assert done.usage.completion_tokens_details.reasoning_tokens == 12 + len(forced) - 1
@@ -185,7 +185,7 @@ def test_chat_stream_is_reasoning_then_content_and_completions_force_the_same_id
 
 def test_anthropic_budget_tokens_gives_a_thinking_block_then_text(stack: Stack, m: str, forced):
     a = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0, timeout=120)
-    args = dict(model=m, max_tokens=48, messages=[{"role": "user", "content": "Hello"}],
+    args = dict(model=m, max_tokens=28, messages=[{"role": "user", "content": "Hello"}],
                 thinking={"type": "enabled", "budget_tokens": 10})
     reply = a.messages.create(**args)
     assert [b.type for b in reply.content] == ["thinking", "text"] and reply.content[0].thinking.endswith(MESSAGE)
@@ -204,7 +204,7 @@ def test_anthropic_budget_tokens_gives_a_thinking_block_then_text(stack: Stack, 
 
 
 def test_responses_effort_low_gives_a_reasoning_item_then_text(client: openai.OpenAI, m: str, forced):
-    args = dict(model=m, input="Hello", reasoning={"effort": "low"}, max_output_tokens=48)
+    args = dict(model=m, input="Hello", reasoning={"effort": "low"}, max_output_tokens=32)
     r = client.responses.create(**args)
     assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text
     assert r.usage.output_tokens_details.reasoning_tokens == LOW + len(forced) - 1  # the server's "low": 16
@@ -218,7 +218,7 @@ def test_responses_effort_low_gives_a_reasoning_item_then_text(client: openai.Op
 def _mixed() -> list[tuple[str, dict]]:
     """12 requests whose reasoning the budget ends, of every kind: plain, streamed, forced tools, JSON, a completion,
     n > 1, logprobs, a prompt whose n-grams let copy drafts guess the forced message."""
-    think = {"messages": USER, "max_tokens": 40}
+    think = {"messages": USER, "max_tokens": 28}
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
     echo = [{"role": "user", "content": f"Say:{MESSAGE}</think> ok.{MESSAGE}</think> ok."}]
     return [
@@ -234,7 +234,7 @@ def _mixed() -> list[tuple[str, dict]]:
         ("completions", {"prompt": "Once upon<think>", "thinking_token_budget": 7, "max_tokens": 24, "seed": 8}),
         ("chat", {**think, "thinking_token_budget": 8, "n": 2, "seed": 9}),
         ("chat", {**think, "thinking_token_budget": 6, "logprobs": True, "top_logprobs": 2, "seed": 10}),
-        ("chat", {"messages": echo, "thinking_token_budget": 10, "max_tokens": 40, "seed": 11}),
+        ("chat", {"messages": echo, "thinking_token_budget": 10, "max_tokens": 28, "seed": 11}),
         ("chat", {**think, "thinking_token_budget": 11, "temperature": 0, "seed": 12}),
     ]
 
