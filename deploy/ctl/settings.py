@@ -141,6 +141,11 @@ def check(s: Settings) -> None:
     if not 0 < utilization <= 1:
         raise SettingsError(f"GPU_MEMORY_UTILIZATION={v['GPU_MEMORY_UTILIZATION']!r} must be a number in (0, 1]")
     _int(s, "MAX_RESTARTS", 0)
+    _int(s, "REASONING_BUDGET", -1)
+    try:
+        flags.parse_effort_budgets(v["REASONING_EFFORT_BUDGETS"])
+    except ValueError as exc:
+        raise SettingsError(f"REASONING_EFFORT_BUDGETS: {exc}") from None
     _int(s, "NUM_DRAFT_TOKENS", 0)
     for flag in (flags.DEVICE, flags.DRAFTER, flags.KV_CACHE_DTYPE):  # each setting is its flag's variable
         _choice(s, (flag.env_var or "").removeprefix("TWINSPARK_"), flag.choices or ())

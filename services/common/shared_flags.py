@@ -34,6 +34,51 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # argparse's "invalid positive integer value" message
 
 
+# reasoning_effort levels and the thinking budget each one sets unless the server says otherwise (tokens the model
+# may think before the end of thinking is forced; "unlimited": no budget). "none" turns thinking off; chat's "max"
+# (the chat template's own top level) is "xhigh".
+EFFORT_LEVELS = ("minimal", "low", "medium", "high", "xhigh")
+DEFAULT_EFFORT_BUDGETS = "minimal=256,low=1024,medium=4096,high=16384,xhigh=unlimited"
+UNLIMITED = "unlimited"
+
+
+def parse_effort_budgets(text: str) -> dict[str, int | None]:
+    """LEVEL=N pairs, comma-separated, over the defaults (a level not named keeps its default): level -> budget,
+    None = unlimited."""
+    out: dict[str, int | None] = {}
+    for pairs in (DEFAULT_EFFORT_BUDGETS, text):
+        for pair in filter(None, (p.strip() for p in pairs.split(","))):
+            level, sep, value = (x.strip() for x in pair.partition("="))
+            if not sep or level not in EFFORT_LEVELS:
+                raise ValueError(f"{pair!r} is not LEVEL=N with LEVEL one of {', '.join(EFFORT_LEVELS)}")
+            if value == UNLIMITED:
+                out[level] = None
+            elif value.isdigit() and int(value) < 1 << 31:
+                out[level] = int(value)
+            else:
+                raise ValueError(f"{pair!r}: the budget must be a number of tokens >= 0 or {UNLIMITED!r}")
+    return out
+
+
+def effort_budgets(text: str) -> str:
+    """The flag's text, checked (its value stays text so that `up` can pass it on as given)."""
+    parse_effort_budgets(text)
+    return text
+
+
+effort_budgets.__name__ = "LEVEL=N list"
+
+
+def reasoning_budget(text: str) -> int:
+    v = int(text)
+    if not -1 <= v < 1 << 31:
+        raise ValueError(f"must be -1 (unlimited) or a number of tokens >= 0, got {v}")
+    return v
+
+
+reasoning_budget.__name__ = "token budget"
+
+
 def compute_dtype(dtype: str | None, device: str) -> str:
     """--dtype, or the device's default when unset: bfloat16 on cuda, float32 on the CPU."""
     return dtype or ("bfloat16" if device == "cuda" else "float32")
@@ -76,3 +121,15 @@ INTERNAL_TOKEN = Flag("internal-token", "shared secret that every internal gRPC 
                       "`twinspark up` and start.sh make one per run); unset = no check, loopback only",
                       metavar="TOKEN")
 LOG_LEVEL = Flag("log-level", f"logging level: {', '.join(LOG_LEVELS)} (any case)", default="INFO", type=log_level)
+# Thinking control, llama.cpp's names (`--reasoning-budget`, `--reasoning-budget-message`): the gateway turns a
+# request's budget into GenerateRequest.thinking, the scheduler forces the end of thinking once it is spent.
+REASONING_BUDGET = Flag("reasoning-budget", "thinking budget of a request that sets none (no thinking_token_budget, "
+                        "reasoning_effort or budget_tokens): tokens the model may think before the end of thinking is "
+                        "forced; -1 = unlimited, 0 = end at once (default %(default)s)", default="-1",
+                        type=reasoning_budget, metavar="N")
+REASONING_BUDGET_MESSAGE = Flag("reasoning-budget-message", "text forced before the end-of-thinking token when a "
+                                "thinking budget runs out, e.g. ' Time to answer.' (default none)", metavar="TEXT")
+REASONING_EFFORT_BUDGETS = Flag("reasoning-effort-budgets", "the thinking budget of each reasoning_effort (chat, "
+                                "Responses' reasoning.effort): LEVEL=N pairs over the defaults, N a number of tokens "
+                                "or 'unlimited' (default %(default)s)", default=DEFAULT_EFFORT_BUDGETS,
+                                type=effort_budgets, metavar="LEVEL=N,...")

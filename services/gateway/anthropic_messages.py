@@ -3,7 +3,8 @@
 A request becomes a chat request (system, user / assistant turns, `tool_use` -> assistant tool calls,
 `tool_result` -> tool messages, `thinking` blocks -> the turn's reasoning; `tools[].input_schema` -> function tools;
 `tool_choice` auto / any / tool / none -> auto / required / named / none; `thinking.type: enabled` turns the
-template's thinking on — off otherwise, as Anthropic's default is; `stop_sequences` -> stop strings) and runs through
+template's thinking on — off otherwise, as Anthropic's default is — and its `budget_tokens` is the thinking budget
+the scheduler enforces (below max_tokens, as Anthropic requires); `stop_sequences` -> stop strings) and runs through
 the same preparation, scheduler call and reply parser as chat. The reply comes back as content blocks (`thinking`,
 `text`, `tool_use`), `stop_reason` end_turn / max_tokens / stop_sequence / tool_use, and, streamed, as Anthropic's
 events: message_start, content_block_start / _delta / _stop, message_delta, message_stop (pings while waiting).
@@ -106,7 +107,9 @@ class ToolChoice(_Model):
 
 class Thinking(_Model):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    # The thinking budget (chat's thinking_token_budget): enforced by the scheduler. Anthropic's floor of 1,024 is
+    # not kept: a small model wants a small budget.
+    budget_tokens: int | None = Field(None, ge=0, lt=1 << 31)
 
 
 class CountTokensRequest(_Model):
@@ -130,9 +133,10 @@ class MessagesRequest(CountTokensRequest):
 
 
 # Chat's field paths as this API names them (the chat request is validated again after translation).
-RENAMES: Renames = [(r"^stop\b.*", "stop_sequences"), (r"^tools(\[\d+\])\.function\.parameters", r"tools\1.input_schema"),
+RENAMES: Renames = [(r"^stop\b.*", "stop_sequences"),
+                    (r"^tools(\[\d+\])\.function\.parameters", r"tools\1.input_schema"),
                     (r"^tools(\[\d+\])\.function", r"tools\1"), (r"^messages\b.*", "messages"),
-                    (r"^tool_choice\b.*", "tool_choice")]
+                    (r"^tool_choice\b.*", "tool_choice"), (r"^thinking_token_budget$", "thinking.budget_tokens")]
 
 
 def _text(content: str | list[TextBlock] | None) -> str:
@@ -175,6 +179,13 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     body: dict[str, Any] = {"messages": messages,
                             "chat_template_kwargs": {"enable_thinking": bool(req.thinking and
                                                                              req.thinking.type != "disabled")}}
+    if req.thinking is not None and req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
+        budget = req.thinking.budget_tokens
+        # Anthropic's rule: the budget is part of max_tokens and must leave some of it to the answer.
+        if isinstance(req, MessagesRequest) and budget >= req.max_tokens:
+            raise bad_request(f"max_tokens ({req.max_tokens}) must be greater than thinking.budget_tokens ({budget})",
+                              param="thinking.budget_tokens")
+        body["thinking_token_budget"] = budget
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in req.tools]

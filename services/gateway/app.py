@@ -50,6 +50,7 @@ from .scheduler_client import SchedulerClient
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
 from .streaming import SSEResponse, sse_events
 from .template import ChatTemplate
+from .thinking import ThinkingSettings
 from .tokenizer import TextTokenizer
 
 log = logging.getLogger("twinspark.gateway")
@@ -72,6 +73,7 @@ class GatewaySettings:
     limits: InputLimits = field(default_factory=InputLimits)
     internal_token: str | None = None  # sent with every call to the scheduler (services/common/internal_auth.py)
     images: ImageLimits = field(default_factory=ImageLimits)  # image_url parts: remote URLs, size and time caps
+    thinking: ThinkingSettings = field(default_factory=ThinkingSettings)  # budgets, effort table, forced message
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -85,7 +87,8 @@ class Gateway:
         self.ctx = ModelContext(checkpoint=checkpoint, tokenizer=TextTokenizer(model_dir),
                                 template=ChatTemplate.load(model_dir, checkpoint.tokenizer_config),
                                 use_generation_config=settings.generation_config == "auto",
-                                images=ImageProcessor.from_checkpoint(model_dir), image_limits=settings.images)
+                                images=ImageProcessor.from_checkpoint(model_dir), image_limits=settings.images,
+                                thinking_settings=settings.thinking)
         self.model_name = settings.served_model_name or model_dir.resolve().name
         # The served name, and the checkpoint as vLLM would name it without --served-model-name (its path).
         self.accepted_names = {self.model_name, model_dir.resolve().name, str(settings.model_dir),

@@ -60,6 +60,9 @@ class ServeGatewaySettings:
                                 default=str(20 << 20), type=int)
     image_fetch_timeout: float = flag("image-fetch-timeout", "seconds a remote image may take to fetch (default "
                                       "%(default)s)", default="10", type=float)
+    reasoning_budget: int = flag(shared.REASONING_BUDGET)
+    reasoning_budget_message: str | None = flag(shared.REASONING_BUDGET_MESSAGE)
+    reasoning_effort_budgets: str = flag(shared.REASONING_EFFORT_BUDGETS)
     log_level: str = flag(shared.LOG_LEVEL)
 
     def input_limits(self) -> InputLimits:
@@ -80,6 +83,7 @@ def serve_gateway(s: ServeGatewaySettings) -> int:
 
     from .app import GatewaySettings, create_app
     from .images import ImageLimits
+    from .thinking import ThinkingSettings
 
     # (tracing before create_app: it adds the HTTP span middleware when on)
     start_role("gateway", s.log_level, log_format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -90,7 +94,9 @@ def serve_gateway(s: ServeGatewaySettings) -> int:
                                    generation_config=s.generation_config, limits=limits,
                                    internal_token=s.internal_token,
                                    images=ImageLimits(allow_urls=s.allow_image_urls, max_bytes=s.image_max_bytes,
-                                                      timeout_s=s.image_fetch_timeout))
+                                                      timeout_s=s.image_fetch_timeout),
+                                   thinking=ThinkingSettings.from_flags(s.reasoning_budget, s.reasoning_budget_message,
+                                                                        s.reasoning_effort_budgets))
         app = create_app(settings)
     except (FileNotFoundError, ValueError) as exc:
         print(f"serve-gateway: {exc}", file=sys.stderr)

@@ -6,11 +6,15 @@ regex, choice, grammar — Lark or GBNF — json_object) and its older `guided_*
 false; a named function: exactly one call of it). `auto` is not constrained: the model's own output is parsed.
 
 The grammar covers the whole reply, so it also says where the constrained part starts: after the reasoning when the
-prompt opened a think block (`<think>` ends it: free text, then `</think>`), else at once — after a newline
-either way, as history turns render `</think>\\n`, so a constrained reply sent back as history renders to the
-very tokens that were generated and the next turn's prompt matches them in the prefix cache. JSON is compact and
-single-line unless the request gives a `whitespace_pattern`: a free-whitespace grammar lets a weak model write
-whitespace for ever.
+prompt opened a think block, else at once — after a newline either way, as history turns render `</think>\\n`, so
+a constrained reply sent back as history renders to the very tokens that were generated and the next turn's prompt
+matches them in the prefix cache. JSON is compact and single-line unless the request gives a `whitespace_pattern`:
+a free-whitespace grammar lets a weak model write whitespace for ever.
+
+The reasoning is any tokens but the ones that end it (`</think>`; a tool call's opening when calls are parsed) and
+the stop ids: token ids, not text, so the grammar never holds the thinking to whole UTF-8 characters — a byte-level
+token that leaves a character open must not forbid the `</think>` that the model, or the scheduler's thinking
+budget, puts next. With a forced tool call, the call may also open straight from the reasoning (that ends it too).
 
 Tool calls follow GLM's format, `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`, with
 the arguments typed by the tool's JSON schema: a string argument is raw text (no `<`; `enum`, `pattern`,
@@ -34,24 +38,57 @@ TOOL_TAGS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_val
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def _id_ranges(size: int, excluded: set[int]) -> list[tuple[int, int]]:
+    """[lo, hi] runs of the ids 0..size-1 outside `excluded`."""
+    runs: list[tuple[int, int]] = []
+    lo = 0
+    for cut in sorted(t for t in excluded if 0 <= t < size) + [size]:
+        if lo < cut:
+            runs.append((lo, cut - 1))
+        lo = cut + 1
+    return runs
+
+
 class GrammarBuilder:
     """Builds grammars for the checkpoint's tokenizer (tags that are single added tokens are referenced as tokens,
     which is how llguidance sees them); grammar_check.py compiles and checks them."""
 
-    def __init__(self, added_tokens: set[str]) -> None:
+    def __init__(self, added_tokens: set[str], token_ids: dict[str, int] | None = None, vocab: int = 0,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
+        """`token_ids`: the ids of the tags that are single tokens; `vocab`: the ids the tokenizer knows; `stop_ids`:
+        the checkpoint's EOS ids (never inside the reasoning)."""
         self._added = added_tokens
+        self._ids = token_ids or {}
+        self._vocab = vocab
+        self._stops = stop_ids
 
     def tag(self, text: str) -> str:
         """A literal tag in Lark: the token itself when the vocabulary has it as one added token."""
         return text if text in self._added else json.dumps(text)
 
     # -- the body: what the constrained part of the reply is -----------------------------------------------------
-    def reply(self, body: dict[str, Any], reasoning: bool) -> str:
-        """The whole reply: [reasoning `</think>`] or [newline], then the body grammar (named "body")."""
-        head = f"start: THINK {self.tag(THINK_CLOSE)} NL @body\nTHINK: /(?s:.*)/\n" if reasoning \
-            else "start: NL @body\n"
+    def reply(self, body: dict[str, Any], reasoning: bool, calls: bool = False, tools_parsed: bool = False) -> str:
+        """The whole reply: [reasoning `</think>`] or [newline], then the body grammar (named "body"). With
+        `calls` (the body is tool calls) a call may also open straight from the reasoning: a tool call's opening
+        ends thinking (the scheduler's thinking budget counts it so too, and never forces `</think>` into it).
+        `tools_parsed`: the reply's tool calls are parsed, so a call's opening is never reasoning."""
+        head = "start: NL @body\n"
+        if reasoning:
+            think, rules = self._reasoning(tools_parsed or calls)
+            head = f"start: {think} {self.tag(THINK_CLOSE)} NL @body" + (f" | {think} @body" if calls else "") + \
+                "\n" + rules
         top = {"name": "reply", "lark_grammar": head + "NL: /\\n/\n"}
         return json.dumps({"grammars": [top, {**body, "name": "body"}]})
+
+    def _reasoning(self, calls_parsed: bool) -> tuple[str, str]:
+        """(the reasoning's symbol, its rules): any tokens but the stop ids and those that end the reasoning."""
+        if THINK_CLOSE not in self._ids:  # </think> is not one token: the reasoning is text up to it
+            return "THINK", "THINK: /(?s:.*)/\n"
+        ends = {self._ids[THINK_CLOSE]}
+        if calls_parsed and TOOL_TAGS[0] in self._ids:
+            ends.add(self._ids[TOOL_TAGS[0]])
+        ranges = " | ".join(f"<[{lo}-{hi}]>" for lo, hi in _id_ranges(self._vocab, set(self._stops) | ends))
+        return "think", f"think: token*\ntoken: {ranges}\n"
 
     @staticmethod
     def _first(grammar_json: str) -> dict[str, Any]:
@@ -135,12 +172,12 @@ class GrammarBuilder:
         return name
 
 
-def _thinking(prompt_text: str) -> bool:
+def opens_thinking(prompt_text: str) -> bool:
     """The prompt opened a think block: the reply starts with reasoning, ended by </think>."""
     return prompt_text.rstrip().endswith(THINK_OPEN)
 
 
-def _source(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, str] | None:
+def source(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, str] | None:
     """(kind, value, field) of what constrains the request's output: kind is json / regex / choice / grammar."""
     so, rf = req.structured_outputs, req.response_format
     legacy = [(k, getattr(req, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")
@@ -170,10 +207,10 @@ def _source(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, s
 def request_body(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest
                  ) -> tuple[dict[str, Any], str] | None:
     """(body grammar, the field it came from), or None when the output is free."""
-    source = _source(req)
-    if source is None:
+    found = source(req)
+    if found is None:
         return None
-    kind, value, param = source
+    kind, value, param = found
     ws = req.guided_whitespace_pattern
     if req.structured_outputs is not None and req.structured_outputs.whitespace_pattern is not None:
         ws = req.structured_outputs.whitespace_pattern
@@ -202,11 +239,13 @@ def tool_body(b: GrammarBuilder, req: ChatCompletionRequest) -> tuple[dict[str, 
     return None
 
 
-def build_grammar(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest, prompt_text: str | None
+def build_grammar(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequest, reasoning: bool | None
                   ) -> tuple[str, str] | None:
     """(the request's grammar as llguidance JSON, the field it came from), not checked yet; None when
-    unconstrained."""
+    unconstrained. `reasoning`: the prompt opened a think block (the grammar starts after it); None for a completion
+    that did not (its grammar is the whole output)."""
     body = request_body(b, req)
+    forced = None
     if isinstance(req, ChatCompletionRequest):
         forced = tool_body(b, req)
         if forced is not None and body is not None:
@@ -216,6 +255,7 @@ def build_grammar(b: GrammarBuilder, req: ChatCompletionRequest | CompletionRequ
     if body is None:
         return None
     grammar, param = body
-    if prompt_text is None:  # completions: the grammar is the whole output
+    if reasoning is None:
         return json.dumps({"grammars": [grammar]}), param
-    return b.reply(grammar, _thinking(prompt_text)), param
+    tools_parsed = isinstance(req, ChatCompletionRequest) and bool(req.tools) and req.tool_choice != "none"
+    return b.reply(grammar, reasoning, calls=forced is not None, tools_parsed=tools_parsed), param

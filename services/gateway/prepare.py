@@ -7,7 +7,10 @@ All the choices where OpenAI, vLLM and twinspark differ are made here, in one pl
 - max_tokens (and max_completion_tokens, which wins when both are given): default the rest of the window, for
   completions too (OpenAI's completions default is 16; vLLM's is also the rest of the window).
 - `reasoning_effort`: "none" turns thinking off; any other level turns it on and is passed to the template as
-  `reasoning_effort` (medium -> high, xhigh -> max, minimal -> low); `chat_template_kwargs` wins over it.
+  `reasoning_effort` (medium -> high, xhigh -> max, minimal -> low); `chat_template_kwargs` wins over it. It also
+  sets the thinking budget, unless `thinking_token_budget` does (thinking.py).
+- a thinking budget with structured output or a forced tool call must leave room within max_tokens for the
+  shortest constrained part after the forced end of thinking (shortest.py), else a 400 saying what it needs.
 - n > 1 (and completions' best_of): one scheduler request per choice, choice i with `seed_offset` i — so choice i
   is exactly the single-choice request with seed `seed + i` (no seed: the prompt-derived key + i).
 - logprobs: chat `logprobs` + `top_logprobs`, completions `logprobs` = the top count; best_of > n asks for the
@@ -29,12 +32,14 @@ from services.common.tensors import to_proto
 from twinspark.v1 import generate_pb2
 
 from .checkpoint import CheckpointInfo
-from .constraints import THINK_CLOSE, THINK_OPEN, GrammarBuilder, build_grammar
+from .constraints import THINK_CLOSE, THINK_OPEN, TOOL_TAGS, GrammarBuilder, build_grammar, opens_thinking
 from .errors import GatewayError, bad_request, context_length_exceeded
 from .grammar_check import CLOSE, OPEN, GrammarChecker
 from .images import ImageLimits, ImageProcessor, ProcessedImage, load_image
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Renames, rename
+from .shortest import shortest_reply
 from .template import ChatTemplate
+from .thinking import ThinkingIds, ThinkingSettings
 from .tokenizer import TextTokenizer
 
 _EFFORT = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "max": "max", "xhigh": "max"}
@@ -51,30 +56,72 @@ class ModelContext:
     max_model_len: int = 0  # the window in force (checkpoint / flag, narrowed by the scheduler's figure)
     images: ImageProcessor | None = None  # the checkpoint's image processor (None: it reads no images)
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    thinking_settings: ThinkingSettings = field(default_factory=ThinkingSettings)
     grammar: GrammarBuilder = field(init=False)
     grammar_check: GrammarChecker = field(init=False)
+    thinking: ThinkingIds = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.max_model_len:
             self.max_model_len = self.checkpoint.max_model_len
-        self.grammar = GrammarBuilder(self.tokenizer.added_tokens)
-        self.think_close_id = self.tokenizer.token_to_id(THINK_CLOSE)  # counts reasoning tokens when one id
+        tag_ids = {t: i for t in (THINK_CLOSE, TOOL_TAGS[0]) if (i := self.tokenizer.token_to_id(t)) is not None}
+        self.grammar = GrammarBuilder(self.tokenizer.added_tokens, tag_ids, self.tokenizer.size,
+                                      self.checkpoint.eos_token_ids)
+        self.thinking = ThinkingIds(self.tokenizer, self.thinking_settings)
         walk_ids = {t: i for t in (*CLOSE, *OPEN, THINK_CLOSE) if (i := self.tokenizer.token_to_id(t)) is not None}
         # The gateway's lifespan starts the check's worker (else the first constrained request does).
         self.grammar_check = GrammarChecker(self.tokenizer.json, self.vocab_size,
                                             sorted(self.checkpoint.eos_token_ids), walk_ids)
 
     async def constrain(self, prep: "Prepared", req: ChatCompletionRequest | CompletionRequest,
-                        prompt_text: str | None) -> None:
-        """Set the request's grammar, checked. Last of the refusals: the check compiles the grammar, the others
-        cost nothing."""
-        built = build_grammar(self.grammar, req, prompt_text)
+                        reasoning: bool | None, renames: Renames | None = None) -> None:
+        """Set the request's grammar, checked (`reasoning`: see `build_grammar`). Last of the refusals: the check
+        compiles the grammar, the others cost nothing."""
+        built = build_grammar(self.grammar, req, reasoning)
         if built is None:
             return
+        if prep.request.HasField("thinking"):
+            self.check_room(prep, req, renames)
         await self.grammar_check.check(*built)
         for r in prep.requests:
             r.grammar = built[0]
         prep.grammar_param = built[1]
+
+    def check_room(self, prep: "Prepared", req: ChatCompletionRequest | CompletionRequest,
+                   renames: Renames | None) -> None:
+        """A 400 when the thinking budget, the forced end of thinking and the shortest constrained part (with the
+        newline before it and the end token after it) do not fit max_tokens."""
+        shortest = shortest_reply(req)
+        if shortest is None:
+            return
+        texts, what = shortest
+        part = min(len(self.tokenizer.encode("\n" + t)) for t in texts) + 1
+        thinking = prep.request.thinking
+        need = thinking.budget + len(thinking.forced_ids) + part
+        limit = prep.request.max_tokens
+        if need <= limit:
+            return
+        param = rename("max_tokens", renames or []) or "max_tokens"
+        raise bad_request(
+            f"{param} ({limit}) leaves no room for the {what} after thinking: this request needs {param} >= {need} "
+            f"({thinking.budget} thinking tokens from {prep.budget_source}, {len(thinking.forced_ids)} forced to end "
+            f"thinking, {part} for the shortest {what} with its newline and end token); raise {param} or lower the "
+            "thinking budget", param=param, code="thinking_budget_exceeds_max_tokens")
+
+    def limit_thinking(self, prep: "Prepared", explicit: int | None, effort: str | None,
+                       renames: Renames | None = None) -> None:
+        """Give the request its thinking budget (thinking.py), when its reply starts inside a think block and one
+        applies."""
+        budget = self.thinking_settings.budget(explicit, effort)
+        if not prep.reasoning or budget is None:
+            return
+        field_name = "thinking_token_budget" if explicit is not None else "reasoning_effort"
+        param = rename(field_name, renames or []) or field_name
+        prep.budget_source = param if explicit is not None else \
+            f"{param} {effort!r}" if effort is not None else "the server's --reasoning-budget"
+        proto = self.thinking.proto(budget, prep.tools is not None, param)
+        for r in prep.requests:
+            r.thinking.CopyFrom(proto)
 
     @property
     def vocab_size(self) -> int:
@@ -101,7 +148,8 @@ class Prepared:
     logprobs: int | None = None   # top logprobs per token the client asked for; None = no logprobs
     reasoning: bool = False       # the prompt opened a think block: the reply starts with reasoning
     tools: dict[str, dict[str, Any] | None] | None = None  # name -> parameters, when tool calls are parsed
-    think_close_id: int | None = None
+    think_end_ids: frozenset[int] = frozenset()  # ids that end the reasoning (reasoning_tokens counts up to one)
+    budget_source: str = ""       # what set the thinking budget, in the caller's words (for refusals)
     min_tokens: int = 0           # stop strings count only in the text of later tokens (vLLM)
     image_tokens: int = 0         # prompt tokens that are image placeholders (usage reports them)
     grammar_param: str | None = None  # the field the grammar came from: where a grammar failure points
@@ -229,7 +277,7 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
                     skip_special_tokens=req.skip_special_tokens, final_ids=frozenset(final), stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
                     return_token_ids=req.return_token_ids, requests=requests, n=req.n, logprobs=logprobs,
-                    think_close_id=ctx.think_close_id, min_tokens=req.min_tokens or 0)
+                    min_tokens=req.min_tokens or 0)
 
 
 async def chat_images(ctx: ModelContext, messages: list[ChatMessage]) -> list[ProcessedImage]:
@@ -269,7 +317,9 @@ def place_images(ids: list[int], image_id: int, images: list[ProcessedImage]) ->
     return out + ids[prev:], protos
 
 
-async def prepare_chat(ctx: ModelContext, req: ChatCompletionRequest) -> Prepared:
+async def prepare_chat(ctx: ModelContext, req: ChatCompletionRequest, renames: Renames | None = None) -> Prepared:
+    """`renames`: the caller's names of chat's fields, when another API translated the request (its errors name
+    them)."""
     images = await chat_images(ctx, req.messages)
     text = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.reasoning_effort,
                        req.tools)
@@ -283,13 +333,15 @@ async def prepare_chat(ctx: ModelContext, req: ChatCompletionRequest) -> Prepare
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     prep = _build(ctx, "chat", req, ids, max_tokens, "messages",
                   logprobs=(req.top_logprobs or 0) if req.logprobs else None, best_of=req.n)
-    await ctx.constrain(prep, req, text)
-    prep.reasoning = text.rstrip().endswith(THINK_OPEN)
+    prep.reasoning = opens_thinking(text)
+    if req.tools and req.tool_choice != "none":
+        prep.tools = {t.function.name: t.function.parameters for t in req.tools}
+    prep.think_end_ids = frozenset(ctx.thinking.end_ids(prep.tools is not None))
+    ctx.limit_thinking(prep, req.thinking_token_budget, req.reasoning_effort, renames)
+    await ctx.constrain(prep, req, prep.reasoning, renames)
     prep.image_tokens = sum(p.tokens for p in protos)
     for r in prep.requests:
         r.images.extend(protos)
-    if req.tools and req.tool_choice != "none":
-        prep.tools = {t.function.name: t.function.parameters for t in req.tools}
     return prep
 
 
@@ -297,7 +349,7 @@ async def prepare_translated(ctx: ModelContext, req: ChatCompletionRequest, rena
     """`prepare_chat` for a request another API translated (Anthropic Messages, Responses): its errors, and the
     field a later grammar failure points at, name that API's fields."""
     try:
-        prep = await prepare_chat(ctx, req)
+        prep = await prepare_chat(ctx, req, renames)
     except GatewayError as err:
         err.param = rename(err.param, renames)
         raise
@@ -319,5 +371,18 @@ async def prepare_completion(ctx: ModelContext, req: CompletionRequest) -> Prepa
         _check_ids(ids, ctx.vocab_size, "prompt")
     prep = _build(ctx, "completion", req, ids, req.max_tokens, "prompt", logprobs=req.logprobs,
                   best_of=req.best_of or req.n)
-    await ctx.constrain(prep, req, None)
+    # A raw prompt may open a think block too (its last <think> after its last </think>): then the budget applies
+    # and a grammar starts after the reasoning, as in chat.
+    prep.reasoning = _opens_thinking_ids(ctx, ids)
+    prep.think_end_ids = frozenset(ctx.thinking.end_ids(False))
+    ctx.limit_thinking(prep, req.thinking_token_budget, None)
+    await ctx.constrain(prep, req, True if prep.reasoning else None)
     return prep
+
+
+def _opens_thinking_ids(ctx: ModelContext, ids: list[int]) -> bool:
+    open_id, close_id = ctx.tokenizer.token_to_id(THINK_OPEN), ctx.thinking.close
+    if open_id is None or open_id not in ids:
+        return False
+    last_open = len(ids) - 1 - ids[::-1].index(open_id)
+    return close_id is None or close_id not in ids[last_open:]

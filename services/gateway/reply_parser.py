@@ -2,7 +2,9 @@
 reply always adds up to the non-streamed one).
 
 - Reasoning: when the prompt opened a think block (it ends with `<think>`), or the reply itself starts with
-  `<think>`, everything up to `</think>` is reasoning (`reasoning_content`, and vLLM's newer `reasoning`).
+  `<think>`, everything up to `</think>` is reasoning (`reasoning_content`, and vLLM's newer `reasoning`). When tool
+  calls are parsed, a call's opening ends the reasoning too (the scheduler's thinking budget counts it as the end
+  of thinking, and a forced tool call may open straight from the reasoning).
 - Tool calls (only when the request has tools and tool_choice is not "none"): GLM's
   `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>` blocks become tool calls whose
   arguments are a JSON object, each value typed by the tool's JSON schema (a string parameter keeps the raw text;
@@ -138,14 +140,17 @@ class ReplyParser:
             self._state = "content"
 
     def _reasoning(self, out: list[ReplyEvent], final: bool) -> None:
-        at = self._buf.find(THINK_CLOSE)
-        if at >= 0:
+        ends = (THINK_CLOSE, TOOL_OPEN) if self._tools is not None else (THINK_CLOSE,)
+        found = [(at, tag) for tag in ends if (at := self._buf.find(tag)) >= 0]
+        if found:
+            at, tag = min(found)
             out.append(ReasoningDelta(self._buf[:at]))
-            self._buf = self._buf[at + len(THINK_CLOSE):]
+            # </think> is the format's and goes; a call's opening stays, for the call to parse.
+            self._buf = self._buf[at + len(THINK_CLOSE):] if tag == THINK_CLOSE else self._buf[at:]
             self._state = "content"
-            self._after_think = True
+            self._after_think = tag == THINK_CLOSE
             return
-        keep = 0 if final else _partial_tail(self._buf, THINK_CLOSE)
+        keep = 0 if final else max(_partial_tail(self._buf, tag) for tag in ends)
         out.append(ReasoningDelta(self._buf[: len(self._buf) - keep]))
         self._buf = self._buf[len(self._buf) - keep:]
 

@@ -74,12 +74,12 @@ def parse_reply(prep: Prepared, text: str) -> ParsedReply:
 
 
 def reasoning_tokens(prep: Prepared, final: Final) -> int:
-    """Tokens of the reasoning: those before `</think>` (all of them while it never came)."""
+    """Tokens of the reasoning: those before the token that ended it (`</think>`, or a tool call's opening when
+    calls are parsed); all of them while none came. A forced message counts as the model's own text; the ending
+    token is not counted, forced or not."""
     if not prep.reasoning:
         return 0
-    if prep.think_close_id is not None and prep.think_close_id in final.token_ids:
-        return final.token_ids.index(prep.think_close_id)
-    return len(final.token_ids)
+    return next((i for i, t in enumerate(final.token_ids) if t in prep.think_end_ids), len(final.token_ids))
 
 
 def finish_reason(final: Final, calls: int) -> str:

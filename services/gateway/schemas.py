@@ -231,6 +231,9 @@ class _Generation(_Strict):
     repetition_penalty: float | None = Field(None, **REPETITION_PENALTY.field())
     logit_bias: dict[str, Annotated[float, Field(**LOGIT_BIAS.field())]] | None = None  # token id -> bias
     min_tokens: int | None = Field(None, **MIN_TOKENS.field())
+    # vLLM: tokens the reply may think (inside the think block the prompt opened) before the end of thinking is
+    # forced; unset: reasoning_effort's budget, else the server's --reasoning-budget (thinking.py).
+    thinking_token_budget: int | None = Field(None, ge=0, lt=1 << 31)
     # Recognised, not implemented: only their neutral value is accepted (see _NEUTRAL).
     length_penalty: Any = None
     priority: Any = None

@@ -16,10 +16,11 @@ STATE_DIR = Flag("state-dir", "where up.json and logs/ go (default $XDG_STATE_HO
                   "~/.local/state/twinspark)", metavar="DIR")
 
 
-def _passed_on(spec: Flag) -> Any:
-    """A rank flag that `up` gives every rank when it is set."""
-    return flag(spec, help=f"{spec.help}; passed on to every rank (unset: the ranks' own {spec.env_var})",
-                default=None, env=None)
+def _passed_on(spec: Flag, to: str = "every rank") -> Any:
+    """A role's flag that `up` gives that role when it is set (unset, the role reads its own variable)."""
+    role_help = spec.help.replace("%(default)s", spec.default or "none")  # the role's default, not up's None
+    return flag(spec, help=f"{role_help}; passed on to {to} (unset: its own {spec.env_var})", default=None,
+                env=None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,9 @@ class UpSettings:
     kv_disk_dir: str | None = _passed_on(shared.KV_DISK_DIR)
     kv_disk_bytes: int | None = _passed_on(shared.KV_DISK_BYTES)
     enforce_eager: bool = flag(shared.ENFORCE_EAGER)
+    reasoning_budget: int | None = _passed_on(shared.REASONING_BUDGET, "the gateway")
+    reasoning_budget_message: str | None = _passed_on(shared.REASONING_BUDGET_MESSAGE, "the gateway")
+    reasoning_effort_budgets: str | None = _passed_on(shared.REASONING_EFFORT_BUDGETS, "the gateway")
     random_weights: str | None = flag(shared.RANDOM_WEIGHTS)
     random_block_size: int = flag(shared.RANDOM_BLOCK_SIZE)
     detach: bool = flag("detach", "run the supervisor in the background; return once healthy (stop with "
@@ -55,8 +59,15 @@ class UpSettings:
 
     def tier_flags(self) -> list[str]:
         """The KV tier flags given to `up`, as every rank's argv gets them."""
+        return self._given(shared.KV_HOST_BYTES, shared.KV_DISK_DIR, shared.KV_DISK_BYTES)
+
+    def gateway_flags(self) -> list[str]:
+        """The thinking flags given to `up`, as the gateway's argv gets them."""
+        return self._given(shared.REASONING_BUDGET, shared.REASONING_BUDGET_MESSAGE, shared.REASONING_EFFORT_BUDGETS)
+
+    def _given(self, *specs: Flag) -> list[str]:
         out: list[str] = []
-        for spec in (shared.KV_HOST_BYTES, shared.KV_DISK_DIR, shared.KV_DISK_BYTES):
+        for spec in specs:
             value = getattr(self, spec.dest)
             if value is not None:
                 out += [spec.option, str(value)]

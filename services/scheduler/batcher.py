@@ -41,7 +41,9 @@ class PlannedSeq:
     sample: bool
     verify: bool = False  # token_ids = [last committed token, drafts...]; every row is sampled
     prompt: bool = False  # token_ids are prompt tokens (a prefill chunk): the ranks use prefill arithmetic
-    masks: list[torch.Tensor] | None = None  # grammar masks, one per sample row (`apply_grammar_masks`)
+    # The tokens each sample row may produce (grammar, forced end of thinking: round_masks.py), None = any; None
+    # for the whole sequence when no row is masked.
+    masks: list[torch.Tensor | None] | None = None
 
     @property
     def num_drafts(self) -> int:
@@ -98,21 +100,6 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
     return out
 
 
-def apply_grammar_masks(seqs: list[PlannedSeq]) -> None:
-    """Masks for the sample rows of constrained requests; a verify window keeps only the drafts its grammar allows
-    (a forbidden draft would be rejected anyway: the rank's masked sample can never equal it)."""
-    for s in seqs:
-        g = s.req.grammar
-        if g is None or not s.sample:
-            continue
-        if s.verify:
-            s.masks, kept = g.window(s.token_ids[1:])
-            s.token_ids = s.token_ids[: 1 + len(kept)]
-            s.verify = bool(kept)
-        else:
-            s.masks = [g.mask()]
-
-
 def build_step_plan(seqs: list[PlannedSeq], block_size: int,
                     state_copies: list[tuple[int, int]] | None = None) -> rank_pb2.StepPlan:
     """The packed StepPlan for `seqs` (round and checksum are set by the sender); `state_copies` are the
@@ -139,11 +126,10 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
                     penalised.append((len(sample_rows), pen.spec, pen.row(s.req, s.token_ids[1 : j + 1] if s.verify
                                                                          else [])))
                 sample_rows.append(len(token_ids) + r)
-                if s.masks is not None:
-                    mask_index.append(len(bitmask))
-                    bitmask.append(s.masks[j])
-                else:
-                    mask_index.append(-1)
+                mask = s.masks[j] if s.masks is not None else None
+                mask_index.append(len(bitmask) if mask is not None else -1)
+                if mask is not None:
+                    bitmask.append(mask)
                 logprobs_k.append(s.req.logprobs_k)
                 temperature.append(sp.temperature)
                 top_p.append(sp.top_p)
@@ -175,8 +161,11 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
     if any(verify):
         plan.verify.CopyFrom(to_proto(verify))
     if bitmask:
+        # One width for all rows (the words past a mask's own are zero: those ids are not in its vocabulary).
+        words = max(m.numel() for m in bitmask)
         plan.mask_index.CopyFrom(to_proto(mask_index))
-        plan.bitmask.CopyFrom(to_proto(torch.stack(bitmask)))
+        plan.bitmask.CopyFrom(to_proto(torch.stack([torch.nn.functional.pad(m, (0, words - m.numel()))
+                                                    for m in bitmask])))
     if any(k >= 0 for k in logprobs_k):
         plan.logprobs_k.CopyFrom(to_proto(logprobs_k))
     if penalised:

@@ -29,7 +29,7 @@ class GrammarError(ValueError):
     """The grammar does not compile (its text says why)."""
 
 
-def _allows(mask: torch.Tensor, token: int) -> bool:
+def allows(mask: torch.Tensor, token: int) -> bool:
     word = token // 32
     return 0 <= word < mask.numel() and bool((int(mask[word]) >> (token % 32)) & 1)
 
@@ -46,7 +46,7 @@ class RequestGrammar:
         return torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32)
 
     def mask(self) -> torch.Tensor:
-        """int32 [ceil(V / 32)]: the tokens allowed next."""
+        """int32 [V // 32 + 1] (llguidance's width): the tokens allowed next."""
         self._masks = [self._compute()]
         return self._masks[0]
 
@@ -56,7 +56,7 @@ class RequestGrammar:
         masks = [self._compute()]
         kept: list[int] = []
         for d in drafts:
-            if not _allows(masks[-1], d) or not self._m.consume_token(d):
+            if not allows(masks[-1], d) or not self._m.consume_token(d):
                 break
             kept.append(d)
             masks.append(self._compute())
@@ -77,7 +77,7 @@ class RequestGrammar:
         if self._m.is_stopped():  # past the grammar's end only stop ids follow; nothing left to check
             return None
         for t, mask in zip(tokens, self._masks):
-            if not _allows(mask, t):
+            if not allows(mask, t):
                 return f"structured output: token {t} was sampled outside its grammar mask"
         if not self._m.consume_tokens(tokens):
             return self._failed()

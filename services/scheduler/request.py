@@ -26,6 +26,7 @@ from twinspark.v1 import generate_pb2
 if TYPE_CHECKING:
     from services.scheduler.grammar import RequestGrammar
     from services.scheduler.penalties import PenaltyState
+    from services.scheduler.thinking import ThinkingBudget
     from services.scheduler.tracing import RequestSpans
 
 _MASK64 = (1 << 64) - 1
@@ -77,7 +78,7 @@ class Request:
                  stop_ids: frozenset[int], eos_ids: frozenset[int], priority: int, order: int,
                  max_model_len: int, no_draft: bool = False, grammar: RequestGrammar | None = None,
                  logprobs_k: int = -1, images: list[generate_pb2.Image] | None = None,
-                 penalties: PenaltyState | None = None) -> None:
+                 penalties: PenaltyState | None = None, thinking: ThinkingBudget | None = None) -> None:
         self.id = request_id
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
@@ -93,6 +94,7 @@ class Request:
         self.grammar = grammar  # structured output: masks every sample row (drafts included)
         self.logprobs_k = logprobs_k  # -1: no logprobs; k >= 0: each token's logprob and the top k
         self.penalties = penalties  # penalties / logit_bias / min_tokens and the history they read (None: none)
+        self.thinking = thinking  # the thinking budget: forces the end of thinking once spent (None: unbounded)
         self.images = images or []  # prompt images, by offset (the ranks embed them at their placeholder rows)
         self.drafted_tokens = 0  # drafts verified for this request
         self.accepted_tokens = 0  # of which the ranks accepted

@@ -23,7 +23,7 @@ from opentelemetry.context import Context
 
 from services.common.step_budget import step_budget
 from services.scheduler.admission import AdmissionQueue
-from services.scheduler.batcher import PlannedSeq, apply_grammar_masks, build_step_plan, plan_round
+from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.grammar import GrammarBook
 from services.scheduler.kv_cache import KVCacheManager, snapshot_slots
 from services.scheduler.pool import PoolExhausted
@@ -31,6 +31,7 @@ from services.scheduler.prefix import KDA_CHUNK, Snapshot
 from services.scheduler.ranks import ModelInfo
 from services.scheduler.replay import reply_replay
 from services.scheduler.request import Request, State, TokenLogprobs
+from services.scheduler.round_masks import apply_round_masks
 from services.scheduler.tracing import RequestSpans
 from services.scheduler.validation import validate
 from twinspark.v1 import generate_pb2, rank_pb2
@@ -165,8 +166,10 @@ class RoundScheduler:
     @property
     def reads_last_samples(self) -> bool:
         """Whether a running request's next rows depend on its last samples themselves, not only on how many there
-        are: grammar masks, and penalties that count the generated tokens (logit_bias and min_tokens do not)."""
+        are: grammar masks, penalties that count the generated tokens (logit_bias and min_tokens do not), and a
+        thinking budget whose next row may be forced (thinking.py)."""
         return any(r.grammar is not None or (r.penalties is not None and r.penalties.spec.reads_output)
+                   or (r.thinking is not None and r.thinking.needs_samples(r.pending_samples))
                    for r in self.running)
 
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> ScheduledRound | None:
@@ -175,7 +178,7 @@ class RoundScheduler:
         seqs = plan_round(self.running, self.budget, drafts)
         if not seqs and not self.kv.tier_work:
             return None
-        apply_grammar_masks(seqs)
+        apply_round_masks(seqs, self.info.vocab_size)
         plan = build_step_plan(seqs, self.kv.pool.block_size, self.kv.state_copies(seqs)) if seqs \
             else rank_pb2.StepPlan()  # tier moves only: a request waits for its load
         moves, loads = self.kv.take_tier_moves()
@@ -244,8 +247,9 @@ class RoundScheduler:
         if hidden is not None:
             req.last_hidden = hidden[first + len(out) - 1]
         req.emit_tokens(out, _logprobs_of(req, logprobs, first, len(out)))
-        if req.grammar is not None:  # stopping tokens too: a grammar that failed in `mask` allowed only EOS
-            error = req.grammar.commit(out)
+        # Stopping tokens too: a grammar that failed in `mask` allowed only EOS.
+        for control in (req.thinking, req.grammar):
+            error = control.commit(out) if control is not None else None
             if error is not None:
                 self._finish(req, generate_pb2.FINISH_ERROR, error=error)
                 return

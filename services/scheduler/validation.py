@@ -21,6 +21,7 @@ from services.scheduler.grammar import GrammarBook, GrammarError, RequestGrammar
 from services.scheduler.penalties import PenaltySpec, PenaltyState
 from services.scheduler.ranks import ModelInfo
 from services.scheduler.request import Request, SamplingSpec, derive_seed
+from services.scheduler.thinking import ThinkingBudget, ThinkingSpec, spec_error
 from twinspark.v1 import generate_pb2
 
 # Bounds on a Generate request's small fields (ids end up in every log line of the request).
@@ -56,12 +57,14 @@ def validate(msg: generate_pb2.GenerateRequest, info: ModelInfo, *, grammars: Gr
     grammar = _grammar(msg, grammars)
     spec = _penalties(msg, info.vocab_size)
     images = _images(msg, len(prompt))
+    thinking = _thinking(msg, info.vocab_size)
     return Request(
         request_id=rid, prompt=prompt, max_tokens=msg.max_tokens, images=images, sampling=sampling,
         stop_ids=frozenset(msg.stop_token_ids), eos_ids=frozenset() if msg.ignore_eos else frozenset(info.eos_ids),
         priority=msg.priority, order=next(order), max_model_len=info.max_model_len,
         no_draft=msg.no_draft, grammar=grammar, logprobs_k=msg.top_logprobs if msg.logprobs else -1,
-        penalties=PenaltyState(spec, prompt) if spec is not None else None)
+        penalties=PenaltyState(spec, prompt) if spec is not None else None,
+        thinking=ThinkingBudget(thinking) if thinking is not None else None)
 
 
 def _prompt(msg: generate_pb2.GenerateRequest, info: ModelInfo) -> list[int]:
@@ -146,6 +149,17 @@ def _penalties(msg: generate_pb2.GenerateRequest, vocab: int) -> PenaltySpec | N
     spec = PenaltySpec(presence=sp.presence_penalty, frequency=sp.frequency_penalty, repetition=repetition,
                        logit_bias=tuple(sorted(sp.logit_bias.items())), min_tokens=msg.min_tokens)
     return spec if spec != PenaltySpec() else None
+
+
+def _thinking(msg: generate_pb2.GenerateRequest, vocab: int) -> ThinkingSpec | None:
+    """The request's thinking budget (None: unbounded)."""
+    if not msg.HasField("thinking"):
+        return None
+    error = spec_error(msg.thinking, vocab)
+    if error is not None:
+        raise InvalidRequest("invalid_thinking", error)
+    t = msg.thinking
+    return ThinkingSpec(budget=t.budget, forced=tuple(t.forced_ids), ends=frozenset(t.end_ids))
 
 
 def _images(msg: generate_pb2.GenerateRequest, prompt_len: int) -> list[generate_pb2.Image]:

@@ -269,7 +269,7 @@ def test_anthropic_messages(stack_tp2: Stack, m: str) -> None:
     assert a.messages.create(model=m, max_tokens=4, messages=follow, tools=tools).usage.input_tokens > \
         used.usage.input_tokens
     with a.messages.stream(model=m, max_tokens=8, messages=user, thinking={"type": "enabled",
-                                                                           "budget_tokens": 64}) as s:
+                                                                           "budget_tokens": 4}) as s:
         final = s.get_final_message()
     assert final.content[0].type == "thinking" and final.content[0].thinking and final.stop_reason == "max_tokens"
     count = a.messages.count_tokens(model=m, messages=user, system="Be brief.")

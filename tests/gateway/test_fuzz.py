@@ -53,7 +53,8 @@ json_values = st.recursive(
 # Bodies shaped like the real ones, with arbitrary values in the known fields.
 FIELDS = ["messages", "prompt", "tokens", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
           "stop_token_ids", "stream", "stream_options", "model", "n", "logprobs", "tools", "chat_template_kwargs",
-          "reasoning_effort", "request_id", "return_token_ids", "add_special_tokens", "ignore_eos",
+          "reasoning_effort", "thinking_token_budget", "request_id", "return_token_ids", "add_special_tokens",
+          "ignore_eos",
           # Responses and Messages
           "input", "instructions", "max_output_tokens", "text", "reasoning", "system", "stop_sequences", "thinking",
           "tool_choice", "response_format", "structured_outputs", "logit_bias", "top_logprobs"]

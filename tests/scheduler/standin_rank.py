@@ -88,6 +88,9 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
     # "stop": the server dies; "error": answers StepResult.error; "raise": stream breaks; "refuse": answers a refusal
     # of a malformed plan (StepResult.refused) and goes on serving, as a real rank does
     fail_mode: str = "stop"
+    # Sample under the plan's masks (grammar, forced end of thinking) as a real rank does: a masked row draws among the
+    # tokens its mask allows. Off (the default): masks are ignored, so tests can see what a rank that skips them does.
+    apply_masks: bool = False
     token: str | None = None  # the internal token its server requires (None: none)
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # per stand-in, like a rank process start
     rounds: list[RoundLog] = field(default_factory=list)
@@ -223,6 +226,7 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
             self.slot_pos[slot] += n
             self.slot_hash[slot].update(_i32(new))
             self.rounds[-1].seqs.append((plan.request_ids[s], start, n, offset + n - 1 in rows))
+        masks = self._masks(plan, len(rows)) if self.apply_masks else [None] * len(rows)
         out = []
         for r, row in enumerate(rows):
             if not 0 <= row < len(row_at):
@@ -236,9 +240,30 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
                     hashlib.sha256(_i32(prefix)).digest() != self.slot_hash[slots[s]].digest():
                 raise StandinError(f"{plan.request_ids[s]}: cache read back through the block table disagrees with "
                                    f"slot {slots[s]}'s state")
-            out.append(standin_token(prefix, seeds[r], temps[r], self.vocab))
+            token = standin_token(prefix, seeds[r], temps[r], self.vocab)
+            allowed = masks[r]
+            if allowed is not None:
+                if not allowed:
+                    raise StandinError(f"{plan.request_ids[s]}: sample row {r}'s mask allows no token")
+                token = allowed[token % len(allowed)]
+            out.append(token)
             if pos == starts[s] + lengths[s] - 1:
                 self.last_sampled[slots[s]] = out[-1]
+        return out
+
+    def _masks(self, plan: rank_pb2.StepPlan, n_rows: int) -> list[list[int] | None]:
+        """Per sample row: the ids its mask allows (ascending), None when unmasked."""
+        if not plan.HasField("mask_index") or not plan.mask_index.dtype:
+            return [None] * n_rows
+        index = from_proto(plan.mask_index).tolist()
+        words = from_proto(plan.bitmask).tolist()
+        out: list[list[int] | None] = []
+        for i in index:
+            if i < 0:
+                out.append(None)
+                continue
+            out.append([32 * j + b for j, w in enumerate(words[i]) for b in range(32)
+                        if (w >> b) & 1 and 32 * j + b < self.vocab])
         return out
 
     def _block(self, table: list[int], pos: int, rid: str) -> int:

@@ -63,7 +63,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "priority", "no_draft", "trace_context", "grammar", "logprobs", "top_logprobs", "seed_offset", "images", "min_tokens")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "priority", "no_draft", "trace_context", "grammar", "logprobs", "top_logprobs", "seed_offset", "images", "min_tokens", "thinking")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class GenerateRequest(_message.Message):
     SEED_OFFSET_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _tensor_pb2.Tensor
     sampling: Sampling
@@ -101,7 +102,18 @@ class GenerateRequest(_message.Message):
     seed_offset: int
     images: _containers.RepeatedCompositeFieldContainer[Image]
     min_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., no_draft: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., seed_offset: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    thinking: ThinkingBudget
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., no_draft: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., seed_offset: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., thinking: _Optional[_Union[ThinkingBudget, _Mapping]] = ...) -> None: ...
+
+class ThinkingBudget(_message.Message):
+    __slots__ = ("budget", "forced_ids", "end_ids")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FORCED_IDS_FIELD_NUMBER: _ClassVar[int]
+    END_IDS_FIELD_NUMBER: _ClassVar[int]
+    budget: int
+    forced_ids: _containers.RepeatedScalarFieldContainer[int]
+    end_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, budget: _Optional[int] = ..., forced_ids: _Optional[_Iterable[int]] = ..., end_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("pixel_values", "grid_thw", "digest", "offset", "tokens")
