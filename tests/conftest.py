@@ -2,7 +2,8 @@
 
 Without a GPU, Triton kernels (kernels/gpu) run in Triton's CPU interpreter so their logic is tested against the
 torch twins here too. The switch must be set before anything imports triton, hence at the top of this file; the
-interpreter's `tl.dot` is made row-invariant as a GPU's is (tests/interpreter_dot.py says why).
+interpreter's `tl.dot` is made row-invariant as a GPU's is, and its device-function calls skip re-patching
+`triton.language` (tests/interpreter.py says why).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from tests import interpreter_dot
-    interpreter_dot.install()
+    from tests import interpreter
+    interpreter.install()
 
 from model.checkpoint import make_tiny
 from tests.model.quant_helpers import QUANT_BLOCK
