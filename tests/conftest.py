@@ -97,19 +97,7 @@ def _tier(item: pytest.Item) -> str:
     return "unit"
 
 
-# ----- two workers (pytest-xdist, the README's `-n 2`; pyproject's addopts pick --dist loadgroup) -----
-
-# Modules that use the session's shared stacks (tests/e2e/conftest.py): one worker runs them all, so each stack
-# starts once per run, as in one process.
-_SHARED_STACKS = ("stack_tp1", "stack_tp2")
-
-
-def _group(item: pytest.Item, text: str) -> str:
-    """The unit of work one worker takes whole: a module (its module-scoped stacks, models and checkpoints are made
-    once), or every module on the shared session stacks."""
-    if any(name in text for name in _SHARED_STACKS):
-        return "e2e-shared-stacks"
-    return item.nodeid.split("::", 1)[0]
+# ----- two workers (pytest-xdist, the README's `-n 2`; pyproject's addopts pick --dist loadscope) -----
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -118,23 +106,14 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tier = _tier(item)
         if not any(m.name == tier for m in item.iter_markers()):
             item.add_marker(getattr(pytest.mark, tier))
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    texts: dict[Path, str] = {}
-    groups: dict[str, str] = {}
-    for item in items:
-        source = item.path
-        if source not in texts:
-            texts[source] = source.read_text() if source.is_file() else ""
-        groups[item.nodeid] = _group(item, texts[source])
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
-    heavy = {groups[item.nodeid] for item in items if not item.get_closest_marker("unit")}
-    # Groups with processes or the interpreter first, the many short unit modules last, so they fill the end of the
-    # run while the other worker finishes (sorted is stable: a module's tests stay together and in order).
-    items.sort(key=lambda item: groups[item.nodeid] not in heavy)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A worker takes a module whole (--dist loadscope: its module-scoped stacks, models and checkpoints are made
+        # once). Modules with processes or the interpreter first, the many short unit modules last, so they fill the
+        # end of the run while the other worker finishes (sorted is stable: a module's tests keep their order).
+        heavy = {item.path for item in items if not item.get_closest_marker("unit")}
+        items.sort(key=lambda item: item.path not in heavy)
