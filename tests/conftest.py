@@ -2,7 +2,8 @@
 
 Without a GPU, Triton kernels (kernels/gpu) run in Triton's CPU interpreter so their logic is tested against the
 torch twins here too. The switch must be set before anything imports triton, hence at the top of this file; the
-interpreter's `tl.dot` is made row-invariant as a GPU's is (tests/interpreter_dot.py says why).
+interpreter's `tl.dot` is made row-invariant as a GPU's is, and its device-function calls skip re-patching
+`triton.language` (tests/interpreter.py says why).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from tests import interpreter_dot
-    interpreter_dot.install()
+    from tests import interpreter
+    interpreter.install()
 
 from model.checkpoint import make_tiny
 from tests.model.quant_helpers import QUANT_BLOCK
@@ -96,8 +97,23 @@ def _tier(item: pytest.Item) -> str:
     return "unit"
 
 
+# ----- two workers (pytest-xdist, the README's `-n 2`; pyproject's addopts pick --dist loadscope) -----
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        # A worker shares the cores with the others: one torch thread each (oversubscribed OpenMP threads spin).
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tier = _tier(item)
         if not any(m.name == tier for m in item.iter_markers()):
             item.add_marker(getattr(pytest.mark, tier))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A worker takes a module whole (--dist loadscope: its module-scoped stacks, models and checkpoints are made
+        # once). Modules with processes or the interpreter first, the many short unit modules last, so they fill the
+        # end of the run while the other worker finishes (sorted is stable: a module's tests keep their order).
+        heavy = {item.path for item in items if not item.get_closest_marker("unit")}
+        items.sort(key=lambda item: item.path not in heavy)

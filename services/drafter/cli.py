@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 from services.common import shared_flags as shared
 from services.common.flags import add_subcommand, flag
-from services.common.role_start import start_role
+from services.common.role_start import RoleSettings, start_role
 
 log = logging.getLogger("twinspark.drafter")
 
 
 @dataclass(frozen=True, kw_only=True)
-class DrafterSettings:
+class DrafterSettings(RoleSettings):
     host: str = flag("host", "gRPC listen address (default loopback; another address needs --internal-token)",
                      default="127.0.0.1", env="DRAFTER_HOST")
     port: int = flag("port", "gRPC port", default="50061", type=int, env="DRAFTER_PORT")
@@ -27,8 +27,6 @@ class DrafterSettings:
     mtp_history: int = flag("mtp-history", "mtp: (hidden, token) pairs kept per request and recomputed each call "
                             "(default 64)", default="64", type=int)
     dflash2_weights: str | None = flag("dflash2-weights", "dflash2: user-supplied weights (not shipped)", env=None)
-    internal_token: str | None = flag(shared.INTERNAL_TOKEN)
-    log_level: str = flag(shared.LOG_LEVEL)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +41,7 @@ def serve_drafter(s: DrafterSettings) -> int:
     from services.drafter.methods import DraftMethodUnavailable, build
     from services.drafter.server import serve_forever
 
-    if not start_role("drafter", s.log_level, host=s.host, internal_token=s.internal_token):
+    if not start_role("drafter", s, listen=s.host):
         return 2
     kw = {}
     if s.method == "mtp":

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.common import shared_flags as shared
 from services.common.flags import add_subcommand, flag
-from services.common.role_start import start_role
+from services.common.role_start import RoleSettings, start_role
 from services.gateway.limits import InputLimits
 
 _LIMITS = InputLimits()  # the input limits' defaults
@@ -25,7 +25,7 @@ def _limit(name: str, what: str) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeGatewaySettings:
+class ServeGatewaySettings(RoleSettings):
     """The command line of serve-gateway (app.GatewaySettings is what the app is built from)."""
 
     model: str = flag(shared.MODEL, help="checkpoint directory: config, tokenizer and chat template are read from "
@@ -44,7 +44,6 @@ class ServeGatewaySettings:
     max_string_chars: int = _limit("max_string_chars", "characters of one JSON string (400 beyond)")
     max_array_items: int = _limit("max_array_items", "items of one JSON array (400 beyond)")
     max_header_bytes: int = _limit("max_header_bytes", "bytes of all request headers (431 beyond)")
-    internal_token: str | None = flag(shared.INTERNAL_TOKEN)
     keepalive_s: float = flag("keepalive-s", "SSE keepalive comment interval while nothing else is sent; also how "
                               "long a stream waits for the scheduler's first answer before sending its 200 (default "
                               "%(default)s)", default="1.0", type=float)
@@ -63,7 +62,6 @@ class ServeGatewaySettings:
     reasoning_budget: int = flag(shared.REASONING_BUDGET)
     reasoning_budget_message: str | None = flag(shared.REASONING_BUDGET_MESSAGE)
     reasoning_effort_budgets: str = flag(shared.REASONING_EFFORT_BUDGETS)
-    log_level: str = flag(shared.LOG_LEVEL)
 
     def input_limits(self) -> InputLimits:
         return InputLimits(max_body_bytes=self.max_body_bytes, max_json_depth=self.max_json_depth,
@@ -86,7 +84,7 @@ def serve_gateway(s: ServeGatewaySettings) -> int:
     from .thinking import ThinkingSettings
 
     # (tracing before create_app: it adds the HTTP span middleware when on)
-    start_role("gateway", s.log_level, log_format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_role("gateway", s, log_format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         limits = s.input_limits()
         settings = GatewaySettings(model_dir=s.model, scheduler=s.scheduler, served_model_name=s.served_model_name,

@@ -61,7 +61,7 @@ def serve_rank(s: RankSettings) -> int:
     """Boot a rank and serve until SIGTERM. Returns an exit code (the group-fatal ones leave at once)."""
     from services.common.role_start import start_role
 
-    if not start_role(f"rank{s.rank}", s.log_level, host=s.host, internal_token=s.internal_token,
+    if not start_role(f"rank{s.rank}", s, listen=s.host,
                       log_format=f"%(asctime)s rank{s.rank} %(levelname)s %(message)s"):
         return 2
     # Autotuning results (fla-core's KDA kernels) persist in Triton's cache dir beside the compiled kernels, so a

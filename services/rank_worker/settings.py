@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from services.common import shared_flags as shared
 from services.common.flags import flag
+from services.common.role_start import RoleSettings
 
 
 @dataclass(frozen=True, kw_only=True)
-class RankSettings:
+class RankSettings(RoleSettings):
     model: str = flag(shared.MODEL, required=True)
     rank: int = flag("rank", "this rank", default="0", type=int)
     world: int = flag("world", "number of ranks", default="1", type=int, env="TP")
@@ -52,8 +53,6 @@ class RankSettings:
                                "every rank)", default="4", type=int)
     random_weights: str | None = flag(shared.RANDOM_WEIGHTS)
     random_block_size: int = flag(shared.RANDOM_BLOCK_SIZE)
-    internal_token: str | None = flag(shared.INTERNAL_TOKEN)
-    log_level: str = flag(shared.LOG_LEVEL)
 
     @property
     def compute_dtype(self) -> str:

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 from services.common import shared_flags as shared
 from services.common.flags import add_subcommand, flag
-from services.common.role_start import start_role
+from services.common.role_start import RoleSettings, start_role
 
 log = logging.getLogger("twinspark.scheduler")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SchedulerSettings:
+class SchedulerSettings(RoleSettings):
     ranks: str = flag("ranks", "rank worker addresses host:port,host:port in rank order", required=True)
     host: str = flag("host", "listen address (default loopback; another address needs --internal-token)",
                      default="127.0.0.1", env="SCHEDULER_HOST")
@@ -49,8 +49,6 @@ class SchedulerSettings:
                               "drafts)", switch=True)
     tokenizer: str | None = flag("tokenizer", "checkpoint directory (or tokenizer.json) whose tokenizer the grammar "
                                  "masks of structured output use; unset = structured output is refused")
-    internal_token: str | None = flag(shared.INTERNAL_TOKEN)
-    log_level: str = flag(shared.LOG_LEVEL)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,7 +64,7 @@ def serve_scheduler(s: SchedulerSettings) -> int:
     from services.scheduler.ranks import StartupError
     from services.scheduler.server import SchedulerConfig, serve
 
-    if not start_role("scheduler", s.log_level, host=s.host, internal_token=s.internal_token):
+    if not start_role("scheduler", s, listen=s.host):
         return 2
     addresses = [a.strip() for a in s.ranks.split(",") if a.strip()]
     if not addresses:

@@ -27,8 +27,8 @@ def gpu_path_rounds(model: Glm5Model, rounds: list[list[tuple]], slots: int) -> 
     kernel launches the rounds made on this rank, by kernel name."""
     from triton.runtime.interpreter import InterpretedFunction  # every interpreted launch goes through its run
 
-    from tests import interpreter_dot
-    interpreter_dot.install()  # a spawned rank does not read tests/conftest.py: the same dot as the parent's
+    from tests import interpreter
+    interpreter.install()  # a spawned rank does not read tests/conftest.py: the parent's interpreter
     cache = fresh_cache(model, CAP, slots=slots)
     launches: Counter[str] = Counter()
     run = InterpretedFunction.run
