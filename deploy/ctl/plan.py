@@ -196,7 +196,7 @@ def native_env(s: Settings) -> dict[str, str]:
     """Scheduler and rank settings for `twinspark up`'s children (their flags default from TWINSPARK_*)."""
     keys = ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "MAX_WAITING", "NUM_DRAFT_TOKENS", "NUM_BLOCKS", "BLOCK_SIZE",
             "NUM_SLOTS", "KV_CACHE_MEMORY_BYTES", "GPU_MEMORY_UTILIZATION", "DTYPE", "SERVED_MODEL_NAME", "API_KEY",
-            "INTERNAL_TOKEN", "PEER_TIMEOUT", "LOG_LEVEL")
+            "INTERNAL_TOKEN", "PEER_TIMEOUT", "LOG_LEVEL", "STRICT_REQUEST_FIELDS")
     env = {f"TWINSPARK_{k}": s[k] for k in keys if s[k]}
     env["TWINSPARK_STARTUP_TIMEOUT"] = s["HEALTH_TIMEOUT"]  # the scheduler waits as long for the ranks to load
     if s["OTEL_EXPORTER_OTLP_ENDPOINT"]:

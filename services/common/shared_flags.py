@@ -75,4 +75,9 @@ INTERNAL_TOKEN = Flag("internal-token", "shared secret that every internal gRPC 
                       "server requires (the variable is preferred: an argv is visible to other local users; "
                       "`twinspark up` and start.sh make one per run); unset = no check, loopback only",
                       metavar="TOKEN")
+STRICT_REQUEST_FIELDS = Flag("strict-request-fields", "refuse request fields the gateway does not know with "
+                             "OpenAI's 400 ('Unrecognized request argument supplied') instead of ignoring them as "
+                             "vLLM does (each name logged once, listed per response in the x-twinspark-ignored-fields "
+                             "header); routers such as vllm-router add fields of their own, so leave it off behind "
+                             "one", switch=True)
 LOG_LEVEL = Flag("log-level", f"logging level: {', '.join(LOG_LEVELS)} (any case)", default="INFO", type=log_level)

@@ -45,9 +45,11 @@ from .limits import InputLimits, InputLimitsMiddleware
 from .metrics import GatewayMetrics
 from .openapi import request_body
 from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, prepare_translated, render_chat
+from .request_fields import IgnoredFieldsHeader, UnknownFields, report
 from .responses import ChunkWriter, full_response
 from .scheduler_client import SchedulerClient
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
+from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_data,
+                      parse_json)
 from .streaming import SSEResponse, sse_events
 from .template import ChatTemplate
 from .tokenizer import TextTokenizer
@@ -72,6 +74,7 @@ class GatewaySettings:
     limits: InputLimits = field(default_factory=InputLimits)
     internal_token: str | None = None  # sent with every call to the scheduler (services/common/internal_auth.py)
     images: ImageLimits = field(default_factory=ImageLimits)  # image_url parts: remote URLs, size and time caps
+    strict_request_fields: bool = False  # unknown fields: OpenAI's 400 instead of ignored (request_fields.py)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -94,6 +97,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.model_name)
         self.created = int(time.time())
         self.store = responses_api.ResponseStore()  # `store: true` responses, for previous_response_id
+        self.unknown_fields = UnknownFields(strict=settings.strict_request_fields)
 
     # ------------------------------------------------------------------------------------------- lifecycle
     @contextlib.asynccontextmanager
@@ -124,6 +128,13 @@ class Gateway:
             self.ctx.max_model_len = min(configured, reply.max_model_len)
 
     # ------------------------------------------------------------------------------------------------ glue
+    async def parse(self, request: Request, model: type[Any]) -> Any:
+        """The request's body validated into `model`, its unknown options dropped and reported (request_fields.py)
+        unless the gateway is strict about them."""
+        data, ignored = self.unknown_fields.accept(model, parse_json(await request.body()))
+        report(request.scope, ignored)
+        return parse_data(model, data)
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
             raise GatewayError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
@@ -225,14 +236,14 @@ class Gateway:
     @request_body(ChatCompletionRequest)
     async def chat_completions(self, request: Request) -> Response:
         started = time.monotonic()
-        req = parse(ChatCompletionRequest, await request.body())
+        req = await self.parse(request, ChatCompletionRequest)
         self.check_model(req.model)
         return await self._generate(request, await prepare_chat(self.ctx, req), started)
 
     @request_body(CompletionRequest)
     async def completions(self, request: Request) -> Response:
         started = time.monotonic()
-        req = parse(CompletionRequest, await request.body())
+        req = await self.parse(request, CompletionRequest)
         self.check_model(req.model)
         return await self._generate(request, await prepare_completion(self.ctx, req), started)
 
@@ -240,7 +251,7 @@ class Gateway:
     async def responses(self, request: Request) -> Response:
         """OpenAI `POST /v1/responses`."""
         started = time.monotonic()
-        req = parse(responses_api.ResponsesRequest, await request.body())
+        req = await self.parse(request, responses_api.ResponsesRequest)
         self.check_model(req.model)
         history = self.store.get(req.previous_response_id)[0] if req.previous_response_id else []
         turns = history + responses_api.input_messages(req)
@@ -271,7 +282,7 @@ class Gateway:
     async def messages(self, request: Request) -> Response:
         """Anthropic `POST /v1/messages` (its errors leave in Anthropic's shape: `_handled` shapes by route)."""
         started = time.monotonic()
-        req = parse(anthropic.MessagesRequest, await request.body())
+        req = await self.parse(request, anthropic.MessagesRequest)
         self.check_model(req.model)
         prep = await prepare_translated(self.ctx, anthropic.to_chat(req), anthropic.RENAMES)
         prep.response_id = anthropic.new_message_id()
@@ -289,7 +300,7 @@ class Gateway:
     @request_body(anthropic.CountTokensRequest)
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic `POST /v1/messages/count_tokens`: the prompt's length as /v1/messages would render it."""
-        req = parse(anthropic.CountTokensRequest, await request.body())
+        req = await self.parse(request, anthropic.CountTokensRequest)
         self.check_model(req.model)
         chat = anthropic.to_chat(req)
         text = render_chat(self.ctx, chat.messages, True, chat.chat_template_kwargs, tools=chat.tools)
@@ -303,7 +314,7 @@ class Gateway:
 
     @request_body(TokenizeRequest)
     async def tokenize(self, request: Request) -> Response:
-        req = parse(TokenizeRequest, await request.body())
+        req = await self.parse(request, TokenizeRequest)
         self.check_model(req.model)
         if req.messages is not None:
             text = render_chat(self.ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
@@ -321,7 +332,7 @@ class Gateway:
 
     @request_body(DetokenizeRequest)
     async def detokenize(self, request: Request) -> Response:
-        req = parse(DetokenizeRequest, await request.body())
+        req = await self.parse(request, DetokenizeRequest)
         self.check_model(req.model)
         vocab = self.ctx.vocab_size
         for i, t in enumerate(req.tokens):
@@ -439,9 +450,11 @@ def create_app(settings: GatewaySettings) -> Starlette:
         return JSONResponse(document)
 
     routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
-    document.update(openapi.build(routes, "twinspark", _version()))
+    document.update(gw.unknown_fields.describe(openapi.build(routes, "twinspark", _version())))
     app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})
-    # Middleware added last runs first: tracing, then the key check (before a large body is read), then the limits.
+    # Middleware added last runs first: tracing, then the key check (before a large body is read), then the limits,
+    # then the header naming the fields a handler ignored.
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(InputLimitsMiddleware, limits=settings.limits)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, digests=parse_keys(settings.api_key), open_paths=OPEN_PATHS)

@@ -60,6 +60,7 @@ class ServeGatewaySettings:
                                 default=str(20 << 20), type=int)
     image_fetch_timeout: float = flag("image-fetch-timeout", "seconds a remote image may take to fetch (default "
                                       "%(default)s)", default="10", type=float)
+    strict_request_fields: bool = flag(shared.STRICT_REQUEST_FIELDS)
     log_level: str = flag(shared.LOG_LEVEL)
 
     def input_limits(self) -> InputLimits:
@@ -88,7 +89,7 @@ def serve_gateway(s: ServeGatewaySettings) -> int:
         settings = GatewaySettings(model_dir=s.model, scheduler=s.scheduler, served_model_name=s.served_model_name,
                                    api_key=s.api_key or None, keepalive_s=s.keepalive_s, max_model_len=s.max_model_len,
                                    generation_config=s.generation_config, limits=limits,
-                                   internal_token=s.internal_token,
+                                   internal_token=s.internal_token, strict_request_fields=s.strict_request_fields,
                                    images=ImageLimits(allow_urls=s.allow_image_urls, max_bytes=s.image_max_bytes,
                                                       timeout_s=s.image_fetch_timeout))
         app = create_app(settings)

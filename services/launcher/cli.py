@@ -153,7 +153,8 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
                        command=command, drafter=s.drafter, kv_cache_dtype=s.kv_cache_dtype,
                        enforce_eager=s.enforce_eager, kv_tiers=tuple(s.tier_flags()),
                        random_weights=s.random_weights or "", random_block_size=s.random_block_size,
-                       max_num_batched_tokens=s.max_num_batched_tokens)
+                       max_num_batched_tokens=s.max_num_batched_tokens,
+                       strict_request_fields=s.strict_request_fields)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(s.port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if s.background else None

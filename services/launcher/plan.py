@@ -42,6 +42,7 @@ class LaunchConfig:
     random_weights: str = ""  # ranks draw random weights in this recipe (serve-rank --random-weights); "" = read them
     random_block_size: int = 128
     max_num_batched_tokens: int | None = None  # the scheduler's round budget; None: its device default
+    strict_request_fields: bool = False  # the gateway refuses unknown request fields (OpenAI's 400)
 
 
 # addrs: role name -> ["host:port", ...] for every replica of every role (known before any argv is built).
@@ -91,7 +92,7 @@ def _drafter_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) 
 
 def _gateway_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
     return ["serve-gateway", "--model", c.model, "--scheduler", addrs["scheduler"][0], "--host", host,
-            "--port", str(port)]
+            "--port", str(port), *(["--strict-request-fields"] if c.strict_request_fields else [])]
 
 
 # Start order. Each role is one stage: all its replicas start together (ranks must, to meet at the master port),

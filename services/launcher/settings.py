@@ -36,6 +36,7 @@ class UpSettings:
     kv_disk_dir: str | None = _passed_on(shared.KV_DISK_DIR)
     kv_disk_bytes: int | None = _passed_on(shared.KV_DISK_BYTES)
     enforce_eager: bool = flag(shared.ENFORCE_EAGER)
+    strict_request_fields: bool = flag(shared.STRICT_REQUEST_FIELDS)
     random_weights: str | None = flag(shared.RANDOM_WEIGHTS)
     random_block_size: int = flag(shared.RANDOM_BLOCK_SIZE)
     detach: bool = flag("detach", "run the supervisor in the background; return once healthy (stop with "
