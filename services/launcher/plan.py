@@ -120,6 +120,7 @@ class ChildSpec:
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment on top of the launcher's
     optional: bool = False  # see Role.optional
     restart_together: bool = False  # see Role.restart_together
+    health: str = ""  # a URL that must answer 200 before the next stage starts (else: the port must listen)
 
     @property
     def address(self) -> str:
