@@ -80,8 +80,11 @@ REPLICAS = Flag("replicas", "model replicas (whole stacks) to start on this mach
 # vllm-router's policies (`vllm-router --help`); cache_aware routes a prompt to the replica whose earlier prompts
 # share its longest prefix, so the replica's prefix cache serves it.
 ROUTER_POLICY = Flag("router-policy", "vllm-router's load-balancing policy in front of the replicas",
-                     default="cache_aware", choices=("cache_aware", "round_robin", "power_of_two", "consistent_hash",
-                                                      "random", "sticky_least_loaded"))
+                     default="cache_aware", choices=("cache_aware", "kv_aware", "round_robin", "power_of_two",
+                                                      "consistent_hash", "random", "sticky_least_loaded"))
+KV_EVENTS_ENDPOINT = Flag("kv-events-endpoint", "publish the prefix cache's block events in vLLM's KV event format "
+                          "on this ZMQ address (e.g. tcp://127.0.0.1:5557), for vllm-router's kv_aware policy "
+                          "(--kv-event-source URL=ADDRESS); unset = off", metavar="ADDRESS")
 STRICT_REQUEST_FIELDS = Flag("strict-request-fields", "refuse request fields the gateway does not know with "
                              "OpenAI's 400 ('Unrecognized request argument supplied') instead of ignoring them as "
                              "vLLM does (each name logged once, listed per response in the x-twinspark-ignored-fields "

@@ -1,6 +1,6 @@
 """The HTTP surface: routes, auth, and the glue from a validated request to a reply.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET /v1/responses/{id}), Anthropic's
+Routes: POST /v1/chat/completions, POST /v1/completions (and vLLM's /render of each), POST /v1/responses (+ GET /v1/responses/{id}), Anthropic's
 POST /v1/messages and /v1/messages/count_tokens, GET /v1/models, POST /tokenize, POST /detokenize, GET /health,
 GET /metrics, GET /openapi.json. Every error leaves in its API's shape (`errors.py`: OpenAI's, Anthropic's on
 Anthropic's routes); no exception escapes a handler.
@@ -45,6 +45,7 @@ from .limits import InputLimits, InputLimitsMiddleware
 from .metrics import GatewayMetrics
 from .openapi import request_body
 from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, prepare_translated, render_chat
+from .render import render_body
 from .request_fields import IgnoredFieldsHeader, UnknownFields, report
 from .responses import ChunkWriter, full_response
 from .scheduler_client import SchedulerClient
@@ -247,6 +248,20 @@ class Gateway:
         self.check_model(req.model)
         return await self._generate(request, await prepare_completion(self.ctx, req), started)
 
+    @request_body(ChatCompletionRequest)
+    async def chat_render(self, request: Request) -> Response:
+        """vLLM's `POST /v1/chat/completions/render` (render.py): the prompt's token ids, nothing generated."""
+        req = await self.parse(request, ChatCompletionRequest)
+        self.check_model(req.model)
+        return JSONResponse(render_body(await prepare_chat(self.ctx, req), self.model_name))
+
+    @request_body(CompletionRequest)
+    async def completion_render(self, request: Request) -> Response:
+        """vLLM's `POST /v1/completions/render`."""
+        req = await self.parse(request, CompletionRequest)
+        self.check_model(req.model)
+        return JSONResponse(render_body(await prepare_completion(self.ctx, req), self.model_name))
+
     @request_body(responses_api.ResponsesRequest)
     async def responses(self, request: Request) -> Response:
         """OpenAI `POST /v1/responses`."""
@@ -434,6 +449,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _handled(gw.chat_completions), methods=["POST"]),
         Route("/v1/completions", _handled(gw.completions), methods=["POST"]),
+        Route("/v1/chat/completions/render", _handled(gw.chat_render), methods=["POST"]),
+        Route("/v1/completions/render", _handled(gw.completion_render), methods=["POST"]),
         Route("/v1/responses", _handled(gw.responses), methods=["POST"]),
         Route("/v1/responses/{response_id}", _handled(gw.stored_response), methods=["GET"]),
         Route("/v1/messages", _handled(gw.messages), methods=["POST"]),

@@ -166,7 +166,7 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
                        enforce_eager=s.enforce_eager, kv_tiers=tuple(s.tier_flags()),
                        random_weights=s.random_weights or "", random_block_size=s.random_block_size,
                        max_num_batched_tokens=s.max_num_batched_tokens,
-                       strict_request_fields=s.strict_request_fields)
+                       strict_request_fields=s.strict_request_fields, kv_events_endpoint=s.kv_events_endpoint)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(s.port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if s.background else None
@@ -181,8 +181,13 @@ def _supervise_routed(s: UpSettings) -> int:
     """Run the replicas and vllm-router in the foreground until they stop (fleet.py)."""
     router = router_command(s.router_command)
     assert router is not None  # _refused checked
-    ports = free_ports(s.replicas + 1, exclude=(s.port,))
-    plan = fleet_plan(s, LAUNCHER, router, ports[:-1], ports[-1])
+    events = s.replicas if s.router_policy == "kv_aware" else 0  # each replica's KV event port
+    ports = free_ports(s.replicas + events + 1, exclude=(s.port,))
+    # What kv_aware must agree on with the replicas: the ranks' block size and the model name requests carry.
+    block_size = int(os.environ.get("TWINSPARK_BLOCK_SIZE") or 16)
+    name = os.environ.get("TWINSPARK_SERVED_MODEL_NAME") or Path(s.model or "").name
+    plan = fleet_plan(s, LAUNCHER, router, ports[:s.replicas], ports[-1], ports[s.replicas:s.replicas + events],
+                      model_name=name, block_size=block_size)
     out = (lambda _banner: None) if s.background else None
     # A replica's supervisor needs its own stop grace and a little more to stop its children before it is
     # SIGKILLed; each makes its own internal token unless TWINSPARK_INTERNAL_TOKEN is set.

@@ -43,6 +43,7 @@ class LaunchConfig:
     random_block_size: int = 128
     max_num_batched_tokens: int | None = None  # the scheduler's round budget; None: its device default
     strict_request_fields: bool = False  # the gateway refuses unknown request fields (OpenAI's 400)
+    kv_events_endpoint: str | None = None  # the scheduler publishes its prefix cache's block events here
 
 
 # addrs: role name -> ["host:port", ...] for every replica of every role (known before any argv is built).
@@ -78,6 +79,8 @@ def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int
             "--tokenizer", c.model]
     if c.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+    if c.kv_events_endpoint:
+        argv += ["--kv-events-endpoint", c.kv_events_endpoint]
     if addrs.get("drafter"):
         argv += ["--drafter", addrs["drafter"][0]]
         if c.drafter == "mtp":

@@ -37,6 +37,8 @@ class UpSettings:
     kv_disk_bytes: int | None = _passed_on(shared.KV_DISK_BYTES)
     enforce_eager: bool = flag(shared.ENFORCE_EAGER)
     strict_request_fields: bool = flag(shared.STRICT_REQUEST_FIELDS)
+    kv_events_endpoint: str | None = flag(shared.KV_EVENTS_ENDPOINT, help=f"{shared.KV_EVENTS_ENDPOINT.help}; passed "
+                                          "on to the scheduler (--router-policy kv_aware sets one per replica)")
     random_weights: str | None = flag(shared.RANDOM_WEIGHTS)
     random_block_size: int = flag(shared.RANDOM_BLOCK_SIZE)
     replicas: int = flag(shared.REPLICAS)

@@ -14,56 +14,28 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from services.launcher.fleet import INSTALL_HINT, router_command
-from services.rank_worker.distributed import free_port
-from tests.e2e.stack import TWINSPARK, wait_until
+from tests.e2e.fleet import Fleet, start_fleet
+from tests.e2e.stack import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
 OFF = {"enable_thinking": False}  # replies are content, not reasoning
 
 
-@dataclass
-class Fleet:
-    url: str  # the router: http://127.0.0.1:PORT
-    state_dir: Path
-    replicas: list[dict]  # up.json's: url, state_dir
-
-    @property
-    def v1(self) -> str:
-        return self.url + "/v1"
-
-    def workers(self) -> dict[str, bool]:
-        """The router's view: worker URL -> healthy."""
-        return {w["url"]: w["is_healthy"] for w in httpx.get(self.url + "/workers", timeout=10).json()["workers"]}
-
-
 @pytest.fixture(scope="module")
 def fleet(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    if router_command(None) is None:
-        pytest.skip(f"vllm-router is not installed: {INSTALL_HINT} (the dev extra installs it on Linux)")
-    port, state = free_port(), tmp_path_factory.mktemp("fleet")
-    t0 = time.monotonic()
-    up = subprocess.run([TWINSPARK, "up", "--replicas", "2", "--detach", "--model", str(tiny_default), "--port",
-                         str(port), "--state-dir", str(state), "--drafter", "none"],
-                        capture_output=True, text=True, timeout=600)
-    assert up.returncode == 0, f"twinspark up --replicas 2 failed:\n{up.stdout}\n{up.stderr}"
-    print(f"\ntwo replicas and vllm-router up in {time.monotonic() - t0:.1f} s")
-    info = json.loads((state / "up.json").read_text())
-    yield Fleet(url=f"http://127.0.0.1:{port}", state_dir=state, replicas=info["replicas"])
-    down = subprocess.run([TWINSPARK, "down", "--state-dir", str(state)], capture_output=True, text=True, timeout=120)
-    assert down.returncode == 0, down.stderr
+    f = start_fleet(tiny_default, tmp_path_factory.mktemp("fleet"))
+    yield f
+    f.down()
 
 
 def _client(base_v1: str) -> openai.OpenAI:

@@ -206,3 +206,19 @@ def test_schema_knows_the_router_fields() -> None:
     for name in ("no_stop_trim", "separate_reasoning", "stream_reasoning", "include_reasoning",
                  "return_hidden_states", "session_params", "continue_final_message"):
         assert name in ChatCompletionRequest.model_fields, name
+
+
+# ------------------------------------------------------------------------------------------- vLLM's render routes
+
+def test_render_gives_the_prompt_ids_generation_uses(http: httpx.Client, standin: StandinServer) -> None:
+    for path, body in (("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": OFF}),
+                       ("/v1/completions", {"prompt": "Once upon a time"})):
+        served = len(standin.generator.records)
+        rendered = http.post(path + "/render", json={**body, "max_tokens": 3, "no_stop_trim": False})
+        assert rendered.status_code == 200, rendered.text
+        assert len(standin.generator.records) == served  # nothing was generated
+        ids = rendered.json()["token_ids"]
+        reply = http.post(path, json={**body, "max_tokens": 3, "return_token_ids": True}).json()
+        assert ids == reply["prompt_token_ids"] and rendered.json()["model"] == "glm-tiny"
+        bad = http.post(path + "/render", json={**body, "temperature": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"

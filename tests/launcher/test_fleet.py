@@ -43,13 +43,35 @@ def test_replicas_then_router_argv():
     assert (one.replicas, one.port, one.host, one.state_dir, one.tp, one.drafter, one.replica_urls) == \
         (1, 7002, "127.0.0.1", "/st/replica1", 2, "none", None)
     assert r1.health == "http://127.0.0.1:7002/health" and r1.optional and not r1.public
-    assert r1.env == {"TWINSPARK_REPLICAS": ""} and r1.log == "/st/logs/replica1.log"
+    assert r1.env["TWINSPARK_REPLICAS"] == "" and r1.log == "/st/logs/replica1.log"
     assert router.public and router.port == 9000 and plan.endpoint == "http://127.0.0.1:9000/v1"
     argv = list(router.argv)
     urls = argv[argv.index("--worker-urls") + 1:argv.index("--policy")]
     assert urls == ["http://127.0.0.1:7001", "http://127.0.0.1:7002", "http://spark3:8888", "http://spark4:8888"]
     assert argv[argv.index("--policy") + 1] == "round_robin" and argv[-2:] == ["--retry-max-retries", "3"]
     assert argv[argv.index("--prometheus-port") + 1] == "7009" and plan.ports["router_metrics"] == 7009
+
+
+def test_kv_aware_gives_each_replica_an_event_port_and_the_router_every_source():
+    s = _settings("--replicas", "2", "--router-policy", "kv_aware")
+    plan = fleet_plan(s, PY, ("/bin/vllm-router",), [7001, 7002], 7009, [7011, 7012], model_name="glm",
+                      block_size=16)
+    r0, r1, router = plan.children
+    assert parse(UpSettings, list(r1.argv[4:]), {}).kv_events_endpoint == "tcp://127.0.0.1:7012"
+    assert r1.env["TWINSPARK_KV_EVENTS_ENDPOINT"] == ""  # a user's variable would give both replicas one port
+    argv = " ".join(router.argv)
+    assert "--kv-event-source http://127.0.0.1:7001=tcp://127.0.0.1:7011 --kv-event-source " \
+           "http://127.0.0.1:7002=tcp://127.0.0.1:7012 --kv-event-block-size 16 --kv-event-model glm" in argv
+    assert plan.ports["replica1_kv_events"] == 7012
+    # The replica passes it on to its scheduler (plan.py), which publishes there.
+    from services.launcher.plan import LaunchConfig, make_plan
+    one = make_plan(LaunchConfig(model="/m", state_dir="/s", drafter="none", kv_events_endpoint="tcp://127.0.0.1:7011"),
+                    [5000, 5001, 5002, 5003])
+    assert "--kv-events-endpoint tcp://127.0.0.1:7011" in " ".join(one.children[1].argv)
+    with pytest.raises(ValueError):
+        fleet_plan(s, PY, ("r",), [7001, 7002], 7009)  # kv_aware without event ports
+    assert "--kv-event-source" not in " ".join(fleet_plan(_settings("--replicas", "2"), PY, ("r",), [7001, 7002],
+                                                           7009).children[-1].argv)
 
 
 def test_one_replica_with_remote_ones_is_routed_and_not_optional():
