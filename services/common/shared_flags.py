@@ -76,7 +76,7 @@ INTERNAL_TOKEN = Flag("internal-token", "shared secret that every internal gRPC 
                       "`twinspark up` and start.sh make one per run); unset = no check, loopback only",
                       metavar="TOKEN")
 REPLICAS = Flag("replicas", "model replicas (whole stacks) to start on this machine; above 1, vllm-router serves "
-                "them on --port (pip install twinspark[router])", default="1", type=int, metavar="N")
+                "them on --port (pip install -e '.[router]')", default="1", type=int, metavar="N")
 # vllm-router's policies (`vllm-router --help`); cache_aware routes a prompt to the replica whose earlier prompts
 # share its longest prefix, so the replica's prefix cache serves it.
 ROUTER_POLICY = Flag("router-policy", "vllm-router's load-balancing policy in front of the replicas",

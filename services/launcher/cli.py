@@ -125,6 +125,12 @@ def _refused(s: UpSettings) -> str | None:
         return f"--replica-urls takes http(s) base URLs, got {', '.join(bad)}"
     if s.routed and router_command(s.router_command) is None:
         return f"--replicas {s.replicas} puts vllm-router in front, and it is not installed: {INSTALL_HINT}"
+    if (s.router_policy == "kv_aware" and s.routed) or s.kv_events_endpoint:
+        import importlib.util
+
+        missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+        if missing:
+            return f"KV events (kv_aware) need pyzmq and msgpack, missing {', '.join(missing)}: {INSTALL_HINT}"
     if s.random_weights:
         from model.quantize.select import Recipe
 

@@ -12,7 +12,7 @@ With `--router-policy kv_aware` each replica's scheduler publishes its prefix ca
 (services/scheduler/kv_events.py, vLLM's format) on a loopback ZMQ port, and the router subscribes to every one
 (`--kv-event-source URL=ENDPOINT`), so it routes a prompt by the blocks each replica really holds.
 
-The router is an optional extra (`pip install twinspark[router]`: vllm-router, a Rust binary in a pip wheel). The
+The router is an optional extra (`pip install -e '.[router]'`: vllm-router, a Rust binary in a pip wheel). The
 flags set here make failover quick: a worker is checked every 2 s and out after 2 failed checks, and one failed
 request opens its circuit breaker for 5 s, so the router's retry of that request goes to another replica.
 """
@@ -31,7 +31,7 @@ from .plan import INTERNAL_HOST, ChildSpec, LaunchConfig, LaunchPlan
 from .settings import UpSettings
 
 ROUTER = "vllm-router"
-INSTALL_HINT = "pip install 'twinspark[router]' (or: pip install vllm-router)"
+INSTALL_HINT = "pip install -e '.[router]' in the checkout (or: pip install vllm-router pyzmq msgpack)"
 # Failover settings (vllm-router's flags): seconds between health checks, checks to mark a worker down / up again,
 # failed requests that open a worker's circuit breaker, seconds it stays open.
 HEALTH_INTERVAL_S, HEALTH_FAILURES, HEALTH_SUCCESSES = 2, 2, 1

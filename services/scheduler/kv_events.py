@@ -41,7 +41,8 @@ class KVEvents:
             import msgpack
             import zmq
         except ImportError as exc:
-            raise ValueError(f"--kv-events-endpoint needs pyzmq and msgpack ({exc}): pip install 'twinspark[router]'")
+            raise ValueError(f"--kv-events-endpoint needs pyzmq and msgpack ({exc}): pip install -e '.[router]'") \
+                from None
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self._zmq = zmq
         self._ctx = zmq.Context()

@@ -87,13 +87,17 @@ def test_wire_format_read_back_by_a_subscriber():
                 time.sleep(0.05)
         pub.removed([h2])
         pub.cleared()
-        frames = [(topic, seq, payload)] + [tuple(sub.recv_multipart()) for _ in range(2)]
+        frames = [(topic, seq, payload)]
+        while len(frames) < 3:  # more copies of the first message may still be on their way: skip them
+            frame = tuple(sub.recv_multipart())
+            if msgpack.unpackb(frame[2], raw=False)[1][0]["type"] != "BlockStored":
+                frames.append(frame)
     finally:
         sub.close()
         ctx.term()
         pub.close()
     seqs = [int.from_bytes(f[1], "big") for f in frames]
-    assert all(f[0] == b"" and len(f[1]) == 8 for f in frames) and seqs == list(range(seqs[0], seqs[0] + 3))
+    assert all(f[0] == b"" and len(f[1]) == 8 for f in frames) and seqs[0] < seqs[1] and seqs[2] == seqs[1] + 1
     batches = [msgpack.unpackb(f[2], raw=False) for f in frames]
     ts, events, rank = batches[0]
     assert abs(ts - time.time()) < 60 and rank is None
