@@ -197,7 +197,7 @@ def native_env(s: Settings) -> dict[str, str]:
     keys = ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "MAX_WAITING", "NUM_DRAFT_TOKENS", "NUM_BLOCKS", "BLOCK_SIZE",
             "NUM_SLOTS", "KV_CACHE_MEMORY_BYTES", "GPU_MEMORY_UTILIZATION", "DTYPE", "SERVED_MODEL_NAME", "API_KEY",
             "INTERNAL_TOKEN", "PEER_TIMEOUT", "LOG_LEVEL", "REASONING_BUDGET", "REASONING_BUDGET_MESSAGE",
-            "REASONING_EFFORT_BUDGETS")
+            "REASONING_EFFORT_BUDGETS", "STRICT_REQUEST_FIELDS")
     env = {f"TWINSPARK_{k}": s[k] for k in keys if s[k]}
     env["TWINSPARK_STARTUP_TIMEOUT"] = s["HEALTH_TIMEOUT"]  # the scheduler waits as long for the ranks to load
     if s["OTEL_EXPORTER_OTLP_ENDPOINT"]:

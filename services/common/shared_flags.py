@@ -120,6 +120,21 @@ INTERNAL_TOKEN = Flag("internal-token", "shared secret that every internal gRPC 
                       "server requires (the variable is preferred: an argv is visible to other local users; "
                       "`twinspark up` and start.sh make one per run); unset = no check, loopback only",
                       metavar="TOKEN")
+REPLICAS = Flag("replicas", "model replicas (whole stacks) to start on this machine; above 1, vllm-router serves "
+                "them on --port (pip install -e '.[router]')", default="1", type=int, metavar="N")
+# vllm-router's policies (`vllm-router --help`); cache_aware routes a prompt to the replica whose earlier prompts
+# share its longest prefix, so the replica's prefix cache serves it.
+ROUTER_POLICY = Flag("router-policy", "vllm-router's load-balancing policy in front of the replicas",
+                     default="cache_aware", choices=("cache_aware", "kv_aware", "round_robin", "power_of_two",
+                                                      "consistent_hash", "random", "sticky_least_loaded"))
+KV_EVENTS_ENDPOINT = Flag("kv-events-endpoint", "publish the prefix cache's block events in vLLM's KV event format "
+                          "on this ZMQ address (e.g. tcp://127.0.0.1:5557), for vllm-router's kv_aware policy "
+                          "(--kv-event-source URL=ADDRESS); unset = off", metavar="ADDRESS")
+STRICT_REQUEST_FIELDS = Flag("strict-request-fields", "refuse request fields the gateway does not know with "
+                             "OpenAI's 400 ('Unrecognized request argument supplied') instead of ignoring them as "
+                             "vLLM does (each name logged once, listed per response in the x-twinspark-ignored-fields "
+                             "header); routers such as vllm-router add fields of their own, so leave it off behind "
+                             "one", switch=True)
 LOG_LEVEL = Flag("log-level", f"logging level: {', '.join(LOG_LEVELS)} (any case)", default="INFO", type=log_level)
 # Thinking control, llama.cpp's names (`--reasoning-budget`, `--reasoning-budget-message`): the gateway turns a
 # request's budget into GenerateRequest.thinking, the scheduler forces the end of thinking once it is spent.

@@ -1,6 +1,6 @@
 """The HTTP surface: routes, auth, and the glue from a validated request to a reply.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET /v1/responses/{id}), Anthropic's
+Routes: POST /v1/chat/completions, POST /v1/completions (and vLLM's /render of each), POST /v1/responses (+ GET /v1/responses/{id}), Anthropic's
 POST /v1/messages and /v1/messages/count_tokens, GET /v1/models, POST /tokenize, POST /detokenize, GET /health,
 GET /metrics, GET /openapi.json. Every error leaves in its API's shape (`errors.py`: OpenAI's, Anthropic's on
 Anthropic's routes); no exception escapes a handler.
@@ -45,9 +45,12 @@ from .limits import InputLimits, InputLimitsMiddleware
 from .metrics import GatewayMetrics
 from .openapi import request_body
 from .prepare import ModelContext, Prepared, prepare_chat, prepare_completion, prepare_translated, render_chat
+from .render import render_body
+from .request_fields import IgnoredFieldsHeader, UnknownFields, report
 from .responses import ChunkWriter, full_response
 from .scheduler_client import SchedulerClient
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
+from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_data,
+                      parse_json)
 from .streaming import SSEResponse, sse_events
 from .template import ChatTemplate
 from .thinking import ThinkingSettings
@@ -74,6 +77,7 @@ class GatewaySettings:
     internal_token: str | None = None  # sent with every call to the scheduler (services/common/internal_auth.py)
     images: ImageLimits = field(default_factory=ImageLimits)  # image_url parts: remote URLs, size and time caps
     thinking: ThinkingSettings = field(default_factory=ThinkingSettings)  # budgets, effort table, forced message
+    strict_request_fields: bool = False  # unknown fields: OpenAI's 400 instead of ignored (request_fields.py)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -97,6 +101,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.model_name)
         self.created = int(time.time())
         self.store = responses_api.ResponseStore()  # `store: true` responses, for previous_response_id
+        self.unknown_fields = UnknownFields(strict=settings.strict_request_fields)
 
     # ------------------------------------------------------------------------------------------- lifecycle
     @contextlib.asynccontextmanager
@@ -127,6 +132,13 @@ class Gateway:
             self.ctx.max_model_len = min(configured, reply.max_model_len)
 
     # ------------------------------------------------------------------------------------------------ glue
+    async def parse(self, request: Request, model: type[Any]) -> Any:
+        """The request's body validated into `model`, its unknown options dropped and reported (request_fields.py)
+        unless the gateway is strict about them."""
+        data, ignored = self.unknown_fields.accept(model, parse_json(await request.body()))
+        report(request.scope, ignored)
+        return parse_data(model, data)
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
             raise GatewayError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
@@ -228,22 +240,36 @@ class Gateway:
     @request_body(ChatCompletionRequest)
     async def chat_completions(self, request: Request) -> Response:
         started = time.monotonic()
-        req = parse(ChatCompletionRequest, await request.body())
+        req = await self.parse(request, ChatCompletionRequest)
         self.check_model(req.model)
         return await self._generate(request, await prepare_chat(self.ctx, req), started)
 
     @request_body(CompletionRequest)
     async def completions(self, request: Request) -> Response:
         started = time.monotonic()
-        req = parse(CompletionRequest, await request.body())
+        req = await self.parse(request, CompletionRequest)
         self.check_model(req.model)
         return await self._generate(request, await prepare_completion(self.ctx, req), started)
+
+    @request_body(ChatCompletionRequest)
+    async def chat_render(self, request: Request) -> Response:
+        """vLLM's `POST /v1/chat/completions/render` (render.py): the prompt's token ids, nothing generated."""
+        req = await self.parse(request, ChatCompletionRequest)
+        self.check_model(req.model)
+        return JSONResponse(render_body(await prepare_chat(self.ctx, req), self.model_name))
+
+    @request_body(CompletionRequest)
+    async def completion_render(self, request: Request) -> Response:
+        """vLLM's `POST /v1/completions/render`."""
+        req = await self.parse(request, CompletionRequest)
+        self.check_model(req.model)
+        return JSONResponse(render_body(await prepare_completion(self.ctx, req), self.model_name))
 
     @request_body(responses_api.ResponsesRequest)
     async def responses(self, request: Request) -> Response:
         """OpenAI `POST /v1/responses`."""
         started = time.monotonic()
-        req = parse(responses_api.ResponsesRequest, await request.body())
+        req = await self.parse(request, responses_api.ResponsesRequest)
         self.check_model(req.model)
         history = self.store.get(req.previous_response_id)[0] if req.previous_response_id else []
         turns = history + responses_api.input_messages(req)
@@ -274,7 +300,7 @@ class Gateway:
     async def messages(self, request: Request) -> Response:
         """Anthropic `POST /v1/messages` (its errors leave in Anthropic's shape: `_handled` shapes by route)."""
         started = time.monotonic()
-        req = parse(anthropic.MessagesRequest, await request.body())
+        req = await self.parse(request, anthropic.MessagesRequest)
         self.check_model(req.model)
         prep = await prepare_translated(self.ctx, anthropic.to_chat(req), anthropic.RENAMES)
         prep.response_id = anthropic.new_message_id()
@@ -292,7 +318,7 @@ class Gateway:
     @request_body(anthropic.CountTokensRequest)
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic `POST /v1/messages/count_tokens`: the prompt's length as /v1/messages would render it."""
-        req = parse(anthropic.CountTokensRequest, await request.body())
+        req = await self.parse(request, anthropic.CountTokensRequest)
         self.check_model(req.model)
         chat = anthropic.to_chat(req)
         text = render_chat(self.ctx, chat.messages, True, chat.chat_template_kwargs, tools=chat.tools)
@@ -306,7 +332,7 @@ class Gateway:
 
     @request_body(TokenizeRequest)
     async def tokenize(self, request: Request) -> Response:
-        req = parse(TokenizeRequest, await request.body())
+        req = await self.parse(request, TokenizeRequest)
         self.check_model(req.model)
         if req.messages is not None:
             text = render_chat(self.ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
@@ -324,7 +350,7 @@ class Gateway:
 
     @request_body(DetokenizeRequest)
     async def detokenize(self, request: Request) -> Response:
-        req = parse(DetokenizeRequest, await request.body())
+        req = await self.parse(request, DetokenizeRequest)
         self.check_model(req.model)
         vocab = self.ctx.vocab_size
         for i, t in enumerate(req.tokens):
@@ -426,6 +452,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _handled(gw.chat_completions), methods=["POST"]),
         Route("/v1/completions", _handled(gw.completions), methods=["POST"]),
+        Route("/v1/chat/completions/render", _handled(gw.chat_render), methods=["POST"]),
+        Route("/v1/completions/render", _handled(gw.completion_render), methods=["POST"]),
         Route("/v1/responses", _handled(gw.responses), methods=["POST"]),
         Route("/v1/responses/{response_id}", _handled(gw.stored_response), methods=["GET"]),
         Route("/v1/messages", _handled(gw.messages), methods=["POST"]),
@@ -442,9 +470,11 @@ def create_app(settings: GatewaySettings) -> Starlette:
         return JSONResponse(document)
 
     routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
-    document.update(openapi.build(routes, "twinspark", _version()))
+    document.update(gw.unknown_fields.describe(openapi.build(routes, "twinspark", _version())))
     app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={HTTPException: _http_error})
-    # Middleware added last runs first: tracing, then the key check (before a large body is read), then the limits.
+    # Middleware added last runs first: tracing, then the key check (before a large body is read), then the limits,
+    # then the header naming the fields a handler ignored.
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(InputLimitsMiddleware, limits=settings.limits)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, digests=parse_keys(settings.api_key), open_paths=OPEN_PATHS)

@@ -32,6 +32,7 @@ class Choices:
         self.streams = [
             GenerationStream(client, prep, OutputAssembler(
                 ctx.tokenizer, stops=prep.stops, include_stop_str=prep.include_stop_str,
+                keep_stop_token=prep.keep_stop_token,
                 skip_special_tokens=prep.skip_special_tokens, final_ids=prep.final_ids, min_tokens=prep.min_tokens),
                 metrics,
                 keepalive_s=keepalive_s, metadata=metadata, index=i)

@@ -62,6 +62,7 @@ class ServeGatewaySettings(RoleSettings):
     reasoning_budget: int = flag(shared.REASONING_BUDGET)
     reasoning_budget_message: str | None = flag(shared.REASONING_BUDGET_MESSAGE)
     reasoning_effort_budgets: str = flag(shared.REASONING_EFFORT_BUDGETS)
+    strict_request_fields: bool = flag(shared.STRICT_REQUEST_FIELDS)
 
     def input_limits(self) -> InputLimits:
         return InputLimits(max_body_bytes=self.max_body_bytes, max_json_depth=self.max_json_depth,
@@ -90,7 +91,7 @@ def serve_gateway(s: ServeGatewaySettings) -> int:
         settings = GatewaySettings(model_dir=s.model, scheduler=s.scheduler, served_model_name=s.served_model_name,
                                    api_key=s.api_key or None, keepalive_s=s.keepalive_s, max_model_len=s.max_model_len,
                                    generation_config=s.generation_config, limits=limits,
-                                   internal_token=s.internal_token,
+                                   internal_token=s.internal_token, strict_request_fields=s.strict_request_fields,
                                    images=ImageLimits(allow_urls=s.allow_image_urls, max_bytes=s.image_max_bytes,
                                                       timeout_s=s.image_fetch_timeout),
                                    thinking=ThinkingSettings.from_flags(s.reasoning_budget, s.reasoning_budget_message,

@@ -2,7 +2,7 @@
 
 The scheduler streams every token it committed, the one that stopped it included (its id comes back in
 `Finished.stop_token_id`). That last token is hidden from both text and `token_ids` (its id is reported as
-`stop_reason`), so a token that ends generation is held back as soon as it arrives if it is one of the ids that can
+`stop_reason`; SGLang's `no_stop_trim` shows it like any other), so a token that ends generation is held back as soon as it arrives if it is one of the ids that can
 end generation, until `Finished` says whether it did. Every other id is processed as soon as it arrives: no
 latency is added for the common case.
 """
@@ -44,12 +44,13 @@ class Delta:
 
 class OutputAssembler:
     def __init__(self, tokenizer: TextTokenizer, *, stops: list[str], include_stop_str: bool = False,
-                 skip_special_tokens: bool = True, final_ids: frozenset[int] = frozenset(), min_tokens: int = 0
-                 ) -> None:
+                 skip_special_tokens: bool = True, final_ids: frozenset[int] = frozenset(), min_tokens: int = 0,
+                 keep_stop_token: bool = False) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._stops = StopStringMatcher(stops, include_stop_str)
         self._min_tokens = min_tokens  # vLLM: stop strings are looked for only in the text of later tokens
         self._final_ids = final_ids  # ids after which the scheduler stops (EOS unless ignore_eos, stop_token_ids)
+        self._keep_stop_token = keep_stop_token  # SGLang's no_stop_trim: show the stopping token as any other
         self._held: int | None = None
         self._held_lp: TokenLogprob | None = None
         self.token_ids: list[int] = []   # the completion as reported (stopping token excluded)
@@ -93,8 +94,11 @@ class OutputAssembler:
             return delta
         if self._held is not None:
             held, self._held = self._held, None
-            if held == stop_token_id:
+            if held == stop_token_id and not self._keep_stop_token:
                 self.dropped_stop_token = True
+                self.stop_reason = held
+            elif held == stop_token_id:
+                self._process(held, delta, self._held_lp)
                 self.stop_reason = held
             else:
                 self._process(held, delta, self._held_lp)

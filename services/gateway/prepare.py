@@ -138,10 +138,12 @@ class Prepared:
     prompt_param: str             # "messages" | "prompt": where context-length errors point
     stops: list[str] = field(default_factory=list)
     include_stop_str: bool = False
+    keep_stop_token: bool = False  # SGLang's no_stop_trim: the id that stopped generation stays in the output
     skip_special_tokens: bool = True
     final_ids: frozenset[int] = frozenset()
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
     return_token_ids: bool = False
     requests: list[generate_pb2.GenerateRequest] = field(default_factory=list)  # one per choice (best_of of them)
     n: int = 1                    # choices returned (the best n of `len(requests)` by summed logprob)
@@ -272,10 +274,13 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
         choice.CopyFrom(grpc_req)
         choice.request_id, choice.seed_offset = f"{request_id}-{i}", i
         requests.append(choice)
+    options = req.stream_options
     return Prepared(kind=kind, response_id=response_id, prompt_ids=prompt_ids, request=grpc_req,
-                    prompt_param=prompt_param, stops=stops, include_stop_str=req.include_stop_str_in_output,
+                    prompt_param=prompt_param, stops=stops, keep_stop_token=req.no_stop_trim,
+                    include_stop_str=req.include_stop_str_in_output or req.no_stop_trim,
                     skip_special_tokens=req.skip_special_tokens, final_ids=frozenset(final), stream=req.stream,
-                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    include_usage=bool(options and options.include_usage),
+                    continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
                     return_token_ids=req.return_token_ids, requests=requests, n=req.n, logprobs=logprobs,
                     min_tokens=req.min_tokens or 0)
 

@@ -165,12 +165,17 @@ class ChunkWriter:
         self._parsers = {i: new_parser(prep, i) for i in range(prep.n)}
         self._calls = dict.fromkeys(range(prep.n), 0)
         self._offsets = dict.fromkeys(range(prep.n), 0)
+        self._generated = dict.fromkeys(range(prep.n), 0)  # tokens so far per choice (continuous usage)
 
     def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.prep.response_id, "object": self._object, "created": self.created,
                                 "model": self.model, "choices": [choice] if choice is not None else []}
         if self.prep.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last when usage is requested
+        if self.prep.continuous_usage and choice is not None:
+            # vLLM's continuous_usage_stats: the usage so far of this chunk's choice, on every chunk.
+            prompt, done = len(self.prep.prompt_ids), self._generated[choice["index"]]
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         if self.prep.return_token_ids and not self._sent_prompt_ids and choice is not None:
             self._sent_prompt_ids = True
             body["prompt_token_ids"] = self.prep.prompt_ids
@@ -210,6 +215,7 @@ class ChunkWriter:
         return out
 
     def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
+        self._generated[index] += len(d.token_ids)
         if self.prep.kind == "chat":
             return self._chat_chunks(index, self._parsers[index].feed(d.text), d)
         if not d.text and not (self.prep.return_token_ids and d.token_ids) and not d.logprobs:
@@ -223,6 +229,7 @@ class ChunkWriter:
         return [self._chunk(choice)]
 
     def finish(self, index: int, final: Final) -> list[dict[str, Any]]:
+        self._generated[index] = final.completion_tokens  # the hidden stopping token counts, as in `usage`
         out: list[dict[str, Any]] = []
         if self.prep.kind == "chat":
             out = self._chat_chunks(index, self._parsers[index].finish(), None)

@@ -1,9 +1,11 @@
 """Request schemas: OpenAI chat/completions plus vLLM's extra fields and twinspark's own (`background`, `draft`).
 
 Validation is strict (no "1.5" -> 1.5 coercion, no true -> 1) and closed (`extra="forbid"`): an unknown field is a
-400 naming it, so a client never believes a setting took effect when it did not. Fields we recognise but do not
-implement are declared too, accepted at their neutral value (length_penalty 1, use_beam_search false, ...)
-and refused otherwise by `check_unsupported`, again naming the field.
+400 naming it. The gateway drops unknown top-level options before validation unless `--strict-request-fields`
+(request_fields.py: ignored as vLLM ignores them, and reported in a response header). Fields we recognise but do
+not implement are declared, accepted at their neutral value (length_penalty 1, use_beam_search false, ...) and
+refused otherwise by `check_unsupported`, naming the field: a client never believes a setting took effect when it
+did not.
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ class StructuredOutputs(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: Any = None
+    continuous_usage_stats: bool | None = False  # vLLM: with include_usage, usage so far in every chunk
 
 
 # ------------------------------------------------------------------------------------------ generation requests
@@ -251,6 +253,10 @@ class _Generation(_Strict):
     service_tier: Any = None
     store: Any = None
     echo: Any = None
+    # SGLang's, which vllm-router writes into every request it forwards (with these defaults).
+    no_stop_trim: bool = False  # true: keep the stop string and the stopping token in the output
+    session_params: dict[str, Any] | None = None  # session ids: accepted and ignored (the prefix cache needs none)
+    return_hidden_states: Any = None
 
 
 class ChatCompletionRequest(_Generation):
@@ -276,6 +282,9 @@ class ChatCompletionRequest(_Generation):
     prediction: Any = None
     web_search_options: Any = None
     verbosity: Any = None
+    separate_reasoning: Any = None  # SGLang / vllm-router; reasoning is always separated here
+    stream_reasoning: Any = None
+    include_reasoning: Any = None  # vLLM; reasoning is always included
 
 
 class CompletionRequest(_Generation):
@@ -351,6 +360,10 @@ _NEUTRAL: dict[str, Any] = {
     "verbosity": _is(None),
     "suffix": _is(None, ""),
     "prompt_embeds": _is(None),
+    "return_hidden_states": _is(None, False),
+    "separate_reasoning": _is(None, True),
+    "stream_reasoning": _is(None, True),
+    "include_reasoning": _is(None, True),
 }
 
 _WHY: dict[str, str] = {
@@ -364,9 +377,6 @@ def check_unsupported(req: BaseModel) -> None:
         accepts = _NEUTRAL.get(name)
         if accepts is not None and not accepts(getattr(req, name)):
             raise unsupported(name, _WHY.get(name, "is not supported by this server"))
-    options = getattr(req, "stream_options", None)
-    if options is not None and options.continuous_usage_stats not in (None, False):
-        raise unsupported("stream_options.continuous_usage_stats")
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -442,7 +452,11 @@ def validated(model: type[BaseModel], data: Any, *, at: str = "", renames: Renam
 
 def parse(model: type[_Strict], raw: bytes) -> Any:
     """Validate a JSON body into `model`; any problem becomes a 400 with `param` naming the field."""
-    data = parse_json(raw)
+    return parse_data(model, parse_json(raw))
+
+
+def parse_data(model: type[_Strict], data: dict[str, Any]) -> Any:
+    """`parse` of a body already read as JSON (the gateway drops unknown options from it first)."""
     try:
         req = model.model_validate(data)
     except ValidationError as exc:
@@ -455,5 +469,5 @@ def parse(model: type[_Strict], raw: bytes) -> Any:
 __all__ = [
     "ChatCompletionRequest", "ChatMessage", "ChatTool", "CompletionRequest", "NamedToolChoice", "ResponseFormat",
     "StructuredOutputs", "DetokenizeRequest", "GatewayError", "Renames",
-    "TokenizeRequest", "check_unsupported", "parse", "parse_json", "rename", "validated",
+    "TokenizeRequest", "check_unsupported", "parse", "parse_data", "parse_json", "rename", "validated",
 ]

@@ -24,12 +24,14 @@ from services.common import shared_flags
 from services.common.flags import add_flags, from_args, to_argv
 
 from . import procs, state
+from .fleet import INSTALL_HINT, fleet_info, fleet_plan, router_command
 from .plan import DEFAULT_COMMAND, WILDCARD_HOSTS, LaunchConfig, internal_ports_needed, make_plan
 from .ports import free_ports, port_free
 from .settings import DownSettings, UpSettings
 from .supervisor import Supervisor, format_banner, kill_leftovers, log, recorded_alive, tail
 
 INTERNAL_TOKEN_ENV = shared_flags.INTERNAL_TOKEN.env_var or ""  # what every role's --internal-token defaults from
+LAUNCHER = (sys.executable, "-m", "services.launcher")  # runs `up` / `down` (a replica's own supervisor, --detach)
 
 
 def register(subparsers: Any) -> None:
@@ -94,7 +96,8 @@ def up(s: UpSettings) -> int:
         return _err(f"already running with state dir {sd}: {other.get('endpoint')} (supervisor pid "
                     f"{other.get('supervisor_pid')}); stop it with `twinspark down --state-dir {sd}`")
     try:
-        model = _checkpoint(s.model)
+        # Only a router in front of remote replicas (--replicas 0) reads no checkpoint here.
+        model = _checkpoint(s.model) if s.replicas > 0 else Path(s.model or "(remote replicas)")
     except ValueError as e:
         return _err(str(e))
     port = s.port
@@ -104,7 +107,9 @@ def up(s: UpSettings) -> int:
         return _err(f"port {port} on {s.host} is already in use (another twinspark? `twinspark down`); "
                     f"pick another with --port")
     resolved = replace(s, model=str(model), port=port, state_dir=str(sd), role_command=shlex.join(command))
-    return _up_detached(resolved) if s.detach else _supervise(resolved, command)
+    if s.detach:
+        return _up_detached(resolved)
+    return _supervise_routed(resolved) if s.routed else _supervise(resolved, command)
 
 
 def _refused(s: UpSettings) -> str | None:
@@ -113,6 +118,19 @@ def _refused(s: UpSettings) -> str | None:
         return f"--tp must be >= 1, got {s.tp}"
     if s.max_restarts < 0:
         return f"--max-restarts must be >= 0, got {s.max_restarts}"
+    if s.replicas < 0 or (s.replicas == 0 and not s.remote_urls):
+        return f"--replicas must be >= 1 (or 0 with --replica-urls), got {s.replicas}"
+    bad = [u for u in s.remote_urls if not u.startswith(("http://", "https://"))]
+    if bad:
+        return f"--replica-urls takes http(s) base URLs, got {', '.join(bad)}"
+    if s.routed and router_command(s.router_command) is None:
+        return f"--replicas {s.replicas} puts vllm-router in front, and it is not installed: {INSTALL_HINT}"
+    if (s.router_policy == "kv_aware" and s.routed) or s.kv_events_endpoint:
+        import importlib.util
+
+        missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+        if missing:
+            return f"KV events (kv_aware) need pyzmq and msgpack, missing {', '.join(missing)}: {INSTALL_HINT}"
     if s.random_weights:
         from model.quantize.select import Recipe
 
@@ -153,7 +171,8 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
                        command=command, drafter=s.drafter, kv_cache_dtype=s.kv_cache_dtype,
                        enforce_eager=s.enforce_eager, kv_tiers=tuple(s.tier_flags()),
                        random_weights=s.random_weights or "", random_block_size=s.random_block_size,
-                       max_num_batched_tokens=s.max_num_batched_tokens, gateway_flags=tuple(s.gateway_flags()))
+                       max_num_batched_tokens=s.max_num_batched_tokens, gateway_flags=tuple(s.gateway_flags()),
+                       strict_request_fields=s.strict_request_fields, kv_events_endpoint=s.kv_events_endpoint)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(s.port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if s.background else None
@@ -162,6 +181,24 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
     token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(32)
     return Supervisor(plan, stop_grace=s.stop_grace, startup_timeout=s.startup_timeout,
                       max_restarts=s.max_restarts, env={**os.environ, INTERNAL_TOKEN_ENV: token}, out=out).run()
+
+
+def _supervise_routed(s: UpSettings) -> int:
+    """Run the replicas and vllm-router in the foreground until they stop (fleet.py)."""
+    router = router_command(s.router_command)
+    assert router is not None  # _refused checked
+    events = s.replicas if s.router_policy == "kv_aware" else 0  # each replica's KV event port
+    ports = free_ports(s.replicas + events + 1, exclude=(s.port,))
+    # What kv_aware must agree on with the replicas: the ranks' block size and the model name requests carry.
+    block_size = int(os.environ.get("TWINSPARK_BLOCK_SIZE") or 16)
+    name = os.environ.get("TWINSPARK_SERVED_MODEL_NAME") or Path(s.model or "").name
+    plan = fleet_plan(s, LAUNCHER, router, ports[:s.replicas], ports[-1], ports[s.replicas:s.replicas + events],
+                      model_name=name, block_size=block_size)
+    out = (lambda _banner: None) if s.background else None
+    # A replica's supervisor needs its own stop grace and a little more to stop its children before it is
+    # SIGKILLed; each makes its own internal token unless TWINSPARK_INTERNAL_TOKEN is set.
+    return Supervisor(plan, stop_grace=s.stop_grace + 10, startup_timeout=s.startup_timeout + 30,
+                      max_restarts=s.max_restarts, out=out, info=fleet_info(plan, s)).run()
 
 
 def _up_detached(s: UpSettings) -> int:
@@ -177,7 +214,7 @@ def _up_detached(s: UpSettings) -> int:
                                 start_new_session=True, close_fds=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     log(f"started the supervisor in the background (pid {proc.pid}); its log: {sup_log}")
-    deadline = time.monotonic() + s.startup_timeout + 30
+    deadline = time.monotonic() + s.startup_timeout + (90 if s.routed else 30)
     offset, pending = 0, b""
     try:
         while True:
@@ -260,6 +297,11 @@ def down(s: DownSettings) -> int:
     while (left := _survivors(children)) and time.monotonic() < until:
         time.sleep(0.05)
     state.remove_up(sd)
+    # A routed run's replicas are runs of their own: stop any that outlived the run's supervisor (SIGKILLed).
+    for replica in info.get("replicas", []):
+        if replica.get("state_dir") and state.read_up(replica["state_dir"]) is not None:
+            print(f"twinspark down: replica {replica.get('url')} is still recorded: stopping it", flush=True)
+            down(replace(s, state_dir=replica["state_dir"], timeout=None))
     took = time.monotonic() - t
     if forced:
         print(f"twinspark down: SIGKILLed {', '.join(forced)}")

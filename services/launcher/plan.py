@@ -43,6 +43,8 @@ class LaunchConfig:
     random_block_size: int = 128
     max_num_batched_tokens: int | None = None  # the scheduler's round budget; None: its device default
     gateway_flags: tuple[str, ...] = ()  # the gateway's thinking flags (--reasoning-budget, ...) given to `up`
+    strict_request_fields: bool = False  # the gateway refuses unknown request fields (OpenAI's 400)
+    kv_events_endpoint: str | None = None  # the scheduler publishes its prefix cache's block events here
 
 
 # addrs: role name -> ["host:port", ...] for every replica of every role (known before any argv is built).
@@ -80,6 +82,8 @@ def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int
             "--tokenizer", c.model]
     if c.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+    if c.kv_events_endpoint:
+        argv += ["--kv-events-endpoint", c.kv_events_endpoint]
     if addrs.get("drafter"):
         argv += ["--drafter", addrs["drafter"][0]]
         if c.drafter == "mtp":
@@ -94,7 +98,8 @@ def _drafter_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) 
 
 def _gateway_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
     return ["serve-gateway", "--model", c.model, "--scheduler", addrs["scheduler"][0], "--host", host,
-            "--port", str(port), *c.gateway_flags]
+            "--port", str(port), *c.gateway_flags,
+            *(["--strict-request-fields"] if c.strict_request_fields else [])]
 
 
 # Start order. Each role is one stage: all its replicas start together (ranks must, to meet at the master port),
@@ -122,6 +127,7 @@ class ChildSpec:
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment on top of the launcher's
     optional: bool = False  # see Role.optional
     restart_together: bool = False  # see Role.restart_together
+    health: str = ""  # a URL that must answer 200 before the next stage starts (else: the port must listen)
 
     @property
     def address(self) -> str:

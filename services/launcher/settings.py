@@ -40,8 +40,20 @@ class UpSettings:
     reasoning_budget: int | None = _passed_on(shared.REASONING_BUDGET, "the gateway")
     reasoning_budget_message: str | None = _passed_on(shared.REASONING_BUDGET_MESSAGE, "the gateway")
     reasoning_effort_budgets: str | None = _passed_on(shared.REASONING_EFFORT_BUDGETS, "the gateway")
+    strict_request_fields: bool = flag(shared.STRICT_REQUEST_FIELDS)
+    kv_events_endpoint: str | None = flag(shared.KV_EVENTS_ENDPOINT, help=f"{shared.KV_EVENTS_ENDPOINT.help}; passed "
+                                          "on to the scheduler (--router-policy kv_aware sets one per replica)")
     random_weights: str | None = flag(shared.RANDOM_WEIGHTS)
     random_block_size: int = flag(shared.RANDOM_BLOCK_SIZE)
+    replicas: int = flag(shared.REPLICAS)
+    replica_urls: str | None = flag("replica-urls", "replicas running elsewhere (comma-separated base URLs, "
+                                    "e.g. http://spark3:8888) that vllm-router serves beside the --replicas started "
+                                    "here", metavar="URLS", env=None)
+    router_policy: str = flag(shared.ROUTER_POLICY)
+    router_command: str | None = flag("router-command", "command that runs vllm-router, shell-quoted (default: "
+                                      "the vllm-router beside this Python, else on PATH)", metavar="CMD", env=None)
+    router_args: str | None = flag("router-args", "more vllm-router flags, shell-quoted (e.g. \"--retry-max-retries "
+                                   "3\"); they come after the ones `up` sets, so they win", metavar="ARGS", env=None)
     detach: bool = flag("detach", "run the supervisor in the background; return once healthy (stop with "
                         "`twinspark down`)", switch=True, env=None)
     state_dir: str | None = flag(STATE_DIR)
@@ -56,6 +68,15 @@ class UpSettings:
                                     "shell-quoted (default: this Python's `-m services.cli`; e.g. the console script "
                                     ".../bin/twinspark)", metavar="CMD", env=None)
     background: bool = flag("background", "set on the detached supervisor", switch=True, env=None, hidden=True)
+
+    @property
+    def remote_urls(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in (self.replica_urls or "").split(",") if u.strip()]
+
+    @property
+    def routed(self) -> bool:
+        """Does this run put vllm-router in front (several replicas, or remote ones)?"""
+        return self.replicas > 1 or bool(self.remote_urls)
 
     def tier_flags(self) -> list[str]:
         """The KV tier flags given to `up`, as every rank's argv gets them."""

@@ -115,8 +115,10 @@ class Child:
 
 class Supervisor:
     def __init__(self, plan: LaunchPlan, *, stop_grace: float = 10.0, startup_timeout: float = 600.0,
-                 max_restarts: int = 5, env: dict[str, str] | None = None, out: Callable[[str], None] | None = None):
+                 max_restarts: int = 5, env: dict[str, str] | None = None, out: Callable[[str], None] | None = None,
+                 info: dict[str, Any] | None = None):
         self.plan = plan
+        self.extra_info = info or {}  # more for up.json (a routed run: its replicas and the router's policy)
         self.max_restarts = max_restarts
         self.restarts: dict[str, int] = {}  # role -> restarts so far
         self._gone: set[str] = set()  # optional children past their restart limit: left down
@@ -176,13 +178,14 @@ class Supervisor:
         cfg = self.plan.config
         deadline = self.t0 + self.startup_timeout
         log(f"starting twinspark: model {cfg.model}, tp {cfg.tp}, device {cfg.device}; "
-            f"gateway on {cfg.host}:{cfg.port}, internal ports {self.plan.ports} (state dir {self.state_dir})")
+            f"serving on {cfg.host}:{cfg.port}, internal ports {self.plan.ports} (state dir {self.state_dir})")
         self.info = {
             "status": "starting", "supervisor_pid": os.getpid(), "supervisor_start": procs.start_time(os.getpid()),
             "endpoint": self.plan.endpoint, "health_url": self.plan.health_url, "host": cfg.host, "port": cfg.port,
             "model": cfg.model, "tp": cfg.tp, "device": cfg.device, "state_dir": str(self.state_dir),
             "logs": str(self.state_dir / "logs"), "ports": self.plan.ports, "stop_grace": self.stop_grace,
             "max_restarts": self.max_restarts, "restarts": self.restarts, "started_at": time.time(), "children": [],
+            **self.extra_info,
         }
         self._write_state()
         for stage in self.plan.stages:
@@ -190,8 +193,8 @@ class Supervisor:
                 self.children.append(self._spawn(spec, "started"))
             self._write_state()
             for child in self.children[-len(stage):]:
-                if child.spec.public:
-                    self._wait_healthy(child, deadline)
+                if child.spec.public or child.spec.health:
+                    self._wait_healthy(child, deadline, child.spec.health or self.plan.health_url)
                 else:
                     self._wait_listening(child, deadline)
         took = time.monotonic() - self.t0
@@ -242,14 +245,15 @@ class Supervisor:
                 return
             time.sleep(POLL_S)
 
-    def _wait_healthy(self, child: Child, deadline: float) -> None:
-        url = self.plan.health_url
+    def _wait_healthy(self, child: Child, deadline: float, url: str) -> None:
         last = "no answer yet"
         while True:
             self._check_startup(child, deadline, f"{url} to answer 200 (last: {last})")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
+                        if not child.spec.public:  # the public one's line follows ("healthy after ...")
+                            log(f"{child.name} is healthy: {url} answered 200 ({time.monotonic() - self.t0:.1f} s)")
                         return
                     last = f"HTTP {r.status}"
             except urllib.error.HTTPError as e:
@@ -404,6 +408,8 @@ def format_banner(info: dict[str, Any]) -> str:
     body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     return "\n".join([
         f"twinspark is up: {endpoint}  (model {info.get('model')}, tp {info.get('tp')}, device {info.get('device')})",
+        *([f"  replicas: {', '.join(r['url'] for r in info['replicas'])} behind vllm-router "
+           f"({info.get('router_policy')})"] if info.get("replicas") else []),
         f"  try:  curl -s {endpoint}/chat/completions -H 'Content-Type: application/json' -d '{body}'",
         f"  logs: {info.get('logs')}/",
     ])

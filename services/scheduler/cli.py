@@ -49,6 +49,7 @@ class SchedulerSettings(RoleSettings):
                               "drafts)", switch=True)
     tokenizer: str | None = flag("tokenizer", "checkpoint directory (or tokenizer.json) whose tokenizer the grammar "
                                  "masks of structured output use; unset = structured output is refused")
+    kv_events_endpoint: str | None = flag(shared.KV_EVENTS_ENDPOINT)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,7 +77,8 @@ def serve_scheduler(s: SchedulerSettings) -> int:
                             max_num_batched_tokens=s.max_num_batched_tokens,
                             enable_prefix_caching=s.enable_prefix_caching, max_snapshots=s.max_snapshots,
                             reply_reuse=s.reply_reuse,
-                            num_draft_tokens=max(0, s.num_draft_tokens), draft_hidden=s.draft_hidden),
+                            num_draft_tokens=max(0, s.num_draft_tokens), draft_hidden=s.draft_hidden,
+                            kv_events_endpoint=s.kv_events_endpoint),
         drafter=s.drafter, draft_timeout_s=s.draft_timeout, tokenizer=s.tokenizer, internal_token=s.internal_token,
         startup_timeout_s=s.startup_timeout, rank_timeout_s=s.rank_timeout or None)
     try:

@@ -68,6 +68,7 @@ class EngineConfig:
     reply_reuse: bool = True
     num_draft_tokens: int = 4  # K: drafts asked per decoding request and round (with a drafter)
     draft_hidden: bool = False  # ask the ranks for hidden states and pass them to the drafter (MTP drafts)
+    kv_events_endpoint: str | None = None  # ZMQ address the prefix index's block events go out on (kv_events.py)
 
 
 class Engine:
@@ -104,6 +105,8 @@ class Engine:
                 except asyncio.CancelledError:
                     pass
         await self._persist()
+        if self.scheduler.kv_events is not None:
+            self.scheduler.kv_events.close()
 
     async def _persist(self) -> None:
         """With a disk KV tier: one last plan of tier moves saving the pool's snapshots there (the ranks keep their

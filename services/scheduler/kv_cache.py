@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.scheduler.batcher import PlannedSeq
+from services.scheduler.kv_events import KVEvents
 from services.scheduler.kv_tiers import TierIndex, state_key
 from services.scheduler.pool import BlockPool, PoolExhausted, Reservation
 from services.scheduler.prefix import Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
@@ -42,10 +43,10 @@ def snapshot_slots(cfg: EngineConfig, info: ModelInfo) -> int:
 
 class KVCacheManager:
     def __init__(self, info: ModelInfo, snapshots: int, tier_listing: list[rank_pb2.TierEntry],
-                 old: KVCacheManager | None = None) -> None:
+                 old: KVCacheManager | None = None, events: KVEvents | None = None) -> None:
         """`snapshots` slots of the ranks' KDA slots go to the prefix index (none: no prefix caching);
         `tier_listing`: the disk tier entries every rank holds; `old`: the manager this one replaces, whose figures
-        carry over so the exported counters never go backwards."""
+        carry over so the exported counters never go backwards; `events`: where the index publishes its blocks."""
         self.snapshots = snapshots
         # Slots [0, n) hold running requests' KDA states, [n, num_slots) the prefix index's snapshots.
         req_slots = info.num_slots - snapshots
@@ -62,7 +63,8 @@ class KVCacheManager:
             log.info("kv tiers: host %d bytes, disk %d bytes per rank; %d snapshots on disk", tiers.host_capacity,
                      tiers.disk_capacity, len(tiers.snaps))
         self.prefix = PrefixIndex(self.pool, list(range(req_slots, info.num_slots)),
-                                  granule=reuse_granule(info.block_size), tiers=tiers) if snapshots else None
+                                  granule=reuse_granule(info.block_size), tiers=tiers,
+                                  events=events) if snapshots else None
         if old is not None and old.prefix is not None and self.prefix is not None:
             self.prefix.queries, self.prefix.hits = old.prefix.queries, old.prefix.hits
         # (request slot, snapshot) copies that go out in the next plan (the request may be done by then: its slot
@@ -194,7 +196,8 @@ class KVCacheManager:
                 if pos != end:
                     continue  # not reached exactly (cannot happen: chunks end at snapshot points)
                 assert req.block_hashes is not None
-                snap = self.prefix.take(req.block_hashes[: pos // self.pool.block_size], res.blocks, shared=shared)
+                snap = self.prefix.take(req.block_hashes[: pos // self.pool.block_size], res.blocks, shared=shared,
+                                        tokens=req.tokens)
                 if snap is not None:
                     self._takes_next.append((res.slot, snap))
         return copies

@@ -41,6 +41,7 @@ import math
 import struct
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.scheduler.kv_tiers import TierIndex, TierSnap
 from services.scheduler.pool import BlockPool
@@ -117,6 +118,7 @@ class PrefixIndex:
     hits: int = 0  # of which found
     evictions: int = 0
     tiers: TierIndex | None = None  # where evicted snapshots and their blocks go (None: they are forgotten)
+    events: Any = None  # kv_events.KVEvents: blocks joining and leaving the index are published (None: not)
 
     def __post_init__(self) -> None:
         self._free_slots: deque[int] = deque(self.slots)
@@ -174,10 +176,12 @@ class PrefixIndex:
         snap.readers -= 1
 
     # -- snapshots ------------------------------------------------------------------------------------------------
-    def take(self, chain: list[bytes], request_blocks: list[int], *, shared: bool) -> Snapshot | None:
+    def take(self, chain: list[bytes], request_blocks: list[int], *, shared: bool,
+             tokens: list[int] | None = None) -> Snapshot | None:
         """Register a snapshot at position len(chain) * block_size of a request whose blocks are `request_blocks`
         (the caller sends the (request slot -> snapshot slot) copy in the next plan and then calls `sent`). None
-        when one exists there already (it is refreshed) or no snapshot slot can be had."""
+        when one exists there already (it is refreshed) or no snapshot slot can be had. `tokens`: the request's
+        ids, for the block events (`events`)."""
         key = chain[-1]
         old = self.snaps.get(key)
         if old is not None:
@@ -196,13 +200,30 @@ class PrefixIndex:
             self._evict(victim)
         snap = Snapshot(slot=self._free_slots.popleft(), pos=len(chain) * self.pool.block_size, chain=list(chain),
                         shared=shared, last_used=self._tick())
-        for h, b in zip(chain, request_blocks):
+        joined: list[int] = []
+        for i, (h, b) in enumerate(zip(chain, request_blocks)):
             c = self.blocks.get(h)
             if c is None:  # the request's own block joins the index (an equal block already cached is kept)
                 c = self.blocks[h] = _Cached(self.pool.share(b))
+                joined.append(i)
             c.covers += 1
         self.snaps[key] = snap
+        if self.events is not None and tokens is not None:
+            self._publish_stored(chain, joined, tokens)
         return snap
+
+    def _publish_stored(self, chain: list[bytes], joined: list[int], tokens: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks of `chain` that joined the index (each run's parent is
+        the block before it, already cached)."""
+        bs = self.pool.block_size
+        start = 0
+        while start < len(joined):
+            end = start
+            while end + 1 < len(joined) and joined[end + 1] == joined[end] + 1:
+                end += 1
+            lo, hi = joined[start], joined[end] + 1
+            self.events.stored(chain[lo:hi], chain[lo - 1] if lo else None, tokens[lo * bs:hi * bs])
+            start = end + 1
 
     def sent(self, snap: Snapshot) -> None:
         snap.taken = True
@@ -228,6 +249,8 @@ class PrefixIndex:
                 del self.blocks[h]
                 self.pool.drop(c.block)
                 leaving[h] = c.block
+        if self.events is not None:
+            self.events.removed(list(leaving))
         if save and self.tiers is not None and self.tiers.on and snap.taken and not snap.loading:
             # The save goes out in the next plan, before anything can reuse the slot or the blocks.
             self.tiers.keep(snap.key, snap.pos, snap.chain, snap.slot, leaving)

@@ -26,6 +26,7 @@ from services.scheduler.admission import AdmissionQueue
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.grammar import GrammarBook
 from services.scheduler.kv_cache import KVCacheManager, snapshot_slots
+from services.scheduler.kv_events import KVEvents
 from services.scheduler.pool import PoolExhausted
 from services.scheduler.prefix import KDA_CHUNK, Snapshot
 from services.scheduler.ranks import ModelInfo
@@ -70,7 +71,11 @@ class RoundScheduler:
         self.info = info
         self.cfg = cfg
         self.grammars = grammars
-        self.kv = KVCacheManager(info, snapshot_slots(cfg, info), tier_listing or [])
+        snapshots = snapshot_slots(cfg, info)
+        # vLLM's KV events for a router (kv_events.py): only with a prefix index to report on.
+        self.kv_events = KVEvents(cfg.kv_events_endpoint, info.block_size) \
+            if cfg.kv_events_endpoint and snapshots else None
+        self.kv = KVCacheManager(info, snapshots, tier_listing or [], events=self.kv_events)
         self.queue = AdmissionQueue(cfg.max_waiting)
         self.running: list[Request] = []
         self.live: dict[str, Request] = {}  # waiting + running, by request id
@@ -89,7 +94,9 @@ class RoundScheduler:
 
     def new_caches(self, tier_listing: list[rank_pb2.TierEntry]) -> None:
         """An empty pool and prefix index: the rank group restarted and its caches are empty."""
-        self.kv = KVCacheManager(self.info, self.kv.snapshots, tier_listing, old=self.kv)
+        self.kv = KVCacheManager(self.info, self.kv.snapshots, tier_listing, old=self.kv, events=self.kv_events)
+        if self.kv_events is not None:
+            self.kv_events.cleared()
 
     # -- requests in ----------------------------------------------------------------------------------------------
     def add(self, msg: generate_pb2.GenerateRequest, trace_parent: Context | None = None) -> Request:

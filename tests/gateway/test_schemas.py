@@ -41,7 +41,7 @@ def test_accepts_supported_and_neutral_fields() -> None:
     ({"length_penalty": 0.5}, "length_penalty"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"priority": 1}, "priority"),
-    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"separate_reasoning": False}, "separate_reasoning"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"audio": {"voice": "x"}}, "audio"),
 ])

@@ -44,6 +44,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     s.add_argument("--drafter")
     s.add_argument("--draft-hidden", action="store_true")
     s.add_argument("--tokenizer", required=True)
+    s.add_argument("--kv-events-endpoint")
     s.add_argument("--host", required=True)
     s.add_argument("--port", type=int, required=True)
     d = sub.add_parser("serve-drafter")
@@ -57,6 +58,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--scheduler", required=True)
     g.add_argument("--host", required=True)
     g.add_argument("--port", type=int, required=True)
+    g.add_argument("--strict-request-fields", action="store_true")
     return p.parse_args(argv)
 
 
