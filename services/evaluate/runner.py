@@ -31,9 +31,10 @@ class Settings:
     api_key: str | None = None
 
 
-async def _windows(client: ModelClient, s: Settings, check: ModelClient | None = None
-                   ) -> tuple[list[Window], dict[str, Any]]:
-    """The text's windows as `client` tokenizes it (`check`: a second server that must tokenize it alike)."""
+async def text_windows(client: ModelClient, s: Settings, check: ModelClient | None = None
+                       ) -> tuple[list[Window], dict[str, Any]]:
+    """The text's windows as `client` tokenizes it (`check`: a second server that must tokenize it alike), and
+    what the report says of them."""
     text = s.file.read_text(encoding="utf-8")
     ids = await client.tokenize(text)
     if check is not None and await check.tokenize(text) != ids:
@@ -65,15 +66,33 @@ async def _each(windows: list[Window], s: Settings, what: str, job: Callable[[Wi
         bar.close()
 
 
+async def score_windows(client: ModelClient, windows: list[Window], s: Settings, k: int, what: str = "scoring"
+                        ) -> list[list[Scored]]:
+    """Every window's prompt logprobs with the top k."""
+    return await _each(windows, s, what, lambda w: client.score(w.ids, k))
+
+
 def _counted(w: Window, scored: list[Scored]) -> list[Scored]:
     return scored[w.counted_from - 1 :]  # scored[i] is position i + 1 of the window
 
 
+def compare(windows: list[Window], ref: list[list[Scored]], model: list[list[Scored]]) -> dict[str, Any]:
+    """KL_k(reference || model) and top-1 agreement over the counted positions, and both perplexities."""
+    div, ppl_ref, ppl_model = Divergence(), Perplexity(), Perplexity()
+    for w, a, b in zip(windows, ref, model):
+        a, b = _counted(w, a), _counted(w, b)
+        ppl_ref.add([x.logprob for x in a])
+        ppl_model.add([x.logprob for x in b])
+        for x, y in zip(a, b):
+            div.add(x.top, y.top)
+    return {**div.summary(), "perplexity": ppl_model.value, "ref_perplexity": ppl_ref.value}
+
+
 async def perplexity(url: str, s: Settings) -> dict[str, Any]:
     async with ModelClient(url, api_key=s.api_key) as client:
-        windows, source = await _windows(client, s)
+        windows, source = await text_windows(client, s)
         t0 = time.monotonic()
-        scored = await _each(windows, s, "scoring", lambda w: client.score(w.ids, 0))
+        scored = await score_windows(client, windows, s, 0)
         seconds = time.monotonic() - t0
     ppl = Perplexity()
     for w, sc in zip(windows, scored):
@@ -87,7 +106,7 @@ async def divergence(url: str, ref_url: str, s: Settings) -> dict[str, Any]:
     if not 1 <= s.top_k <= 20:
         raise EvalError(f"--top-k must be in [1, 20] (the API's limit), got {s.top_k}")
     async with ModelClient(url, api_key=s.api_key) as model, ModelClient(ref_url, api_key=s.api_key) as ref:
-        windows, source = await _windows(ref, s, check=model)
+        windows, source = await text_windows(ref, s, check=model)
 
         async def both(w: Window) -> tuple[list[Scored], list[Scored]]:
             a, b = await asyncio.gather(ref.score(w.ids, s.top_k), model.score(w.ids, s.top_k))
@@ -96,13 +115,6 @@ async def divergence(url: str, ref_url: str, s: Settings) -> dict[str, Any]:
         t0 = time.monotonic()
         pairs = await _each(windows, s, "scoring on both", both)
         seconds = time.monotonic() - t0
-    div, ppl_ref, ppl_model = Divergence(), Perplexity(), Perplexity()
-    for w, (a, b) in zip(windows, pairs):
-        a, b = _counted(w, a), _counted(w, b)
-        ppl_ref.add([x.logprob for x in a])
-        ppl_model.add([x.logprob for x in b])
-        for x, y in zip(a, b):
-            div.add(x.top, y.top)
+    result = compare(windows, [a for a, _ in pairs], [b for _, b in pairs])
     return {"kind": "kl", "url": url, "model": model.model, "ref_url": ref_url, "ref_model": ref.model, **source,
-            "top_k": s.top_k, **div.summary(), "perplexity": ppl_model.value, "ref_perplexity": ppl_ref.value,
-            "seconds": seconds}
+            "top_k": s.top_k, **result, "seconds": seconds}
