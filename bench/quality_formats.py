@@ -15,9 +15,9 @@ on 4 virtual shards; the default tiny model has no linear EXL3 can hold) in floa
 release's dimensions (hidden 4096, vocabulary 154,880, 3:1 KDA / MLA, KKKM with one dense FFN layer) in bfloat16,
 with `--experts` routed experts per MoE layer instead of 288, so the dense base and its five quantized copies fit a
 lent machine's disk and the EXL3 encoder finishes in one call (the per-expert arithmetic, the one that matters for
-a format's error, is the release's). The reference is the dense base served the same way; the same windows of bench/data/eval_text.txt are
-scored on each stack. On the CPU, `--exact` also computes the full-vocabulary KL offline (both models loaded here,
-`offline.prompt_log_softmax`), next to the API's top-k estimate.
+a format's error, is the release's). The reference is the dense base served the same way; the same windows of
+bench/data/eval_text.txt are scored on each stack. On the CPU, `--exact` also computes the full-vocabulary KL
+offline (both models loaded here, `offline.prompt_log_softmax`), next to the API's top-k estimate.
 
 Writes quality_formats-<time>.json and .md under --out.
 """
@@ -143,8 +143,8 @@ def markdown(data: dict[str, Any]) -> str:
              f"format) in nats per position over the top-{a['top_k']} buckets (docs/evaluation.md: never above the "
              f"full KL){'; exact: full vocabulary, offline' if a['exact'] else ''}. Decode: batch-1 streamed greedy, "
              f"median inter-token latency, {a['output_len']} tokens after a 64-token prompt.", "",
-             "| format | weight MiB | × base | KL mean | KL p99 | KL exact | top-1 agreement | perplexity | decode tok/s "
-             "| quantize s |",
+             "| format | weight MiB | × base | KL mean | KL p99 | KL exact | top-1 agreement | perplexity "
+             "| decode tok/s | quantize s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
         if "error" in r:

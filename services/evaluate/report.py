@@ -21,7 +21,8 @@ def markdown(result: dict[str, Any]) -> str:
         head = f"Perplexity of `{result['model']}` ({result['url']})"
         rows = ["perplexity", "nll_per_token", "tokens", "scored_tokens_per_s"]
     else:
-        head = f"KL divergence of `{result['model']}` ({result['url']}) from `{result['ref_model']}` ({result['ref_url']})"
+        head = (f"KL divergence of `{result['model']}` ({result['url']}) from `{result['ref_model']}` "
+                f"({result['ref_url']})")
         rows = ["kl_mean", "kl_median", "kl_p90", "kl_p99", "kl_max", "top1_agreement", "positions", "perplexity",
                 "ref_perplexity", "top_k"]
     source = (f"on `{result['file']}` (sha256 {result['sha256'][:12]}…, {result['text_tokens']} tokens), "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.tensors import from_proto, to_proto
+from services.common.tensors import from_proto
 from services.scheduler.engine import EngineConfig
 from services.scheduler.request import PromptScores, State
 from services.scheduler.round_scheduler import RoundScheduler, ScheduledRound
