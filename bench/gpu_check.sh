@@ -22,6 +22,12 @@
 #   bash bench/gpu_check.sh kernels [SECTIONS]
 #                                      # only bench/kernels.py (default: the MoE in bf16 and W4A16, its tile
 #                                      # sweeps and the invariance checks: what chooses `moe_schedule`)
+#   bash bench/gpu_check.sh quality [FORMATS] [EXPERTS]
+#                                      # only bench/quality_formats.py: 4 layers at the release's dims (EXPERTS
+#                                      # routed experts, default 16) written dense in bf16, quantized to each
+#                                      # format (default fp8,w4a16,exl3:2.5,exl3:3.0,exl3:4.0) on the GPU, each
+#                                      # served: KL vs bf16 and top-1 agreement through the API, decode tok/s.
+#                                      # Past the call's time limit, split FORMATS over two calls.
 #
 # What the machine lacks comes along in git-ignored folders named in the call's `carry`:
 #   .device-kit    a copy of shared/device (the stack's wheels, fla-core, exllamav3 + its sm_90 extension)
@@ -63,6 +69,15 @@ fi
 if [ "${1:-}" = "kernels" ]; then
     python3 -m bench.kernels --only "${2:-moe,moesweep,invariance}" --out "$OUT" > "$OUT/kernels.log" 2>&1
     grep -E "best|^.{11}moe (bf16|w4a16)|invariance" "$OUT/kernels.log" | tail -40
+    exit 0
+fi
+if [ "${1:-}" = "quality" ]; then
+    python3 -m bench.quality_formats --device cuda --dims release --layers 4 --experts "${3:-16}" \
+        ${2:+--formats "$2"} --work /tmp/quality-formats --out "$OUT" > "$OUT/quality_formats.log" 2>&1
+    tail -14 "$OUT/quality_formats.log"
+    for d in /tmp/twinspark-bench-*/logs; do
+        [ -d "$d" ] && mkdir -p "$OUT/stack-logs" && cp -r "$d" "$OUT/stack-logs/$(basename "$(dirname "$d")")"
+    done
     exit 0
 fi
 if [ "${1:-}" = "profile" ]; then

@@ -56,6 +56,7 @@ __all__ = [
     "sample",
     "token_logprobs",
     "processed_logprobs",
+    "prompt_logprobs",
     "apply_token_bitmask",
 ]
 
@@ -429,16 +430,53 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, T
     """
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
     chosen = logprobs.gather(1, token_ids.to(torch.int64)[:, None]).squeeze(1)
+    top_ids, top = _top_logprobs(logprobs, k)
+    return chosen, top_ids, top
+
+
+def _top_logprobs(logprobs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Each row's k largest logprobs and their ids ([R, k] int64 / float32), by logprob descending, ties by lowest
+    id."""
     rows, vocab = logprobs.shape
     if not 0 <= k <= vocab:
         raise ValueError(f"k must be in [0, {vocab}]")
     if k == 0:
         empty = logprobs.new_empty((rows, 0))
-        return chosen, empty.to(torch.int64), empty
+        return empty.to(torch.int64), empty
     keep = _keep_top_k(logprobs, torch.full((rows,), k, dtype=torch.int64, device=logprobs.device), k)
     ids = keep.nonzero()[:, 1].view(rows, k)  # ascending id within each row
     top, order = torch.sort(logprobs.gather(1, ids), dim=-1, descending=True, stable=True)
-    return chosen, ids.gather(1, order), top
+    return ids.gather(1, order), top
+
+
+# Rows of logits scored at a time by `prompt_logprobs`: its temporaries (the log-softmax and a comparison mask) stay
+# this many rows of the vocabulary, however long the prefill chunk. Row-wise ops: blocking changes no value.
+_SCORE_BLOCK = 256
+
+
+def prompt_logprobs(logits: Tensor, next_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Prompt logprobs (vLLM's): the model's raw distribution at each row, log_softmax of the fp32 logits with no
+    temperature, filter or mask, scored against the prompt token that follows the row.
+
+    Returns (logprob of next_ids [S] float32, its rank [S] int64 = how many ids have a logprob >= its own, as vLLM
+    counts it, top_ids [S, k] int64, top_logprobs [S, k] float32 by logprob descending, ties by lowest id). The
+    log-softmax is `token_logprobs`' (one row at a time, the same call), computed `_SCORE_BLOCK` rows at a time.
+    """
+    rows = logits.shape[0]
+    chosen, ranks, top_ids, top = [], [], [], []
+    for a in range(0, rows, _SCORE_BLOCK):
+        logprobs = torch.log_softmax(logits[a : a + _SCORE_BLOCK].to(torch.float32), dim=-1)
+        c = logprobs.gather(1, next_ids[a : a + _SCORE_BLOCK].to(torch.int64)[:, None])
+        chosen.append(c.squeeze(1))
+        ranks.append((logprobs >= c).sum(dim=-1))
+        i, v = _top_logprobs(logprobs, k)
+        top_ids.append(i)
+        top.append(v)
+    if not rows:
+        empty = logits.new_empty((0,), dtype=torch.float32)
+        i, v = _top_logprobs(logits.new_empty((0, logits.shape[-1]), dtype=torch.float32), k)
+        return empty, empty.to(torch.int64), i, v
+    return torch.cat(chosen), torch.cat(ranks), torch.cat(top_ids), torch.cat(top)
 
 
 def processed_logprobs(logits: Tensor, params: SamplingParams, token_ids: Tensor, k: int,

@@ -70,4 +70,5 @@ MIN_TOKENS = Range("min_tokens", 0)  # and at most the request's max_tokens
 
 # What comes back and how many times.
 TOP_LOGPROBS = Range("top_logprobs", 0, 20)  # top alternatives per token (completions call it `logprobs`)
+PROMPT_LOGPROBS = Range("prompt_logprobs", 0, 20)  # top alternatives per prompt token (vLLM's prompt_logprobs)
 N = Range("n", 1, 16)  # choices of one request (completions' best_of too)

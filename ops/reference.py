@@ -221,10 +221,16 @@ class ReferenceForward:
             qj = q[j].contiguous().view(t, attn.heads, attn.dn)
             out = torch.zeros(t, attn.heads, attn.dv, dtype=q.dtype, device=q.device)
             for rows, pos in spans:
+                n = rows.stop - rows.start
                 latent = self.cache.gather_positions(store, b.block_tables[seq_of[rows.start]], pos)
-                q_lat = torch.einsum("nhd,hdr->nhr", qj[rows].float(), attn.w_uk[heads].float())
+                # The kv_b products run on whole ATTENTION_BLOCK-row spans (a partial span zero-padded), as
+                # `linear` does: torch's CPU GEMM picks its path for a few rows by the thread count (a rank at TP 2
+                # has half the threads of one at TP 1), which moved the last rows of a chunk by an ulp.
+                q_lat = torch.einsum("nhd,hdr->nhr", pad_rows(qj[rows].float(), ATTENTION_BLOCK),
+                                     attn.w_uk[heads].float())[:n]
                 o_lat = sparse_latent_attention(q_lat, latent, pos >= 0, attn.scale)
-                out[rows] = torch.einsum("nhr,hvr->nhv", o_lat, attn.w_uv[heads].float()).to(q.dtype)
+                out[rows] = torch.einsum("nhr,hvr->nhv", pad_rows(o_lat, ATTENTION_BLOCK),
+                                         attn.w_uv[heads].float())[:n].to(q.dtype)
             outs.append(out.reshape(t, -1))
         return torch.stack(outs)
 

@@ -21,6 +21,7 @@ _COMMANDS = (
     "services.drafter.cli",
     "services.gateway.cli",
     "services.launcher.cli",
+    "services.evaluate.cli",
 )
 
 

@@ -3,8 +3,10 @@
 `GenerationStream` owns the gRPC call. A reader task pumps scheduler events into a queue, so the consumer can wait
 for the next one with a timeout (for SSE keepalives) without cancelling the read. `start()` waits for the first
 event so that admission errors (429, 400, 503) can still become HTTP statuses before a stream's 200; `events()`
-then yields `Keepalive`, `Delta` and finally `Final`, or raises `GatewayError`. `close()` cancels the call (the
-scheduler frees the request's blocks on cancellation) and records the request's metrics exactly once.
+then yields `Keepalive`, `Delta` and finally `Final`, or raises `GatewayError`. Prompt logprobs (which come before
+any token) are not events of their own: the first choice's stream collects them into `Prepared.prompt_scores`, whole
+before its first `Delta` or `Final`. `close()` cancels the call (the scheduler frees the request's blocks on
+cancellation) and records the request's metrics exactly once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .errors import GatewayError, bad_request, internal, unavailable
 from .metrics import GatewayMetrics, RequestRecord
 from .output import Delta, OutputAssembler, TokenLogprob, token_sha
 from .prepare import Prepared
+from .prompt_scores import collect, complete
 from .scheduler_client import SchedulerClient, map_rpc_error
 
 log = logging.getLogger("twinspark.gateway")
@@ -195,11 +198,21 @@ class GenerationStream:
                     await self._abort_and_drain()
                     yield self._make_final("stop")
                     return
+            elif kind == "prompt_logprobs":
+                if self.index == 0:  # later choices score the prompt only when nothing is generated: the same scores
+                    try:
+                        collect(self.prep.prompt_scores, item.prompt_logprobs, self.prep.prompt_ids)
+                    except ValueError as exc:
+                        raise self._fail(internal(f"bad prompt logprobs from the scheduler: {exc}")) from None
             elif kind == "finished":
                 f = item.finished
                 self.finished = f
                 if f.reason == generate_pb2.FINISH_ERROR:
                     raise self._fail(self._finish_error(f.error))
+                if self.index == 0 and self.prep.scores_prompt and f.reason != generate_pb2.FINISH_ABORTED \
+                        and not complete(self.prep.prompt_scores, self.prep.prompt_ids):
+                    raise self._fail(internal(f"the scheduler sent {len(self.prep.prompt_scores)} prompt logprobs "
+                                              f"for a {len(self.prep.prompt_ids)}-token prompt"))
                 stop_id = f.stop_token_id if f.reason == generate_pb2.FINISH_STOP and f.stop_token_id >= 0 else None
                 delta = self.assembler.finish(stop_id)
                 if delta:

@@ -15,6 +15,11 @@ All the choices where OpenAI, vLLM and twinspark differ are made here, in one pl
   is exactly the single-choice request with seed `seed + i` (no seed: the prompt-derived key + i).
 - logprobs: chat `logprobs` + `top_logprobs`, completions `logprobs` = the top count; best_of > n asks for the
   chosen tokens' logprobs to rank the choices by their sum (vLLM's rule).
+- prompt logprobs (vLLM's): `prompt_logprobs: k` on chat and completions, and completions' `echo` with `logprobs`
+  (the prompt's entries in the same object); `echo` with `max_tokens: 0` scores the prompt and generates nothing
+  (max_tokens 0 without echo is a 400, as in vLLM). `prompt_logprobs` cannot be streamed (vLLM's 400); `echo` can
+  (the prompt comes first). Only the first choice's scheduler request scores the prompt (the scores do not depend
+  on the seed), unless nothing is generated.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .constraints import THINK_CLOSE, THINK_OPEN, TOOL_TAGS, GrammarBuilder, bui
 from .errors import GatewayError, bad_request, context_length_exceeded
 from .grammar_check import CLOSE, OPEN, GrammarChecker
 from .images import ImageLimits, ImageProcessor, ProcessedImage, load_image
+from .prompt_scores import PromptScore
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Renames, rename
 from .shortest import shortest_reply
 from .template import ChatTemplate
@@ -155,6 +161,15 @@ class Prepared:
     min_tokens: int = 0           # stop strings count only in the text of later tokens (vLLM)
     image_tokens: int = 0         # prompt tokens that are image placeholders (usage reports them)
     grammar_param: str | None = None  # the field the grammar came from: where a grammar failure points
+    echo: bool = False            # completions: the reply's text (and logprobs) start with the prompt's
+    prompt_text: str = ""         # what echo puts first: the prompt as sent (token ids: decoded)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the top k shown per prompt token (None: not shown)
+    prompt_scores: list[PromptScore] = field(default_factory=list)  # filled in order by the first choice's stream
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the first choice's request asks the scheduler for prompt logprobs."""
+        return self.request.HasField("prompt_logprobs")
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -232,7 +247,9 @@ def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
 
 
 def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-           max_tokens: int | None, prompt_param: str, *, logprobs: int | None = None, best_of: int = 1) -> Prepared:
+           max_tokens: int | None, prompt_param: str, *, logprobs: int | None = None, best_of: int = 1,
+           score_k: int | None = None) -> Prepared:
+    """`score_k`: ask for prompt logprobs with that many top ids (None: none)."""
     window = ctx.max_model_len
     n = len(prompt_ids)
     if n == 0:
@@ -268,11 +285,15 @@ def _build(ctx: ModelContext, kind: str, req: ChatCompletionRequest | Completion
         priority=generate_pb2.PRIORITY_BACKGROUND if req.background else generate_pb2.PRIORITY_NORMAL,
         no_draft=not req.draft, logprobs=want_lp, top_logprobs=logprobs or 0,
         min_tokens=req.min_tokens or 0)
+    if score_k is not None:
+        grpc_req.prompt_logprobs = score_k
     requests = [grpc_req]
     for i in range(1, best_of):  # choice i: the same request keyed by seed + i, under its own scheduler id
         choice = generate_pb2.GenerateRequest()
         choice.CopyFrom(grpc_req)
         choice.request_id, choice.seed_offset = f"{request_id}-{i}", i
+        if max_tokens > 0:  # the first choice scores the prompt; the others resume from its cached prefix
+            choice.ClearField("prompt_logprobs")
         requests.append(choice)
     options = req.stream_options
     return Prepared(kind=kind, response_id=response_id, prompt_ids=prompt_ids, request=grpc_req,
@@ -336,8 +357,11 @@ async def prepare_chat(ctx: ModelContext, req: ChatCompletionRequest, renames: R
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    _check_prompt_logprobs(req)
     prep = _build(ctx, "chat", req, ids, max_tokens, "messages",
-                  logprobs=(req.top_logprobs or 0) if req.logprobs else None, best_of=req.n)
+                  logprobs=(req.top_logprobs or 0) if req.logprobs else None, best_of=req.n,
+                  score_k=req.prompt_logprobs)
+    prep.prompt_logprobs = req.prompt_logprobs
     prep.reasoning = opens_thinking(text)
     if req.tools and req.tool_choice != "none":
         prep.tools = {t.function.name: t.function.parameters for t in req.tools}
@@ -374,8 +398,19 @@ async def prepare_completion(ctx: ModelContext, req: CompletionRequest) -> Prepa
     else:
         ids = list(prompt)
         _check_ids(ids, ctx.vocab_size, "prompt")
+    _check_prompt_logprobs(req)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1, got 0 (0 is accepted with echo: the prompt is scored and "
+                          "nothing is generated)", param="max_tokens")
+    echo_scores = req.echo and req.logprobs is not None
+    score_k = None if req.prompt_logprobs is None and not echo_scores else \
+        max(req.prompt_logprobs or 0, req.logprobs or 0 if echo_scores else 0)
     prep = _build(ctx, "completion", req, ids, req.max_tokens, "prompt", logprobs=req.logprobs,
-                  best_of=req.best_of or req.n)
+                  best_of=req.best_of or req.n, score_k=score_k)
+    prep.prompt_logprobs = req.prompt_logprobs
+    if req.echo:
+        prep.echo = True
+        prep.prompt_text = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)
     # A raw prompt may open a think block too (its last <think> after its last </think>): then the budget applies
     # and a grammar starts after the reasoning, as in chat.
     prep.reasoning = _opens_thinking_ids(ctx, ids)
@@ -383,6 +418,11 @@ async def prepare_completion(ctx: ModelContext, req: CompletionRequest) -> Prepa
     ctx.limit_thinking(prep, req.thinking_token_budget, None)
     await ctx.constrain(prep, req, True if prep.reasoning else None)
     return prep
+
+
+def _check_prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.stream and req.prompt_logprobs is not None:  # vLLM's rule: they come whole, with the full reply
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
 
 
 def _opens_thinking_ids(ctx: ModelContext, ids: list[int]) -> bool:

@@ -9,7 +9,9 @@ A chat reply is split by `reply_parser.ReplyParser` into reasoning (`reasoning_c
 `reasoning`), content and tool calls; streamed replies are cut by the same parser, so they add up to the full one.
 Logprobs: OpenAI's shapes (chat: `logprobs.content[]` with `bytes` and `top_logprobs`; completions: `tokens`,
 `token_logprobs`, `top_logprobs`, `text_offset`); a token outside the sampler's kept set has logprob -inf, sent as
--9999.0 (JSON has no infinity; vLLM does the same).
+-9999.0 (JSON has no infinity; vLLM does the same). Prompt logprobs (prompt_scores.py): vLLM's `prompt_logprobs`
+in a completions choice (chat: at the top level), and with completions' `echo` the prompt's text and logprobs ahead
+of the reply's in the same fields (streamed: in each choice's first chunk).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from .generation import Final
 from .output import Delta, TokenLogprob
 from .prepare import Prepared
+from .prompt_scores import echo_logprobs, vllm_prompt_logprobs
 from .reply_parser import ContentDelta, ParsedReply, ReasoningDelta, ReplyEvent, ReplyParser, ToolCall
 from .tokenizer import TextTokenizer
 
@@ -59,6 +62,22 @@ def completion_logprobs(tok: TextTokenizer, lps: list[TokenLogprob], offset: int
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps], "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two parts of a completions `logprobs` object, one after the other."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def echo_text_and_logprobs(prep: Prepared, tok: TextTokenizer, text: str, lp: dict[str, Any] | None
+                           ) -> tuple[str, dict[str, Any] | None]:
+    """A completion's text and logprobs with the prompt's ahead (`echo`); `lp`'s offsets already count from the
+    end of the prompt's text."""
+    if not prep.echo:
+        return text, lp
+    if lp is not None:
+        lp = _joined(echo_logprobs(tok, prep.prompt_ids, prep.prompt_scores), lp)
+    return prep.prompt_text + text, lp
 
 
 def new_parser(prep: Prepared, index: int = 0) -> ReplyParser:
@@ -136,10 +155,14 @@ def full_response(prep: Prepared, model: str, tok: TextTokenizer, texts: dict[in
             choice: dict[str, Any] = {"index": index, "message": message, "logprobs": lp,
                                       "finish_reason": finish_reason(final, calls)}
         else:
-            lp = completion_logprobs(tok, final.logprobs or []) if prep.logprobs is not None else None
+            lp = completion_logprobs(tok, final.logprobs or [], len(prep.prompt_text) if prep.echo else 0) \
+                if prep.logprobs is not None else None
+            text, lp = echo_text_and_logprobs(prep, tok, text, lp)
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": final.finish_reason}
             if prep.return_token_ids:
                 choice["prompt_token_ids"] = prep.prompt_ids
+            if prep.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tok, prep.prompt_scores)
         choice.update(_choice_extras(prep, final))
         if len(finals) > 1:
             choice["token_sha"] = final.token_sha
@@ -149,6 +172,8 @@ def full_response(prep: Prepared, model: str, tok: TextTokenizer, texts: dict[in
                             "usage": usage(prep, finals), "token_sha": finals[0].token_sha}
     if prep.return_token_ids:
         body["prompt_token_ids"] = prep.prompt_ids
+    if prep.kind == "chat" and prep.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(tok, prep.prompt_scores)
     return body
 
 
@@ -164,7 +189,9 @@ class ChunkWriter:
         self._object = "chat.completion.chunk" if prep.kind == "chat" else "text_completion"
         self._parsers = {i: new_parser(prep, i) for i in range(prep.n)}
         self._calls = dict.fromkeys(range(prep.n), 0)
-        self._offsets = dict.fromkeys(range(prep.n), 0)
+        # Where each choice's next text starts in its reply (echo: after the prompt, sent with its first chunk).
+        self._offsets = dict.fromkeys(range(prep.n), len(prep.prompt_text) if prep.echo else 0)
+        self._echo = set(range(prep.n)) if prep.echo else set()  # choices whose prompt is still to be echoed
         self._generated = dict.fromkeys(range(prep.n), 0)  # tokens so far per choice (continuous usage)
 
     def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
@@ -218,12 +245,17 @@ class ChunkWriter:
         self._generated[index] += len(d.token_ids)
         if self.prep.kind == "chat":
             return self._chat_chunks(index, self._parsers[index].feed(d.text), d)
-        if not d.text and not (self.prep.return_token_ids and d.token_ids) and not d.logprobs:
+        if not d.text and not (self.prep.return_token_ids and d.token_ids) and not d.logprobs \
+                and index not in self._echo:
             return []
         choice: dict[str, Any] = {"index": index, "text": d.text, "logprobs": None, "finish_reason": None}
         if self.prep.logprobs is not None:
             choice["logprobs"] = completion_logprobs(self.tok, d.logprobs, self._offsets[index])
         self._offsets[index] += len(d.text)
+        if index in self._echo:  # the prompt's scores are whole by now (generation.py)
+            self._echo.discard(index)
+            choice["text"], choice["logprobs"] = echo_text_and_logprobs(self.prep, self.tok, d.text,
+                                                                        choice["logprobs"])
         if self.prep.return_token_ids:
             choice["token_ids"] = d.token_ids
         return [self._chunk(choice)]
@@ -236,6 +268,8 @@ class ChunkWriter:
             choice: dict[str, Any] = {"index": index, "delta": {}, "logprobs": None,
                                       "finish_reason": finish_reason(final, self._calls[index])}
         else:
+            if index in self._echo:  # nothing was generated (max_tokens 0, or a reply held back whole)
+                out = self.delta(index, Delta())
             choice = {"index": index, "text": "", "logprobs": None, "finish_reason": final.finish_reason}
         choice["stop_reason"] = final.stop_reason
         if self.prep.return_token_ids:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, N, PRESENCE_PENALTY,
-                                    REPETITION_PENALTY, SEED, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P, VLLM_TOP_K_OFF)
+                                    PROMPT_LOGPROBS, REPETITION_PENALTY, SEED, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P,
+                                    VLLM_TOP_K_OFF)
 
 from .errors import GatewayError, bad_request, unsupported
 
@@ -194,6 +195,8 @@ Identifier = Annotated[str, Field(max_length=512)]
 class _Generation(_Strict):
     """Fields shared by chat and completions."""
 
+    # Fields of `_NEUTRAL` a subclass implements (declared with their own type there): not refused for it.
+    implemented: ClassVar[frozenset[str]] = frozenset()
     model: Identifier | None = None  # optional as in vLLM: the one served model
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -236,11 +239,12 @@ class _Generation(_Strict):
     # vLLM: tokens the reply may think (inside the think block the prompt opened) before the end of thinking is
     # forced; unset: reasoning_effort's budget, else the server's --reasoning-budget (thinking.py).
     thinking_token_budget: int | None = Field(None, ge=0, lt=1 << 31)
+    # vLLM: the logprob, rank and top k of every prompt token after the first (the model's raw distribution).
+    prompt_logprobs: int | None = Field(None, **PROMPT_LOGPROBS.field())
     # Recognised, not implemented: only their neutral value is accepted (see _NEUTRAL).
     length_penalty: Any = None
     priority: Any = None
     use_beam_search: Any = None
-    prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
@@ -288,8 +292,13 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
+    implemented: ClassVar[frozenset[str]] = frozenset({"echo"})
+
     # vLLM: a string, a token-id list, or a list holding one of either (batches of more than one are refused).
     prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI: the reply's text (and logprobs) start with the prompt's; with max_tokens 0 the prompt is only scored.
+    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (prepare.py), as vLLM
     add_special_tokens: bool = True
     logprobs: int | None = Field(None, **TOP_LOGPROBS.field())  # completions: how many top logprobs (0: chosen only)
     best_of: int | None = Field(None, **N.field())
@@ -334,7 +343,6 @@ _NEUTRAL: dict[str, Any] = {
     "length_penalty": _is(None, 1, 1.0),
     "priority": _is(None, 0),
     "use_beam_search": _is(None, False),
-    "prompt_logprobs": _is(None),
     "truncate_prompt_tokens": _is(None),
     "bad_words": _empty,
     "allowed_token_ids": _is(None),
@@ -374,7 +382,7 @@ _WHY: dict[str, str] = {
 def check_unsupported(req: BaseModel) -> None:
     """Raise a 400 naming the first recognised-but-unimplemented field set to a non-neutral value."""
     for name in type(req).model_fields:
-        accepts = _NEUTRAL.get(name)
+        accepts = None if name in getattr(req, "implemented", ()) else _NEUTRAL.get(name)
         if accepts is not None and not accepts(getattr(req, name)):
             raise unsupported(name, _WHY.get(name, "is not supported by this server"))
 

@@ -15,7 +15,8 @@ import torch
 from kernels import gpu
 from kernels.gpu import to_device
 from kernels.penalties import Penalties, apply_penalties
-from kernels.sampling import Filters, SamplingParams, apply_token_bitmask, processed_logprobs, sample
+from kernels.sampling import (Filters, SamplingParams, apply_token_bitmask, processed_logprobs, prompt_logprobs,
+                              sample)
 from model.batch import Batch
 from model.cache import PagedCache
 from model.model import ForwardOutput, Glm5Model, accept_drafts
@@ -23,8 +24,8 @@ from model.vision import VisionConfig
 from services.rank_worker import plan_checks as checks
 from services.rank_worker.encoder_cache import EncoderCache
 from services.rank_worker.kv_tiers import TierStore
-from services.rank_worker.plan_checks import ImagePart, Limits
-from services.rank_worker.rounds import Launched, RowLogprobs, StepOutput, to_host
+from services.rank_worker.plan_checks import ImagePart, Limits, ScoreRows
+from services.rank_worker.rounds import Launched, RowLogprobs, RowScores, StepOutput, to_host
 from twinspark.v1 import rank_pb2
 from twinspark.v1.rank_pb2 import StepPlan
 
@@ -74,10 +75,13 @@ class Executor:
                                     sampled.index_select(0, to_device(torch.tensor(index), dev)))
         self.slot_end.update(zip(slots, ends))
 
-    def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, SamplingParams, torch.Tensor]:
+    def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, SamplingParams, torch.Tensor,
+                                                 ScoreRows | None]:
         """The plan, checked, as a batch on the device: (batch, sampling settings on the device, the same on the
-        host, sample rows on the host). Nothing here waits for the device."""
+        host, sample rows on the host, the prompt rows to score). The batch's logit rows are the sample rows, then
+        the score rows. Nothing here waits for the device."""
         seqs = checks.check_sequences(plan, self.limits, self.slot_end)
+        scores = checks.score_rows(plan, seqs.prompt, seqs.lengths.tolist(), self.limits.vocab_size)
         dev = self.model.device
         host = seqs.params
         params = SamplingParams(*(to_device(t, dev) for t in (host.temperature, host.top_k, host.top_p, host.min_p,
@@ -87,9 +91,10 @@ class Executor:
             token_ids.index_copy_(0, to_device(torch.tensor(seqs.pending), dev),
                                   self.next_token.index_select(0, to_device(torch.tensor(seqs.pending_slots), dev)))
         batch = Batch(token_ids=token_ids, starts=seqs.starts.tolist(), lengths=seqs.lengths.tolist(),
-                      block_tables=to_device(seqs.tables, dev), slots=seqs.slots.tolist(), logit_rows=seqs.rows,
+                      block_tables=to_device(seqs.tables, dev), slots=seqs.slots.tolist(),
+                      logit_rows=seqs.rows if scores is None else torch.cat([seqs.rows, scores.rows]),
                       verify=seqs.verify, prompt=seqs.prompt)
-        return batch, params, host, seqs.rows
+        return batch, params, host, seqs.rows, scores
 
     def embed_images(self, images: list[ImagePart]) -> list[tuple[int, torch.Tensor]] | None:
         """Rank 0 runs the vision tower (or finds its output for an image an earlier chunk encoded); every rank
@@ -163,7 +168,7 @@ class Executor:
             bad = self.run_tier_moves(checks.tier_moves(plan, self.tiers, self.limits))
             empty = torch.zeros(0, dtype=torch.int64)
             return Launched(None, [], empty, empty, None, None, bad, 0.0, time.perf_counter(), None)
-        batch, params, host_params, rows = self.to_batch(plan)
+        batch, params, host_params, rows, scores = self.to_batch(plan)
         copies = checks.state_copies(plan, self.cache.num_slots)  # validated with the rest before anything changes
         moves = checks.tier_moves(plan, self.tiers, self.limits)
         can_encode = not (self.model.coll.sharding.rank == 0 and self.model.vision is None)
@@ -187,17 +192,28 @@ class Executor:
         t1 = time.perf_counter()
         sampled = torch.zeros(0, dtype=torch.int64, device=out.logits.device)
         logprobs = hidden = None
+        # Sample rows first, then score rows (to_batch); a score row is never masked, penalised or filtered.
+        sample_logits = out.logits[: rows.numel()] if scores is not None else out.logits
         if rows.numel():
-            logits = out.logits if masks is None else apply_token_bitmask(out.logits, masks[1], masks[0])
+            logits = sample_logits if masks is None else apply_token_bitmask(sample_logits, masks[1], masks[0])
             sampled, logprobs = self._sample(batch, rows, logits, pen, params, host_params, want_k)
             if plan.want_hidden:
                 hidden = to_host(out.hidden[to_device(rows, out.hidden.device)].float())
         sampled = to_host(sampled)
+        scored = self._score(out.logits[rows.numel():], scores) if scores is not None else None
         done = None
         if out.logits.device.type == "cuda":  # recorded after every copy to the host: when it has passed, all are
             done = torch.cuda.Event()
             done.record()
-        return Launched(batch, order, rows, sampled, logprobs, hidden, tier_bad, (t1 - t0) * 1e3, t1, done)
+        return Launched(batch, order, rows, sampled, logprobs, hidden, tier_bad, (t1 - t0) * 1e3, t1, done, scored)
+
+    @staticmethod
+    def _score(logits: torch.Tensor, scores: ScoreRows) -> RowScores:
+        """Prompt logprobs of the score rows: the raw log-softmax of their fp32 logits at the next prompt token,
+        its rank and the top k (kernels/sampling.py `prompt_logprobs`)."""
+        chosen, ranks, top_ids, top_lp = prompt_logprobs(logits, to_device(scores.next_ids, logits.device), scores.k)
+        return RowScores(to_host(chosen), to_host(ranks.to(torch.int32)), to_host(top_ids.to(torch.int32)),
+                         to_host(top_lp))
 
     def _sample(self, batch: Batch, rows: torch.Tensor, logits: torch.Tensor, pen: Penalties | None,
                 params: SamplingParams, host_params: SamplingParams,
@@ -235,7 +251,7 @@ class Executor:
             accepted = self._accept(run, sampled)
         t2 = time.perf_counter()
         return StepOutput(sampled, run.forward_ms, (t2 - run.t1) * 1e3, accepted, run.hidden, run.logprobs,
-                          run.tier_bad)
+                          run.tier_bad, run.scores)
 
     def _accept(self, run: Launched, sampled: list[int]) -> list[int]:
         """Per plan sequence, the drafts accepted: the longest draft prefix equal to our own samples; then keep the

@@ -65,6 +65,26 @@ def generate_on_model(model: Glm5Model, req: GenerateRequest, *, block_size: int
     return out
 
 
+@torch.inference_mode()
+def prompt_log_softmax(model: Glm5Model, prompt_ids: list[int], *, prefill_chunk: int = 256,
+                       block_size: int = 16) -> torch.Tensor:
+    """The reference of prompt logprobs: torch.log_softmax of the model's fp32 logits at every prompt row but the
+    last, [len(prompt) - 1, vocab] (row i is the distribution of prompt token i + 1). Prefilled in chunks of
+    `prefill_chunk` (a multiple of 64, as the scheduler cuts prompts), each chunk's logits taken whole."""
+    if len(prompt_ids) < 2:
+        raise ValueError("a prompt of at least 2 tokens has a token to score")
+    n_blocks = -(-len(prompt_ids) // block_size)
+    cache = model.new_cache(num_blocks=n_blocks, block_size=block_size, num_slots=1)
+    table = list(range(n_blocks))
+    rows = []
+    for pos in range(0, len(prompt_ids), prefill_chunk):
+        chunk = list(prompt_ids[pos : pos + prefill_chunk])
+        batch = Batch.single(chunk, pos, table, all_logits=True, device=model.device)
+        batch.prompt = [True]  # prompt arithmetic, even for a one-row last chunk (as the scheduler flags it)
+        rows.append(torch.log_softmax(model.forward(batch, cache).logits.float(), dim=-1).cpu())
+    return torch.cat(rows)[:-1]
+
+
 def _rank_main(rank: int, world: int, port: int, model_dir: str, device: str, dtype: torch.dtype,
                job: Callable[[Glm5Model], Any], results: "mp.Queue") -> None:
     try:

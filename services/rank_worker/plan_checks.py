@@ -14,8 +14,8 @@ import torch
 
 from kernels.penalties import Penalties
 from kernels.sampling import SamplingParams
-from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, PRESENCE_PENALTY, REPETITION_PENALTY,
-                                    TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P)
+from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, PRESENCE_PENALTY, PROMPT_LOGPROBS,
+                                    REPETITION_PENALTY, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P)
 from model.vision import VisionConfig
 from services.common.tensors import from_proto
 from services.rank_worker.kv_tiers import TierStore
@@ -59,6 +59,13 @@ class Sequences:
     pending_slots: list[int]  # ... and those slots
     rows: torch.Tensor  # int64 [R] sample rows
     params: SamplingParams  # per sample row
+
+
+class ScoreRows(NamedTuple):
+    """Prompt rows whose logits are scored (prompt logprobs), validated: rows and next ids int64 [S], top k."""
+    rows: torch.Tensor
+    next_ids: torch.Tensor
+    k: int
 
 
 class ImagePart(NamedTuple):
@@ -284,6 +291,27 @@ def logprobs_k(plan: StepPlan, r: int) -> torch.Tensor | None:
     if not TOP_LOGPROBS.holds(k[k != -1]):  # -1: no logprobs for that row
         raise PlanError(f"logprobs_k must be -1 or {TOP_LOGPROBS}")
     return k if bool((k >= 0).any()) else None
+
+
+def score_rows(plan: StepPlan, prompt: list[bool] | None, lengths: list[int], vocab: int) -> ScoreRows | None:
+    """The plan's prompt rows to score (StepPlan.score_rows / score_ids / score_k), validated; None when there are
+    none. Each is a row of a prompt chunk, at most once; so a plan scores at most its own rows."""
+    if not _given(plan, "score_rows"):
+        return None
+    tokens = sum(lengths)
+    rows = _vec(plan.score_rows, "score_rows", torch.int64)
+    next_ids = _vec(plan.score_ids, "score_ids", torch.int64, rows.numel())
+    if bool((rows < 0).any()) or bool((rows >= tokens).any()) or rows.unique().numel() != rows.numel():
+        raise PlanError(f"score_rows must be distinct rows in [0, {tokens})")
+    if bool((next_ids < 0).any()) or bool((next_ids >= vocab).any()):
+        raise PlanError("a score id is outside the vocabulary")
+    if not PROMPT_LOGPROBS.holds(plan.score_k):
+        raise PlanError(f"score_k must be {PROMPT_LOGPROBS}")
+    # A scored row belongs to a sequence the plan flags as a prompt chunk: its logits are a prefill's.
+    seq_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    if prompt is None or not all(prompt[s] for s in seq_of[rows].tolist()):
+        raise PlanError("a score row is not a row of a sequence flagged as a prompt chunk")
+    return ScoreRows(rows, next_ids, int(plan.score_k))
 
 
 def row_penalties(plan: StepPlan, r: int, vocab: int, max_positions: int) -> Penalties | None:

@@ -21,6 +21,17 @@ class RowLogprobs:
 
 
 @dataclass
+class RowScores:
+    """Per score row (prompt logprobs): the next prompt token's logprob [S] and rank [S], and the top-K ids /
+    logprobs [S, K]."""
+
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+@dataclass
 class StepOutput:
     sampled: list[int]
     forward_ms: float
@@ -29,6 +40,7 @@ class StepOutput:
     hidden: torch.Tensor | None = None  # [R, D] fp32, when the plan wants hidden states
     logprobs: RowLogprobs | None = None  # when the plan asks for logprobs
     tier_bad: list[bytes] | None = None  # tier entries that failed their checksum on some rank (dropped on all)
+    scores: RowScores | None = None  # when the plan has score rows
 
 
 @dataclass
@@ -46,6 +58,7 @@ class Launched:
     forward_ms: float
     t1: float  # perf_counter when the forward had been queued
     done: torch.cuda.Event | None  # None: the work ran synchronously (CPU)
+    scores: RowScores | None = None  # prompt logprobs of the plan's score rows
 
     def ready(self) -> bool:
         """Whether reading this round back would not wait."""

@@ -172,6 +172,11 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
             res.logprobs.CopyFrom(to_proto(out.logprobs.chosen, "float32"))
             res.top_ids.CopyFrom(to_proto(out.logprobs.top_ids, "int32"))
             res.top_logprobs.CopyFrom(to_proto(out.logprobs.top_logprobs, "float32"))
+        if out.scores is not None:
+            res.score_logprobs.CopyFrom(to_proto(out.scores.logprobs, "float32"))
+            res.score_ranks.CopyFrom(to_proto(out.scores.ranks, "int32"))
+            res.score_top_ids.CopyFrom(to_proto(out.scores.top_ids, "int32"))
+            res.score_top_logprobs.CopyFrom(to_proto(out.scores.top_logprobs, "float32"))
         if self.profiler is not None:
             self.profiler.after(r.round)
         return res, True

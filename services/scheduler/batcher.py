@@ -11,7 +11,9 @@ Policy (continuous batching with chunked prefill):
 
 A sequence's `start` is the number of its tokens already in the cache; the rows to sample are the last row of each
 sequence whose prompt is completely in the cache after this round (so every decode row, and the final chunk of a
-prompt).
+prompt), unless the request generates nothing (max_tokens 0). A request that wants prompt logprobs has every row of
+its prompt chunks whose next token is a prompt token scored (`StepPlan.score_rows`): the rows are the prefill's own,
+nothing is computed twice.
 
 Drafts: a decoder with drafts gets a verify window, rows [last token, d_1..d_k], every row a sample row, after every
 decoder got its one row and while the budget lasts (drafts are cut to fit, never a decoder's own row). The rows
@@ -48,6 +50,14 @@ class PlannedSeq:
     @property
     def num_drafts(self) -> int:
         return len(self.token_ids) - 1 if self.verify else 0
+
+    @property
+    def scored(self) -> int:
+        """How many of this chunk's rows are scored for prompt logprobs: each row whose next token is a prompt token
+        (the prompt's last row predicts the first generated token: a sample row, or nothing)."""
+        if not self.prompt or self.req.prompt_logprobs is None:
+            return 0
+        return max(0, min(self.start + len(self.token_ids), self.req.prompt_len - 1) - self.start)
 
 
 def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]] | None = None,
@@ -95,7 +105,8 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
         if end <= start:
             continue  # no whole grid chunk fits what is left this round
         start, toks = r.next_rows(end - start)
-        out.append(PlannedSeq(r, start, toks, sample=not r.replay and start + len(toks) >= r.prompt_len, prompt=True))
+        last = start + len(toks) >= r.prompt_len
+        out.append(PlannedSeq(r, start, toks, sample=last and not r.replay and r.max_tokens > 0, prompt=True))
         left -= len(toks)
     return out
 
@@ -110,6 +121,9 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
     mask_index: list[int] = []
     bitmask: list[torch.Tensor] = []
     logprobs_k: list[int] = []
+    score_rows: list[int] = []
+    score_ids: list[int] = []
+    score_k = 0
     penalised = []  # (sample row, spec, its ids) of the rows that use penalties, logit_bias or min_tokens
     images: list[rank_pb2.ImageRows] = []
     for s in seqs:
@@ -136,6 +150,10 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
                 top_k.append(sp.top_k)
                 min_p.append(sp.min_p)
                 seed.append(sp.seed_i64)
+        if s.scored:  # row i predicts prompt token start + i + 1
+            score_rows += range(len(token_ids), len(token_ids) + s.scored)
+            score_ids += s.req.tokens[s.start + 1 : s.start + 1 + s.scored]
+            score_k = max(score_k, s.req.prompt_logprobs or 0)
         verify.append(1 if s.verify else 0)
         prompt.append(1 if s.prompt else 0)
         token_ids.extend(s.token_ids)
@@ -170,6 +188,10 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
         plan.logprobs_k.CopyFrom(to_proto(logprobs_k))
     if penalised:
         plan.penalties.CopyFrom(row_penalties(penalised))
+    if score_rows:
+        plan.score_rows.CopyFrom(to_proto(score_rows))
+        plan.score_ids.CopyFrom(to_proto(score_ids))
+        plan.score_k = score_k
     plan.images.extend(images)
     return plan
 

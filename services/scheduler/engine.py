@@ -229,7 +229,8 @@ class Engine:
                 log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", f.round.plan.round, len(f.step.seqs),
                           sum(len(s.token_ids) for s in f.step.seqs), len(sampled), (time.monotonic() - f.t0) * 1e3)
             self.scheduler.commit(f.step, sampled, accepted=self.ranks.last_accepted, hidden=self.ranks.last_hidden,
-                                  logprobs=self.ranks.last_logprobs, tier_bad=self.ranks.last_tier_bad)
+                                  logprobs=self.ranks.last_logprobs, tier_bad=self.ranks.last_tier_bad,
+                                  scores=self.ranks.last_scores)
         finally:
             f.span.close()
 

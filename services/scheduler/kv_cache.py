@@ -77,7 +77,12 @@ class KVCacheManager:
             return None
         if req.block_hashes is None:  # full blocks of [0, prompt_len - 1): the last prompt token is always computed
             req.block_hashes = block_hashes(req.tokens, self.pool.block_size, req.prompt_len - 1, req.image_spans)
-        return self.prefix.match(req.block_hashes, req.prompt_len)
+        m = self.prefix.match(req.block_hashes, req.prompt_len)
+        if req.prompt_logprobs is not None:
+            # Prompt logprobs come from the prefill's own rows: such a request computes its whole prompt, never
+            # resuming from a snapshot (the snapshots it takes on the way serve the next requests).
+            return Match(None, 0, m.matched)
+        return m
 
     def fits(self, req: Request) -> bool:
         """Whether `req` can be admitted now: a slot, and its blocks from the free list plus what evicting idle
@@ -101,7 +106,7 @@ class KVCacheManager:
             return
         prefix = self.prefix
         assert prefix is not None and req.block_hashes is not None
-        ts = prefix.tier_match(req.block_hashes, req.prompt_len, m.pos)
+        ts = prefix.tier_match(req.block_hashes, req.prompt_len, m.pos) if req.prompt_logprobs is None else None
         if ts is not None:  # a deeper snapshot waits in a KV tier: load it (the request runs once it is back)
             snap = prefix.load(ts)
             if snap is not None:

@@ -25,6 +25,7 @@ import grpc
 from services.common.internal_auth import aio_channel
 from services.common.plan_checksum import seal
 from services.common.tensors import from_proto, ids
+from services.scheduler.request import PromptScores
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("twinspark.scheduler.ranks")
@@ -59,6 +60,7 @@ class _Answer:
     hidden: object = None
     logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
     tier_bad: list[bytes] = field(default_factory=list)
+    scores: PromptScores | None = None
 
 
 class RankError(RuntimeError):
@@ -137,6 +139,19 @@ def _logprobs(c: "RankClient", round_: int, res: rank_pb2.StepResult, n_sample: 
     return chosen.tolist(), top_ids.tolist(), top_lp.tolist()
 
 
+def _scores(c: "RankClient", round_: int, res: rank_pb2.StepResult, n_score: int) -> PromptScores:
+    """A StepResult's prompt logprobs as lists, checked against the number of score rows."""
+    try:
+        lp, ranks = from_proto(res.score_logprobs), from_proto(res.score_ranks)
+        top_ids, top_lp = from_proto(res.score_top_ids), from_proto(res.score_top_logprobs)
+    except ValueError as exc:
+        raise RankError(c.index, c.address, f"round {round_}: bad prompt logprobs: {exc}") from exc
+    if lp.shape != (n_score,) or ranks.shape != (n_score,) or top_ids.dim() != 2 or top_ids.shape[0] != n_score \
+            or top_lp.shape != top_ids.shape:
+        raise RankError(c.index, c.address, f"round {round_}: prompt logprobs do not match the {n_score} score rows")
+    return PromptScores(lp.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())
+
+
 class RankClient:
     def __init__(self, index: int, address: str, token: str | None = None) -> None:
         self.index = index
@@ -168,6 +183,7 @@ class RankSet:
         # rank 0's logprobs of the last round's sample rows (when the plan asked): chosen [R], top ids / logprobs [R, K]
         self.last_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
         self.last_tier_bad: list[bytes] = []  # tier entries the last round's loads found corrupt (every rank dropped)
+        self.last_scores: PromptScores | None = None  # rank 0's prompt logprobs of the last round's score rows
         self.tier_listing: list[rank_pb2.TierEntry] = []  # disk tier entries every rank of the group holds
         self._closing = False
         self._in_flight = 0  # rounds submitted and not yet collected
@@ -357,6 +373,7 @@ class RankSet:
                 log.error("round %d: %s sampled %s but rank0 sampled %s (rank invariance broken)", plan.round,
                           c.name, r.sampled, first.sampled)
         self.last_accepted, self.last_hidden, self.last_logprobs = first.accepted, first.hidden, first.logprobs
+        self.last_scores = first.scores
         self.last_tier_bad = sorted(set().union(*(r.tier_bad for r in results)))
         return first.sampled
 
@@ -412,6 +429,8 @@ class RankSet:
                 raise RankError(c.index, c.address, f"round {plan.round}: bad accepted/hidden: {exc}") from exc
             if plan.HasField("logprobs_k") and plan.logprobs_k.shape and plan.logprobs_k.shape[0]:
                 answer.logprobs = _logprobs(c, plan.round, res, n_sample)
+            if plan.HasField("score_rows") and plan.score_rows.shape and plan.score_rows.shape[0]:
+                answer.scores = _scores(c, plan.round, res, plan.score_rows.shape[0])
             if plan.HasField("verify") and len(answer.accepted) != n_seqs:
                 raise RankError(c.index, c.address,
                                 f"round {plan.round}: {len(answer.accepted)} accepted counts for {n_seqs} sequences")

@@ -48,6 +48,19 @@ class TokenLogprobs:
     top_logprobs: list[list[float]]
 
 
+@dataclass
+class PromptScores:
+    """Prompt logprobs of consecutive prompt tokens (a chunk's score rows): logprob, rank, top ids / logprobs."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def cut(self, a: int, b: int) -> "PromptScores":
+        return PromptScores(self.logprobs[a:b], self.ranks[a:b], self.top_ids[a:b], self.top_logprobs[a:b])
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     temperature: float
@@ -78,7 +91,8 @@ class Request:
                  stop_ids: frozenset[int], eos_ids: frozenset[int], priority: int, order: int,
                  max_model_len: int, no_draft: bool = False, grammar: RequestGrammar | None = None,
                  logprobs_k: int = -1, images: list[generate_pb2.Image] | None = None,
-                 penalties: PenaltyState | None = None, thinking: ThinkingBudget | None = None) -> None:
+                 penalties: PenaltyState | None = None, thinking: ThinkingBudget | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         self.id = request_id
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
@@ -95,6 +109,9 @@ class Request:
         self.logprobs_k = logprobs_k  # -1: no logprobs; k >= 0: each token's logprob and the top k
         self.penalties = penalties  # penalties / logit_bias / min_tokens and the history they read (None: none)
         self.thinking = thinking  # the thinking budget: forces the end of thinking once spent (None: unbounded)
+        # Prompt logprobs with the top k (None: none). Such a request prefills its whole prompt itself (never
+        # resumes from the prefix cache: kv_cache.py), and its prompt chunks' rows are scored on the ranks.
+        self.prompt_logprobs = prompt_logprobs
         self.images = images or []  # prompt images, by offset (the ranks embed them at their placeholder rows)
         self.drafted_tokens = 0  # drafts verified for this request
         self.accepted_tokens = 0  # of which the ranks accepted
@@ -236,6 +253,16 @@ class Request:
             chunk.top_logprobs.CopyFrom(to_proto(
                 torch.tensor(logprobs.top_logprobs, dtype=torch.float32).view(len(new), k)))
         self.events.put_nowait(generate_pb2.GenerateEvent(tokens=chunk))
+
+    def emit_prompt_logprobs(self, start: int, scores: PromptScores) -> None:
+        """The scores of prompt tokens [start, start + n), cut to the top k the request asked for."""
+        k = self.prompt_logprobs or 0
+        n = len(scores.logprobs)
+        self.events.put_nowait(generate_pb2.GenerateEvent(prompt_logprobs=generate_pb2.PromptLogprobs(
+            start=start, logprobs=to_proto(scores.logprobs, "float32"), ranks=to_proto(scores.ranks),
+            top_ids=to_proto(torch.tensor([t[:k] for t in scores.top_ids], dtype=torch.int32).view(n, k)),
+            top_logprobs=to_proto(torch.tensor([t[:k] for t in scores.top_logprobs],
+                                               dtype=torch.float32).view(n, k)))))
 
     def progress_event(self) -> generate_pb2.GenerateEvent | None:
         """A keepalive while nothing else is streaming: queued or prefilling; None once tokens flow."""

@@ -31,7 +31,7 @@ from services.scheduler.pool import PoolExhausted
 from services.scheduler.prefix import KDA_CHUNK, Snapshot
 from services.scheduler.ranks import ModelInfo
 from services.scheduler.replay import reply_replay
-from services.scheduler.request import Request, State, TokenLogprobs
+from services.scheduler.request import PromptScores, Request, State, TokenLogprobs
 from services.scheduler.round_masks import apply_round_masks
 from services.scheduler.tracing import RequestSpans
 from services.scheduler.validation import validate
@@ -206,29 +206,42 @@ class RoundScheduler:
 
     def commit(self, step: ScheduledRound, sampled: list[int], *, accepted: list[int] | None = None,
                hidden: torch.Tensor | None = None, logprobs: RoundLogprobs | None = None,
-               tier_bad: list[bytes] | None = None) -> None:
+               tier_bad: list[bytes] | None = None, scores: PromptScores | None = None) -> None:
         """The round's result is in: rank 0's sampled ids (every sample row, in order), accepted drafts per
-        sequence, hidden states per sample row (when asked), logprobs, and the tier entries its loads found bad."""
+        sequence, hidden states per sample row (when asked), logprobs, the tier entries its loads found bad, and
+        the prompt logprobs of the score rows (in order)."""
         pos = 0  # index of the sequence's first sample in `sampled` (and `hidden`, `logprobs`)
+        at = 0  # index of the sequence's first score row in `scores`
         for i, s in enumerate(step.seqs):
             n_samples = len(s.token_ids) if s.verify else (1 if s.sample else 0)
             s.req.rows_back(s)
             self.kv.release_deferred(s.req)
             a = accepted[i] if accepted and i < len(accepted) else 0
-            self._commit_seq(s, sampled[pos : pos + n_samples], pos, a, hidden, logprobs)
+            mine = scores.cut(at, at + s.scored) if s.scored and scores is not None else None
+            self._commit_seq(s, sampled[pos : pos + n_samples], pos, a, hidden, logprobs, mine)
             pos += n_samples
+            at += s.scored
         self.reap_aborted()
         self.kv.loads_back(step.loads, tier_bad or [], self._requeue_readers)
 
     def _commit_seq(self, s: PlannedSeq, samples: list[int], first: int, accepted: int,
-                    hidden: torch.Tensor | None, logprobs: RoundLogprobs | None) -> None:
-        """One sequence's part of a round's result; `first`: the index of its first sample row."""
+                    hidden: torch.Tensor | None, logprobs: RoundLogprobs | None,
+                    scores: PromptScores | None = None) -> None:
+        """One sequence's part of a round's result; `first`: the index of its first sample row; `scores`: its
+        chunk's prompt logprobs."""
         req = s.req
         if req.state is not State.RUNNING or req.abort_reason is not None:
             return  # finished or aborted meanwhile: its rows are dropped (an abort is reaped after the round)
+        if s.scored:
+            if scores is None or len(scores.logprobs) != s.scored:
+                self._finish(req, generate_pb2.FINISH_ERROR, error="the ranks returned no prompt logprobs")
+                return
+            req.emit_prompt_logprobs(s.start + 1, scores)
         if not s.sample:
             req.commit(len(s.token_ids), None)
-            if not req.replay:
+            if not req.replay and not req.prefilling and req.max_tokens == 0:
+                self._finish(req, generate_pb2.FINISH_LENGTH)  # prefill only (scoring): nothing to generate
+            elif not req.replay:
                 req.emit_progress()  # one more prefill chunk is in
             elif not req.prefilling:
                 self._end_replay(req)  # its snapshot at the end is registered; the copy goes out next

@@ -14,8 +14,8 @@ from collections.abc import Container, Iterator
 import torch
 
 from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MAX_LOGIT_BIAS, MIN_P, MIN_TOKENS,
-                                    PRESENCE_PENALTY, REPETITION_PENALTY, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P,
-                                    Range)
+                                    PRESENCE_PENALTY, PROMPT_LOGPROBS, REPETITION_PENALTY, TEMPERATURE, TOP_K,
+                                    TOP_LOGPROBS, TOP_P, Range)
 from services.common.tensors import from_proto, ids
 from services.scheduler.grammar import GrammarBook, GrammarError, RequestGrammar
 from services.scheduler.penalties import PenaltySpec, PenaltyState
@@ -54,6 +54,9 @@ def validate(msg: generate_pb2.GenerateRequest, info: ModelInfo, *, grammars: Gr
         raise InvalidRequest("duplicate_request_id", f"request {rid!r} is already in flight")
     if msg.logprobs and not TOP_LOGPROBS.holds(msg.top_logprobs):
         raise InvalidRequest("invalid_logprobs", TOP_LOGPROBS.error(msg.top_logprobs))
+    prompt_logprobs = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and not PROMPT_LOGPROBS.holds(prompt_logprobs):
+        raise InvalidRequest("invalid_logprobs", PROMPT_LOGPROBS.error(prompt_logprobs))
     grammar = _grammar(msg, grammars)
     spec = _penalties(msg, info.vocab_size)
     images = _images(msg, len(prompt))
@@ -64,7 +67,7 @@ def validate(msg: generate_pb2.GenerateRequest, info: ModelInfo, *, grammars: Gr
         priority=msg.priority, order=next(order), max_model_len=info.max_model_len,
         no_draft=msg.no_draft, grammar=grammar, logprobs_k=msg.top_logprobs if msg.logprobs else -1,
         penalties=PenaltyState(spec, prompt) if spec is not None else None,
-        thinking=ThinkingBudget(thinking) if thinking is not None else None)
+        thinking=ThinkingBudget(thinking) if thinking is not None else None, prompt_logprobs=prompt_logprobs)
 
 
 def _prompt(msg: generate_pb2.GenerateRequest, info: ModelInfo) -> list[int]:
@@ -79,8 +82,8 @@ def _prompt(msg: generate_pb2.GenerateRequest, info: ModelInfo) -> list[int]:
         raise InvalidRequest("invalid_request_id", f"request_id is longer than {MAX_REQUEST_ID} characters")
     if len(msg.stop_token_ids) > MAX_STOP_IDS:
         raise InvalidRequest("invalid_stop_token_ids", f"more than {MAX_STOP_IDS} stop_token_ids")
-    if msg.max_tokens < 1:
-        raise InvalidRequest("invalid_max_tokens", f"max_tokens must be >= 1, got {msg.max_tokens}")
+    if msg.max_tokens < 0:  # 0: prefill only (scoring the prompt, or warming the prefix cache)
+        raise InvalidRequest("invalid_max_tokens", f"max_tokens must be >= 0, got {msg.max_tokens}")
     total = len(prompt) + msg.max_tokens
     if total > info.max_model_len:  # before the per-token check below: a huge prompt is refused at once
         raise InvalidRequest(

@@ -38,6 +38,12 @@ class Tokens:
 
 
 @dataclass
+class Scores:
+    """The prompt's logprobs (GenerateRequest.prompt_logprobs), `chunk` tokens per event (made up: see `_scores`)."""
+    chunk: int = 64
+
+
+@dataclass
 class Sleep:
     seconds: float  # ends early (with Finished ABORTED) when the request is aborted
 
@@ -58,7 +64,7 @@ class Fail:
     retry_after: str | None = None
 
 
-Step = Progress | Tokens | Sleep | Finish | Fail
+Step = Progress | Tokens | Scores | Sleep | Finish | Fail
 
 
 @dataclass
@@ -81,6 +87,16 @@ def _chunk(ids: list[int], request: generate_pb2.GenerateRequest) -> generate_pb
         chunk.top_logprobs.CopyFrom(to_proto(
             torch.tensor([[-0.5 - j for j in range(k)] for _ in ids], dtype=torch.float32).view(len(ids), k)))
     return chunk
+
+
+def _scores(prompt: list[int], start: int, n: int, k: int) -> generate_pb2.PromptLogprobs:
+    """Prompt tokens [start, start + n): token i gets logprob -i / 10 and rank 1 + i % 3, and the top list is the
+    ids 0.. k - 1 at -0.01, -1.01, ..."""
+    idx = range(start, start + n)
+    return generate_pb2.PromptLogprobs(
+        start=start, logprobs=to_proto([-i / 10 for i in idx], "float32"), ranks=to_proto([1 + i % 3 for i in idx]),
+        top_ids=to_proto(torch.tensor([list(range(k))] * n, dtype=torch.int32).view(n, k)),
+        top_logprobs=to_proto(torch.tensor([[-0.01 - j for j in range(k)]] * n, dtype=torch.float32).view(n, k)))
 
 
 class StandinGenerator(generate_pb2_grpc.GeneratorServicer):
@@ -133,6 +149,10 @@ class StandinGenerator(generate_pb2_grpc.GeneratorServicer):
                 elif isinstance(step, Tokens):
                     sent += len(step.ids)
                     yield generate_pb2.GenerateEvent(tokens=_chunk(step.ids, request))
+                elif isinstance(step, Scores):
+                    for a in range(1, len(prompt), step.chunk):
+                        yield generate_pb2.GenerateEvent(prompt_logprobs=_scores(
+                            prompt, a, min(step.chunk, len(prompt) - a), request.prompt_logprobs))
                 elif isinstance(step, Sleep):
                     try:
                         await asyncio.wait_for(aborted.wait(), step.seconds)
@@ -160,10 +180,13 @@ class StandinGenerator(generate_pb2_grpc.GeneratorServicer):
             self._abort_flags.pop(rid, None)
 
     def _default(self, request: generate_pb2.GenerateRequest) -> list[Step]:
+        scores: list[Step] = [Scores(4)] if request.HasField("prompt_logprobs") else []
+        if request.max_tokens == 0:
+            return [Progress(), *scores, Finish(generate_pb2.FINISH_LENGTH)]
         ids = self.default_reply[: request.max_tokens]
         if len(ids) < request.max_tokens:
-            return [Progress(), Tokens(ids + [EOS]), Finish(generate_pb2.FINISH_STOP, stop_token_id=EOS)]
-        return [Progress(), Tokens(ids), Finish(generate_pb2.FINISH_LENGTH)]
+            return [Progress(), *scores, Tokens(ids + [EOS]), Finish(generate_pb2.FINISH_STOP, stop_token_id=EOS)]
+        return [Progress(), *scores, Tokens(ids), Finish(generate_pb2.FINISH_LENGTH)]
 
     async def Abort(self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         self.aborts.append(request.request_id)

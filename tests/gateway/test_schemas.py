@@ -117,7 +117,7 @@ def test_wrong_types_name_the_field(body: dict, param: str) -> None:
 def test_completion_prompt_shapes() -> None:
     assert _param_of_error(CompletionRequest, {"prompt": [1, "a"]}).param == "prompt[1]"
     assert _param_of_error(CompletionRequest, {"prompt": "x", "suffix": "y"}).param == "suffix"
-    assert _param_of_error(CompletionRequest, {"prompt": "x", "echo": True}).param == "echo"
+    assert _param_of_error(CompletionRequest, {"prompt": "x", "echo": 1}).param == "echo"  # strict: a bool
     assert _param_of_error(TokenizeRequest, {"prompt": "x", "messages": MSG}).status == 400
 
 

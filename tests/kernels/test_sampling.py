@@ -430,3 +430,25 @@ def test_processed_logprobs_are_the_sampled_distribution():
     # Greedy row: T = 1 with no filters is the raw log-softmax.
     raw = torch.log_softmax(logits[0].double(), dim=-1)
     assert abs(float(chosen[0]) - float(raw[ids[0]])) < 1e-5 and int(ids[0]) == int(raw.argmax())
+
+
+def test_prompt_logprobs_are_the_raw_log_softmax_bit_for_bit(monkeypatch):
+    """Prompt logprobs: torch.log_softmax of the fp32 logits itself, bit for bit (alone, in any block of rows), the
+    rank as vLLM counts it (ids with a logprob >= the token's) and the top k with ties by lowest id."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(37, 1088, generator=g) * 4
+    logits[3, 17] = logits[3, 18] = logits[3].max() + 1  # a tie at the top
+    nxt = torch.randint(0, 1088, (37,), generator=g)
+    nxt[3] = 18
+    ref = torch.log_softmax(logits, dim=-1)
+    monkeypatch.setattr(S, "_SCORE_BLOCK", 8)  # several blocks, the last one short
+    chosen, ranks, top_ids, top_lp = S.prompt_logprobs(logits, nxt, 4)
+    assert torch.equal(chosen, ref.gather(1, nxt[:, None]).squeeze(1))
+    assert torch.equal(ranks, (ref >= chosen[:, None]).sum(-1))
+    assert int(ranks[3]) == 2 and top_ids[3, :2].tolist() == [17, 18]
+    assert torch.equal(top_lp, ref.gather(1, top_ids)) and bool((top_lp[:, :-1] >= top_lp[:, 1:]).all())
+    for r in (0, 3, 36):  # a row alone has the same bits as among the others
+        alone = S.prompt_logprobs(logits[r : r + 1], nxt[r : r + 1], 4)
+        assert torch.equal(alone[0], chosen[r : r + 1]) and torch.equal(alone[3], top_lp[r : r + 1])
+    none = S.prompt_logprobs(logits[:0], nxt[:0], 2)
+    assert none[0].shape == (0,) and none[2].shape == (0, 2)

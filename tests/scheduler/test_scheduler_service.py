@@ -175,7 +175,7 @@ def test_invalid_requests():
     async def body():
         async with cluster(1) as c:  # vocab 1000, window 256
             cases = [([1] * 200, 57, "context_length_exceeded"), ([1, 1000], 4, "invalid_token_id"),
-                     ([-1], 4, "invalid_token_id"), ([], 4, "invalid_prompt"), ([1], 0, "invalid_max_tokens")]
+                     ([-1], 4, "invalid_token_id"), ([], 4, "invalid_prompt"), ([1], -1, "invalid_max_tokens")]
             for prompt, max_tokens, code in cases:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await generate(c, prompt, max_tokens)

@@ -35,7 +35,7 @@ def _validate(prompt: list[int] | None = None, live: frozenset[str] = frozenset(
     ({"logprobs": True, "top_logprobs": 21}, "invalid_logprobs"),
     ({"priority": 7}, "invalid_priority"),
     ({"grammar": "start: 'x'"}, "invalid_grammar"),  # no tokenizer given
-    ({"max_tokens": 0}, "invalid_max_tokens"),
+    ({"max_tokens": -1}, "invalid_max_tokens"),  # 0 is a prefill only (scoring the prompt)
     ({"max_tokens": 2046}, "context_length_exceeded"),  # past the model's window
     ({"max_tokens": 126}, "context_length_exceeded"),  # inside the window, past the ranks' 128 cache positions
 ])

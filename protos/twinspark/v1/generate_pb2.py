@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from twinspark.v1 import tensor_pb2 as twinspark_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btwinspark/v1/generate.proto\x12\x0ctwinspark.v1\x1a\x19twinspark/v1/tensor.proto\"\xa6\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x39\n\nlogit_bias\x18\t \x03(\x0b\x32%.twinspark.v1.Sampling.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xa9\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.twinspark.v1.Sampling\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12(\n\x08priority\x18\x07 \x01(\x0e\x32\x16.twinspark.v1.Priority\x12\x10\n\x08no_draft\x18\x08 \x01(\x08\x12\x46\n\rtrace_context\x18\t \x03(\x0b\x32/.twinspark.v1.GenerateRequest.TraceContextEntry\x12\x0f\n\x07grammar\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x13\n\x0bseed_offset\x18\r \x01(\x04\x12#\n\x06images\x18\x0e \x03(\x0b\x32\x13.twinspark.v1.Image\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12.\n\x08thinking\x18\x10 \x01(\x0b\x32\x1c.twinspark.v1.ThinkingBudget\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"E\n\x0eThinkingBudget\x12\x0e\n\x06\x62udget\x18\x01 \x01(\x05\x12\x12\n\nforced_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x65nd_ids\x18\x03 \x03(\x05\"\x8b\x01\n\x05Image\x12*\n\x0cpixel_values\x18\x01 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12&\n\x08grid_thw\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x0e\n\x06offset\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x01(\x05\"\x9c\x01\n\rGenerateEvent\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.twinspark.v1.ProgressH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.twinspark.v1.TokenChunkH\x00\x12*\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x16.twinspark.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"A\n\x08Progress\x12\"\n\x05phase\x18\x01 \x01(\x0e\x32\x13.twinspark.v1.Phase\x12\x11\n\tprefilled\x18\x02 \x01(\x05\"\xaa\x01\n\nTokenChunk\x12!\n\x03ids\x18\x01 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12&\n\x08logprobs\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12%\n\x07top_ids\x18\x03 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12*\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x14.twinspark.v1.Tensor\"\x8c\x02\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.twinspark.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x15\n\rstop_token_id\x18\x05 \x01(\x05\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\t \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\n \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0b \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\">\n\x0f\x43omponentHealth\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"s\n\tPoolStats\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x13\n\x0btotal_slots\x18\x04 \x01(\x05\x12\x12\n\nfree_slots\x18\x05 \x01(\x05\"\xa1\x02\n\x0bHealthReply\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x31\n\ncomponents\x18\x02 \x03(\x0b\x32\x1d.twinspark.v1.ComponentHealth\x12%\n\x04pool\x18\x03 \x01(\x0b\x32\x17.twinspark.v1.PoolStats\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x03\x12&\n\x05tiers\x18\n \x03(\x0b\x32\x17.twinspark.v1.TierStats\"}\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x03\x12\x0c\n\x04hits\x18\x05 \x01(\x03\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x0f\n\x07\x63orrupt\x18\x07 \x01(\x03*8\n\x08Priority\x12\x13\n\x0fPRIORITY_NORMAL\x10\x00\x12\x17\n\x13PRIORITY_BACKGROUND\x10\x01*/\n\x05Phase\x12\x10\n\x0cPHASE_QUEUED\x10\x00\x12\x14\n\x10PHASE_PREFILLING\x10\x01*X\n\x0c\x46inishReason\x12\x0f\n\x0b\x46INISH_STOP\x10\x00\x12\x11\n\rFINISH_LENGTH\x10\x01\x12\x12\n\x0e\x46INISH_ABORTED\x10\x02\x12\x10\n\x0c\x46INISH_ERROR\x10\x03\x32\xd6\x01\n\tGenerator\x12H\n\x08Generate\x12\x1d.twinspark.v1.GenerateRequest\x1a\x1b.twinspark.v1.GenerateEvent0\x01\x12=\n\x05\x41\x62ort\x12\x1a.twinspark.v1.AbortRequest\x1a\x18.twinspark.v1.AbortReply\x12@\n\x06Health\x12\x1b.twinspark.v1.HealthRequest\x1a\x19.twinspark.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btwinspark/v1/generate.proto\x12\x0ctwinspark.v1\x1a\x19twinspark/v1/tensor.proto\"\xa6\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x39\n\nlogit_bias\x18\t \x03(\x0b\x32%.twinspark.v1.Sampling.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xdb\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.twinspark.v1.Sampling\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12(\n\x08priority\x18\x07 \x01(\x0e\x32\x16.twinspark.v1.Priority\x12\x10\n\x08no_draft\x18\x08 \x01(\x08\x12\x46\n\rtrace_context\x18\t \x03(\x0b\x32/.twinspark.v1.GenerateRequest.TraceContextEntry\x12\x0f\n\x07grammar\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x13\n\x0bseed_offset\x18\r \x01(\x04\x12#\n\x06images\x18\x0e \x03(\x0b\x32\x13.twinspark.v1.Image\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12.\n\x08thinking\x18\x10 \x01(\x0b\x32\x1c.twinspark.v1.ThinkingBudget\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x00\x88\x01\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_prompt_logprobs\"E\n\x0eThinkingBudget\x12\x0e\n\x06\x62udget\x18\x01 \x01(\x05\x12\x12\n\nforced_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x65nd_ids\x18\x03 \x03(\x05\"\x8b\x01\n\x05Image\x12*\n\x0cpixel_values\x18\x01 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12&\n\x08grid_thw\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x0e\n\x06offset\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x01(\x05\"\xd5\x01\n\rGenerateEvent\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.twinspark.v1.ProgressH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.twinspark.v1.TokenChunkH\x00\x12*\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x16.twinspark.v1.FinishedH\x00\x12\x37\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32\x1c.twinspark.v1.PromptLogprobsH\x00\x42\x07\n\x05\x65vent\"\xbf\x01\n\x0ePromptLogprobs\x12\r\n\x05start\x18\x01 \x01(\x05\x12&\n\x08logprobs\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12#\n\x05ranks\x18\x03 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12%\n\x07top_ids\x18\x04 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12*\n\x0ctop_logprobs\x18\x05 \x01(\x0b\x32\x14.twinspark.v1.Tensor\"A\n\x08Progress\x12\"\n\x05phase\x18\x01 \x01(\x0e\x32\x13.twinspark.v1.Phase\x12\x11\n\tprefilled\x18\x02 \x01(\x05\"\xaa\x01\n\nTokenChunk\x12!\n\x03ids\x18\x01 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12&\n\x08logprobs\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12%\n\x07top_ids\x18\x03 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12*\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x14.twinspark.v1.Tensor\"\x8c\x02\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.twinspark.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x15\n\rstop_token_id\x18\x05 \x01(\x05\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\t \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\n \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0b \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\">\n\x0f\x43omponentHealth\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"s\n\tPoolStats\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x13\n\x0btotal_slots\x18\x04 \x01(\x05\x12\x12\n\nfree_slots\x18\x05 \x01(\x05\"\xa1\x02\n\x0bHealthReply\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x31\n\ncomponents\x18\x02 \x03(\x0b\x32\x1d.twinspark.v1.ComponentHealth\x12%\n\x04pool\x18\x03 \x01(\x0b\x32\x17.twinspark.v1.PoolStats\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x03\x12&\n\x05tiers\x18\n \x03(\x0b\x32\x17.twinspark.v1.TierStats\"}\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x03\x12\x0c\n\x04hits\x18\x05 \x01(\x03\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x0f\n\x07\x63orrupt\x18\x07 \x01(\x03*8\n\x08Priority\x12\x13\n\x0fPRIORITY_NORMAL\x10\x00\x12\x17\n\x13PRIORITY_BACKGROUND\x10\x01*/\n\x05Phase\x12\x10\n\x0cPHASE_QUEUED\x10\x00\x12\x14\n\x10PHASE_PREFILLING\x10\x01*X\n\x0c\x46inishReason\x12\x0f\n\x0b\x46INISH_STOP\x10\x00\x12\x11\n\rFINISH_LENGTH\x10\x01\x12\x12\n\x0e\x46INISH_ABORTED\x10\x02\x12\x10\n\x0c\x46INISH_ERROR\x10\x03\x32\xd6\x01\n\tGenerator\x12H\n\x08Generate\x12\x1d.twinspark.v1.GenerateRequest\x1a\x1b.twinspark.v1.GenerateEvent0\x01\x12=\n\x05\x41\x62ort\x12\x1a.twinspark.v1.AbortRequest\x1a\x18.twinspark.v1.AbortReply\x12@\n\x06Health\x12\x1b.twinspark.v1.HealthRequest\x1a\x19.twinspark.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,46 +36,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITY']._serialized_start=2490
-  _globals['_PRIORITY']._serialized_end=2546
-  _globals['_PHASE']._serialized_start=2548
-  _globals['_PHASE']._serialized_end=2595
-  _globals['_FINISHREASON']._serialized_start=2597
-  _globals['_FINISHREASON']._serialized_end=2685
+  _globals['_PRIORITY']._serialized_start=2791
+  _globals['_PRIORITY']._serialized_end=2847
+  _globals['_PHASE']._serialized_start=2849
+  _globals['_PHASE']._serialized_end=2896
+  _globals['_FINISHREASON']._serialized_start=2898
+  _globals['_FINISHREASON']._serialized_end=2986
   _globals['_SAMPLING']._serialized_start=73
   _globals['_SAMPLING']._serialized_end=367
   _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=310
   _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=358
   _globals['_GENERATEREQUEST']._serialized_start=370
-  _globals['_GENERATEREQUEST']._serialized_end=923
-  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=872
-  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=923
-  _globals['_THINKINGBUDGET']._serialized_start=925
-  _globals['_THINKINGBUDGET']._serialized_end=994
-  _globals['_IMAGE']._serialized_start=997
-  _globals['_IMAGE']._serialized_end=1136
-  _globals['_GENERATEEVENT']._serialized_start=1139
-  _globals['_GENERATEEVENT']._serialized_end=1295
-  _globals['_PROGRESS']._serialized_start=1297
-  _globals['_PROGRESS']._serialized_end=1362
-  _globals['_TOKENCHUNK']._serialized_start=1365
-  _globals['_TOKENCHUNK']._serialized_end=1535
-  _globals['_FINISHED']._serialized_start=1538
-  _globals['_FINISHED']._serialized_end=1806
-  _globals['_ABORTREQUEST']._serialized_start=1808
-  _globals['_ABORTREQUEST']._serialized_end=1842
-  _globals['_ABORTREPLY']._serialized_start=1844
-  _globals['_ABORTREPLY']._serialized_end=1871
-  _globals['_HEALTHREQUEST']._serialized_start=1873
-  _globals['_HEALTHREQUEST']._serialized_end=1888
-  _globals['_COMPONENTHEALTH']._serialized_start=1890
-  _globals['_COMPONENTHEALTH']._serialized_end=1952
-  _globals['_POOLSTATS']._serialized_start=1954
-  _globals['_POOLSTATS']._serialized_end=2069
-  _globals['_HEALTHREPLY']._serialized_start=2072
-  _globals['_HEALTHREPLY']._serialized_end=2361
-  _globals['_TIERSTATS']._serialized_start=2363
-  _globals['_TIERSTATS']._serialized_end=2488
-  _globals['_GENERATOR']._serialized_start=2688
-  _globals['_GENERATOR']._serialized_end=2902
+  _globals['_GENERATEREQUEST']._serialized_end=973
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=902
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=953
+  _globals['_THINKINGBUDGET']._serialized_start=975
+  _globals['_THINKINGBUDGET']._serialized_end=1044
+  _globals['_IMAGE']._serialized_start=1047
+  _globals['_IMAGE']._serialized_end=1186
+  _globals['_GENERATEEVENT']._serialized_start=1189
+  _globals['_GENERATEEVENT']._serialized_end=1402
+  _globals['_PROMPTLOGPROBS']._serialized_start=1405
+  _globals['_PROMPTLOGPROBS']._serialized_end=1596
+  _globals['_PROGRESS']._serialized_start=1598
+  _globals['_PROGRESS']._serialized_end=1663
+  _globals['_TOKENCHUNK']._serialized_start=1666
+  _globals['_TOKENCHUNK']._serialized_end=1836
+  _globals['_FINISHED']._serialized_start=1839
+  _globals['_FINISHED']._serialized_end=2107
+  _globals['_ABORTREQUEST']._serialized_start=2109
+  _globals['_ABORTREQUEST']._serialized_end=2143
+  _globals['_ABORTREPLY']._serialized_start=2145
+  _globals['_ABORTREPLY']._serialized_end=2172
+  _globals['_HEALTHREQUEST']._serialized_start=2174
+  _globals['_HEALTHREQUEST']._serialized_end=2189
+  _globals['_COMPONENTHEALTH']._serialized_start=2191
+  _globals['_COMPONENTHEALTH']._serialized_end=2253
+  _globals['_POOLSTATS']._serialized_start=2255
+  _globals['_POOLSTATS']._serialized_end=2370
+  _globals['_HEALTHREPLY']._serialized_start=2373
+  _globals['_HEALTHREPLY']._serialized_end=2662
+  _globals['_TIERSTATS']._serialized_start=2664
+  _globals['_TIERSTATS']._serialized_end=2789
+  _globals['_GENERATOR']._serialized_start=2989
+  _globals['_GENERATOR']._serialized_end=3203
 # @@protoc_insertion_point(module_scope)

@@ -63,7 +63,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "priority", "no_draft", "trace_context", "grammar", "logprobs", "top_logprobs", "seed_offset", "images", "min_tokens", "thinking")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "priority", "no_draft", "trace_context", "grammar", "logprobs", "top_logprobs", "seed_offset", "images", "min_tokens", "thinking", "prompt_logprobs")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class GenerateRequest(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     THINKING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _tensor_pb2.Tensor
     sampling: Sampling
@@ -103,7 +104,8 @@ class GenerateRequest(_message.Message):
     images: _containers.RepeatedCompositeFieldContainer[Image]
     min_tokens: int
     thinking: ThinkingBudget
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., no_draft: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., seed_offset: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., thinking: _Optional[_Union[ThinkingBudget, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., no_draft: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., seed_offset: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., thinking: _Optional[_Union[ThinkingBudget, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class ThinkingBudget(_message.Message):
     __slots__ = ("budget", "forced_ids", "end_ids")
@@ -130,14 +132,30 @@ class Image(_message.Message):
     def __init__(self, pixel_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., digest: _Optional[bytes] = ..., offset: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("progress", "tokens", "finished")
+    __slots__ = ("progress", "tokens", "finished", "prompt_logprobs")
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     progress: Progress
     tokens: TokenChunk
     finished: Finished
-    def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("start", "logprobs", "ranks", "top_ids", "top_logprobs")
+    START_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    logprobs: _tensor_pb2.Tensor
+    ranks: _tensor_pb2.Tensor
+    top_ids: _tensor_pb2.Tensor
+    top_logprobs: _tensor_pb2.Tensor
+    def __init__(self, start: _Optional[int] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., ranks: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("phase", "prefilled")

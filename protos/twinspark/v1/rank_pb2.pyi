@@ -111,7 +111,7 @@ class TierMove(_message.Message):
     def __init__(self, kind: _Optional[_Union[TierMoveKind, str]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state_key: _Optional[bytes] = ..., slot: _Optional[int] = ..., pos: _Optional[int] = ..., chain: _Optional[bytes] = ..., to_disk: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden", "trace_context", "mask_index", "bitmask", "logprobs_k", "prompt", "tier_moves", "images", "penalties")
+    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden", "trace_context", "mask_index", "bitmask", "logprobs_k", "prompt", "tier_moves", "images", "penalties", "score_rows", "score_ids", "score_k")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,9 @@ class StepPlan(_message.Message):
     TIER_MOVES_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     PENALTIES_FIELD_NUMBER: _ClassVar[int]
+    SCORE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_K_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _tensor_pb2.Tensor
     starts: _tensor_pb2.Tensor
@@ -169,7 +172,10 @@ class StepPlan(_message.Message):
     tier_moves: _containers.RepeatedCompositeFieldContainer[TierMove]
     images: _containers.RepeatedCompositeFieldContainer[ImageRows]
     penalties: RowPenalties
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., mask_index: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bitmask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tier_moves: _Optional[_Iterable[_Union[TierMove, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageRows, _Mapping]]] = ..., penalties: _Optional[_Union[RowPenalties, _Mapping]] = ...) -> None: ...
+    score_rows: _tensor_pb2.Tensor
+    score_ids: _tensor_pb2.Tensor
+    score_k: int
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., mask_index: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bitmask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tier_moves: _Optional[_Iterable[_Union[TierMove, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageRows, _Mapping]]] = ..., penalties: _Optional[_Union[RowPenalties, _Mapping]] = ..., score_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_k: _Optional[int] = ...) -> None: ...
 
 class RowPenalties(_message.Message):
     __slots__ = ("rows", "presence", "frequency", "repetition", "seen_ids", "seen_counts", "bias_ids", "bias_values", "banned_ids")
@@ -210,7 +216,7 @@ class ImageRows(_message.Message):
     def __init__(self, pixel_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., row: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden", "logprobs", "top_ids", "top_logprobs", "refused", "tier_bad")
+    __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden", "logprobs", "top_ids", "top_logprobs", "refused", "tier_bad", "score_logprobs", "score_ranks", "score_top_ids", "score_top_logprobs")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +230,10 @@ class StepResult(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     TIER_BAD_FIELD_NUMBER: _ClassVar[int]
+    SCORE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     round: int
     rank: int
     sampled: _tensor_pb2.Tensor
@@ -237,4 +247,8 @@ class StepResult(_message.Message):
     top_logprobs: _tensor_pb2.Tensor
     refused: bool
     tier_bad: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, round: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., error: _Optional[str] = ..., accepted: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., refused: _Optional[bool] = ..., tier_bad: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    score_logprobs: _tensor_pb2.Tensor
+    score_ranks: _tensor_pb2.Tensor
+    score_top_ids: _tensor_pb2.Tensor
+    score_top_logprobs: _tensor_pb2.Tensor
+    def __init__(self, round: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., error: _Optional[str] = ..., accepted: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., refused: _Optional[bool] = ..., tier_bad: _Optional[_Iterable[bytes]] = ..., score_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_ranks: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
