@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,14 +59,34 @@ def attach_or_start(state_dir: str | None, *, tp: int, model: str | None, env: d
     """The run recorded in `state_dir`, or (None) a new `twinspark up --detach` in a temporary state dir."""
     if state_dir:
         return Stack(Path(state_dir), started_here=False)
+    _stop_on_sigterm()
     sd = Path(tempfile.mkdtemp(prefix="twinspark-bench-"))
     argv = [_twinspark(), "up", "--detach", "--tp", str(tp), "--port", str(free_ports(1)[0]), "--state-dir", str(sd)]
     if model:
         argv += ["--model", model]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+    stack = Stack(sd, started_here=True)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+    except BaseException:  # stopped while it starts (SIGTERM, a time-out): the supervisor may be up already
+        stack.down()
+        raise
     if proc.returncode != 0:
         raise RuntimeError(f"twinspark up failed:\n{proc.stdout}\n{proc.stderr}")
-    return Stack(sd, started_here=True)
+    return stack
+
+
+def _stop_on_sigterm() -> None:
+    """Turn SIGTERM (`timeout`, a job runner's stop) into SystemExit, so the bench's `finally: stack.down()` runs: by
+    default SIGTERM ends Python at once and the stack it started stays up, holding the GPU (a time-limited 45-layer
+    run left 131 GiB held that way)."""
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        try:
+            signal.signal(signal.SIGTERM, stop)
+        except ValueError:  # not the main thread: leave it to the caller
+            pass
 
 
 def rss_bytes(pid: int) -> int | None:

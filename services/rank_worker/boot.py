@@ -169,6 +169,12 @@ def _sized_pool(s: RankSettings, loaded: Loaded) -> int:
                                kv_dtype=KV_CACHE_DTYPES[s.kv_cache_dtype], with_mtp=model.mtp is not None)
     budget = pool_size.budget_bytes(loaded.device, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
                                     gpu_memory_utilization=s.gpu_memory_utilization)
+    if loaded.device.type == "cuda" and s.kv_cache_memory_bytes <= 0:  # room for the step's activations first
+        from services.common.step_budget import step_budget
+        from services.rank_worker.warmup import activation_peak
+
+        budget -= activation_peak(model, step_budget(s.max_num_batched_tokens, s.device), block_size=s.block_size,
+                                  kv_dtype=KV_CACHE_DTYPES[s.kv_cache_dtype])
     mine = pool_size.blocks_for_budget(budget, cost, s.num_slots)
     log.info("kv pool budget %d bytes: %d per block of %d positions (%d per position), %d per KDA slot -> %d blocks",
              budget, cost.block_bytes, s.block_size, cost.block_bytes // s.block_size, cost.slot_bytes, mine)

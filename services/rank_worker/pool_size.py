@@ -4,8 +4,9 @@ cache, so the served window (`max_model_len`) is as long as the checkpoint allow
 The budget (bytes for the pool's blocks and its KDA state slots together, per rank):
 - `--kv-cache-memory-bytes` when given (vLLM's flag);
 - on CUDA: `--gpu-memory-utilization` x the device's memory, less what is in use on it once the weights are loaded
-  (by this process and any other); the rest (1 - utilization) is the room left for activations, the GPU indexer's
-  buffers and CUDA graphs;
+  (by this process and any other), less the peak of a profile run: one prompt chunk at the step budget
+  (warmup.activation_peak, as vLLM profiles before it sizes its cache); the rest (1 - utilization) is the room
+  left for CUDA graphs, the GPU indexer's buffers and the allocator's slack;
 - on the CPU: CPU_KV_CACHE_BYTES, or half the available RAM when that is less (vLLM's CPU backend likewise takes a
   fixed KV space, VLLM_CPU_KVCACHE_SPACE, rather than profiling; a CPU pool is resident from the start).
 Every rank sizes its own and the group takes the smallest, so all ranks address the same blocks.

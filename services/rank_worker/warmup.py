@@ -19,12 +19,14 @@ collectives pair up.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
 import torch
 
 from services.common.tensors import to_proto
+from model.model import Glm5Model
 from services.rank_worker.executor import Executor
 from twinspark.v1 import rank_pb2
 
@@ -63,6 +65,37 @@ def _plan(seqs: list[tuple[list[int], int, int, list[int], bool]], sample_rows: 
     return plan
 
 
+def _ids(n: int, vocab: int) -> list[int]:
+    v = min(vocab, 1000)
+    return [1 + (7 * i) % (v - 1) for i in range(n)]
+
+
+def activation_peak(model: Glm5Model, budget: int, *, block_size: int, kv_dtype: torch.dtype | None) -> int:
+    """Bytes of GPU memory one prompt chunk at the step budget takes beyond the weights: vLLM's profile run. The
+    pool is sized after it, so the largest round serving meets still fits beside a pool filled to the memory
+    budget (without it, 45 layers on one H200 filled the memory with blocks and the first 8,192-token chunk ran out
+    of memory). One chunk of `budget` rows on the grid through a throwaway two-slot cache, eager; every rank of a
+    group runs it alike, so the collectives pair up."""
+    chunk = min(budget, model.cfg.max_position_embeddings - GRID) // GRID * GRID
+    if chunk < GRID:
+        return 0
+    blocks = -(-chunk // block_size) + 1
+    cache = model.new_cache(num_blocks=blocks, block_size=block_size, num_slots=2, kv_dtype=kv_dtype)
+    executor = Executor(model, cache, cuda_graphs=False)
+    torch.cuda.synchronize(model.device)
+    torch.cuda.reset_peak_memory_stats(model.device)
+    base = torch.cuda.memory_allocated(model.device)
+    executor.execute(_plan([(_ids(chunk, model.cfg.vocab_size), 0, 0, list(range(blocks)), True)], [chunk - 1],
+                           temperature=0.0, logprobs_k=1))
+    torch.cuda.synchronize(model.device)
+    peak = torch.cuda.max_memory_allocated(model.device) - base
+    del executor, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    log.info("profile run: a %d-row prompt chunk takes %.2f GiB beyond the weights", chunk, peak / 2**30)
+    return peak
+
+
 def warm_up(executor: Executor, budget: int) -> float:
     """Run the warm-up rounds at chunks of `budget` rows (see the module note); returns the seconds they took."""
     cache, cfg = executor.cache, executor.model.cfg
@@ -72,8 +105,7 @@ def warm_up(executor: Executor, budget: int) -> float:
         return 0.0
     t0 = time.perf_counter()
     bs = cache.block_size
-    vocab = min(cfg.vocab_size, 1000)
-    ids = [1 + (7 * i) % (vocab - 1) for i in range(chunk + TAIL + 4)]
+    ids = _ids(chunk + TAIL + 4, cfg.vocab_size)
     a_len = chunk + TAIL
     a_blocks = list(range(-(-(a_len + 4) // bs)))
     b_blocks = list(range(len(a_blocks), len(a_blocks) + -(-chunk // bs)))

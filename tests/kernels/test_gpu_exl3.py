@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.gpu_support import DEVICE, HALF, randn, triton
+from tests.kernels.gpu_support import DEVICE, HALF, HALF_TOL, randn, triton
 
 import triton.language as tl  # noqa: E402
 
@@ -133,10 +133,25 @@ def test_experts_match_the_twin(experts: dict, rows: int) -> None:
     got = gpu_moe(x, experts, rows).cpu()
     xc = x.cpu().float()
     ids, rw = (t[:, :TOP_K].cpu() for t in gpu_route(x, experts, rows))  # routing is test_gpu_moe.py's subject
-    g, u, d = experts["gate_dense"], experts["up_dense"], experts["down_dense"]
-    want = (ref.experts(xc, ids.long(), rw, g[:E], u[:E], d[:E], LIMIT)
-            + ref.swiglu(xc @ g[E].T, xc @ u[E].T, LIMIT) @ d[E].T)
-    torch.testing.assert_close(got, want, **HALF_EXL3_TOL)
+    want = twin_experts(xc, ids.long(), rw.float(), experts, x.dtype)
+    print(f"EXL3 experts vs twin: max |err| {(got - want).abs().max():.3g}, max |y| {want.abs().max():.3g}")
+    # bf16 activations (the GPU's) round gate's and up's outputs and the SwiGLU product to 8 mantissa bits where the
+    # kernel keeps them, a few places the twin cannot all mirror (measured on an H200: max |err| 0.012 at max |y|
+    # 3.7): the bf16 grouped MoE's tolerance (test_gpu_moe.py), not the single products' HALF_EXL3_TOL.
+    torch.testing.assert_close(got, want, **(HALF_TOL if x.dtype == torch.bfloat16 else HALF_EXL3_TOL))
+
+
+def twin_experts(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: dict, act: torch.dtype) -> torch.Tensor:
+    """The dequantized twin with the kernel's roundings: gate's and up's outputs and the SwiGLU product are stored
+    in the activations' dtype (bf16 on the GPU: 8 mantissa bits, far above the products' float16 error), so the
+    twin rounds them there too; the routed pairs by their weights, the shared expert (last) at weight 1."""
+    g, u, d = w["gate_dense"], w["up_dense"], w["down_dense"]
+    out = torch.zeros(x.shape[0], d.shape[1])
+    for t in range(x.shape[0]):
+        for e, weight in [*zip(ids[t].tolist(), rw[t].tolist()), (E, 1.0)]:
+            gate, up = ((x[t] @ m[e].T).to(act).float() for m in (g, u))
+            out[t] += weight * (ref.swiglu(gate, up, LIMIT).to(act).float() @ d[e].T)
+    return out
 
 
 @pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
