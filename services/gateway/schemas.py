@@ -14,7 +14,8 @@ import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, MIN_TOKENS, N, PRESENCE_PENALTY,
                                     PROMPT_LOGPROBS, REPETITION_PENALTY, SEED, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P,
@@ -185,6 +186,67 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False  # vLLM: with include_usage, usage so far in every chunk
 
 
+# ------------------------------------------------------------------------------------------- neutral values
+
+def _is(*values: Any) -> Any:
+    return lambda v: any(v is x or (type(v) is type(x) and v == x) for x in values)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == [] or v == {} or v is False
+
+
+# Recognised, not implemented: field -> the predicate of its accepted (neutral) values; any other value is a 400
+# naming the field (check_unsupported). Each table declares its fields, as `Any = None`, on the request types below.
+_GENERATION_NEUTRAL: dict[str, Any] = {
+    "length_penalty": _is(None, 1, 1.0),
+    "priority": _is(None, 0),
+    "use_beam_search": _is(None, False),
+    "truncate_prompt_tokens": _is(None),
+    "bad_words": _empty,
+    "allowed_token_ids": _is(None),
+    "logits_processors": _empty,
+    "return_tokens_as_token_ids": _is(None, False),
+    "spaces_between_special_tokens": _is(None, True),
+    "cache_salt": _is(None),
+    "kv_transfer_params": _is(None),
+    "vllm_xargs": _is(None),
+    "service_tier": _is(None, "auto", "default"),
+    "store": _is(None, False),
+    "echo": _is(None, False),  # completions implement it
+    "return_hidden_states": _is(None, False),  # SGLang's, written by vllm-router
+}
+_CHAT_NEUTRAL: dict[str, Any] = {
+    "functions": _empty,
+    "function_call": _is(None, "none"),
+    "chat_template": _is(None),
+    "continue_final_message": _is(None, False),
+    "documents": _is(None),
+    "mm_processor_kwargs": _is(None),
+    "audio": _is(None),
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _is(None),
+    "web_search_options": _is(None),
+    "verbosity": _is(None),
+    "separate_reasoning": _is(None, True),  # SGLang / vllm-router; reasoning is always separated here
+    "stream_reasoning": _is(None, True),
+    "include_reasoning": _is(None, True),  # vLLM; reasoning is always included
+}
+_COMPLETION_NEUTRAL: dict[str, Any] = {"suffix": _is(None, ""), "prompt_embeds": _is(None)}
+_NEUTRAL: dict[str, Any] = {**_GENERATION_NEUTRAL, **_CHAT_NEUTRAL, **_COMPLETION_NEUTRAL}
+
+
+def _recognised(base: type[BaseModel], neutral: dict[str, Any]) -> Any:
+    """`base` with every field of a neutral table declared `Any = None`: recognised, so a request naming one gets
+    check_unsupported's 400 for a non-neutral value rather than the strict models' "unknown field"."""
+    return create_model(f"{base.__name__}Recognised", __base__=base, **{name: (Any, None) for name in neutral})
+
+
+_WHY: dict[str, str] = {
+    "priority": "is not supported; send \"background\": true for background priority",
+}
+
+
 # ------------------------------------------------------------------------------------------ generation requests
 
 # Bounds on small fields (the structural limits on any body are in limits.py): a stop string is matched against
@@ -192,7 +254,7 @@ class StreamOptions(_Strict):
 StopString = Annotated[str, Field(max_length=4096)]
 Identifier = Annotated[str, Field(max_length=512)]
 
-class _Generation(_Strict):
+class _Generation(_recognised(_Strict, _GENERATION_NEUTRAL)):
     """Fields shared by chat and completions."""
 
     # Fields of `_NEUTRAL` a subclass implements (declared with their own type there): not refused for it.
@@ -241,29 +303,12 @@ class _Generation(_Strict):
     thinking_token_budget: int | None = Field(None, ge=0, lt=1 << 31)
     # vLLM: the logprob, rank and top k of every prompt token after the first (the model's raw distribution).
     prompt_logprobs: int | None = Field(None, **PROMPT_LOGPROBS.field())
-    # Recognised, not implemented: only their neutral value is accepted (see _NEUTRAL).
-    length_penalty: Any = None
-    priority: Any = None
-    use_beam_search: Any = None
-    truncate_prompt_tokens: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
-    logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
-    spaces_between_special_tokens: Any = None
-    cache_salt: Any = None
-    kv_transfer_params: Any = None
-    vllm_xargs: Any = None
-    service_tier: Any = None
-    store: Any = None
-    echo: Any = None
     # SGLang's, which vllm-router writes into every request it forwards (with these defaults).
     no_stop_trim: bool = False  # true: keep the stop string and the stopping token in the output
     session_params: dict[str, Any] | None = None  # session ids: accepted and ignored (the prefix cache needs none)
-    return_hidden_states: Any = None
 
 
-class ChatCompletionRequest(_Generation):
+class ChatCompletionRequest(_recognised(_Generation, _CHAT_NEUTRAL)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
@@ -275,23 +320,9 @@ class ChatCompletionRequest(_Generation):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: Any = None
-    function_call: Any = None
-    chat_template: Any = None
-    continue_final_message: Any = None
-    documents: Any = None
-    mm_processor_kwargs: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    verbosity: Any = None
-    separate_reasoning: Any = None  # SGLang / vllm-router; reasoning is always separated here
-    stream_reasoning: Any = None
-    include_reasoning: Any = None  # vLLM; reasoning is always included
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(_recognised(_Generation, _COMPLETION_NEUTRAL)):
     implemented: ClassVar[frozenset[str]] = frozenset({"echo"})
 
     # vLLM: a string, a token-id list, or a list holding one of either (batches of more than one are refused).
@@ -302,8 +333,6 @@ class CompletionRequest(_Generation):
     add_special_tokens: bool = True
     logprobs: int | None = Field(None, **TOP_LOGPROBS.field())  # completions: how many top logprobs (0: chosen only)
     best_of: int | None = Field(None, **N.field())
-    suffix: Any = None
-    prompt_embeds: Any = None
 
 
 class TokenizeRequest(_Strict):
@@ -326,57 +355,6 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: Identifier | None = None
     tokens: list[int]
-
-
-# ------------------------------------------------------------------------------------------- neutral values
-
-def _is(*values: Any) -> Any:
-    return lambda v: any(v is x or (type(v) is type(x) and v == x) for x in values)
-
-
-def _empty(v: Any) -> bool:
-    return v is None or v == [] or v == {} or v is False
-
-
-# field -> accepted-value predicate, and why the rest is refused
-_NEUTRAL: dict[str, Any] = {
-    "length_penalty": _is(None, 1, 1.0),
-    "priority": _is(None, 0),
-    "use_beam_search": _is(None, False),
-    "truncate_prompt_tokens": _is(None),
-    "bad_words": _empty,
-    "allowed_token_ids": _is(None),
-    "logits_processors": _empty,
-    "return_tokens_as_token_ids": _is(None, False),
-    "spaces_between_special_tokens": _is(None, True),
-    "cache_salt": _is(None),
-    "kv_transfer_params": _is(None),
-    "vllm_xargs": _is(None),
-    "service_tier": _is(None, "auto", "default"),
-    "store": _is(None, False),
-    "echo": _is(None, False),
-    "functions": _empty,
-    "function_call": _is(None, "none"),
-    "chat_template": _is(None),
-    "continue_final_message": _is(None, False),
-    "documents": _is(None),
-    "mm_processor_kwargs": _is(None),
-    "audio": _is(None),
-    "modalities": lambda v: v is None or v == ["text"],
-    "prediction": _is(None),
-    "web_search_options": _is(None),
-    "verbosity": _is(None),
-    "suffix": _is(None, ""),
-    "prompt_embeds": _is(None),
-    "return_hidden_states": _is(None, False),
-    "separate_reasoning": _is(None, True),
-    "stream_reasoning": _is(None, True),
-    "include_reasoning": _is(None, True),
-}
-
-_WHY: dict[str, str] = {
-    "priority": "is not supported; send \"background\": true for background priority",
-}
 
 
 def check_unsupported(req: BaseModel) -> None:

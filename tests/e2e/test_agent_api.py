@@ -15,6 +15,7 @@ import torch
 
 from model.batch import Batch
 from model.model import Glm5Model
+from tests.e2e.replies import token_ids
 from tests.e2e.stack import Stack
 
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -189,20 +190,7 @@ def _mixed() -> list[tuple[str, dict]]:
 
 
 async def _send(url: str, kind: str, body: dict) -> list:
-    body = {**body, "max_tokens": 40, "return_token_ids": True}
-    async with httpx.AsyncClient(timeout=300) as http:
-        if body.get("stream"):
-            ids: dict[int, list[int]] = {}
-            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        for c in json.loads(line[6:])["choices"]:
-                            ids.setdefault(c["index"], []).extend(c.get("token_ids") or [])
-            return [ids[i] for i in sorted(ids)]
-        r = await http.post(f"{url}/v1/{'chat/completions' if kind == 'chat' else 'completions'}", json=body)
-        assert r.status_code == 200, r.text
-        return [(c["token_ids"], c.get("logprobs")) for c in r.json()["choices"]]
+    return (await token_ids(url, kind, {**body, "max_tokens": 40}))[0]
 
 
 def test_mixed_burst_equals_one_by_one(stack_tp2: Stack) -> None:

@@ -19,6 +19,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.e2e.replies import token_ids
 from tests.e2e.stack import Stack, start
 
 MESSAGE = " Time to answer."
@@ -246,20 +247,8 @@ def _mixed() -> list[tuple[str, dict]]:
 
 
 async def _send(url: str, kind: str, body: dict) -> list:
-    body = {**body, "return_token_ids": True}
-    async with httpx.AsyncClient(timeout=600) as http:
-        if body.get("stream"):
-            ids: dict[int, list[int]] = {}
-            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        for c in json.loads(line[6:])["choices"]:
-                            ids.setdefault(c["index"], []).extend(c.get("token_ids") or [])
-            return [ids[i] for i in sorted(ids)]
-        r = await http.post(f"{url}/v1/{'chat/completions' if kind == 'chat' else 'completions'}", json=body)
-        assert r.status_code == 200, r.text
-        return [(c["token_ids"], c.get("logprobs")) for c in r.json()["choices"]] + [r.json()["usage"]["twinspark"]]
+    replies, usage = await token_ids(url, kind, body, timeout=600)
+    return replies + [usage["twinspark"]] if usage else replies
 
 
 def _ids(results: list) -> list:
