@@ -24,12 +24,12 @@ travels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.common.tensors import to_proto
-from services.scheduler.penalties import row_penalties
+from services.scheduler.penalties import PenaltySpec, row_penalties
 from services.scheduler.prefix import KDA_CHUNK
 from services.scheduler.request import Request
 from twinspark.v1 import generate_pb2, rank_pb2
@@ -111,49 +111,77 @@ def plan_round(running: list[Request], budget: int, drafts: dict[str, list[int]]
     return out
 
 
+@dataclass
+class _SampleRows:
+    """The plan's per-sample-row columns, one entry per sample row in packed order (verify windows contribute
+    every row, other sampled sequences their last)."""
+    rows: list[int] = field(default_factory=list)  # the packed row each sample is taken from
+    temperature: list[float] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    min_p: list[float] = field(default_factory=list)
+    seed: list[int] = field(default_factory=list)
+    logprobs_k: list[int] = field(default_factory=list)
+    mask_index: list[int] = field(default_factory=list)  # per row: its mask in `bitmask`, -1 = any token
+    bitmask: list[torch.Tensor] = field(default_factory=list)
+    # (sample row, spec, its ids) of the rows that use penalties, logit_bias or min_tokens
+    penalised: list[tuple[int, PenaltySpec, tuple[list[int], list[int], list[int]]]] = field(default_factory=list)
+
+    def add(self, s: PlannedSeq, row0: int) -> None:
+        """The sample rows of sequence `s`, whose first token is packed row `row0`."""
+        sp = s.req.sampling
+        rows = range(len(s.token_ids)) if s.verify else [len(s.token_ids) - 1]
+        for j, r in enumerate(rows):
+            pen = s.req.penalties
+            if pen is not None:  # row j of a verify window follows drafts 1..j
+                self.penalised.append((len(self.rows), pen.spec, pen.row(s.req, s.token_ids[1 : j + 1] if s.verify
+                                                                          else [])))
+            self.rows.append(row0 + r)
+            mask = s.masks[j] if s.masks is not None else None
+            self.mask_index.append(len(self.bitmask) if mask is not None else -1)
+            if mask is not None:
+                self.bitmask.append(mask)
+            self.logprobs_k.append(s.req.logprobs_k)
+            self.temperature.append(sp.temperature)
+            self.top_p.append(sp.top_p)
+            self.top_k.append(sp.top_k)
+            self.min_p.append(sp.min_p)
+            self.seed.append(sp.seed_i64)
+
+
+@dataclass
+class _ScoreRows:
+    """The plan's prompt-logprob rows: which packed rows are scored, the prompt token each one predicts, and the
+    largest number of top alternatives any request asked for (one k for the whole round)."""
+    rows: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    k: int = 0
+
+    def add(self, s: PlannedSeq, row0: int) -> None:
+        """The scored rows of prompt chunk `s`, whose first token is packed row `row0`."""
+        if s.scored:  # row i predicts prompt token start + i + 1
+            self.rows += range(row0, row0 + s.scored)
+            self.ids += s.req.tokens[s.start + 1 : s.start + 1 + s.scored]
+            self.k = max(self.k, s.req.prompt_logprobs or 0)
+
+
 def build_step_plan(seqs: list[PlannedSeq], block_size: int,
                     state_copies: list[tuple[int, int]] | None = None) -> rank_pb2.StepPlan:
     """The packed StepPlan for `seqs` (round and checksum are set by the sender); `state_copies` are the
     (source slot, target slot) KDA state copies the ranks do before the forward, in order."""
     token_ids: list[int] = []
-    starts, lengths, slots, tables, sample_rows, verify, prompt = [], [], [], [], [], [], []
-    temperature, top_p, top_k, min_p, seed = [], [], [], [], []
-    mask_index: list[int] = []
-    bitmask: list[torch.Tensor] = []
-    logprobs_k: list[int] = []
-    score_rows: list[int] = []
-    score_ids: list[int] = []
-    score_k = 0
-    penalised = []  # (sample row, spec, its ids) of the rows that use penalties, logit_bias or min_tokens
+    starts, lengths, slots, tables, verify, prompt = [], [], [], [], [], []
+    sample, score = _SampleRows(), _ScoreRows()
     images: list[rank_pb2.ImageRows] = []
     for s in seqs:
+        # Every row index below is relative to the packed batch: `len(token_ids)` is this sequence's first row.
         if s.prompt:
             images += _image_rows(s, len(token_ids))
         res = s.req.reservation
         assert res is not None, f"request {s.req.id} is planned without a reservation"
         if s.sample:
-            sp = s.req.sampling
-            rows = range(len(s.token_ids)) if s.verify else [len(s.token_ids) - 1]
-            for j, r in enumerate(rows):
-                pen = s.req.penalties
-                if pen is not None:  # row j of a verify window follows drafts 1..j
-                    penalised.append((len(sample_rows), pen.spec, pen.row(s.req, s.token_ids[1 : j + 1] if s.verify
-                                                                         else [])))
-                sample_rows.append(len(token_ids) + r)
-                mask = s.masks[j] if s.masks is not None else None
-                mask_index.append(len(bitmask) if mask is not None else -1)
-                if mask is not None:
-                    bitmask.append(mask)
-                logprobs_k.append(s.req.logprobs_k)
-                temperature.append(sp.temperature)
-                top_p.append(sp.top_p)
-                top_k.append(sp.top_k)
-                min_p.append(sp.min_p)
-                seed.append(sp.seed_i64)
-        if s.scored:  # row i predicts prompt token start + i + 1
-            score_rows += range(len(token_ids), len(token_ids) + s.scored)
-            score_ids += s.req.tokens[s.start + 1 : s.start + 1 + s.scored]
-            score_k = max(score_k, s.req.prompt_logprobs or 0)
+            sample.add(s, len(token_ids))
+        score.add(s, len(token_ids))
         verify.append(1 if s.verify else 0)
         prompt.append(1 if s.prompt else 0)
         token_ids.extend(s.token_ids)
@@ -163,37 +191,48 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
         # Only the blocks that cover positions this round touches (a full window's table would be ~8k ids per row).
         need = -(-(s.start + len(s.token_ids)) // block_size)
         tables.append(res.blocks[:need])
-    width = max(len(t) for t in tables)
-    padded = torch.zeros(len(tables), width, dtype=torch.int32)  # padded with 0, never read past a sequence's end
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     plan = rank_pb2.StepPlan(
         token_ids=to_proto(token_ids), starts=to_proto(starts), lengths=to_proto(lengths), slots=to_proto(slots),
-        block_tables=to_proto(padded), sample_rows=to_proto(sample_rows),
-        temperature=to_proto(temperature, "float32"), top_p=to_proto(top_p, "float32"), top_k=to_proto(top_k),
-        min_p=to_proto(min_p, "float32"), seed=to_proto(seed, "int64"),
+        block_tables=to_proto(_padded_tables(tables)), sample_rows=to_proto(sample.rows),
+        temperature=to_proto(sample.temperature, "float32"), top_p=to_proto(sample.top_p, "float32"),
+        top_k=to_proto(sample.top_k), min_p=to_proto(sample.min_p, "float32"), seed=to_proto(sample.seed, "int64"),
         request_ids=[s.req.id for s in seqs], prompt=to_proto(prompt),
     )
     if state_copies:
         plan.state_copies.CopyFrom(to_proto(torch.tensor(state_copies, dtype=torch.int32).view(-1, 2)))
     if any(verify):
         plan.verify.CopyFrom(to_proto(verify))
-    if bitmask:
-        # One width for all rows (the words past a mask's own are zero: those ids are not in its vocabulary).
-        words = max(m.numel() for m in bitmask)
-        plan.mask_index.CopyFrom(to_proto(mask_index))
-        plan.bitmask.CopyFrom(to_proto(torch.stack([torch.nn.functional.pad(m, (0, words - m.numel()))
-                                                    for m in bitmask])))
-    if any(k >= 0 for k in logprobs_k):
-        plan.logprobs_k.CopyFrom(to_proto(logprobs_k))
-    if penalised:
-        plan.penalties.CopyFrom(row_penalties(penalised))
-    if score_rows:
-        plan.score_rows.CopyFrom(to_proto(score_rows))
-        plan.score_ids.CopyFrom(to_proto(score_ids))
-        plan.score_k = score_k
+    _set_optional_rows(plan, sample, score)
     plan.images.extend(images)
     return plan
+
+
+def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """The sequences' block tables as one [seqs, widest] int32 tensor: the plan carries a rectangle."""
+    width = max(len(t) for t in tables)
+    padded = torch.zeros(len(tables), width, dtype=torch.int32)  # padded with 0, never read past a sequence's end
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return padded
+
+
+def _set_optional_rows(plan: rank_pb2.StepPlan, sample: _SampleRows, score: _ScoreRows) -> None:
+    """The plan's optional per-row fields, each set only when some row uses it: an unset field tells the ranks to
+    skip that work (masking, logprobs, penalties, prompt scoring) for the whole round."""
+    if sample.bitmask:
+        # One width for all rows (the words past a mask's own are zero: those ids are not in its vocabulary).
+        words = max(m.numel() for m in sample.bitmask)
+        plan.mask_index.CopyFrom(to_proto(sample.mask_index))
+        plan.bitmask.CopyFrom(to_proto(torch.stack([torch.nn.functional.pad(m, (0, words - m.numel()))
+                                                    for m in sample.bitmask])))
+    if any(k >= 0 for k in sample.logprobs_k):
+        plan.logprobs_k.CopyFrom(to_proto(sample.logprobs_k))
+    if sample.penalised:
+        plan.penalties.CopyFrom(row_penalties(sample.penalised))
+    if score.rows:
+        plan.score_rows.CopyFrom(to_proto(score.rows))
+        plan.score_ids.CopyFrom(to_proto(score.ids))
+        plan.score_k = score.k
 
 
 def _image_rows(s: PlannedSeq, row0: int) -> list[rank_pb2.ImageRows]:

@@ -26,7 +26,8 @@ from opentelemetry.context import Context
 
 from services.scheduler.drafts import DrafterClient
 from services.scheduler.grammar import GrammarBook
-from services.scheduler.ranks import ModelInfo, RankError, RankSet, Round
+from services.scheduler.model_info import ModelInfo
+from services.scheduler.ranks import RankError, RankSet, Round
 from services.scheduler.request import Request
 from services.scheduler.round_scheduler import RoundScheduler, ScheduledRound
 from services.scheduler.tracing import propose_span, round_span

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 from services.scheduler.batcher import PlannedSeq
 from services.scheduler.kv_events import KVEvents
 from services.scheduler.kv_tiers import TierIndex, state_key
+from services.scheduler.model_info import ModelInfo
 from services.scheduler.pool import BlockPool, PoolExhausted, Reservation
 from services.scheduler.prefix import Match, PrefixIndex, Snapshot, block_hashes, reuse_granule
-from services.scheduler.ranks import ModelInfo
 from services.scheduler.request import Request
 from twinspark.v1 import generate_pb2, rank_pb2
 

@@ -10,6 +10,8 @@ the supervisor restarts it. Describe is probed until every rank answers as a new
 than the one it had when the set was connected: a half-old group cannot be trusted) with the fingerprint the
 scheduler started with; then the Step streams are opened again from round 1. Ranks that come back with other
 settings leave the set unusable (`stuck`): the scheduler was sized for the old ones and must be restarted.
+
+What the group's Describe replies say about the model and cache (`ModelInfo`) lives in model_info.py.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import grpc
 from services.common.internal_auth import aio_channel
 from services.common.plan_checksum import seal
 from services.common.tensors import from_proto, ids
+from services.scheduler.model_info import ModelInfo, describe_differences
 from services.scheduler.request import PromptScores
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
@@ -76,48 +79,8 @@ class RankError(RuntimeError):
         return f"rank{self.index} failed: {self.reason}"
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the scheduler takes from rank 0's Describe (all ranks agree, the fingerprint says so)."""
-
-    model: str
-    fingerprint: str
-    world: int
-    num_blocks: int
-    block_size: int
-    num_slots: int
-    vocab_size: int
-    eos_ids: tuple[int, ...]
-    max_model_len: int
-    # KV tiers (every rank's capacity, the smallest counts; per-rank sizes of a block and a KDA state there)
-    tier_host_bytes: int = 0
-    tier_disk_bytes: int = 0
-    block_bytes: int = 0
-    state_bytes: int = 0
-    device: str = "cpu"  # where the ranks compute (their fingerprint's settings): sets the round budget's default
-
-    @classmethod
-    def from_describe(cls, d: rank_pb2.DescribeReply, group: list[rank_pb2.DescribeReply] | None = None
-                      ) -> "ModelInfo":
-        group = group or [d]
-        return cls(model=d.model, fingerprint=d.fingerprint, world=d.world, num_blocks=d.num_blocks,
-                   block_size=d.block_size, num_slots=d.num_slots, vocab_size=d.vocab_size,
-                   eos_ids=tuple(d.eos_token_ids), max_model_len=d.max_model_len,
-                   tier_host_bytes=min(r.tier_host_bytes for r in group),
-                   tier_disk_bytes=min(r.tier_disk_bytes for r in group),
-                   block_bytes=max(r.block_bytes for r in group), state_bytes=max(r.state_bytes for r in group),
-                   device=d.settings.get("device", "cpu"))
-
-
 class _Refused(str):
     """One rank's answer refusing a malformed plan (it keeps serving); see PlanRefused."""
-
-
-def _differences(name_a: str, a: rank_pb2.DescribeReply, name_b: str, b: rank_pb2.DescribeReply) -> str:
-    """Two Describe replies' fingerprints and every setting that differs, by name."""
-    keys = sorted(k for k in set(a.settings) | set(b.settings) if a.settings.get(k) != b.settings.get(k))
-    what = ", ".join(f"{k}: {name_a}={a.settings.get(k)!r} {name_b}={b.settings.get(k)!r}" for k in keys)
-    return f"fingerprint {b.fingerprint[:12]}… vs {name_a} {a.fingerprint[:12]}…{'; ' + what if what else ''}"
 
 
 def _rpc_error_text(exc: BaseException) -> str:
@@ -253,7 +216,7 @@ class RankSet:
         differ = [(c, r) for c, r in zip(self.clients, replies) if r.fingerprint != base.fingerprint]
         if differ:
             raise StartupError("rank fingerprints differ, refusing to start: " + "; ".join(
-                f"{c.name} at {c.address} ({_differences('rank0', base, c.name, r)})" for c, r in differ))
+                f"{c.name} at {c.address} ({describe_differences('rank0', base, c.name, r)})" for c, r in differ))
         if base.num_blocks < 1 or base.block_size < 1 or base.num_slots < 1 or base.vocab_size < 1 \
                 or base.max_model_len < 1:
             raise StartupError(f"rank0 describes an unusable cache/model: {base}")
@@ -469,7 +432,7 @@ class RankSet:
         try:
             self._check_group(group)
             if group[0].fingerprint != self.info.fingerprint:
-                raise StartupError(_differences("before", self.described[0], "now", group[0]))
+                raise StartupError(describe_differences("before", self.described[0], "now", group[0]))
         except StartupError as exc:
             self.stuck = (f"the ranks came back with other settings than the scheduler started with ({exc}); "
                           f"restart the scheduler")

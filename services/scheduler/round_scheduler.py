@@ -27,9 +27,9 @@ from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.grammar import GrammarBook
 from services.scheduler.kv_cache import KVCacheManager, snapshot_slots
 from services.scheduler.kv_events import KVEvents
+from services.scheduler.model_info import ModelInfo
 from services.scheduler.pool import PoolExhausted
 from services.scheduler.prefix import KDA_CHUNK, Snapshot
-from services.scheduler.ranks import ModelInfo
 from services.scheduler.replay import reply_replay
 from services.scheduler.request import PromptScores, Request, State, TokenLogprobs
 from services.scheduler.round_masks import apply_round_masks

@@ -18,8 +18,8 @@ from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MAX_LOGIT_BIA
                                     TOP_LOGPROBS, TOP_P, Range)
 from services.common.tensors import from_proto, ids
 from services.scheduler.grammar import GrammarBook, GrammarError, RequestGrammar
+from services.scheduler.model_info import ModelInfo
 from services.scheduler.penalties import PenaltySpec, PenaltyState
-from services.scheduler.ranks import ModelInfo
 from services.scheduler.request import Request, SamplingSpec, derive_seed
 from services.scheduler.thinking import ThinkingBudget, ThinkingSpec, spec_error
 from twinspark.v1 import generate_pb2

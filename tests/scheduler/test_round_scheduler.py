@@ -7,7 +7,7 @@ import pytest
 
 from services.common.tensors import from_proto, to_proto
 from services.scheduler.engine import EngineConfig
-from services.scheduler.ranks import ModelInfo
+from services.scheduler.model_info import ModelInfo
 from services.scheduler.request import PENDING_TOKEN, Request, State
 from services.scheduler.round_scheduler import RoundScheduler, ScheduledRound
 from services.scheduler.validation import InvalidRequest

@@ -10,7 +10,7 @@ import pytest
 from services.common.step_budget import DEFAULT_STEP_TOKENS, step_budget
 from services.common.tensors import from_proto, to_proto
 from services.scheduler.engine import EngineConfig
-from services.scheduler.ranks import ModelInfo
+from services.scheduler.model_info import ModelInfo
 from services.scheduler.round_scheduler import RoundScheduler
 from twinspark.v1 import generate_pb2, rank_pb2
 

@@ -14,7 +14,7 @@ from services.common.tensors import from_proto, to_proto
 from services.scheduler.batcher import PlannedSeq
 from services.scheduler.engine import EngineConfig
 from services.scheduler.grammar import GrammarBook, allows
-from services.scheduler.ranks import ModelInfo
+from services.scheduler.model_info import ModelInfo
 from services.scheduler.round_masks import one_token_mask
 from services.scheduler.round_scheduler import RoundScheduler
 from services.scheduler.thinking import ThinkingBudget, ThinkingSpec

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from services.common.tensors import to_proto
-from services.scheduler.ranks import ModelInfo
+from services.scheduler.model_info import ModelInfo
 from services.scheduler.validation import InvalidRequest, validate
 from twinspark.v1 import generate_pb2
 
