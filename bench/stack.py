@@ -122,11 +122,12 @@ def load_line(before: dict, after: dict) -> str:
             f"{before['cpus']} CPUs; busiest processes before: {'; '.join(before['top_processes'][:4])}.")
 
 
-def write_results(out: Path | None, name: str, data: dict, md: str) -> None:
-    """<out>/<name>-<time>.json and .md (nothing without `out`)."""
+def write_results(out: Path | None, name: str, data: dict, md: str, *, stamp: str | None = None) -> None:
+    """<out>/<name>-<stamp>.json and .md, the stamp the time now unless given (a bench that saves as it goes passes
+    the same stamp each time); nothing without `out`."""
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     (out / f"{name}-{stamp}.json").write_text(json.dumps(data, indent=2) + "\n")
     (out / f"{name}-{stamp}.md").write_text(md)

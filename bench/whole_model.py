@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -63,7 +64,9 @@ def _bodies(n: int, prompt_len: int, output_len: int, seed: int) -> list[dict]:
              "ignore_eos": True, "temperature": 0, "stream": True, "draft": False} for _ in range(n)]
 
 
-def run_format(fmt: str, args: argparse.Namespace) -> dict:
+def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
+    """One format's stack, levels and exactness check; `save(row)` after each level and at the end, so a run cut
+    short (a call's time limit) keeps what it measured."""
     env = {"TWINSPARK_DEVICE": "cuda", "TWINSPARK_RANDOM_WEIGHTS": fmt, "TWINSPARK_DRAFTER": "none",
            **({"TWINSPARK_NUM_BLOCKS": str(args.num_blocks)} if args.num_blocks else {})}
     t0 = time.perf_counter()
@@ -82,11 +85,12 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict:
             s["warmup_s"] = warm
             s["decode_tok_s_per_request"] = 1e3 / s["itl"]["median_ms"] if s["itl"] else 0.0
             levels.append(s)
+            row["levels"] = levels
+            save(row)
             print(f"{fmt} concurrency {c}: {s['completed']}/{s['requests']} ok, output {s['output_throughput']:.1f} "
                   f"tok/s, ITL median {s['itl'].get('median_ms', float('nan')):.2f} ms "
                   f"({s['decode_tok_s_per_request']:.1f} tok/s per request), TTFT median "
                   f"{s['ttft'].get('median_ms', float('nan')):.0f} ms", flush=True)
-        row["levels"] = levels
         row["gpu_memory"] = gpu_memory_mib()
         print(f"{fmt}: GPU memory {row['gpu_memory']}", flush=True)
         check = exactness.check(url)
@@ -98,6 +102,7 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict:
         print(f"{fmt}: {row['error']}", flush=True)
     finally:
         stack.down()
+    save(row)
     return row
 
 
@@ -153,13 +158,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model:
         ap.error("--model DIR (or --write-dir DIR first)")
-    rows = [run_format(f.strip(), args) for f in args.formats.split(",") if f.strip()]
+    rows: list[dict] = []
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": str(args.model), "tp": args.tp,
             "prompt_len": args.prompt_len, "output_len": args.output_len, "formats": rows,
             "config": json.loads((args.model / "config.json").read_text()).get("text_config", {})}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def save(row: dict) -> None:
+        so_far = {**data, "formats": [*rows, row]}
+        write_results(args.out, "whole_model", so_far, markdown(so_far), stamp=stamp)
+
+    for f in (f.strip() for f in args.formats.split(",")):
+        if f:
+            rows.append(run_format(f, args, save))
     md = markdown(data)
     print(md)
-    write_results(args.out, "whole_model", data, md)
+    write_results(args.out, "whole_model", data, md, stamp=stamp)
     return 0 if all("error" not in r for r in rows) else 1
 
 
