@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from model.dflash import SLIDING_LAYER, FULL_LAYER, DFlashConfig, default_target_layer_ids, expected_shapes
+from model.dflash import FULL_LAYER, SLIDING_LAYER, DFlashConfig, default_target_layer_ids, expected_shapes
 
 MASK_TOKEN = "[MASK]"  # GLM's mask token, present in the tiny tokenizer as in the release's
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -65,7 +65,8 @@ class DFlashConfig:
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if set(self.layer_types) - {SLIDING_LAYER, FULL_LAYER}:
-            raise ValueError(f"layer_types may only hold {SLIDING_LAYER!r} / {FULL_LAYER!r}, got {list(self.layer_types)}")
+            raise ValueError(f"layer_types may only hold {SLIDING_LAYER!r} / {FULL_LAYER!r}, "
+                             f"got {list(self.layer_types)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -107,8 +108,9 @@ class DFlashConfig:
         layers = int(cfg["num_hidden_layers"])
         # Qwen3Config drops the window unless use_sliding_window is set, and derives layer_types from it.
         window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+        first_windowed = cfg.get("max_window_layers", 28)
         layer_types = cfg.get("layer_types") or [
-            SLIDING_LAYER if window is not None and i >= cfg.get("max_window_layers", 28) else FULL_LAYER for i in range(layers)]
+            SLIDING_LAYER if window is not None and i >= first_windowed else FULL_LAYER for i in range(layers)]
         num_target_layers = value("num_target_layers")
         target_ids = value("target_layer_ids")
         if target_ids is None:
