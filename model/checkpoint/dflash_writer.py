@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from model.dflash import FULL_LAYER, SLIDING_LAYER, DFlashConfig, default_target_layer_ids, expected_shapes
 
+DRAFTER_DIR = "dflash2"  # `make-tiny --drafter dflash` writes the drafter into this folder of the target's
 MASK_TOKEN = "[MASK]"  # GLM's mask token, present in the tiny tokenizer as in the release's
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -174,3 +174,19 @@ def test_config_reads_published_spellings() -> None:
         DFlashConfig.from_dict({**base, "dflash_config": draft})
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         DFlashConfig.from_dict({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}})
+
+
+def test_make_tiny_writes_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`twinspark make-tiny --drafter dflash` writes the drafter into OUT/dflash2, loadable for that target."""
+    from services.cli import main
+
+    assert main(["make-tiny", "--out", str(tmp_path / "ckpt"), "--layers", "4", "--drafter", "dflash",
+                 "--dtype", "float32"]) == 0
+    assert "wrote tiny DFlash2 drafter" in capsys.readouterr().out
+    drafter = load_drafter(tmp_path / "ckpt" / "dflash2")
+    target = json.loads((tmp_path / "ckpt" / "config.json").read_text())["text_config"]
+    assert drafter.config.num_target_layers == 4 and max(drafter.config.target_layer_ids) < 4
+    assert drafter.config.vocab_size == target["vocab_size"]
+    # The reference's default choice of target layers (1 .. L-3) leaves no valid layers in a 2-layer target.
+    assert main(["make-tiny", "--out", str(tmp_path / "shallow"), "--layers", "2", "--drafter", "dflash"]) == 2
+    assert "--drafter dflash: target_layer_ids [-1] outside the target's 2 layers" in capsys.readouterr().err
