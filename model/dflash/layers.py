@@ -49,7 +49,9 @@ def grouped_causal_conv(x: Tensor, dynamic: Tensor, base: Tensor, group_size: in
     groups = h // group_size
     blocks = x.view(b, t, groups, group_size)
     out = torch.zeros_like(blocks)
-    for offset in range(base.shape[0]):
+    # Taps reaching before the block's first row see zeros; a block shorter than the kernel has no such rows at all
+    # (z-lab's reference pads those taps to the wrong length and fails on blocks shorter than the kernel).
+    for offset in range(min(base.shape[0], t)):
         shifted = blocks if offset == 0 else F.pad(blocks[:, :-offset], (0, 0, 0, 0, offset, 0))
         out = out + base[offset].view(1, 1, groups, group_size).to(x.dtype) * shifted
         out = out + dynamic[:, :, offset, :, None] * shifted

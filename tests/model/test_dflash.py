@@ -21,6 +21,7 @@ from model.checkpoint.dflash_writer import random_tensors, tiny_dflash_config, w
 from model.config import Dimensions
 from model.dflash import (DFlashConfig, DFlashDrafter, DFlashWeightsError, check_shapes, expected_shapes,
                           load_drafter)
+from model.dflash.layers import grouped_causal_conv
 
 reference = pytest.importorskip("dflash.model", reason="the reference: pip install --no-deps dflash==0.1.0")
 
@@ -83,6 +84,82 @@ def test_parity_with_reference(variant: dict) -> None:
     print(f"max |ours - reference| draft logit: {diff:.3g} (|logit| up to {ref_logits.abs().max().item():.3g})")
     assert diff < TOL
     assert torch.equal(drafts, ref_drafts)
+
+
+def test_matches_reference_generation_loop() -> None:
+    """The reference's own speculative loop (`dflash_generate`, greedy, with its draft KV cache cropped and extended
+    round by round, windowed layers on sliding-window cache layers) drafts what our cache-free forward drafts from
+    the whole context so far: every round's logits within TOL and the same drafts. The target is a tiny random
+    transformers Qwen3; its drafts are rejected, so each round adds one context row and the loop runs many rounds,
+    ending with blocks shorter than 16 as the token budget runs out."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = tiny_dflash_config(TINY_TARGET, mask_token_id=3)
+    weights = random_tensors(config, seed=0)
+    ref = _reference_model(config, weights)
+    ours = DFlashDrafter(config).eval()
+    ours.load_state_dict(weights, strict=True)
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                          vocab_size=config.vocab_size)).eval()
+    rounds: list[dict[str, torch.Tensor]] = []
+    forward, propose = ref.forward, ref.propose
+
+    def recording_forward(**kw: torch.Tensor) -> torch.Tensor:
+        rounds.append({"context": kw["target_hidden"], "positions": kw["position_ids"],
+                       "rows": torch.tensor(kw["noise_embedding"].shape[1])})
+        return forward(**kw)
+
+    def recording_propose(hidden, anchors, head, temperature):  # noqa: ANN001, ANN202 (the reference's signature)
+        drafts = propose(hidden, anchors, head, temperature)
+        rounds[-1].update(anchors=anchors, drafts=drafts[0], logits=ref.compute_logits(hidden, head))
+        return drafts
+
+    ref.forward, ref.propose = recording_forward, recording_propose
+    prompt = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(2))
+    try:
+        reference.dflash_generate(ref, target, prompt, max_new_tokens=26, stop_token_ids=None)
+    except RuntimeError:
+        # dflash 0.1.0 cannot convolve a block shorter than its kernel (the loop's last rounds); ours can.
+        assert int(rounds[-1]["rows"]) < config.conv_kernel_size
+        rounds.pop()
+    assert len(rounds) > 20 and int(rounds[-1]["rows"]) < config.block_size
+    embed, head = target.get_input_embeddings().weight, target.lm_head.weight
+    contexts = []
+    with torch.no_grad():
+        for r in rounds:
+            contexts.append(r["context"])  # the reference sends only the rows its cache lacks
+            context = torch.cat(contexts, dim=1)
+            rows = int(r["rows"])
+            assert int(r["positions"][0, -rows]) == context.shape[1]  # the block starts right after the context
+            block = torch.cat((r["anchors"][:, None], torch.full((1, rows - 1), config.mask_token_id)), dim=1)
+            positions = torch.arange(context.shape[1] + rows)[None]
+            hidden = ours.block_hidden(context, ours.embed(block, embed), positions)[:, 1:]
+            logits = ours.logits(hidden, head)  # forward's and propose's steps, run once for both checks
+            assert (logits - r["logits"]).abs().max().item() < TOL
+            assert torch.equal(ours.candidate_selector(hidden, logits, block[:, 0]), r["drafts"])
+
+
+def test_blocks_shorter_than_the_kernel() -> None:
+    """The convolutions are causal along the block: on a block shorter than the kernel they give the first rows of
+    the long block's result, and the drafter drafts from a two-row block (one draft)."""
+    config = tiny_dflash_config(TINY_TARGET, mask_token_id=3)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, config.hidden_size, generator=gen)
+    dynamic = torch.randn(2, 16, config.conv_kernel_size, config.conv_groups, generator=gen)
+    base = torch.randn(config.conv_kernel_size, config.hidden_size, generator=gen)
+    whole = grouped_causal_conv(x, dynamic, base, config.conv_group_size)
+    for rows in (1, 2, 3):
+        short = grouped_causal_conv(x[:, :rows], dynamic[:, :rows], base, config.conv_group_size)
+        torch.testing.assert_close(short, whole[:, :rows], rtol=0, atol=1e-6)
+    drafter = DFlashDrafter(config).eval()
+    drafter.load_state_dict(random_tensors(config, seed=0))
+    target_hidden, anchors, _, embed, head = _inputs(config)
+    block = drafter.mask_block(anchors)[:, :2]
+    positions = torch.arange(target_hidden.shape[1] + 2).expand(2, -1)
+    with torch.no_grad():
+        assert drafter.propose(target_hidden, block, positions, embed, head).shape == (2, 1)
 
 
 def test_tiny_writer_beside_tiny_target(tiny_default: Path, tmp_path: Path) -> None:
