@@ -36,6 +36,8 @@ class CandidateSelector(nn.Module):
 
         Greedy only: the drafts are proposals that verification accepts or rejects exactly, so sampling them
         would change acceptance, never a reply."""
+        # Sorted, so a tie in score goes to the candidate with the higher logit (the reference leaves the order to
+        # topk's unsorted output); otherwise the same picks.
         unary, candidates = torch.topk(logits, self.top_k, dim=-1)
         gate = self.hidden_projection(hidden)
         prev = anchor_ids

@@ -54,16 +54,19 @@ def _inputs(config: DFlashConfig, *, batch: int = 2, context: int = 21, start: i
     return target_hidden, anchors, positions, embed, head
 
 
-@pytest.mark.parametrize("variant", [{}, {"is_causal": False}, {"final_logit_softcapping": None,
-                                                                   "output_multiplier": 0.5}])
-def test_parity_with_reference(variant: dict) -> None:
+def _tiny_config(top: dict | None = None, draft: dict | None = None) -> DFlashConfig:
+    """The tiny drafter's config with `top` fields at the top level and `draft` fields in dflash_config changed."""
+    base = tiny_dflash_config(TINY_TARGET, mask_token_id=3).to_dict()
+    return DFlashConfig.from_dict({**base, **(top or {}), "dflash_config": {**base["dflash_config"], **(draft or {})}})
+
+
+@pytest.mark.parametrize("top, draft", [({}, {}), ({"is_causal": False}, {}),
+                                        ({}, {"final_logit_softcapping": None, "output_multiplier": 0.5})])
+def test_parity_with_reference(top: dict, draft: dict) -> None:
     """Draft logits within TOL of the reference's and the same selected drafts; the context (21 rows) is longer
     than the window (8), so windowed and full layers see different keys. Variants: the reference's default
     (windowed layers causal), a config that makes every layer non-causal, and no soft-cap with a multiplier."""
-    base = tiny_dflash_config(TINY_TARGET, mask_token_id=3)
-    config = DFlashConfig.from_dict({**base.to_dict(), **{k: v for k, v in variant.items() if k == "is_causal"},
-                                     "dflash_config": {**base.to_dict()["dflash_config"],
-                                                       **{k: v for k, v in variant.items() if k != "is_causal"}}})
+    config = _tiny_config(top, draft)
     weights = random_tensors(config, seed=0)
     ours = DFlashDrafter(config).eval()
     ours.load_state_dict(weights, strict=True)
@@ -111,7 +114,8 @@ def test_matches_reference_generation_loop() -> None:
                        "rows": torch.tensor(kw["noise_embedding"].shape[1])})
         return forward(**kw)
 
-    def recording_propose(hidden, anchors, head, temperature):  # noqa: ANN001, ANN202 (the reference's signature)
+    def recording_propose(hidden: torch.Tensor, anchors: torch.Tensor, head: nn.Module,
+                          temperature: float) -> tuple[torch.Tensor, ...]:
         drafts = propose(hidden, anchors, head, temperature)
         rounds[-1].update(anchors=anchors, drafts=drafts[0], logits=ref.compute_logits(hidden, head))
         return drafts
