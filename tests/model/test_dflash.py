@@ -199,7 +199,8 @@ def test_tiny_writer_beside_tiny_target(tiny_default: Path, tmp_path: Path) -> N
 def test_published_names_and_shapes_match_reference() -> None:
     """At GLM-5.3-Flash's hidden size and vocabulary, the tensors our loader demands are exactly the reference
     module's parameters (bare codebook names, as its loader expects them in the checkpoint), shape for shape.
-    The drafter's own widths (heads, MLP) are not published in the repository; these are Qwen3-like guesses."""
+    The selector's rank 256 and top-k 16 are the published GLM drafter's; its other widths (heads, MLP, conv
+    groups) are not in z-lab's repository, so these are Qwen3-like guesses."""
     from transformers import Qwen3Config
 
     dims = Dimensions()
@@ -209,7 +210,7 @@ def test_published_names_and_shapes_match_reference() -> None:
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "sliding_window": 2048,
         "num_target_layers": dims.num_hidden_layers,
         "dflash_config": {"target_layer_ids": [1, 11, 22, 32, 42], "mask_token_id": 154856, "block_size": 16,
-                          "conv_kernel_size": 4, "conv_group_size": 64, "selector_rank": 64, "selector_top_k": 32}})
+                          "conv_kernel_size": 4, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}})
     with torch.device("meta"):
         ref = reference.DFlash2DraftModel(Qwen3Config(**config.to_dict()))
     ref_shapes = {n: tuple(t.shape) for n, t in ref.state_dict().items()}
