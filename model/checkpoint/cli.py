@@ -52,6 +52,10 @@ def register(subparsers: Any) -> None:
                         "smallest dims at which "
                         "exllamav3 runs the whole model (hidden 128, KDA heads of 128, MLA latent 128, a calm "
                         "init; use with --format exl3 for an EXL3 checkpoint exllamav3 loads) (default: default)")
+    p.add_argument("--drafter", choices=("none", "dflash"), default="none",
+                   help="dflash: also write a tiny random DFlash2 drafter (z-lab's block diffusion, config.json and "
+                        "safetensors in the published names) for this target into OUT/dflash2, with the same seed "
+                        "(default: none)")
     p.set_defaults(func=run)
 
 
@@ -87,4 +91,15 @@ def run(args: argparse.Namespace) -> int:
     print("  files:")
     for f in ckpt.files:
         print(f"    {f.name}  ({f.stat().st_size:,} bytes)")
+    if args.drafter == "dflash":
+        from .dflash_writer import DRAFTER_DIR, write_tiny_dflash
+
+        try:
+            files = write_tiny_dflash(ckpt.path / DRAFTER_DIR, ckpt.path, seed=args.seed, dtype=args.dtype)
+        except ValueError as e:  # e.g. a target too shallow for the reference's choice of layers
+            print(f"make-tiny: --drafter dflash: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote tiny DFlash2 drafter to {files[0].parent.resolve()}")
+        for f in files:
+            print(f"    {f.name}  ({f.stat().st_size:,} bytes)")
     return 0
