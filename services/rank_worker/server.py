@@ -166,6 +166,8 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
             res.accepted.CopyFrom(to_proto(out.accepted))
         if out.hidden is not None:
             res.hidden.CopyFrom(to_proto(out.hidden, "float32"))
+        if out.layer_hidden is not None:
+            res.layer_hidden.CopyFrom(to_proto(out.layer_hidden, "float32"))
         if out.tier_bad:
             res.tier_bad.extend(out.tier_bad)
         if out.logprobs is not None:
