@@ -159,6 +159,13 @@ def _dflash_drafter(s: UpSettings, model: Path) -> tuple[str, tuple[int, ...]]:
         config = DFlashConfig.from_file(folder)
     except (OSError, ValueError) as e:
         raise ValueError(f"--drafter dflash: no usable drafter in {folder} (--drafter-model): {e}") from e
+    from model.config import ModelConfig
+
+    # Checked here, once: a layer the target lacks would make every rank refuse every round's plan.
+    layers = ModelConfig.from_pretrained(model).num_hidden_layers
+    if max(config.target_layer_ids, default=0) >= layers:
+        raise ValueError(f"--drafter dflash: {folder} reads target layers {list(config.target_layer_ids)}, "
+                         f"the target has {layers}")
     return str(folder), config.target_layer_ids
 
 
