@@ -26,6 +26,9 @@ log = logging.getLogger("twinspark.scheduler.drafts")
 # What one request's undelivered context rows may hold (a drafter down for long, a long prompt prefilled before
 # its first Propose); beyond it the oldest rows are dropped and the drafter starts its context after them.
 MAX_PENDING_BYTES = 1 << 30
+# Context rows one Propose carries, all requests together (the drafter takes messages up to 256 MiB); the rest go
+# in the next rounds' calls, and a request drafts again once its context reaches its last token.
+PROPOSE_ROW_BYTES = 64 << 20
 
 
 class DraftRows:
@@ -54,18 +57,29 @@ class DraftRows:
             self._count -= old.shape[0]
             self._bytes -= old.numel() * old.element_size()
 
-    def pending(self) -> torch.Tensor | None:
-        """The pending rows [n, width], or None when there are none."""
-        if not self._rows:
-            return None
+    def _joined(self) -> torch.Tensor | None:
         if len(self._rows) > 1:
             self._rows = [torch.cat(self._rows)]
-        return self._rows[0]
+        return self._rows[0] if self._rows else None
 
-    def delivered(self) -> None:
-        """The drafter took every pending row."""
-        self.start += self._count
-        self._rows, self._count, self._bytes = [], 0, 0
+    def pending(self, max_bytes: int) -> torch.Tensor | None:
+        """The first pending rows [n, width] that fit `max_bytes`, or None when there are none (or none fit)."""
+        rows = self._joined()
+        if rows is None:
+            return None
+        n = min(rows.shape[0], max_bytes // max(1, rows[0].numel() * rows.element_size()))
+        return rows[:n] if n else None
+
+    def delivered(self, n: int) -> None:
+        """The drafter took the first `n` pending rows."""
+        rows = self._joined()
+        if rows is None:
+            return
+        rest = rows[n:].clone()  # a copy: the delivered rows' memory goes
+        self.start += n
+        self._rows = [rest] if rest.shape[0] else []
+        self._count = rest.shape[0]
+        self._bytes = rest.numel() * rest.element_size()
 
 
 class DrafterClient:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from opentelemetry.context import Context
 
-from services.scheduler.drafts import DrafterClient
+from services.scheduler.drafts import PROPOSE_ROW_BYTES, DrafterClient
 from services.scheduler.grammar import GrammarBook
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.ranks import RankError, RankSet, Round
@@ -208,22 +208,29 @@ class Engine:
         want = self.scheduler.draft_wants()
         if not want:
             return {}
+        seqs = self._draft_seqs(want)
         with propose_span([r for r, _ in want]) as metadata:
-            drafts = await self.drafter.propose([(r.id, r.tokens, k, *self._draft_hidden(r)) for r, k in want],
-                                                metadata)
+            drafts = await self.drafter.propose(seqs, metadata)
         if drafts is None:
             return {}  # DFlash context rows stay pending: the next call sends them again
-        if self.cfg.draft_layers:
-            for r, _ in want:
-                r.draft_rows.delivered()
+        for (r, _), (_, _, _, hidden, _) in zip(want, seqs):
+            if self.cfg.draft_layers and hidden is not None:
+                r.draft_rows.delivered(hidden.shape[0])
         return {r.id: d for (r, _), d in zip(want, drafts) if d}
 
-    def _draft_hidden(self, r: Request) -> tuple[torch.Tensor | None, int]:
-        """What a request's drafter call carries beside its tokens: its pending context rows and the position of
-        the first (DFlash), or its last hidden state (MTP)."""
-        if self.cfg.draft_layers:
-            return r.draft_rows.pending(), r.draft_rows.start
-        return r.last_hidden, 0
+    def _draft_seqs(self, want: list[tuple[Request, int]]) -> list[tuple[str, list[int], int, torch.Tensor | None,
+                                                                          int]]:
+        """What the drafter call carries per request beside its tokens and k: its last hidden state (MTP), or its
+        pending context rows from the position of the first, at most PROPOSE_ROW_BYTES of them in all (DFlash)."""
+        if not self.cfg.draft_layers:
+            return [(r.id, r.tokens, k, r.last_hidden, 0) for r, k in want]
+        out = []
+        left = PROPOSE_ROW_BYTES
+        for r, k in want:
+            rows = r.draft_rows.pending(left)
+            left -= 0 if rows is None else rows.numel() * rows.element_size()
+            out.append((r.id, r.tokens, k, rows, r.draft_rows.start))
+        return out
 
     async def _send(self, step: ScheduledRound) -> _InFlight:
         step.plan.want_hidden = self.drafter is not None and self.cfg.draft_hidden

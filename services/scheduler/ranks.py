@@ -34,7 +34,8 @@ from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("twinspark.scheduler.ranks")
 
-_CHANNEL_OPTS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+# Received: up to 1 GiB, a round's DFlash layer rows (rank_worker/server.py says how big they get).
+_CHANNEL_OPTS = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 256 << 20),
                  # Reconnect to a restarted rank within ~a second, not after gRPC's backoff (up to 120 s) has grown.
                  ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000)]
 PROBE_INTERVAL_S = 1.0  # Describe cadence while waiting for a failed group to come back

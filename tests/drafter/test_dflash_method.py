@@ -111,14 +111,19 @@ def test_build_needs_both_folders(tiny_dflash: Path) -> None:
 
 def test_pending_rows_are_contiguous() -> None:
     rows = DraftRows()
-    assert rows.pending() is None
+    assert rows.pending(1 << 20) is None
     rows.add(0, torch.zeros(3, 2))
     rows.add(3, torch.ones(1, 2))
-    pending = rows.pending()
+    pending = rows.pending(1 << 20)
     assert pending is not None and pending.shape[0] == 4 and rows.start == 0
-    rows.delivered()
-    assert rows.pending() is None and rows.start == 4
+    part = rows.pending(2 * 8)  # two rows of two fp32 values fit
+    assert part is not None and part.shape[0] == 2 and rows.pending(4) is None
+    rows.delivered(2)
+    pending = rows.pending(1 << 20)
+    assert rows.start == 2 and pending is not None and pending[:, 0].tolist() == [0.0, 1.0]
+    rows.delivered(2)
+    assert rows.pending(1 << 20) is None and rows.start == 4
     rows.add(4, torch.ones(2, 2))
     rows.add(9, torch.full((1, 2), 7.0))  # a gap: the rows before it are no use to the drafter
-    pending = rows.pending()
+    pending = rows.pending(1 << 20)
     assert rows.start == 9 and pending is not None and pending.tolist() == [[7.0, 7.0]]

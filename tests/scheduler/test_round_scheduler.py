@@ -187,10 +187,10 @@ def test_dflash_context_rows_are_kept_by_position_until_delivered():
     assert _rows(step)[0] == ("a", 101, 4)
     _commit_with_layers(s, step, [5, 1, 2, 3, 8], accepted=[1, 0])  # the first draft accepted, then the bonus 1
     assert a.tokens[-3:] == [8, 5, 1]
-    rows = a.draft_rows.pending()
+    rows = a.draft_rows.pending(1 << 20)
     # The prompt, the decode row and the window's last committed token + accepted draft: every position before the
     # last token's, in order; the rejected drafts' rows are not context.
     assert a.draft_rows.start == 0 and rows is not None and rows[:, 0].tolist() == list(range(len(a.tokens) - 1))
-    a.draft_rows.delivered()
-    assert a.draft_rows.pending() is None and a.draft_rows.start == len(a.tokens) - 1
-    assert b.draft_rows.pending() is None  # no drafts asked, no rows kept
+    a.draft_rows.delivered(rows.shape[0])
+    assert a.draft_rows.pending(1 << 20) is None and a.draft_rows.start == len(a.tokens) - 1
+    assert b.draft_rows.pending(1 << 20) is None  # no drafts asked, no rows kept
