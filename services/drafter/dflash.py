@@ -107,11 +107,10 @@ class DFlashDraftMethod:
             ctx = self._keep(request_id, hidden, hidden_start)
             k = min(k, self.config.block_size - 1)
             anchor = len(tokens) - 1
-            if k < 1 or ctx is None or anchor < 1 or ctx.end < anchor:
+            # Drafts need context rows for every position from the context's start up to the anchor's.
+            if k < 1 or ctx is None or not ctx.start < anchor <= ctx.end:
                 return []
             rows = ctx.rows[: anchor - ctx.start]  # positions before the anchor only
-            if rows.shape[0] == 0:
-                return []
             return self._draft(rows, ctx.start, tokens[-1], anchor)[:k]
 
     @torch.inference_mode()

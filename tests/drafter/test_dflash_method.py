@@ -78,6 +78,7 @@ def test_drafts_equal_the_drafter_over_the_whole_context(tiny_dflash: Path) -> N
     assert method.propose("r", tokens + [1, 2], 3) == []
     assert method.propose("s", tokens, 3, rows[5:20], 5) != []
     assert method.propose("t", tokens, 3) == []
+    assert method.propose("u", tokens[:5], 3, rows[8:10], 8) == []  # rows all after the anchor: nothing before it
 
 
 def test_dflash_propose_checks_over_grpc(tiny_dflash: Path) -> None:
