@@ -10,25 +10,18 @@ that drafts never change a reply, not that they pay.
 from __future__ import annotations
 
 import asyncio
-import random
 
 import httpx
 import pytest
 
+from tests.e2e.replies import mixed_completions
 from tests.e2e.stack import Stack, start
 
 N = 12
 
 
 def _requests() -> list[dict]:
-    rng = random.Random(23)
-    out = []
-    for i in range(N):
-        body = {"prompt": [rng.randrange(5, 1000) for _ in range(rng.randrange(3, 100))],
-                "max_tokens": rng.randrange(8, 24), "ignore_eos": True, "return_token_ids": True}
-        body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 500 + i})
-        out.append(body)
-    return out
+    return mixed_completions(N, 23, longest_prompt=100, max_tokens=(8, 24), seed_base=500)
 
 
 def _reply(r: httpx.Response) -> tuple[list[int], dict]:
