@@ -2,7 +2,8 @@
 
 Entry points:
 - `Glm5Model.load(model_dir, ...)`
-- `model.forward(batch, cache)`      target model: logits for `batch.logit_rows`, final hidden for every row
+- `model.forward(batch, cache)`      target model: logits for `batch.logit_rows`, final hidden for every row (and,
+                                     with `layers`, those layers' outputs for every row: what DFlash drafts read)
 - `model.forward_mtp(batch, cache)`  MTP block: draft logits for `batch.logit_rows`
 - `model.commit_verify(batch, cache, accepted)`  after sampling a batch with verify windows: keep each window's KDA
   state of its last accepted row (`accept_drafts` computes `accepted` from the window's tokens and samples)
@@ -12,6 +13,7 @@ Entry points:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from model.weights import TEXT_PREFIX, WeightReader
 class ForwardOutput:
     logits: torch.Tensor  # [R, vocab] fp32, full vocabulary on every rank
     hidden: torch.Tensor  # [T, D] final normed hidden state of every packed row
+    layers: torch.Tensor | None = None  # [T, L * D] the outputs of the asked layers (mean of the mHC streams)
 
 
 class Glm5Model:
@@ -90,21 +93,30 @@ class Glm5Model:
         return x
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, cache: PagedCache, *, fused: bool | None = None) -> ForwardOutput:
+    def forward(self, batch: Batch, cache: PagedCache, *, fused: bool | None = None,
+                layers: Sequence[int] = ()) -> ForwardOutput:
         """Logits of batch.logit_rows and the final hidden state of every row. fused: run the fused kernels (the
         default where the weights are on CUDA; they need the decode-class sequences first, see Batch.permuted) or
-        the torch reference; the tests also run the fused ones in Triton's CPU interpreter."""
-        return self.run(ops.begin(batch, cache, fused=self.fused if fused is None else fused))
+        the torch reference; the tests also run the fused ones in Triton's CPU interpreter. layers: also return
+        these layers' outputs (ForwardOutput.layers)."""
+        return self.run(ops.begin(batch, cache, fused=self.fused if fused is None else fused), layers)
 
     @torch.inference_mode()
-    def run(self, fwd: "ops.Forward") -> ForwardOutput:
-        """The target model over one forward's ops (a CUDA graph captures this with a static fused forward)."""
+    def run(self, fwd: "ops.Forward", layers: Sequence[int] = ()) -> ForwardOutput:
+        """The target model over one forward's ops (a CUDA graph captures this with a static fused forward).
+
+        A layer's output, for `layers`, is the plain mean of its mHC streams: the collapse the final norm reads,
+        and the single hidden state per position a drafter trained on the collapsed model (DFlash2) conditions on."""
         streams = self._inputs(fwd).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         selections: Selections = {}
-        for layer in self.layers:
+        outputs: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
             streams = layer.forward(streams, fwd, selections, self.coll)
+            if i in layers:
+                outputs[i] = streams[: fwd.n_rows].mean(dim=1)
         hidden = fwd.hc_final(streams, self.norm, self.cfg.rms_norm_eps)
-        return ForwardOutput(fwd.logits(hidden, self.lm_head, self.coll), hidden[: fwd.n_rows])
+        picked = torch.cat([outputs[i] for i in layers], dim=-1) if layers else None
+        return ForwardOutput(fwd.logits(hidden, self.lm_head, self.coll), hidden[: fwd.n_rows], picked)
 
     @torch.inference_mode()
     def commit_verify(self, batch: Batch, cache: PagedCache, accepted: dict[int, int]) -> None:

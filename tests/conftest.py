@@ -30,6 +30,16 @@ def tiny_default(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_dflash(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make-tiny --drafter dflash`: the default tiny checkpoint with a random DFlash2 drafter in ckpt/dflash2."""
+    from model.checkpoint.dflash_writer import DRAFTER_DIR, write_tiny_dflash
+
+    ckpt = make_tiny(tmp_path_factory.mktemp("tiny_dflash") / "ckpt")
+    write_tiny_dflash(ckpt / DRAFTER_DIR, ckpt)
+    return ckpt
+
+
+@pytest.fixture(scope="session")
 def tiny_sparse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """3:1 KDA/MLA layout with index_topk (16) far below the test prompts, so DSA selection really drops tokens."""
     return make_tiny(tmp_path_factory.mktemp("tiny_sparse") / "ckpt", seed=1, index_topk=16)

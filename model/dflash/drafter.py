@@ -64,13 +64,21 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.candidate_selector = CandidateSelector(config)
 
+    def fuse(self, target_hidden: Tensor) -> Tensor:
+        """Context rows [..., H] from the target's outputs of `target_layer_ids` [..., n·H] (concatenated in that
+        order). Row by row: a row depends only on its own position's target outputs, so a caller may keep them."""
+        return self.hidden_norm(self.fc(target_hidden))
+
     def block_hidden(self, target_hidden: Tensor, block_embedding: Tensor, positions: Tensor) -> Tensor:
         """Final-normed hidden states [B, Q, H] of every block row, the anchor's included.
 
         target_hidden [B, C, n·H]: the target's outputs of `target_layer_ids` (in that order, concatenated) at the
         C context positions; block_embedding [B, Q, H]; positions [B, C + Q]: absolute positions of the context rows
         then of the block rows (windows and causality are measured on them)."""
-        context = self.hidden_norm(self.fc(target_hidden))
+        return self.context_block_hidden(self.fuse(target_hidden), block_embedding, positions)
+
+    def context_block_hidden(self, context: Tensor, block_embedding: Tensor, positions: Tensor) -> Tensor:
+        """`block_hidden` from context rows already fused (`fuse`) [B, C, H]."""
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, block_embedding.dtype)
         x = block_embedding
         for layer in self.layers:
@@ -99,7 +107,12 @@ class DFlashDrafter(nn.Module):
     def propose(self, target_hidden: Tensor, block_ids: Tensor, positions: Tensor, embed_weight: Tensor,
                 head_weight: Tensor) -> Tensor:
         """Draft token ids [B, Q-1]: `forward`'s logits re-ranked by the candidate selector (greedy)."""
-        hidden = self.block_hidden(target_hidden, self.embed(block_ids, embed_weight), positions)[:, 1:]
+        return self.propose_from_context(self.fuse(target_hidden), block_ids, positions, embed_weight, head_weight)
+
+    def propose_from_context(self, context: Tensor, block_ids: Tensor, positions: Tensor, embed_weight: Tensor,
+                             head_weight: Tensor) -> Tensor:
+        """`propose` from context rows already fused (`fuse`) [B, C, H]."""
+        hidden = self.context_block_hidden(context, self.embed(block_ids, embed_weight), positions)[:, 1:]
         return self.candidate_selector(hidden, self.logits(hidden, head_weight), block_ids[:, 0])
 
     def mask_block(self, anchor_ids: Tensor) -> Tensor:

@@ -115,7 +115,8 @@ MAX_NUM_BATCHED_TOKENS = Flag("max-num-batched-tokens", "token budget of one rou
 GATEWAY_PORT = Flag("port", "the gateway's HTTP port (default %(default)s)", default="8888", type=int, env="PORT")
 # `twinspark up`'s and start.sh's draft method (the drafter process's own flag is --method).
 DRAFTER = Flag("drafter", "draft method of the drafter process (copy: n-gram prompt lookup; mtp: the checkpoint's "
-               "MTP layer; none: no drafter, no drafts)", default="copy", choices=("copy", "mtp", "none"))
+               "MTP layer; dflash: a DFlash2 block drafter, --drafter-model; none: no drafter, no drafts)",
+               default="copy", choices=("copy", "mtp", "dflash", "none"))
 INTERNAL_TOKEN = Flag("internal-token", "shared secret that every internal gRPC call carries and every internal "
                       "server requires (the variable is preferred: an argv is visible to other local users; "
                       "`twinspark up` and start.sh make one per run); unset = no check, loopback only",

@@ -18,15 +18,18 @@ class DrafterSettings(RoleSettings):
     host: str = flag("host", "gRPC listen address (default loopback; another address needs --internal-token)",
                      default="127.0.0.1", env="DRAFTER_HOST")
     port: int = flag("port", "gRPC port", default="50061", type=int, env="DRAFTER_PORT")
-    method: str = flag("method", "copy: n-gram prompt lookup; mtp: the checkpoint's MTP layer; dflash2: "
-                       "user-supplied weights", default="copy", choices=("copy", "mtp", "dflash2"), env="DRAFT_METHOD")
-    model: str | None = flag(shared.MODEL, help="checkpoint directory (mtp)")
+    method: str = flag("method", "copy: n-gram prompt lookup; mtp: the checkpoint's MTP layer; dflash2: a DFlash2 "
+                       "block drafter from user-supplied weights", default="copy", choices=("copy", "mtp", "dflash2"),
+                       env="DRAFT_METHOD")
+    model: str | None = flag(shared.MODEL, help="checkpoint directory (mtp; dflash2: the target, for its embedding "
+                             "and lm_head)")
     device: str = flag(shared.DEVICE)
     mtp_threshold: float = flag("mtp-threshold", "mtp: keep chaining drafts while the top probability is >= this "
                                 "(default 0: up to K)", default="0", type=float)
     mtp_history: int = flag("mtp-history", "mtp: (hidden, token) pairs kept per request and recomputed each call "
                             "(default 64)", default="64", type=int)
-    dflash2_weights: str | None = flag("dflash2-weights", "dflash2: user-supplied weights (not shipped)", env=None)
+    dflash2_weights: str | None = flag("dflash2-weights", "dflash2: the drafter's folder (config.json + safetensors; "
+                                       "user-supplied, not shipped)", env=None)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run the drafter (speculative draft tokens for the scheduler)",
                    description="Serve the Drafter gRPC service. copy: n-gram prompt lookup over each request's own "
                                "tokens (CPU, no model); mtp: the checkpoint's MTP layer fed the target's last hidden "
-                               "state; dflash2: needs user-supplied weights (not shipped).")
+                               "state; dflash2: a DFlash2 block drafter (user-supplied weights, not shipped) fed the "
+                               "target layers' outputs.")
 
 
 def serve_drafter(s: DrafterSettings) -> int:
@@ -47,7 +51,7 @@ def serve_drafter(s: DrafterSettings) -> int:
     if s.method == "mtp":
         kw = dict(threshold=s.mtp_threshold, history=s.mtp_history, device=s.device)
     elif s.method == "dflash2":
-        kw = dict(weights=s.dflash2_weights)
+        kw = dict(weights=s.dflash2_weights, device=s.device)
     try:
         method = build(s.method, s.model, **kw)
     except DraftMethodUnavailable as exc:

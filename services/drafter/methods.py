@@ -15,7 +15,12 @@ never correctness.
   are simply absent) and re-runs them as one small MTP prefill at compact positions 0..m-1 in a scratch cache before
   chaining the drafts. Nothing per request lives in a cache between calls, so there is nothing to free or keep in
   step with the scheduler; per-request histories are dropped least-recently-used beyond `max_requests`.
-- `dflash2`: a seam for user-supplied DFlash weights (non-commercial licence); not shipped, so it refuses clearly.
+- `dflash2`: z-lab's DFlash2 block drafter (`services/drafter/dflash.py`) from user-supplied weights (the
+  published ones are under a non-commercial licence and not shipped; `make-tiny --drafter dflash` writes a random
+  one), conditioned on the target layers' outputs the ranks return.
+
+Every method's `propose(request_id, tokens, k, hidden, hidden_start)`: `hidden_start` is the absolute position of
+the first row of a [n, width] `hidden` (DFlash context rows); the other methods ignore it.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ class CopyDrafter:
     def check(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         """Any token ids will do: drafts are copies of them, verified by the ranks."""
 
-    def propose(self, request_id: str, tokens: list[int], k: int, hidden: torch.Tensor | None = None) -> list[int]:
+    def propose(self, request_id: str, tokens: list[int], k: int, hidden: torch.Tensor | None = None,
+                hidden_start: int = 0) -> list[int]:
         if k < 1:
             return []
         n_tok = len(tokens)
@@ -102,7 +108,8 @@ class MtpDrafter:
         out = self.model.forward_mtp(batch, self.cache)
         return out.logits[0], out.hidden[n - 1]
 
-    def propose(self, request_id: str, tokens: list[int], k: int, hidden: torch.Tensor | None = None) -> list[int]:
+    def propose(self, request_id: str, tokens: list[int], k: int, hidden: torch.Tensor | None = None,
+                hidden_start: int = 0) -> list[int]:
         k = min(k, self.max_draft)
         if k < 1 or hidden is None or hidden.numel() == 0 or not tokens:
             return []
@@ -130,15 +137,6 @@ class MtpDrafter:
             return drafts
 
 
-class DFlash2Drafter:
-    name = "dflash2"
-
-    def __init__(self, weights: str | None = None) -> None:
-        raise DraftMethodUnavailable(
-            "draft method 'dflash2' is not available: it needs user-supplied weights (DFlash drafter checkpoints are "
-            "under a non-commercial licence and are not shipped); use --method copy or mtp")
-
-
 def build(method: str, model_dir: str | None, **kw):
     if method == "copy":
         return CopyDrafter()
@@ -147,5 +145,14 @@ def build(method: str, model_dir: str | None, **kw):
             raise DraftMethodUnavailable("--method mtp needs --model DIR (the checkpoint with the MTP layer)")
         return MtpDrafter(model_dir, **kw)
     if method == "dflash2":
-        return DFlash2Drafter(kw.get("weights"))
+        weights = kw.pop("weights", None)
+        if not weights or not model_dir:
+            raise DraftMethodUnavailable("--method dflash2 needs --dflash2-weights DIR (the drafter's "
+                                         "user-supplied weights: not shipped) and --model DIR (the target, for its embedding and lm_head)")
+        from services.drafter.dflash import DFlashDraftMethod
+
+        try:
+            return DFlashDraftMethod(weights, model_dir, **kw)
+        except (OSError, ValueError) as exc:  # a missing folder, a config or tensors that do not fit
+            raise DraftMethodUnavailable(f"--method dflash2: {exc}") from exc
     raise DraftMethodUnavailable(f"unknown draft method {method!r} (copy, mtp, dflash2)")

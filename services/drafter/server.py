@@ -69,11 +69,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 raise ValueError(f"{where}: negative token id")
             if hidden is not None and hidden.dtype != torch.float32:
                 raise ValueError(f"{where}: hidden must be float32, got {seq.hidden.dtype}")
+            if not 0 <= seq.hidden_start < MAX_TOKENS:
+                raise ValueError(f"{where}: hidden_start {seq.hidden_start} is outside [0, {MAX_TOKENS})")
             self.method.check(tokens, hidden)  # what the method needs (vocabulary, hidden size)
             todo.append((seq, tokens, hidden))
         drafts = []
         for seq, tokens, hidden in todo:
-            d = self.method.propose(seq.request_id, tokens, seq.max_draft, hidden) if seq.max_draft else []
+            d = (self.method.propose(seq.request_id, tokens, seq.max_draft, hidden, seq.hidden_start)
+                 if seq.max_draft else [])
             self.proposed += len(d)
             drafts.append(d)
         return drafts

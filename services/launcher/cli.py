@@ -107,6 +107,11 @@ def up(s: UpSettings) -> int:
         return _err(f"port {port} on {s.host} is already in use (another twinspark? `twinspark down`); "
                     f"pick another with --port")
     resolved = replace(s, model=str(model), port=port, state_dir=str(sd), role_command=shlex.join(command))
+    if s.drafter == "dflash" and s.replicas > 0:
+        try:
+            resolved = replace(resolved, drafter_model=_dflash_drafter(s, model)[0])
+        except ValueError as e:
+            return _err(str(e))
     if s.detach:
         return _up_detached(resolved)
     return _supervise_routed(resolved) if s.routed else _supervise(resolved, command)
@@ -138,10 +143,30 @@ def _refused(s: UpSettings) -> str | None:
             Recipe.parse(s.random_weights)
         except ValueError as e:
             return f"--random-weights {e}"
-        if s.drafter == "mtp":
-            return ("--drafter mtp reads the MTP layer's weights from the checkpoint; with --random-weights use "
-                    "--drafter copy or none")
+        if s.drafter in ("mtp", "dflash"):
+            return (f"--drafter {s.drafter} reads the target's weights from the checkpoint; with --random-weights "
+                    "use --drafter copy or none")
     return None
+
+
+def _dflash_drafter(s: UpSettings, model: Path) -> tuple[str, tuple[int, ...]]:
+    """--drafter dflash: the drafter's folder (absolute) and the target layers it reads; ValueError when its config
+    is missing or does not fit the target."""
+    from model.dflash import DFlashConfig
+
+    folder = Path(s.drafter_model).expanduser().resolve() if s.drafter_model else model / "dflash2"
+    try:
+        config = DFlashConfig.from_file(folder)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--drafter dflash: no usable drafter in {folder} (--drafter-model): {e}") from e
+    from model.config import ModelConfig
+
+    # Checked here, once: a layer the target lacks would make every rank refuse every round's plan.
+    layers = ModelConfig.from_pretrained(model).num_hidden_layers
+    if max(config.target_layer_ids, default=0) >= layers:
+        raise ValueError(f"--drafter dflash: {folder} reads target layers {list(config.target_layer_ids)}, "
+                         f"the target has {layers}")
+    return str(folder), config.target_layer_ids
 
 
 def _checkpoint(model: str | None) -> Path:
@@ -169,6 +194,7 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
     assert s.model is not None and s.state_dir is not None
     cfg = LaunchConfig(model=s.model, state_dir=s.state_dir, tp=s.tp, host=s.host, port=s.port, device=s.device,
                        command=command, drafter=s.drafter, kv_cache_dtype=s.kv_cache_dtype,
+                       **_drafter_fields(s),
                        enforce_eager=s.enforce_eager, kv_tiers=tuple(s.tier_flags()),
                        random_weights=s.random_weights or "", random_block_size=s.random_block_size,
                        max_num_batched_tokens=s.max_num_batched_tokens, gateway_flags=tuple(s.gateway_flags()),
@@ -181,6 +207,14 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
     token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(32)
     return Supervisor(plan, stop_grace=s.stop_grace, startup_timeout=s.startup_timeout,
                       max_restarts=s.max_restarts, env={**os.environ, INTERNAL_TOKEN_ENV: token}, out=out).run()
+
+
+def _drafter_fields(s: UpSettings) -> dict:
+    """The LaunchConfig fields of the drafter's model (dflash; `up` has checked its config already)."""
+    if s.drafter != "dflash":
+        return {}
+    folder, layers = _dflash_drafter(s, Path(s.model or ""))
+    return {"drafter_model": folder, "draft_layers": layers}
 
 
 def _supervise_routed(s: UpSettings) -> int:

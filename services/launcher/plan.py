@@ -35,7 +35,9 @@ class LaunchConfig:
     port: int = 8888
     device: str = "cpu"
     command: tuple[str, ...] = DEFAULT_COMMAND
-    drafter: str = "copy"  # draft method of the drafter role: copy | mtp | none (no drafter, no drafts)
+    drafter: str = "copy"  # draft method of the drafter role: copy | mtp | dflash | none (no drafter, no drafts)
+    drafter_model: str = ""  # dflash: the drafter's folder
+    draft_layers: tuple[int, ...] = ()  # dflash: the target layers the drafter reads (its config's target_layer_ids)
     kv_cache_dtype: str = "auto"  # storage of the ranks' latent + indexer cache rows: auto | fp8 | fp8_e4m3
     enforce_eager: bool = False  # GPU ranks: no CUDA graphs for decode rounds
     kv_tiers: tuple[str, ...] = ()  # the ranks' KV tier flags (--kv-host-bytes / --kv-disk-dir / --kv-disk-bytes)
@@ -88,11 +90,15 @@ def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int
         argv += ["--drafter", addrs["drafter"][0]]
         if c.drafter == "mtp":
             argv.append("--draft-hidden")  # MTP drafts are fed the target's hidden states
+        if c.drafter == "dflash":  # DFlash drafts are fed the outputs of the layers the drafter was trained on
+            argv += ["--draft-layers", ",".join(str(i) for i in c.draft_layers)]
     return argv
 
 
 def _drafter_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> list[str]:
-    return ["serve-drafter", "--method", c.drafter, "--model", c.model, "--host", host, "--port", str(port),
+    # serve-drafter's method is named after the drafter's version (dflash2), up's after its family (dflash)
+    method = ["dflash2", "--dflash2-weights", c.drafter_model] if c.drafter == "dflash" else [c.drafter]
+    return ["serve-drafter", "--method", *method, "--model", c.model, "--host", host, "--port", str(port),
             "--device", c.device]
 
 

@@ -31,6 +31,10 @@ class UpSettings:
     port: int = flag(shared.GATEWAY_PORT, help="gateway HTTP port (0 = pick a free one)", metavar="PORT")
     device: str = flag(shared.DEVICE, help="device of the rank workers")
     drafter: str = flag(shared.DRAFTER)
+    # vLLM's name for it is speculative_config's "model": the draft model's folder.
+    drafter_model: str | None = flag("drafter-model", "--drafter dflash: the DFlash2 drafter's folder (config.json + "
+                                     "safetensors; default MODEL/dflash2, where make-tiny --drafter dflash writes "
+                                     "one)", metavar="DIR")
     kv_cache_dtype: str = flag(shared.KV_CACHE_DTYPE)
     max_num_batched_tokens: int | None = flag(shared.MAX_NUM_BATCHED_TOKENS)
     kv_host_bytes: int | None = _passed_on(shared.KV_HOST_BYTES)

@@ -60,11 +60,12 @@ class Executor:
         self.slot_end.clear()
         self.next_token.zero_()
 
-    def forward(self, batch: Batch) -> ForwardOutput:
-        """One forward of the (class-ordered) batch: a CUDA graph replay for decode rounds when enabled."""
-        if self.graphs is not None and self.graphs.fits(batch):
+    def forward(self, batch: Batch, layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """One forward of the (class-ordered) batch: a CUDA graph replay for decode rounds when enabled. A round
+        that wants layer outputs runs eagerly: the captured graphs return only logits and the final hidden state."""
+        if not layers and self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
-        return self.model.forward(batch, self.cache)
+        return self.model.forward(batch, self.cache, layers=layers)
 
     def _remember(self, slots: list[int], ends: list[int], sampled: torch.Tensor, index: list[int]) -> None:
         """Each given slot's next input token (`sampled[index[i]]`, on the device) and where its round ended."""
@@ -171,11 +172,13 @@ class Executor:
         batch, params, host_params, rows, scores = self.to_batch(plan)
         copies = checks.state_copies(plan, self.cache.num_slots)  # validated with the rest before anything changes
         moves = checks.tier_moves(plan, self.tiers, self.limits)
+        layers = checks.hidden_layers(plan, len(self.model.layers))
         can_encode = not (self.model.coll.sharding.rank == 0 and self.model.vision is None)
         batch.embeds = self.embed_images(checks.image_rows(plan, batch.token_ids.numel(), self.vision, can_encode))
         # Decode-class sequences first: the GPU path runs each row class with its own fixed schedule over a
         # contiguous run of rows. Sample rows keep the plan's order; `order` maps results back per sequence.
         order = batch.class_order()
+        row_map = None  # plan row -> batch row, when the batch is reordered
         if order != list(range(batch.num_seqs)):
             batch, row_map = batch.permuted(order)
             rows = row_map[rows]
@@ -188,8 +191,12 @@ class Executor:
         # sequence starts this round's rows from the copied state.
         tier_bad = self.run_tier_moves(moves)
         self.cache.copy_states(copies)
-        out = self.forward(batch)
+        out = self.forward(batch, layers)
         t1 = time.perf_counter()
+        layer_hidden = None
+        if out.layers is not None:  # back in the plan's row order, which the scheduler reads them in
+            layer_hidden = to_host((out.layers if row_map is None else
+                                    out.layers[to_device(row_map, out.layers.device)]).float())
         sampled = torch.zeros(0, dtype=torch.int64, device=out.logits.device)
         logprobs = hidden = None
         # Sample rows first, then score rows (to_batch); a score row is never masked, penalised or filtered.
@@ -205,7 +212,8 @@ class Executor:
         if out.logits.device.type == "cuda":  # recorded after every copy to the host: when it has passed, all are
             done = torch.cuda.Event()
             done.record()
-        return Launched(batch, order, rows, sampled, logprobs, hidden, tier_bad, (t1 - t0) * 1e3, t1, done, scored)
+        return Launched(batch, order, rows, sampled, logprobs, hidden, tier_bad, (t1 - t0) * 1e3, t1, done, scored,
+                        layer_hidden)
 
     @staticmethod
     def _score(logits: torch.Tensor, scores: ScoreRows) -> RowScores:
@@ -251,7 +259,7 @@ class Executor:
             accepted = self._accept(run, sampled)
         t2 = time.perf_counter()
         return StepOutput(sampled, run.forward_ms, (t2 - run.t1) * 1e3, accepted, run.hidden, run.logprobs,
-                          run.tier_bad, run.scores)
+                          run.tier_bad, run.scores, run.layer_hidden)
 
     def _accept(self, run: Launched, sampled: list[int]) -> list[int]:
         """Per plan sequence, the drafts accepted: the longest draft prefix equal to our own samples; then keep the

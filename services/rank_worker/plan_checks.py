@@ -362,6 +362,14 @@ def state_copies(plan: StepPlan, num_slots: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in t.tolist()]
 
 
+def hidden_layers(plan: StepPlan, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose outputs the plan wants back (DFlash drafts), validated; () for none."""
+    layers = tuple(plan.hidden_layers)
+    if len(layers) > num_layers or any(not 0 <= i < num_layers for i in layers):
+        raise PlanError(f"hidden_layers {list(layers)[:16]}: at most {num_layers} layers in [0, {num_layers})")
+    return layers
+
+
 def tier_moves(plan: StepPlan, tiers: TierStore | None,
                limits: Limits) -> list[tuple[rank_pb2.TierMove, list[int]]]:
     """The plan's KV tier moves with their pool blocks, validated (nothing runs before every move checks out)."""

@@ -41,6 +41,7 @@ class StepOutput:
     logprobs: RowLogprobs | None = None  # when the plan asks for logprobs
     tier_bad: list[bytes] | None = None  # tier entries that failed their checksum on some rank (dropped on all)
     scores: RowScores | None = None  # when the plan has score rows
+    layer_hidden: torch.Tensor | None = None  # [T, L * D] fp32 in plan row order, when the plan has hidden_layers
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Launched:
     t1: float  # perf_counter when the forward had been queued
     done: torch.cuda.Event | None  # None: the work ran synchronously (CPU)
     scores: RowScores | None = None  # prompt logprobs of the plan's score rows
+    layer_hidden: torch.Tensor | None = None  # [T, L * D] the plan's hidden_layers' outputs, plan row order
 
     def ready(self) -> bool:
         """Whether reading this round back would not wait."""

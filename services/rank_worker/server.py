@@ -166,6 +166,8 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
             res.accepted.CopyFrom(to_proto(out.accepted))
         if out.hidden is not None:
             res.hidden.CopyFrom(to_proto(out.hidden, "float32"))
+        if out.layer_hidden is not None:
+            res.layer_hidden.CopyFrom(to_proto(out.layer_hidden, "float32"))
         if out.tier_bad:
             res.tier_bad.extend(out.tier_bad)
         if out.logprobs is not None:
@@ -194,7 +196,9 @@ class _Round:
 
 def serve(service: RankService, host: str, port: int, token: str | None = None) -> grpc.Server:
     """Listen on host:port; with `token`, every call must carry it (services/common/internal_auth.py)."""
-    opts = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+    # Results may carry a round's DFlash layer rows: at the release's size 8,192 rows x 5 layers x 4,096 fp32 values
+    # are 640 MiB.
+    opts = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 1 << 30)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=opts,
                          interceptors=server_interceptors(token, f"rank{service.rank}"))
     rank_pb2_grpc.add_RankWorkerServicer_to_server(service, server)

@@ -47,6 +47,9 @@ class SchedulerSettings(RoleSettings):
                                 "(default 0.5)", default="0.5", type=float)
     draft_hidden: bool = flag("draft-hidden", "ask the ranks for hidden states and pass them to the drafter (MTP "
                               "drafts)", switch=True)
+    draft_layers: str | None = flag("draft-layers", "comma-separated target layers (0-based) whose outputs the ranks "
+                                    "return for every row and the drafter is sent by position (DFlash drafts; `up "
+                                    "--drafter dflash` passes the drafter config's target_layer_ids)")
     tokenizer: str | None = flag("tokenizer", "checkpoint directory (or tokenizer.json) whose tokenizer the grammar "
                                  "masks of structured output use; unset = structured output is refused")
     kv_events_endpoint: str | None = flag(shared.KV_EVENTS_ENDPOINT)
@@ -67,6 +70,11 @@ def serve_scheduler(s: SchedulerSettings) -> int:
 
     if not start_role("scheduler", s, listen=s.host):
         return 2
+    try:
+        layers = tuple(int(x) for x in (s.draft_layers or "").split(",") if x.strip())
+    except ValueError:
+        log.error("--draft-layers takes comma-separated layer numbers, got %r", s.draft_layers)
+        return 2
     addresses = [a.strip() for a in s.ranks.split(",") if a.strip()]
     if not addresses:
         log.error("--ranks lists no addresses")
@@ -78,6 +86,7 @@ def serve_scheduler(s: SchedulerSettings) -> int:
                             enable_prefix_caching=s.enable_prefix_caching, max_snapshots=s.max_snapshots,
                             reply_reuse=s.reply_reuse,
                             num_draft_tokens=max(0, s.num_draft_tokens), draft_hidden=s.draft_hidden,
+                            draft_layers=layers,
                             kv_events_endpoint=s.kv_events_endpoint),
         drafter=s.drafter, draft_timeout_s=s.draft_timeout, tokenizer=s.tokenizer, internal_token=s.internal_token,
         startup_timeout_s=s.startup_timeout, rank_timeout_s=s.rank_timeout or None)

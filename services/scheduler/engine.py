@@ -22,9 +22,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
 from opentelemetry.context import Context
 
-from services.scheduler.drafts import DrafterClient
+from services.scheduler.drafts import PROPOSE_ROW_BYTES, DrafterClient
 from services.scheduler.grammar import GrammarBook
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.ranks import RankError, RankSet, Round
@@ -69,6 +70,8 @@ class EngineConfig:
     reply_reuse: bool = True
     num_draft_tokens: int = 4  # K: drafts asked per decoding request and round (with a drafter)
     draft_hidden: bool = False  # ask the ranks for hidden states and pass them to the drafter (MTP drafts)
+    # Target layers whose outputs the ranks return for every row and the drafter is sent by position (DFlash drafts)
+    draft_layers: tuple[int, ...] = ()
     kv_events_endpoint: str | None = None  # ZMQ address the prefix index's block events go out on (kv_events.py)
 
 
@@ -196,7 +199,7 @@ class Engine:
         (`RoundScheduler.reads_last_samples`)."""
         if self.drafter is not None and self.cfg.num_draft_tokens > 0 and self.drafter.usable:
             return False
-        return not self.cfg.draft_hidden and not self.scheduler.reads_last_samples
+        return not self.cfg.draft_hidden and not self.cfg.draft_layers and not self.scheduler.reads_last_samples
 
     async def _propose(self) -> dict[str, list[int]]:
         """Drafts for this round's decoders from the drafter; {} without one, or when it is down or slow."""
@@ -205,14 +208,35 @@ class Engine:
         want = self.scheduler.draft_wants()
         if not want:
             return {}
+        seqs = self._draft_seqs(want)
         with propose_span([r for r, _ in want]) as metadata:
-            drafts = await self.drafter.propose([(r.id, r.tokens, k, r.last_hidden) for r, k in want], metadata)
+            drafts = await self.drafter.propose(seqs, metadata)
         if drafts is None:
-            return {}
+            return {}  # DFlash context rows stay pending: the next call sends them again
+        for (r, _), (_, _, _, hidden, _) in zip(want, seqs):
+            if self.cfg.draft_layers and hidden is not None:
+                r.draft_rows.delivered(hidden.shape[0])
         return {r.id: d for (r, _), d in zip(want, drafts) if d}
+
+    def _draft_seqs(self, want: list[tuple[Request, int]]) -> list[tuple[str, list[int], int, torch.Tensor | None,
+                                                                          int]]:
+        """What the drafter call carries per request beside its tokens and k: its last hidden state (MTP), or its
+        pending context rows from the position of the first, at most PROPOSE_ROW_BYTES of them in all (DFlash)."""
+        if not self.cfg.draft_layers:
+            return [(r.id, r.tokens, k, r.last_hidden, 0) for r, k in want]
+        out = []
+        left = PROPOSE_ROW_BYTES
+        for r, k in want:
+            rows = r.draft_rows.pending(left)
+            left -= 0 if rows is None else rows.numel() * rows.element_size()
+            out.append((r.id, r.tokens, k, rows, r.draft_rows.start))
+        return out
 
     async def _send(self, step: ScheduledRound) -> _InFlight:
         step.plan.want_hidden = self.drafter is not None and self.cfg.draft_hidden
+        if self.drafter is not None and self.cfg.draft_layers:
+            # Every round, the drafter up or not: the context it conditions on must have no holes.
+            step.plan.hidden_layers.extend(self.cfg.draft_layers)
         span = contextlib.ExitStack()
         span.enter_context(round_span(step.number, step.seqs, step.plan))  # before the rank set seals the plan
         try:
@@ -231,7 +255,7 @@ class Engine:
                           sum(len(s.token_ids) for s in f.step.seqs), len(sampled), (time.monotonic() - f.t0) * 1e3)
             self.scheduler.commit(f.step, sampled, accepted=self.ranks.last_accepted, hidden=self.ranks.last_hidden,
                                   logprobs=self.ranks.last_logprobs, tier_bad=self.ranks.last_tier_bad,
-                                  scores=self.ranks.last_scores)
+                                  scores=self.ranks.last_scores, layers=self.ranks.last_layers)
         finally:
             f.span.close()
 

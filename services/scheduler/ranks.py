@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
+import torch
 
 from services.common.internal_auth import aio_channel
 from services.common.plan_checksum import seal
@@ -33,7 +34,8 @@ from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("twinspark.scheduler.ranks")
 
-_CHANNEL_OPTS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+# Received: up to 1 GiB, a round's DFlash layer rows (rank_worker/server.py says how big they get).
+_CHANNEL_OPTS = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 256 << 20),
                  # Reconnect to a restarted rank within ~a second, not after gRPC's backoff (up to 120 s) has grown.
                  ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000)]
 PROBE_INTERVAL_S = 1.0  # Describe cadence while waiting for a failed group to come back
@@ -61,6 +63,7 @@ class _Answer:
     sampled: list[int]
     accepted: list[int] = field(default_factory=list)
     hidden: object = None
+    layers: object = None  # [T, L * D] the plan's hidden_layers' outputs of every row (DFlash drafts)
     logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
     tier_bad: list[bytes] = field(default_factory=list)
     scores: PromptScores | None = None
@@ -143,6 +146,7 @@ class RankSet:
         self._round = 0
         self.last_accepted: list[int] = []  # rank 0's accepted drafts per sequence of the last round
         self.last_hidden = None  # rank 0's [R, D] hidden states of the last round (when the plan wanted them)
+        self.last_layers = None  # rank 0's [T, L * D] layer outputs of the last round (when the plan named layers)
         # rank 0's logprobs of the last round's sample rows (when the plan asked): chosen [R], top ids / logprobs [R, K]
         self.last_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
         self.last_tier_bad: list[bytes] = []  # tier entries the last round's loads found corrupt (every rank dropped)
@@ -336,6 +340,7 @@ class RankSet:
                 log.error("round %d: %s sampled %s but rank0 sampled %s (rank invariance broken)", plan.round,
                           c.name, r.sampled, first.sampled)
         self.last_accepted, self.last_hidden, self.last_logprobs = first.accepted, first.hidden, first.logprobs
+        self.last_layers = first.layers
         self.last_scores = first.scores
         self.last_tier_bad = sorted(set().union(*(r.tier_bad for r in results)))
         return first.sampled
@@ -388,6 +393,7 @@ class RankSet:
             try:
                 answer.accepted = ids(res.accepted) if res.HasField("accepted") else []
                 answer.hidden = from_proto(res.hidden) if plan.want_hidden and res.HasField("hidden") else None
+                answer.layers = _layers(plan, res)
             except ValueError as exc:
                 raise RankError(c.index, c.address, f"round {plan.round}: bad accepted/hidden: {exc}") from exc
             if plan.HasField("logprobs_k") and plan.logprobs_k.shape and plan.logprobs_k.shape[0]:
@@ -479,3 +485,14 @@ class RankSet:
             if c.call is not None:
                 c.call.cancel()
             await c.channel.close()
+
+
+def _layers(plan: rank_pb2.StepPlan, res: rank_pb2.StepResult) -> torch.Tensor | None:
+    """The layer outputs a plan with hidden_layers gets back: one row per packed row, or ValueError."""
+    if not plan.hidden_layers:
+        return None
+    n_rows = plan.token_ids.shape[0] if plan.token_ids.shape else 0
+    t = from_proto(res.layer_hidden) if res.HasField("layer_hidden") else None
+    if t is None or t.dim() != 2 or t.shape[0] != n_rows:
+        raise ValueError(f"layer_hidden must be [{n_rows}, L * D], got {None if t is None else list(t.shape)}")
+    return t

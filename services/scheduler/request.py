@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.tensors import to_proto
+from services.scheduler.drafts import DraftRows
 from services.scheduler.pool import Reservation
 from services.scheduler.prefix import Snapshot
 from twinspark.v1 import generate_pb2
@@ -116,6 +117,7 @@ class Request:
         self.drafted_tokens = 0  # drafts verified for this request
         self.accepted_tokens = 0  # of which the ranks accepted
         self.last_hidden = None  # the target's hidden state at the row that sampled the last token (MTP drafts)
+        self.draft_rows = DraftRows()  # context rows the drafter has not been sent yet (DFlash drafts)
         self.reservation: Reservation | None = None
         # Prefix cache (services/scheduler/prefix.py): prompt tokens served from it, the prompt's block hash chain
         # (computed once), the snapshot this request resumes from until its state copy goes out, and the positions

@@ -206,13 +206,18 @@ class RoundScheduler:
 
     def commit(self, step: ScheduledRound, sampled: list[int], *, accepted: list[int] | None = None,
                hidden: torch.Tensor | None = None, logprobs: RoundLogprobs | None = None,
-               tier_bad: list[bytes] | None = None, scores: PromptScores | None = None) -> None:
+               tier_bad: list[bytes] | None = None, scores: PromptScores | None = None,
+               layers: torch.Tensor | None = None) -> None:
         """The round's result is in: rank 0's sampled ids (every sample row, in order), accepted drafts per
-        sequence, hidden states per sample row (when asked), logprobs, the tier entries its loads found bad, and
-        the prompt logprobs of the score rows (in order)."""
+        sequence, hidden states per sample row (when asked), logprobs, the tier entries its loads found bad, the
+        prompt logprobs of the score rows (in order), and the target layers' outputs of every row (when asked)."""
         pos = 0  # index of the sequence's first sample in `sampled` (and `hidden`, `logprobs`)
         at = 0  # index of the sequence's first score row in `scores`
+        row = 0  # index of the sequence's first packed row in `layers`
         for i, s in enumerate(step.seqs):
+            if layers is not None:
+                self._keep_draft_rows(s, layers[row : row + len(s.token_ids)], accepted[i] if accepted else 0)
+            row += len(s.token_ids)
             n_samples = len(s.token_ids) if s.verify else (1 if s.sample else 0)
             s.req.rows_back(s)
             self.kv.release_deferred(s.req)
@@ -223,6 +228,16 @@ class RoundScheduler:
             at += s.scored
         self.reap_aborted()
         self.kv.loads_back(step.loads, tier_bad or [], self._requeue_readers)
+
+    @staticmethod
+    def _keep_draft_rows(s: PlannedSeq, rows: torch.Tensor, accepted: int) -> None:
+        """Keep the rows of a sequence's round that become its context for DFlash drafts: a prompt chunk's and a
+        decode row's all, a verify window's first accepted + 1 (the last committed token and the accepted drafts;
+        a stop inside the window finishes the request, so rows past it never matter)."""
+        req = s.req
+        if req.replay or req.no_draft or req.state is not State.RUNNING or req.abort_reason is not None:
+            return
+        req.draft_rows.add(s.start, rows[: accepted + 1] if s.verify else rows)
 
     def _commit_seq(self, s: PlannedSeq, samples: list[int], first: int, accepted: int,
                     hidden: torch.Tensor | None, logprobs: RoundLogprobs | None,

@@ -24,7 +24,7 @@ def test_copy_ngram_lookup():
     assert c.propose("r", [1, 2, 1], 0) == []
 
 
-def test_dflash2_refuses_clearly():
+def test_methods_without_their_folders_refuse_clearly():
     with pytest.raises(DraftMethodUnavailable, match="user-supplied weights"):
         build("dflash2", None)
     with pytest.raises(DraftMethodUnavailable, match="needs --model"):

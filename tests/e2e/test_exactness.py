@@ -8,25 +8,18 @@ and every reply must be byte-identical (text and token ids) to its reference.
 from __future__ import annotations
 
 import asyncio
-import random
 
 import httpx
 import pytest
 
+from tests.e2e.replies import mixed_completions
 from tests.e2e.stack import start
 
 N = 22
 
 
 def _requests() -> list[dict]:
-    rng = random.Random(1234)
-    out = []
-    for i in range(N):
-        body = {"prompt": [rng.randrange(5, 1000) for _ in range(rng.randrange(3, 120))],
-                "max_tokens": rng.randrange(4, 28), "ignore_eos": True, "return_token_ids": True}
-        body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 1000 + i})
-        out.append(body)
-    return out
+    return mixed_completions(N, 1234, longest_prompt=120, max_tokens=(4, 28), seed_base=1000)
 
 
 def _reply(r: httpx.Response) -> tuple[str, list[int], str]:

@@ -107,6 +107,14 @@ def test_drafter_role_and_scheduler_flag(method):
                           "23", "--tokenizer", "/models/glm", "--drafter", "127.0.0.1:22", *hidden)
 
 
+def test_dflash_drafter_gets_its_folder_and_the_scheduler_its_layers():
+    cfg = _cfg(1, drafter="dflash", drafter_model="/models/glm/dflash2", draft_layers=(1, 3, 5))
+    drafter, sched = make_plan(cfg, [19, 20, 21, 22, 23]).children[1:3]
+    assert drafter.argv == (*PREFIX, "serve-drafter", "--method", "dflash2", "--dflash2-weights", "/models/glm/dflash2",
+                            "--model", "/models/glm", "--host", "127.0.0.1", "--port", "22", "--device", "cpu")
+    assert sched.argv[-4:] == ("--drafter", "127.0.0.1:22", "--draft-layers", "1,3,5")
+
+
 def test_free_ports_distinct_and_bindable():
     ports = free_ports(6, exclude=(8888,))
     assert len(set(ports)) == 6 and 8888 not in ports
@@ -126,3 +134,13 @@ def test_random_weights_reach_every_rank_and_nothing_else():
         else:
             assert "--random-weights" not in a
     assert "--random-weights" not in make_plan(_cfg(1), [5000, 5009, 5001, 5002]).children[0].argv
+
+
+def test_up_reads_the_dflash_drafters_layers(tiny_dflash, tmp_path):
+    from services.launcher.cli import _dflash_drafter
+    from services.launcher.settings import UpSettings
+
+    folder, layers = _dflash_drafter(UpSettings(drafter="dflash"), tiny_dflash)  # default: MODEL/dflash2
+    assert folder == str(tiny_dflash / "dflash2") and layers == (1, 2, 3, 4, 5)
+    with pytest.raises(ValueError, match="no usable drafter in"):
+        _dflash_drafter(UpSettings(drafter="dflash", drafter_model=str(tmp_path)), tiny_dflash)

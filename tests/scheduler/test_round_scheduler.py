@@ -4,6 +4,7 @@ gRPC, no ranks, no event loop)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.common.tensors import from_proto, to_proto
 from services.scheduler.engine import EngineConfig
@@ -162,3 +163,34 @@ def test_a_refused_request_leaves_no_trace():
         s.add(_msg("x", [1, 2, 3], sampling=generate_pb2.Sampling(temperature=-1.0)))
     assert not s.live and not len(s.queue) and not s.running
     s.add(_msg("x", [1, 2, 3]))  # the id is free
+
+
+def _commit_with_layers(sched: RoundScheduler, step: ScheduledRound, sampled: list[int],
+                        accepted: list[int] | None = None) -> None:
+    """Commit a round whose layer rows hold their own absolute position (so the test can read which were kept)."""
+    p = step.plan
+    positions = [s + i for s, n in zip(from_proto(p.starts).tolist(), from_proto(p.lengths).tolist())
+                 for i in range(n)]
+    sched.sent(step)
+    sched.commit(step, sampled, accepted=accepted, layers=torch.tensor(positions, dtype=torch.float32)[:, None])
+
+
+def test_dflash_context_rows_are_kept_by_position_until_delivered():
+    s = _sched(max_num_seqs=3)
+    a = s.add(_msg("a", list(range(1, 101)), max_tokens=8))
+    b = s.add(_msg("b", [1, 2, 3], max_tokens=8, no_draft=True))
+    step = s.schedule()
+    _commit_with_layers(s, step, [7, 7])  # both prompts whole
+    step = s.schedule()
+    _commit_with_layers(s, step, [8, 8])  # a decode row each
+    step = s.schedule({"a": [5, 6, 9]})
+    assert _rows(step)[0] == ("a", 101, 4)
+    _commit_with_layers(s, step, [5, 1, 2, 3, 8], accepted=[1, 0])  # the first draft accepted, then the bonus 1
+    assert a.tokens[-3:] == [8, 5, 1]
+    rows = a.draft_rows.pending(1 << 20)
+    # The prompt, the decode row and the window's last committed token + accepted draft: every position before the
+    # last token's, in order; the rejected drafts' rows are not context.
+    assert a.draft_rows.start == 0 and rows is not None and rows[:, 0].tolist() == list(range(len(a.tokens) - 1))
+    a.draft_rows.delivered(rows.shape[0])
+    assert a.draft_rows.pending(1 << 20) is None and a.draft_rows.start == len(a.tokens) - 1
+    assert b.draft_rows.pending(1 << 20) is None  # no drafts asked, no rows kept

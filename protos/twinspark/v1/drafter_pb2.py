@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from twinspark.v1 import tensor_pb2 as twinspark_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atwinspark/v1/drafter.proto\x12\x0ctwinspark.v1\x1a\x19twinspark/v1/tensor.proto\"\x82\x01\n\rDraftSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x11\n\tmax_draft\x18\x03 \x01(\x05\x12$\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.twinspark.v1.Tensor\"@\n\x0eProposeRequest\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.twinspark.v1.DraftSequence\"4\n\x0cProposeReply\x12$\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x14.twinspark.v1.Tensor2N\n\x07\x44rafter\x12\x43\n\x07Propose\x12\x1c.twinspark.v1.ProposeRequest\x1a\x1a.twinspark.v1.ProposeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atwinspark/v1/drafter.proto\x12\x0ctwinspark.v1\x1a\x19twinspark/v1/tensor.proto\"\x98\x01\n\rDraftSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x11\n\tmax_draft\x18\x03 \x01(\x05\x12$\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.twinspark.v1.Tensor\x12\x14\n\x0chidden_start\x18\x05 \x01(\x05\"@\n\x0eProposeRequest\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.twinspark.v1.DraftSequence\"4\n\x0cProposeReply\x12$\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x14.twinspark.v1.Tensor2N\n\x07\x44rafter\x12\x43\n\x07Propose\x12\x1c.twinspark.v1.ProposeRequest\x1a\x1a.twinspark.v1.ProposeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'twinspark.v1.drafter_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTSEQUENCE']._serialized_start=72
-  _globals['_DRAFTSEQUENCE']._serialized_end=202
-  _globals['_PROPOSEREQUEST']._serialized_start=204
-  _globals['_PROPOSEREQUEST']._serialized_end=268
-  _globals['_PROPOSEREPLY']._serialized_start=270
-  _globals['_PROPOSEREPLY']._serialized_end=322
-  _globals['_DRAFTER']._serialized_start=324
-  _globals['_DRAFTER']._serialized_end=402
+  _globals['_DRAFTSEQUENCE']._serialized_end=224
+  _globals['_PROPOSEREQUEST']._serialized_start=226
+  _globals['_PROPOSEREQUEST']._serialized_end=290
+  _globals['_PROPOSEREPLY']._serialized_start=292
+  _globals['_PROPOSEREPLY']._serialized_end=344
+  _globals['_DRAFTER']._serialized_start=346
+  _globals['_DRAFTER']._serialized_end=424
 # @@protoc_insertion_point(module_scope)

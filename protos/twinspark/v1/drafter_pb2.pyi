@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftSequence(_message.Message):
-    __slots__ = ("request_id", "tokens", "max_draft", "hidden")
+    __slots__ = ("request_id", "tokens", "max_draft", "hidden", "hidden_start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_START_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _tensor_pb2.Tensor
     max_draft: int
     hidden: _tensor_pb2.Tensor
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., max_draft: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    hidden_start: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., max_draft: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden_start: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("sequences",)

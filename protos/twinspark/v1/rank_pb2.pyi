@@ -111,7 +111,7 @@ class TierMove(_message.Message):
     def __init__(self, kind: _Optional[_Union[TierMoveKind, str]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state_key: _Optional[bytes] = ..., slot: _Optional[int] = ..., pos: _Optional[int] = ..., chain: _Optional[bytes] = ..., to_disk: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden", "trace_context", "mask_index", "bitmask", "logprobs_k", "prompt", "tier_moves", "images", "penalties", "score_rows", "score_ids", "score_k")
+    __slots__ = ("round", "token_ids", "starts", "lengths", "slots", "block_tables", "sample_rows", "temperature", "top_p", "top_k", "min_p", "seed", "request_ids", "checksum", "state_copies", "verify", "want_hidden", "trace_context", "mask_index", "bitmask", "logprobs_k", "prompt", "tier_moves", "images", "penalties", "score_rows", "score_ids", "score_k", "hidden_layers")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class StepPlan(_message.Message):
     SCORE_ROWS_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORE_K_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _tensor_pb2.Tensor
     starts: _tensor_pb2.Tensor
@@ -175,7 +176,8 @@ class StepPlan(_message.Message):
     score_rows: _tensor_pb2.Tensor
     score_ids: _tensor_pb2.Tensor
     score_k: int
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., mask_index: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bitmask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tier_moves: _Optional[_Iterable[_Union[TierMove, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageRows, _Mapping]]] = ..., penalties: _Optional[_Union[RowPenalties, _Mapping]] = ..., score_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_k: _Optional[int] = ...) -> None: ...
+    hidden_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., starts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_tables: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., state_copies: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., verify: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_hidden: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., mask_index: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bitmask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs_k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tier_moves: _Optional[_Iterable[_Union[TierMove, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[ImageRows, _Mapping]]] = ..., penalties: _Optional[_Union[RowPenalties, _Mapping]] = ..., score_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_k: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RowPenalties(_message.Message):
     __slots__ = ("rows", "presence", "frequency", "repetition", "seen_ids", "seen_counts", "bias_ids", "bias_values", "banned_ids")
@@ -216,7 +218,7 @@ class ImageRows(_message.Message):
     def __init__(self, pixel_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., row: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden", "logprobs", "top_ids", "top_logprobs", "refused", "tier_bad", "score_logprobs", "score_ranks", "score_top_ids", "score_top_logprobs")
+    __slots__ = ("round", "rank", "sampled", "forward_ms", "sample_ms", "error", "accepted", "hidden", "logprobs", "top_ids", "top_logprobs", "refused", "tier_bad", "score_logprobs", "score_ranks", "score_top_ids", "score_top_logprobs", "layer_hidden")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +236,7 @@ class StepResult(_message.Message):
     SCORE_RANKS_FIELD_NUMBER: _ClassVar[int]
     SCORE_TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORE_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     round: int
     rank: int
     sampled: _tensor_pb2.Tensor
@@ -251,4 +254,5 @@ class StepResult(_message.Message):
     score_ranks: _tensor_pb2.Tensor
     score_top_ids: _tensor_pb2.Tensor
     score_top_logprobs: _tensor_pb2.Tensor
-    def __init__(self, round: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., error: _Optional[str] = ..., accepted: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., refused: _Optional[bool] = ..., tier_bad: _Optional[_Iterable[bytes]] = ..., score_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_ranks: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    layer_hidden: _tensor_pb2.Tensor
+    def __init__(self, round: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., error: _Optional[str] = ..., accepted: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., refused: _Optional[bool] = ..., tier_bad: _Optional[_Iterable[bytes]] = ..., score_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_ranks: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., score_top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., layer_hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
