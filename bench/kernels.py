@@ -436,15 +436,20 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
     p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, exl3inv, sweep, "
-                   "exl3pin, moe, moesweep, kda, mla, mhc, invariance, fla (formats / formatsweep / exl3inv / exl3pin: "
-                   "bench/kernels_formats.py — every weight format against exllamav3's EXL3 kernel, decode tiles per "
-                   "format, exllamav3's row invariance, and with its kernel choice pinned)")
+                   "exl3pin, exl3builds, moe, moesweep, kda, mla, mhc, invariance, fla (formats / formatsweep / "
+                   "exl3inv / exl3pin / exl3builds: bench/kernels_formats.py — every weight format against "
+                   "exllamav3's EXL3 kernel, decode tiles per format, exllamav3's row invariance, and with its kernel "
+                   "choice pinned, tile shapes of the CUDA EXL3 product)")
+    p.add_argument("--formats", default="", help="comma list of weight formats for the formats and moe sections "
+                   "(bf16, fp8, w4a16, exl3:BITS; default: formats: bf16, fp8, w4a16, exl3 at 2.5 / 3.0 / 4.0; moe: "
+                   "bf16, w4a16, exl3:3.0)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA GPU", file=sys.stderr)
         return 2
     only = set(filter(None, args.only.split(",")))
     want = lambda s: not only or s in only  # noqa: E731
+    picked = [f for f in args.formats.split(",") if f]
     dev = torch.device("cuda")
     bw = roofline.hbm_copy_bandwidth(dev)["bytes_per_s"]
     mm = roofline.matmul_rate(dev)["flops_per_s"]
@@ -456,14 +461,17 @@ def main(argv: list[str] | None = None) -> int:
         if want("gemm"):
             data["rows"] += gemm_rows(bw, mm)
         if want("formats"):
-            from bench.kernels_formats import format_rows
-            data["rows"] += format_rows(bw, log)
+            from bench.kernels_formats import FORMATS, format_rows
+            data["rows"] += format_rows(bw, log, tuple(picked) if picked else FORMATS)
         if want("formatsweep"):
             from bench.kernels_formats import format_sweep
             data["rows"] += format_sweep(bw, mm, log)
         if want("exl3inv"):
             from bench.kernels_formats import exllamav3_invariance
             data["checks"] += exllamav3_invariance(log)
+        if want("exl3builds"):
+            from bench.kernels_formats import exl3_builds
+            data["rows"] += exl3_builds(log)
         if want("exl3pin"):
             from bench.kernels_formats import exllamav3_forced
             data["checks"] += exllamav3_forced(log)
@@ -473,11 +481,10 @@ def main(argv: list[str] | None = None) -> int:
             weights = moe_setup()
             formats = {"bf16": weights, "w4a16": moe_w4a16(weights)}
             if want("moe"):
-                for fmt, w in formats.items():
+                for fmt in picked or ["bf16", "w4a16", "exl3:3.0"]:
+                    w = formats.get(fmt) or moe_exl3(weights, float(fmt.split(":")[1]))
                     data["rows"] += moe_rows(bw, mm, w, fmt)
-                exl3_weights = moe_exl3(weights, 3.0)
-                data["rows"] += moe_rows(bw, mm, exl3_weights, "exl3:3.0")
-                del exl3_weights
+                    del w
             if want("moesweep"):
                 data["rows"] += moe_sweep(bw, mm, formats)
             if want("invariance"):

@@ -76,12 +76,14 @@ def _exllamav3(tensors: dict[str, torch.Tensor], n: int, k: int) -> Callable[[to
     return lambda x: lin.forward(x, {})
 
 
-def format_rows(bw: float, log: Callable[[str], None]) -> list[dict]:
+FORMATS = ("bf16", "fp8", "w4a16", *(f"exl3:{b}" for b in EXL3_BITS))
+
+
+def format_rows(bw: float, log: Callable[[str], None], formats: tuple[str, ...] = FORMATS) -> list[dict]:
     from bench.kernels import graph_ms
     from kernels.gpu import gemm
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    formats = ["bf16", "fp8", "w4a16", *(f"exl3:{b}" for b in EXL3_BITS)]
     for name, n, k in SHAPES:
         for fmt in formats:
             copies, params, nbytes = _copies(fmt, n, k, gen)
@@ -222,3 +224,31 @@ def exllamav3_forced(log: Callable[[str], None]) -> list[dict]:
                 log(f"exllamav3 pinned {name} {bits} bpw shape {shape}: max |diff| {max(worst.values())} "
                     f"{worst}; us by rows " + ", ".join(f"{m}: {u:.1f}" for m, u in times.items()))
     return out
+
+
+# Tile shapes of the CUDA EXL3 product (kernels/gpu/cuda/exl3_grouped.cu's TS_* macros) compared by `exl3builds`;
+# the first is the shipped build.
+EXL3_BUILDS = [(), (("TS_WARPS", 4),), (("TS_N_TILES", 1),), (("TS_N_TILES", 4),), (("TS_UNROLL", 2), ("TS_STAGES", 8))]
+
+
+def exl3_builds(log: Callable[[str], None]) -> list[dict]:
+    """The CUDA EXL3 product alone (no rotations) at one row, per tile-shape build, on the shapes of `SHAPES` at 2.5
+    and 4.0 bits: what chose the shipped build's macros."""
+    from bench.kernels import graph_ms
+    from kernels.gpu import exl3_cuda
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict] = []
+    weights = {}
+    for name, n, k in SHAPES[:3]:
+        for bits in (2.5, 4.0):
+            copies, params, _ = _copies(f"exl3:{bits}", n, k, gen)
+            weights[name, bits] = [_weight_args(f"exl3:{bits}", t, params) for t in copies]
+    for build in EXL3_BUILDS:
+        ext = exl3_cuda.extension(build)
+        for (name, bits), ws in weights.items():
+            a = torch.randn(1, ws[0].k, device="cuda").half()
+            out = torch.empty(1, ws[0].n, device="cuda")
+            ms = graph_ms([lambda w=w: ext.exl3_dense(a, w.data, out, 1, w.block_n, w.block_k // 8) for w in ws])
+            rows.append(dict(kernel="exl3_build", build=dict(build), shape=name, bits=bits, us=ms * 1e3))
+            log(f"exl3 build {dict(build) or 'shipped'} {name} {bits}: {ms * 1e3:.1f} us")
+    return rows

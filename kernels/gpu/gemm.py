@@ -13,7 +13,8 @@ each class's arithmetic is fixed; the classes differ from each other, as a decod
 same position are allowed to (documented in docs/design.md §5.1).
 
 EXL3 weights run the same schedules over their decoded trellis tiles, between two row-wise Hadamard rotations
-(kernels/gpu/hadamard.py: every row on its own, so invariance holds through them).
+(kernels/gpu/hadamard.py: every row on its own, so invariance holds through them); their decode-class rows run the
+hand-written CUDA product where it is built (kernels/gpu/exl3_cuda.py), its own fixed K order.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import hadamard
+from kernels.gpu import exl3_cuda, hadamard
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
 # Programs the decode schedule aims for per GEMM (about two waves on an H200's 132 SMs). A constant, not the SM
@@ -188,7 +189,9 @@ def _by_class(x: torch.Tensor, w: WeightArgs, decode_rows: int, out_dtype: torch
     if out is None:
         out = torch.empty(b, m, n, dtype=out_dtype, device=x.device)
     split = min(max(decode_rows, 0), m)
-    if split:
+    if split and exl3_cuda.covers(x, w, schedule(n, k, RowClass.DECODE).block_m):
+        out[:, :split] = exl3_cuda.dense(x[:, :split].contiguous(), w)
+    elif split:
         _launch(x[:, :split], w, out[:, :split], schedule(n, k, RowClass.DECODE))
     if split < m:
         _launch(x[:, split:], w, out[:, split:], schedule(n, k, RowClass.PREFILL))

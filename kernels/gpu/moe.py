@@ -16,7 +16,8 @@ the unused ones returning at once.
 EXL3 experts (`_experts_exl3`) run the same grouping and tiles, with each projection's rows rotated around it
 (kernels/gpu/hadamard.py): every slot takes its token's row times its expert's suh, a grouped GEMM over the decoded
 trellis tiles, then its expert's output rotation; SwiGLU, routing weight and combine as above. Row-wise steps and
-slot rows that never read one another keep the invariance.
+slot rows that never read one another keep the invariance. Their decode-class grouped products run the
+hand-written CUDA kernel where it is built (kernels/gpu/exl3_cuda.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import hadamard
+from kernels.gpu import exl3_cuda, hadamard
 from kernels.gpu.gemm import RowClass
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -276,6 +277,8 @@ def _swiglu_kernel(g_ptr, u_ptr, h_ptr, numel, limit, BLOCK: tl.constexpr):
 
 
 def _grouped(a: torch.Tensor, w: WeightArgs, groups: Groups, tile: MoeTile) -> torch.Tensor:
+    if exl3_cuda.covers(a, w, tile.block_m):
+        return exl3_cuda.grouped(a, w, groups.pair_of_slot, groups.expert_of_block)
     out = torch.empty(a.shape[0], w.n, dtype=torch.float32, device=a.device)
     _grouped_kernel[(groups.blocks, triton.cdiv(w.n, tile.block_n))](
         a, w.data, w.scale, out, groups.pair_of_slot, groups.expert_of_block, w.data.shape[0], w.n, w.k,
