@@ -12,17 +12,31 @@ import sys
 import time
 from pathlib import Path
 
-from deploy.ctl import checks, plan
+from deploy.ctl import checks, engines, plan
 from deploy.ctl.settings import SECRETS, Settings, SettingsError, load
 
 RECORD = "deploy.json"  # what start did, under STATE_DIR: stop reads it
 
 
-def resolve_launcher(s: Settings) -> str:
-    """auto: docker for two machines (the only way there), else docker when it works here, else native."""
+def resolve_launcher(s: Settings) -> tuple[str, str]:
+    """The launcher and why. auto: docker when it answers here, else podman when it answers, else native (two
+    machines: docker, whose checks then say what is missing)."""
     if s["LAUNCHER"] != "auto":
-        return s["LAUNCHER"]
-    return "docker" if s.workers or checks.docker_usable() else "native"
+        return s["LAUNCHER"], "LAUNCHER=" + s["LAUNCHER"]
+    docker = engines.why_not(engines.DOCKER)
+    if docker is None:
+        return "docker", "auto: docker answers"
+    podman = engines.why_not(engine_of("podman", s))
+    if podman is None:
+        return "podman", f"auto: docker does not ({docker}), podman does"
+    return ("docker" if s.workers else "native"), f"auto: docker does not ({docker}), nor podman ({podman})"
+
+
+def engine_of(launcher: str, s: Settings) -> engines.Engine | None:
+    """The container engine of a launcher; None for native."""
+    if launcher == "docker":
+        return engines.DOCKER
+    return engines.podman(plan.native_python(s)) if launcher == "podman" else None
 
 
 def _run(step: plan.Step, s: Settings, compose_env: dict[str, str]) -> None:
@@ -63,30 +77,33 @@ def execute(steps: list[plan.Step], s: Settings, compose_env: dict[str, str], dr
             continue
         if problems:
             raise RuntimeError("checks failed:\n  " + "\n  ".join(problems))
+        t0 = time.monotonic()
         if step.action is not None:
             step.action()
         else:
             _run(step, s, compose_env)
+        print(f"  done in {time.monotonic() - t0:.1f} s", flush=True)
     if problems:
         raise RuntimeError("checks failed:\n  " + "\n  ".join(problems))
 
 
 def start(s: Settings, dry_run: bool) -> None:
-    launcher = resolve_launcher(s)
-    if launcher == "docker" and not s["MODEL"]:
-        s.values["MODEL"] = plan.tiny_model_path(s)
-    print(f"twinspark start: {launcher} launcher, {len(s.machines)} machine(s) "
+    launcher, why = resolve_launcher(s)
+    engine = engine_of(launcher, s)
+    print(f"twinspark start: {launcher} launcher ({why}), {len(s.machines)} machine(s) "
           f"({', '.join(f'{m.name}: ranks {list(m.ranks)}' for m in s.machines)}), TP {s['TP']}, "
           f"model {s['MODEL'] or '(tiny demo checkpoint)'}, device {s['DEVICE']}, drafter {s['DRAFTER']}"
           f"{', env file ' + str(s.env_file) if s.env_file else ''}")
+    if engine is not None:
+        print(f"  {engine.name}: {engine.describe()}")
     if launcher == "native" and s["OTEL_EXPORTER_OTLP_ENDPOINT"] and not dry_run \
             and not checks.collector_reachable(s["OTEL_EXPORTER_OTLP_ENDPOINT"]):
         print(f"  nothing listens at OTEL_EXPORTER_OTLP_ENDPOINT={s['OTEL_EXPORTER_OTLP_ENDPOINT']} (native mode "
               "starts no Jaeger): tracing off for this run")
         s.values["OTEL_EXPORTER_OTLP_ENDPOINT"] = ""
-    steps = plan.start_docker(s) if launcher == "docker" else plan.start_native(s)
-    compose_env = plan.compose_env(s)
-    if dry_run and launcher == "docker":
+    steps = plan.start_containers(s, engine) if engine is not None else plan.start_native(s)
+    compose_env = plan.compose_env(s, engine)
+    if dry_run and engine is not None:
         print("settings passed to every compose command: " + plan.show_env(compose_env))
     execute(steps, s, compose_env, dry_run)
     if dry_run:
@@ -98,7 +115,7 @@ def start(s: Settings, dry_run: bool) -> None:
     base = plan.endpoint(s)
     print(f"\ntwinspark is up: {base}/v1  (OpenAI-compatible; model list at {base}/v1/models)")
     print(f"  health {base}/health   metrics {base}/metrics")
-    if launcher == "docker" and s["OTEL_EXPORTER_OTLP_ENDPOINT"]:
+    if engine is not None and s["OTEL_EXPORTER_OTLP_ENDPOINT"]:
         print(f"  traces: Jaeger UI at http://{base.split('://')[1].rsplit(':', 1)[0]}:16686")
     print("  stop with ./stop.sh")
 
@@ -106,12 +123,13 @@ def start(s: Settings, dry_run: bool) -> None:
 def stop(s: Settings, dry_run: bool) -> None:
     rec_path = s.state_dir / RECORD
     record = json.loads(rec_path.read_text()) if rec_path.is_file() else {}
-    launcher = record.get("launcher") or resolve_launcher(s)
+    launcher = record.get("launcher") or resolve_launcher(s)[0]
+    engine = engine_of(launcher, s)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     print(f"twinspark stop: {launcher} launcher, {len(s.machines)} machine(s)"
           f"{' (as recorded by start.sh)' if record else ''}")
-    steps = plan.stop_docker(s, stamp) if launcher == "docker" else plan.stop_native(s, stamp)
-    execute(steps, s, plan.compose_env(s), dry_run)
+    steps = plan.stop_containers(s, engine, stamp) if engine is not None else plan.stop_native(s, stamp)
+    execute(steps, s, plan.compose_env(s, engine), dry_run)
     if not dry_run:
         rec_path.unlink(missing_ok=True)
         print(f"twinspark stopped; logs kept under {s.state_dir / 'logs' / stamp}")

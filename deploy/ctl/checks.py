@@ -86,8 +86,9 @@ def memory_problems(s: Settings, machine: Machine) -> list[str]:
     return []
 
 
-def worker_problems(s: Settings, machine: Machine) -> list[str]:
-    """Reachable by ssh without a password, docker compose there, the model there, MASTER_ADDR reachable from it."""
+def worker_problems(s: Settings, machine: Machine, compose: tuple[str, ...]) -> list[str]:
+    """Reachable by ssh without a password, the engine's compose command there, the model there, MASTER_ADDR
+    reachable from it."""
     try:
         r = on(machine, ["true"], timeout=15)
     except subprocess.TimeoutExpired:
@@ -96,8 +97,8 @@ def worker_problems(s: Settings, machine: Machine) -> list[str]:
         return [f"{machine.name}: ssh {machine.ssh} failed ({r.stderr.strip() or r.returncode}); set up key login "
                 "(ssh-copy-id) first"]
     problems = []
-    if on(machine, ["docker", "compose", "version"]).returncode != 0:
-        problems.append(f"{machine.name}: `docker compose` does not work there")
+    if on(machine, [*compose, "version"]).returncode != 0:
+        problems.append(f"{machine.name}: `{' '.join(compose)}` does not work there")
     if s["MODEL"] and on(machine, ["test", "-f", f"{s['MODEL']}/config.json"]).returncode != 0:
         problems.append(f"{machine.name}: no checkpoint at {s['MODEL']} (copy it to the same path)")
     if on(machine, ["ping", "-c", "1", "-W", "2", s["MASTER_ADDR"]]).returncode != 0:
@@ -113,18 +114,6 @@ def collector_reachable(endpoint: str) -> bool:
         return listening(host or "127.0.0.1", int(port or 4317), timeout=1.0)
     except ValueError:
         return False
-
-
-def docker_problems() -> list[str]:
-    return [] if docker_usable() else ["head: `docker compose version` or `docker info` fails here (install the "
-                                       "compose plugin and start the engine, or use LAUNCHER=native)"]
-
-
-def docker_usable() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    ok = lambda *a: subprocess.run(["docker", *a], capture_output=True, timeout=20).returncode == 0  # noqa: E731
-    return ok("compose", "version") and ok("info")
 
 
 def python_problems(python: str) -> list[str]:

@@ -1,25 +1,32 @@
 """What start.sh and stop.sh do, as a list of steps: printed by --dry-run, run in order otherwise.
 
 A step is a check (Python, may report several problems), a command on a machine (here or through ssh), or a
-probe of the running stack. Docker mode runs deploy/compose/worker.yml once per rank that is not on the head, on
-the machine that holds it, then head.yml here; native mode runs `twinspark up` here (one machine only).
+probe of the running stack. The container launchers (docker or podman, deploy/ctl/engines.py) run
+deploy/compose/worker.yml once per rank that is not on the head, on the machine that holds it, then head.yml here;
+native mode runs `twinspark up` here (one machine only).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from deploy.ctl import checks, probe
+from deploy.ctl import checks, engines, probe
+from deploy.ctl.engines import Engine
 from deploy.ctl.settings import DEPLOY, REPO, SECRETS, Machine, Settings
 
 COMPOSE_DIR = DEPLOY / "compose"
 HEAD = COMPOSE_DIR / "head.yml"
 WORKER = COMPOSE_DIR / "worker.yml"
+# RDMA devices and rlimits for NCCL over RoCE, on top of each file when DEVICE=cuda.
+RDMA = {HEAD: COMPOSE_DIR / "rdma-head.yml", WORKER: COMPOSE_DIR / "rdma-worker.yml"}
+WHEELS_DIR = DEPLOY / "wheels"
 HEAD_PROJECT = "twinspark"
 JAEGER_PORTS = {"jaeger otlp grpc": 4317, "jaeger otlp http": 4318, "jaeger ui": 16686}
 _VAR = re.compile(r"\$\{(\w+)")
@@ -73,16 +80,17 @@ def endpoint(s: Settings) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{s['PORT']}"
 
 
-def _compose(s: Settings, project: str, file: Path, m: Machine, *args: str) -> list[str]:
-    rel = file.relative_to(REPO)
-    path = str(rel) if m.ssh is not None else str(file)
+def _compose(s: Settings, engine: Engine, project: str, file: Path, m: Machine, *args: str) -> list[str]:
+    files = [file, RDMA[file]] if s["DEVICE"] == "cuda" else [file]
+    paths = [a for f in files for a in ("-f", str(f.relative_to(REPO)) if m.ssh is not None else str(f))]
     profiles = []
     if file == HEAD:
         if s["DRAFTER"] != "none":
             profiles += ["--profile", "drafter"]
         if s["OTEL_EXPORTER_OTLP_ENDPOINT"]:
             profiles += ["--profile", "jaeger"]
-    return ["docker", "compose", "-p", project, "-f", path, *profiles, *args]
+    compose = engine.compose if m.ssh is None else engine.worker_compose()
+    return [*compose, "-p", project, *paths, *profiles, *args]
 
 
 def _rank_env(s: Settings, m: Machine, rank: int) -> dict[str, str]:
@@ -100,9 +108,9 @@ def _rank_units(s: Settings) -> list[tuple[Machine, int]]:
     return units + [(s.machines[0], r) for r in s.machines[0].ranks if r != 0]
 
 
-def _head_ports(s: Settings, docker: bool) -> dict[str, int]:
+def _head_ports(s: Settings, containers: bool) -> dict[str, int]:
     ports = {"PORT (gateway)": s.int("PORT")}
-    if docker:
+    if containers:
         ports |= {"SCHEDULER_PORT": s.int("SCHEDULER_PORT"), "MASTER_PORT": s.int("MASTER_PORT"),
                   "PEER_PORT": s.int("PEER_PORT")}
         ports |= {f"rank {r}": s.rank_port(r) for r in s.machines[0].ranks}
@@ -113,16 +121,20 @@ def _head_ports(s: Settings, docker: bool) -> dict[str, int]:
     return ports
 
 
-def _checks(s: Settings, docker: bool) -> list[Step]:
+def _checks(s: Settings, engine: Engine | None) -> list[Step]:
+    """engine None: the native launcher."""
     head = s.machines[0]
-    python, ports = native_python(s), _head_ports(s, docker)
-    steps = [Step("check docker compose and the engine on head", check=checks.docker_problems) if docker else
+    python, ports = native_python(s), _head_ports(s, engine is not None)
+    steps = [Step(f"check {engine.name}, its compose command and the engine on head",
+                  check=lambda: engines.problems(engine)) if engine is not None else
              Step(f"check that {python} can run twinspark", check=lambda: checks.python_problems(python)),
              Step(f"check ports on head: {', '.join(map(str, ports.values()))}",
                   check=lambda: checks.ports_problems(head, ports))]
     for m in s.workers:
-        steps.append(Step(f"check {m.name}: ssh, docker compose, the checkpoint, MASTER_ADDR {s['MASTER_ADDR']}",
-                          check=lambda m=m: checks.worker_problems(s, m)))
+        assert engine is not None  # start_native refuses workers before it asks for checks
+        compose = engine.worker_compose()
+        steps.append(Step(f"check {m.name}: ssh, {' '.join(compose)}, the checkpoint, MASTER_ADDR {s['MASTER_ADDR']}",
+                          check=lambda m=m: checks.worker_problems(s, m, compose)))
         mine = {f"rank {r}": s.rank_port(r) for r in m.ranks}
         steps.append(Step(f"check ports on {m.name}: {', '.join(map(str, mine.values()))}",
                           check=lambda m=m, mine=mine: checks.ports_problems(m, mine)))
@@ -153,30 +165,63 @@ def tiny_model_path(s: Settings) -> str:
     return str(s.state_dir / "tiny-default")
 
 
-def start_docker(s: Settings) -> list[Step]:
-    steps = _checks(s, docker=True)
+def use_tiny_model(s: Settings) -> str:
+    """MODEL empty: the tiny checkpoint, whose path the compose files need (they mount MODEL; compose_env reads it
+    after the steps are made)."""
+    s.values["MODEL"] = tiny_model_path(s)
+    return s["MODEL"]
+
+
+def wheels_download(s: Settings) -> list[str]:
+    """WHEELS=host: this machine's pip (the native launcher's Python) fetches what the CPU image installs, as the
+    quick start here would get it: torch's CPU build, twinspark's dependencies, and setuptools to build twinspark."""
+    return [native_python(s), "-m", "pip", "download", "-qq", "--dest", str(WHEELS_DIR), "torch==2.13.0", str(REPO),
+            "setuptools>=68", "wheel"]
+
+
+def _download_wheels(argv: list[str]) -> None:
+    """Run the download unless the stamp says it ran for this pyproject.toml and command: the wheels then are what
+    pip got that time (a lock of sorts: a new release of a dependency comes in with the next pyproject change)."""
+    stamp = WHEELS_DIR / ".downloaded"
+    key = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + shlex.join(argv).encode()).hexdigest()
+    if stamp.is_file() and stamp.read_text() == key:
+        print("  the wheels are there for this pyproject.toml")
+        return
+    if subprocess.run(argv).returncode != 0:
+        raise RuntimeError(f"the wheels' download failed: {shlex.join(argv)}")
+    stamp.write_text(key)
+
+
+def start_containers(s: Settings, engine: Engine) -> list[Step]:
+    steps = _checks(s, engine)
     dockerfile = "deploy/Dockerfile" if s["DEVICE"] == "cuda" else "deploy/Dockerfile.cpu"
+    if s["WHEELS"] == "host" and s["DEVICE"] != "cuda":
+        argv = wheels_download(s)
+        steps.append(Step(f"download the CPU image's wheels into {WHEELS_DIR} with this machine's pip, unless "
+                          f"pyproject.toml is as at the last download: {shlex.join(argv)}",
+                          action=lambda: _download_wheels(argv)))
     for m in s.workers:
         steps.append(Step(f"copy this checkout to {m.name}:{s['WORKER_DIR']}",
                           argv=["rsync", "-a", "--delete", "--exclude=.git", f"--exclude=/{s['STATE_DIR']}",
                                 f"{REPO}/", f"{m.ssh}:{s['WORKER_DIR']}/"]))
+    build_args = {"BASE_IMAGE": s["BASE_IMAGE"]} if s["BASE_IMAGE"] else {}
     for m in s.machines:
         cwd = s["WORKER_DIR"] if m.ssh else ""
-        steps.append(Step(f"build the image {s['IMAGE']} on {m.name} unless it is there", machine=m, cwd=cwd,
-                          argv=["sh", "-c", f"docker image inspect {shlex.quote(s['IMAGE'])} >/dev/null 2>&1 || "
-                                f"docker build -f {dockerfile} -t {shlex.quote(s['IMAGE'])} ."]))
+        steps.append(Step(f"build the image {s['IMAGE']} on {m.name} (the layer cache keeps an unchanged checkout's "
+                          "build to seconds)", machine=m, cwd=cwd,
+                          argv=engine.build(dockerfile, s["IMAGE"], build_args)))
     if not s["MODEL"]:
-        model = tiny_model_path(s)
+        model = use_tiny_model(s)
         for m in s.machines:
             steps.append(Step(f"make the tiny demo checkpoint on {m.name} unless it is there", machine=m,
-                              argv=["sh", "-c", f"test -f {model}/config.json || docker run --rm -v "
-                                    f"{s.state_dir}:{s.state_dir} {shlex.quote(s['IMAGE'])} twinspark make-tiny "
-                                    f"--out {model}"]))
+                              argv=["sh", "-c", f"test -f {model}/config.json || {{ mkdir -p {s.state_dir} && "
+                                    f"{engine.name} run --rm -v {s.state_dir}:{s.state_dir} "
+                                    f"{shlex.quote(s['IMAGE'])} twinspark make-tiny --out {model}; }}"]))
     for m, r in _rank_units(s):
         steps.append(Step(f"start rank {r} on {m.name}", machine=m, cwd=s["WORKER_DIR"] if m.ssh else "",
-                          env=_rank_env(s, m, r), argv=_compose(s, rank_project(r), WORKER, m, "up", "-d")))
+                          env=_rank_env(s, m, r), argv=_compose(s, engine, rank_project(r), WORKER, m, "up", "-d")))
     steps.append(Step("start the head: gateway, scheduler, rank 0, drafter, Jaeger", machine=s.machines[0],
-                      argv=_compose(s, HEAD_PROJECT, HEAD, s.machines[0], "up", "-d")))
+                      argv=_compose(s, engine, HEAD_PROJECT, HEAD, s.machines[0], "up", "-d")))
     return steps + _finish(s)
 
 
@@ -207,7 +252,7 @@ def native_env(s: Settings) -> dict[str, str]:
 
 def start_native(s: Settings) -> list[Step]:
     if s.workers:
-        raise ValueError("two machines need LAUNCHER=docker (native mode runs every role on this machine)")
+        raise ValueError("two machines need LAUNCHER=docker or podman (native mode runs every role on this machine)")
     argv = [native_python(s), "-m", "services.cli", "up", "--detach", "--tp", s["TP"], "--host", s["HOST"],
             "--port", s["PORT"], "--device", s["DEVICE"], "--drafter", s["DRAFTER"],
             "--kv-cache-dtype", s["KV_CACHE_DTYPE"], "--max-restarts", s["MAX_RESTARTS"],
@@ -215,21 +260,23 @@ def start_native(s: Settings) -> list[Step]:
             "--state-dir", str(native_state_dir(s))]
     if s["MODEL"]:
         argv[4:4] = ["--model", s["MODEL"]]
-    steps = _checks(s, docker=False)
+    steps = _checks(s, None)
     steps.append(Step("start every role here with `twinspark up` (the tiny checkpoint when MODEL is empty)",
                       machine=s.machines[0], env=native_env(s), argv=argv))
     return steps + _finish(s)
 
 
-def compose_env(s: Settings) -> dict[str, str]:
-    """The settings the compose files read, passed in the environment of every compose command."""
+def compose_env(s: Settings, engine: Engine | None) -> dict[str, str]:
+    """The settings the compose files read, and the engine's own, passed in the environment of every command."""
     names = compose_variables(HEAD, WORKER)
-    return {k: s.values[k] for k in names if k in s.values}
+    return {**{k: s.values[k] for k in names if k in s.values}, **(engine.env if engine is not None else {})}
 
 
-def stop_docker(s: Settings, stamp: str) -> list[Step]:
+def stop_containers(s: Settings, engine: Engine, stamp: str) -> list[Step]:
     """Keep each project's logs (compose `down` deletes them with the containers), then take it down: the head
     first, so no new request reaches ranks that are going away."""
+    if not s["MODEL"]:
+        use_tiny_model(s)
     units = [(s.machines[0], HEAD_PROJECT, HEAD, {})] + [
         (m, rank_project(r), WORKER, _rank_env(s, m, r)) for m, r in _rank_units(s)]
     steps = [Step(f"warn if requests are running ({endpoint(s)}/metrics)",
@@ -237,12 +284,12 @@ def stop_docker(s: Settings, stamp: str) -> list[Step]:
     for m, project, file, env in units:
         cwd = s["WORKER_DIR"] if m.ssh else ""
         logs = f"{s['STATE_DIR']}/logs/{stamp}" if m.ssh else str(s.state_dir / "logs" / stamp)
-        logs_cmd = shlex.join(_compose(s, project, file, m, "logs", "--no-color", "--timestamps"))
+        logs_cmd = shlex.join(_compose(s, engine, project, file, m, "logs", "--no-color", "--timestamps"))
         steps.append(Step(f"keep the logs of {project} on {m.name} in {logs}/{project}.log", machine=m, cwd=cwd,
                           env=env, argv=["sh", "-c", f"mkdir -p {shlex.quote(logs)} && {logs_cmd} > "
                                          f"{shlex.quote(logs + '/' + project + '.log')}"]))
         steps.append(Step(f"stop {project} on {m.name}", machine=m, cwd=cwd, env=env,
-                          argv=_compose(s, project, file, m, "down")))
+                          argv=_compose(s, engine, project, file, m, "down")))
     return steps
 
 

