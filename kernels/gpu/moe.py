@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.gpu import exl3_cuda, hadamard
+from kernels.gpu.moe_groups import Groups, group_pairs
 from kernels.gpu.gemm import RowClass
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -103,42 +104,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, norm_topk_pro
                             TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(e),
                             SHARED=int(shared))
     return ids, w
-
-
-@dataclass
-class Groups:
-    """Pairs grouped by expert into tiles of `block_m` slots (device tensors, sized by an upper bound)."""
-    pair_of_slot: torch.Tensor  # [blocks * block_m] int32: pair index (row * (k+1) + j) in each slot, -1 = empty
-    expert_of_block: torch.Tensor  # [blocks] int32: the tile's expert, num_experts for unused tiles
-    blocks: int
-
-
-def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Groups:
-    """Sort (row, slot) pairs by expert (stable: ascending row within an expert) and pad each expert's run to
-    whole tiles. num_experts counts the shared expert; ids == num_experts marks a pair that does not exist."""
-    flat = ids.reshape(-1).long().clamp(max=num_experts)  # every "no pair" id counts as num_experts
-    pairs = flat.numel()
-    dev = flat.device
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    counts = counts[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.sort(flat, stable=True).indices
-    expert = flat[order]
-    real = expert < num_experts
-    safe = expert.clamp(max=num_experts - 1)
-    rank = torch.arange(pairs, device=dev) - start[safe]
-    # Upper bound of slots: every pair, plus a partly empty tile for each expert that can be hit.
-    blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
-    cap = blocks * block_m
-    dest = torch.where(real, padded_start[safe] + rank, cap)  # non-pairs land in a dump slot past the end
-    pair_of_slot = torch.full((cap + 1,), -1, dtype=torch.int32, device=dev)
-    pair_of_slot.scatter_(0, dest, order.to(torch.int32))
-    tile_start = torch.arange(blocks, device=dev) * block_m
-    expert_of_block = torch.searchsorted(padded_end, tile_start, right=True).to(torch.int32)
-    return Groups(pair_of_slot[:cap], expert_of_block, blocks)
 
 
 @triton.jit

@@ -1,0 +1,107 @@
+"""Grouping a MoE step's (row, expert) pairs into expert tiles of `block_m` slots: the tables the grouped kernels
+read (kernels/gpu/moe.py). The number of tiles is an upper bound from the shapes alone (every pair, plus a partly
+empty tile for each expert that can be hit), so nothing here syncs with the host.
+
+Two ways to the same tables: one Triton program for decode-sized steps (a handful of pairs: torch's sorts and scans
+would be about twenty launches per MoE layer, a real part of a one-row step), torch's for prompt-sized ones.
+`tests/kernels/test_gpu_moe_groups.py` checks they agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FUSED_PAIRS = 4096  # pairs up to which one program groups them (decode steps: rows x (top-k + 1))
+_CHUNK = 32  # pairs per step of the program's loops (a [32, experts] one-hot per step)
+
+
+@dataclass
+class Groups:
+    """Pairs grouped by expert into tiles of `block_m` slots (device tensors, sized by an upper bound)."""
+    pair_of_slot: torch.Tensor  # [blocks * block_m] int32: pair index (row * (k+1) + j) in each slot, -1 = empty
+    expert_of_block: torch.Tensor  # [blocks] int32: the tile's expert, num_experts for unused tiles
+    blocks: int
+
+
+def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Groups:
+    """Sort (row, slot) pairs by expert (stable: ascending row within an expert) and pad each expert's run to
+    whole tiles. num_experts counts the shared expert; ids == num_experts marks a pair that does not exist.
+    Up to FUSED_PAIRS pairs (decode-sized batches) in one launch, more with torch's sorts and scans: the same
+    tables either way."""
+    pairs = ids.numel()
+    blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+    if pairs <= FUSED_PAIRS:
+        return _group_fused(ids, num_experts, block_m, blocks)
+    return _group_torch(ids, num_experts, block_m, blocks)
+
+
+def _group_torch(ids: torch.Tensor, num_experts: int, block_m: int, blocks: int) -> Groups:
+    flat = ids.reshape(-1).long().clamp(max=num_experts)  # every "no pair" id counts as num_experts
+    pairs = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.sort(flat, stable=True).indices
+    expert = flat[order]
+    real = expert < num_experts
+    safe = expert.clamp(max=num_experts - 1)
+    rank = torch.arange(pairs, device=dev) - start[safe]
+    cap = blocks * block_m
+    dest = torch.where(real, padded_start[safe] + rank, cap)  # non-pairs land in a dump slot past the end
+    pair_of_slot = torch.full((cap + 1,), -1, dtype=torch.int32, device=dev)
+    pair_of_slot.scatter_(0, dest, order.to(torch.int32))
+    tile_start = torch.arange(blocks, device=dev) * block_m
+    expert_of_block = torch.searchsorted(padded_end, tile_start, right=True).to(torch.int32)
+    return Groups(pair_of_slot[:cap], expert_of_block, blocks)
+
+
+@triton.jit
+def _group_kernel(ids_ptr, pair_ptr, expert_ptr, pairs, num_experts, cap, blocks,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+    """One program: per-expert counts, padded runs, each pair's slot (stable: ascending pair index within an
+    expert), each tile's expert; the tables `_group_torch` builds."""
+    e = tl.arange(0, E_BLOCK)
+    expert_ok = e < num_experts
+    counts = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for c0 in range(0, pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        x = tl.minimum(tl.load(ids_ptr + p, mask=p < pairs, other=num_experts), num_experts)
+        counts += tl.sum((x[:, None] == e[None, :]).to(tl.int32), axis=0)
+    counts = tl.where(expert_ok, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    for s0 in range(0, cap, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        tl.store(pair_ptr + s, tl.full((CHUNK,), -1, tl.int32), mask=s < cap)
+    tl.debug_barrier()  # the empty marks land before any pair's slot is written
+    seen = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for c0 in range(0, pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        x = tl.minimum(tl.load(ids_ptr + p, mask=p < pairs, other=num_experts), num_experts)
+        onehot = (x[:, None] == e[None, :]).to(tl.int32)
+        earlier = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]  # same-expert pairs before each pair
+        slot = tl.sum(onehot * (padded_start[None, :] + earlier), axis=1)
+        tl.store(pair_ptr + slot, p.to(tl.int32), mask=(p < pairs) & (x < num_experts))
+        seen += tl.sum(onehot, axis=0)
+    for b0 in range(0, blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        done = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & expert_ok[None, :]  # runs ending before the tile
+        tl.store(expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < blocks)
+
+
+def _group_fused(ids: torch.Tensor, num_experts: int, block_m: int, blocks: int) -> Groups:
+    pair_of_slot = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    expert_of_block = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    _group_kernel[(1,)](ids.reshape(-1).to(torch.int32), pair_of_slot, expert_of_block, ids.numel(), num_experts,
+                        blocks * block_m, blocks, BLOCK_M=block_m, CHUNK=_CHUNK,
+                        E_BLOCK=triton.next_power_of_2(num_experts + 1), num_warps=8)
+    return Groups(pair_of_slot, expert_of_block, blocks)
