@@ -15,6 +15,7 @@ import sys
 _COMMANDS = (
     "model.checkpoint.cli",
     "model.quantize.cli",
+    "model.dflash.train.cli",
     "services.rank_worker.generate_cli",
     "services.rank_worker.cli",
     "services.scheduler.cli",

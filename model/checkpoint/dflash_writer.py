@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from model.dflash import FULL_LAYER, SLIDING_LAYER, DFlashConfig, default_target_layer_ids, expected_shapes
+from model.dflash.weights import save_checkpoint
 
 DRAFTER_DIR = "dflash2"  # `make-tiny --drafter dflash` writes the drafter into this folder of the target's
 MASK_TOKEN = "[MASK]"  # GLM's mask token, present in the tiny tokenizer as in the release's
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def tiny_dflash_config(target: dict[str, Any], *, mask_token_id: int, layers: int = 5, window: int = 8,
@@ -69,21 +68,11 @@ def write_tiny_dflash(out_dir: str | Path, target_dir: str | Path, *, seed: int 
     """Write the tiny drafter for the checkpoint in `target_dir` into `out_dir`; return the files written.
 
     mask_token_id: default the target tokenizer's `[MASK]`."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     target_dir = Path(target_dir)
     if mask_token_id is None:
         mask_token_id = _added_token_id(target_dir / "tokenizer.json", MASK_TOKEN)
     config = tiny_dflash_config(json.loads((target_dir / "config.json").read_text()), mask_token_id=mask_token_id)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = {**config.to_dict(), "torch_dtype": dtype}
-    config_path = out / "config.json"
-    config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    weights_path = out / "model.safetensors"
-    tensors = {n: t.to(DTYPES[dtype]).contiguous() for n, t in random_tensors(config, seed).items()}
-    save_file(tensors, str(weights_path), metadata={"format": "pt"})
-    return [config_path, weights_path]
+    return save_checkpoint(out_dir, config, random_tensors(config, seed), dtype=dtype)
 
 
 def _added_token_id(tokenizer_json: Path, text: str) -> int:

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
 
 INDEX_NAME = "model.safetensors.index.json"
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class DFlashWeightsError(ValueError):
@@ -64,3 +66,21 @@ def load_drafter(folder: str | Path, *, dtype: torch.dtype = torch.float32,
         drafter = DFlashDrafter(config)
     drafter.load_state_dict({n: t.to(dtype) for n, t in tensors.items()}, strict=True, assign=True)
     return drafter.to(device).eval()
+
+
+def save_checkpoint(out_dir: str | Path, config: DFlashConfig, tensors: dict[str, torch.Tensor], *,
+                    dtype: str = "float32") -> list[Path]:
+    """Write a checkpoint `load_drafter` (and the published loaders) read: config.json in the published spellings
+    and one model.safetensors of `tensors` (published names) in `dtype`; return the files written. The bytes
+    depend only on the arguments."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_shapes({n: tuple(t.shape) for n, t in tensors.items()}, config, str(out_dir))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.json"
+    config_path.write_text(json.dumps({**config.to_dict(), "torch_dtype": dtype}, indent=2, sort_keys=True) + "\n")
+    weights_path = out / "model.safetensors"
+    save_file({n: t.detach().to(DTYPES[dtype]).contiguous() for n, t in tensors.items()}, str(weights_path),
+              metadata={"format": "pt"})
+    return [config_path, weights_path]
