@@ -189,10 +189,12 @@ def _by_class(x: torch.Tensor, w: WeightArgs, decode_rows: int, out_dtype: torch
     if out is None:
         out = torch.empty(b, m, n, dtype=out_dtype, device=x.device)
     split = min(max(decode_rows, 0), m)
-    if split and exl3_cuda.covers(x, w, schedule(n, k, RowClass.DECODE).block_m):
-        out[:, :split] = exl3_cuda.dense(x[:, :split].contiguous(), w)
-    elif split:
-        _launch(x[:, :split], w, out[:, :split], schedule(n, k, RowClass.DECODE))
+    if split:
+        tile = schedule(n, k, RowClass.DECODE)
+        if exl3_cuda.covers(x, w, tile.block_m):
+            out[:, :split] = exl3_cuda.dense(x[:, :split].contiguous(), w)
+        else:
+            _launch(x[:, :split], w, out[:, :split], tile)
     if split < m:
         _launch(x[:, split:], w, out[:, split:], schedule(n, k, RowClass.PREFILL))
     return out
