@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-iters", type=int, default=3, help="timed iterations per peer config (default 3)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, run one eager forward of each decode batch and prefill length under "
-                        "torch.profiler and record the kernels that take the most GPU time (the results' 'profile' "
-                        "section)")
+                        "torch.profiler and record the kernel launches per step, their GPU time and the names that take the most (the "
+                        "results' 'profile' section; every launch in order in <name>-profile-*.tsv)")
     flags.add(p, shared.RANDOM_WEIGHTS, "draw the linears a quantize recipe selects packed (e.g. w4a16+bf16; see "
               "serve-rank --help); the roofline figures still count weights at --dtype's size", metavar="RECIPE")
     flags.add(p, shared.ENFORCE_EAGER, "time decode steps eagerly (default on a GPU: replay CUDA graphs, as "
@@ -144,6 +144,10 @@ class Results:
         self.json_path = out_dir / f"{stem}.json"
         self.md_path = out_dir / f"{stem}.md"
         out_dir.mkdir(parents=True, exist_ok=True)
+
+    def sibling(self, suffix: str) -> Path:
+        """A further file of this run's results: `<stem>-<suffix>` beside the JSON."""
+        return self.json_path.with_name(f"{self.json_path.stem}-{suffix}")
 
     def write(self) -> None:
         self.json_path.write_text(json.dumps(self.data, indent=2) + "\n")
@@ -356,7 +360,7 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
                 f"{ideal_ms / med:.2%} of roofline; experts hit {experts_hit}")
             if args.profile and device.type == "cuda":
                 res.data.setdefault("profile", {})[f"decode {b}"] = profile_kernels(
-                    lambda: model.forward(make(0), cache))
+                    lambda: model.forward(make(0), cache), sequence=res.sibling(f"profile-decode{b}.tsv"))
                 advance(1)
         except Exception as e:  # noqa: BLE001
             if not is_oom(e):
@@ -415,7 +419,8 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
                 log(f"prefill {n}: median {med:.1f} ms = {n / (med / 1e3):.0f} tok/s, ideal {ideal_ms:.2f} ms -> "
                     f"{ideal_ms / med:.2%} of roofline")
                 if args.profile and device.type == "cuda":
-                    res.data.setdefault("profile", {})[f"prefill {n}"] = profile_kernels(lambda: step(0))
+                    res.data.setdefault("profile", {})[f"prefill {n}"] = profile_kernels(
+                        lambda: step(0), sequence=res.sibling(f"profile-prefill{n}.tsv"))
                 break
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
@@ -465,16 +470,29 @@ def bench_peer(res: Results, spec, device: torch.device, dtype: torch.dtype, arg
     free(device)
 
 
-def profile_kernels(fn, top: int = 25) -> list[dict]:
-    """GPU time per kernel name over one call of `fn` (torch.profiler), the `top` most expensive first."""
+def profile_kernels(fn, top: int = 25, sequence: Path | None = None) -> dict:
+    """GPU time per kernel name over one call of `fn` (torch.profiler): the step's kernel count and GPU total, the
+    `top` most expensive names first, and (when `sequence` is given) every launch in order written there as
+    tab-separated `start_us  gpu_us  kernel`, to see which part of a layer each kernel belongs to."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
-    out = [{"kernel": e.key[:120], "calls": e.count, "gpu_ms": e.device_time_total / 1e3} for e in rows]
-    for r in out:
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total_ms = sum(e.device_time_total for e in rows) / 1e3
+    launches = sum(e.count for e in rows)
+    out = {"kernels": launches, "gpu_ms": total_ms,
+           "top": [{"kernel": e.key[:120], "calls": e.count, "gpu_ms": e.device_time_total / 1e3} for e in rows[:top]]}
+    log(f"  profile: {launches} kernel launches, {total_ms:.3f} ms of GPU time")
+    for r in out["top"]:
         log(f"  profile: {r['gpu_ms']:9.3f} ms  x{r['calls']:<4d} {r['kernel']}")
+    if sequence is not None:
+        from torch.autograd import DeviceType
+        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        t0 = kernels[0].time_range.start if kernels else 0
+        sequence.write_text("".join(f"{e.time_range.start - t0:.1f}\t{e.device_time_total:.1f}\t{e.name[:160]}\n"
+                                    for e in kernels))
     return out
 
 

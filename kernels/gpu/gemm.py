@@ -1,10 +1,11 @@
 """Fixed-schedule GEMM: `out[b] = x[b] @ w[b].T` with a tile schedule that depends on (N, K) and the row class only.
 
 Why not cuBLAS: it picks kernels and split-K by the row count, so one row's bits change with how many rows share
-the call (docs/reference.md §6 measured logits moving by 0.17 at real dims). Here every output element is reduced over K
-in the same order whatever M is: BLOCK_K steps in ascending K inside a split, splits summed in ascending order by
-`_sum_splits`. M only changes how many row tiles run, and the tensor-core product of a row never reads another
-row, so a row's result is the same alone or among 2,048 others.
+the call (docs/reference.md §6 measured logits moving by 0.17 at real dims). Here every output element is reduced
+over K in the same order whatever M is: BLOCK_K steps in ascending K inside a split, splits summed in ascending
+order by the tile's last split to finish (in the same launch: no second kernel adds the splits). M only changes how
+many row tiles run, and the tensor-core product of a row never reads another row, so a row's result is the same
+alone or among 2,048 others.
 
 Two row classes get two schedules (docs/design.md §5.1; TensorFold does the same): decode-class rows (decode steps and
 verify windows) are few and memory-bound, so their schedule splits K to put enough programs on the chip; prompt
@@ -81,10 +82,11 @@ def decode_split(n: int, k: int, block_n: int, block_k: int) -> int:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
-                 sxb, sxm, sxk, swb, swn, swk, ssb, ssn, ssk, sob, sos, som, son,
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per_split,
+                 sxb, sxm, sxk, swb, swn, swk, ssb, ssn, ssk, sob, som, son, wss, wsb, wsm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
+                 SPLIT: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr,
+                 SB_K: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     batch = tl.program_id(2)
@@ -114,19 +116,38 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    out = out_ptr + batch * sob + split * sos + rm[:, None] * som + rn[None, :] * son
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    out = out_ptr + batch * sob + rm[:, None] * som + rn[None, :] * son
+    if SPLIT == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        # Split K: each split parks its fp32 partial, and whichever split of the tile finishes last adds all of
+        # them in split order (0, 1, ...) and writes the output — the same sum whatever the arrival order, with
+        # no second launch. The tile's arrival counter goes back to 0 for the next launch (or graph replay).
+        part = ws_ptr + batch * wsb + rm[:, None] * wsm + rn[None, :]
+        tl.store(part + split * wss, acc, mask=inside)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        tile = count_ptr + batch * tl.num_programs(0) + pid
+        if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.load(part, mask=inside, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                total += tl.load(part + s * wss, mask=inside, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
+            tl.atomic_xchg(tile, 0)
 
 
-@triton.jit
-def _sum_splits(ws_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """out = ws[0] + ws[1] + ... in split order (fp32), cast to out's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+# Arrival counters of split-K tiles, per device: zeroed once, and every launch leaves them zero again. Launches on
+# one device run one after another on the forward's stream (or in its CUDA graphs), so one table serves them all.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 20
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    if tiles > _MAX_TILES:
+        raise ValueError(f"a split-K launch of {tiles} tiles exceeds the {_MAX_TILES} arrival counters")
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> None:
@@ -140,24 +161,16 @@ def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> No
     per_split = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), tile.split_k, b)
     if tile.split_k == 1:
-        target, sos = out, 0
+        ws = counts = out  # unused
     else:
-        target = torch.empty(tile.split_k, b, m, n, dtype=torch.float32, device=x.device)
-        sos = target.stride(0)
-    tb = target if tile.split_k == 1 else target[0]
-    _gemm_kernel[grid](x, w.data, w.scale, target, m, n, k, per_split,
+        ws = torch.empty(tile.split_k, b, m, n, dtype=torch.float32, device=x.device)
+        counts = _counters(x.device, grid[0] * b)
+    _gemm_kernel[grid](x, w.data, w.scale, out, ws, counts, m, n, k, per_split,
                        x.stride(0), x.stride(1), x.stride(2), *w.strides(),
-                       tb.stride(0), sos, tb.stride(1), tb.stride(2),
+                       out.stride(0), out.stride(1), out.stride(2), b * m * n, m * n, n,
                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                       IEEE=x.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n, SB_K=w.block_k,
-                       num_warps=tile.warps, num_stages=tile.stages)
-    if tile.split_k > 1:
-        numel = b * m * n
-        block = 1024
-        dst = out if out.is_contiguous() else torch.empty(b, m, n, dtype=out.dtype, device=out.device)
-        _sum_splits[(triton.cdiv(numel, block),)](target, dst, numel, SPLIT=tile.split_k, BLOCK=block)
-        if dst is not out:
-            out.copy_(dst)
+                       SPLIT=tile.split_k, IEEE=x.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n,
+                       SB_K=w.block_k, num_warps=tile.warps, num_stages=tile.stages)
 
 
 def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dtype: torch.dtype | None = None,

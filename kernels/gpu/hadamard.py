@@ -11,8 +11,10 @@ decoded trellis tiles T as they are and these kernels rotate the rows around it.
 Exactness (docs/design.md §5.1): each program transforms whole 128-blocks of BLOCK_R rows with one fixed butterfly order
 (the twin's `fwht`: pairs (i, i + h) for h = 1, 2, ..., 64, (a + b, a - b)) in float32, so a row's result depends on
 that row only, never on how many rows share the call. Rows can be gathered (`src_rows`: MoE slots read their
-token's row), take their sign/scale vector from a stack (`vec_rows`: each slot its expert's), be scattered
-(`out_rows`) and scaled (`row_weight`: a routing weight); index -1 (or a vector row past the stack) = no row.
+token's row), take their sign/scale vector from a stack (`vec_rows`: each slot its expert's; a second stack for a
+second output in the same launch: gate's and up's), be scattered (`out_rows`) and scaled (`row_weight`: a routing
+weight); index -1 (or a vector row past the stack) = no row. `rotate_out_swiglu` ends a gate / up pair with the
+SwiGLU in the same launch.
 """
 
 from __future__ import annotations
@@ -54,12 +56,15 @@ def had128(v, R: tl.constexpr):
 
 
 @triton.jit
-def _rotate_kernel(src_ptr, vec_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, out_rows_ptr, weight_ptr,
+def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, out_rows_ptr, weight_ptr,
                    R, C, V, rows_per_vec, ssr, svr, sor, scale,
                    PRE: tl.constexpr, SRC_ROWS: tl.constexpr, VEC_ROWS: tl.constexpr, OUT_ROWS: tl.constexpr,
                    WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, ROUNDED_MUL: tl.constexpr):
+    """Rows [R, C] in 128-blocks. Program axis 2 picks the vector stack (vec, or vec2 for a second output of the
+    same rows written R rows further on: the MoE's gate and up rotate one gathered input in one launch)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * 128 + tl.arange(0, 128)
+    second = tl.program_id(2)
     in_range = r < R
     srow = tl.load(src_rows_ptr + r, mask=in_range, other=-1) if SRC_ROWS else r
     vrow = tl.load(vec_rows_ptr + r, mask=in_range, other=V) if VEC_ROWS else r // rows_per_vec
@@ -70,7 +75,10 @@ def _rotate_kernel(src_ptr, vec_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, out_ro
     orow = tl.where(live, orow, 0).to(tl.int64)
     m = live[:, None]
     x = tl.load(src_ptr + srow[:, None] * ssr + c[None, :], mask=m, other=0.0).to(tl.float32)
-    vec = tl.load(vec_ptr + vrow[:, None] * svr + c[None, :], mask=m, other=0.0).to(tl.float32)
+    if second == 0:
+        vec = tl.load(vec_ptr + vrow[:, None] * svr + c[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        vec = tl.load(vec2_ptr + vrow[:, None] * svr + c[None, :], mask=m, other=0.0).to(tl.float32)
     if PRE:  # input side: sign/scale, then rotate
         # The product rounded on its own, as the twin's is: the compiler may otherwise fuse it into the first
         # butterfly's add (an fma: one rounding fewer, other bits). mul_rn is never contracted.
@@ -81,29 +89,60 @@ def _rotate_kernel(src_ptr, vec_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, out_ro
         y = had128(x, BLOCK_R) * scale
     else:  # output side: rotate, then sign/scale
         y = had128(x, BLOCK_R) * (vec * scale)
-    if WEIGHT:
-        y = y * tl.load(weight_ptr + orow, mask=live, other=0.0)[:, None]
+    if WEIGHT:  # one weight per input row (a MoE slot's routing weight)
+        y = y * tl.load(weight_ptr + r, mask=live, other=0.0)[:, None]
     if OUT_ROWS:  # scattered rows: only live ones are written
         tl.store(out_ptr + orow[:, None] * sor + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
     else:  # dense rows: dead ones (empty MoE slots) become 0
-        tl.store(out_ptr + r.to(tl.int64)[:, None] * sor + c[None, :], tl.where(m, y, 0.0).to(out_ptr.dtype.element_ty),
+        out_row = (second * R + r).to(tl.int64)
+        tl.store(out_ptr + out_row[:, None] * sor + c[None, :], tl.where(m, y, 0.0).to(out_ptr.dtype.element_ty),
                  mask=in_range[:, None])
+
+
+@triton.jit
+def _rotate_out_swiglu_kernel(g_ptr, u_ptr, gvec_ptr, uvec_ptr, vec_rows_ptr, h_ptr, R, C, V, limit, scale,
+                              BLOCK_R: tl.constexpr):
+    """h = SwiGLU(rotate_out(g), rotate_out(u)) per row: each projection rotated, scaled and rounded to the output
+    dtype exactly as `rotate_out` does, then `kernels/gpu/moe.py`'s `_swiglu_kernel` arithmetic."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * 128 + tl.arange(0, 128)
+    in_range = r < R
+    vrow = tl.load(vec_rows_ptr + r, mask=in_range, other=V)
+    live = in_range & (vrow < V)
+    vrow = tl.where(live, vrow, 0).to(tl.int64)
+    m = live[:, None]
+    rows = r.to(tl.int64)[:, None] * C + c[None, :]
+    act = h_ptr.dtype.element_ty
+    g = tl.load(g_ptr + rows, mask=m, other=0.0)
+    g = had128(g, BLOCK_R) * (tl.load(gvec_ptr + vrow[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+                              * scale)
+    u = tl.load(u_ptr + rows, mask=m, other=0.0)
+    u = had128(u, BLOCK_R) * (tl.load(uvec_ptr + vrow[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+                              * scale)
+    g = tl.minimum(tl.where(m, g, 0.0).to(act).to(tl.float32), limit)
+    u = tl.where(m, u, 0.0).to(act).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
+    tl.store(h_ptr + rows, (s * u).to(act), mask=in_range[:, None])
 
 
 def _rows(src: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, pre: bool, scale: float,
           src_rows: torch.Tensor | None, vec_rows: torch.Tensor | None, out_rows: torch.Tensor | None,
-          row_weight: torch.Tensor | None, rows_per_vec: int) -> torch.Tensor:
-    r = out.shape[0] if out_rows is None else out_rows.shape[0]
+          row_weight: torch.Tensor | None, rows_per_vec: int, vec2: torch.Tensor | None = None) -> torch.Tensor:
+    r = (out.shape[0] // (2 if vec2 is not None else 1)) if out_rows is None else out_rows.shape[0]
     c = src.shape[1]
     if c % HAD or vec.shape[-1] != c or src.stride(1) != 1 or out.stride(1) != 1 or vec.stride(-1) != 1:
         raise ValueError(f"rotate: rows of {c} (a multiple of {HAD}, unit stride) with vectors {list(vec.shape)}")
-    vec2 = vec.reshape(-1, c)
+    vec2d = vec.reshape(-1, c)
+    other = vec2d if vec2 is None else vec2.reshape(-1, c)
+    if other.shape != vec2d.shape or other.stride() != vec2d.stride():
+        raise ValueError("rotate: the two vector stacks must have one shape and layout")
     dummy = torch.empty(1, dtype=torch.int32, device=src.device)
     if r:
-        _rotate_kernel[(triton.cdiv(r, _BLOCK_R), c // HAD)](
-            src, vec2, out, dummy if src_rows is None else src_rows, dummy if vec_rows is None else vec_rows,
+        _rotate_kernel[(triton.cdiv(r, _BLOCK_R), c // HAD, 1 if vec2 is None else 2)](
+            src, vec2d, other, out, dummy if src_rows is None else src_rows, dummy if vec_rows is None else vec_rows,
             dummy if out_rows is None else out_rows, out if row_weight is None else row_weight,
-            r, c, vec2.shape[0], max(rows_per_vec, 1), src.stride(0), vec2.stride(0), out.stride(0), float(scale),
+            r, c, vec2d.shape[0], max(rows_per_vec, 1), src.stride(0), vec2d.stride(0), out.stride(0), float(scale),
             PRE=pre, SRC_ROWS=src_rows is not None, VEC_ROWS=vec_rows is not None, OUT_ROWS=out_rows is not None,
             WEIGHT=row_weight is not None, BLOCK_R=_BLOCK_R, ROUNDED_MUL=not _INTERPRETED)
     return out
@@ -115,23 +154,42 @@ def operand_dtype(act: torch.dtype) -> torch.dtype:
 
 
 def rotate_in(x: torch.Tensor, suh: torch.Tensor, *, rows: int | None = None, src_rows: torch.Tensor | None = None,
-              vec_rows: torch.Tensor | None = None, rows_per_vec: int | None = None) -> torch.Tensor:
+              vec_rows: torch.Tensor | None = None, rows_per_vec: int | None = None,
+              suh2: torch.Tensor | None = None) -> torch.Tensor:
     """had(x[row] * suh[vector of row]) / 8 per row -> [rows, C] in `operand_dtype(x.dtype)`.
 
     x [R, C]; suh [V, C] (or [C]). Rows are x's own unless `src_rows` gathers them; the vector of output row r is
-    `vec_rows[r]` or r // rows_per_vec (default: all rows share suh[0])."""
+    `vec_rows[r]` or r // rows_per_vec (default: all rows share suh[0]). With `suh2` (a second stack of suh's
+    shape), the same rows are rotated with it too, in the same launch: -> [2 * rows, C], suh2's rows second."""
     n = rows if rows is not None else (src_rows.shape[0] if src_rows is not None else x.shape[0])
-    out = torch.empty(n, x.shape[1], dtype=operand_dtype(x.dtype), device=x.device)
-    return _rows(x, suh, out, True, IN_SCALE, src_rows, vec_rows, None, None, rows_per_vec or max(n, 1))
+    out = torch.empty(n * (1 if suh2 is None else 2), x.shape[1], dtype=operand_dtype(x.dtype), device=x.device)
+    return _rows(x, suh, out, True, IN_SCALE, src_rows, vec_rows, None, None, rows_per_vec or max(n, 1), suh2)
 
 
 def rotate_out(acc: torch.Tensor, svh: torch.Tensor, out_dtype: torch.dtype, *, vec_rows: torch.Tensor | None = None,
                rows_per_vec: int | None = None, out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
                row_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """had(acc[row]) * svh[vector of row] / 16 (* row_weight[out row]) per row of a float32 [R, C] accumulator.
+    """had(acc[row]) * svh[vector of row] / 16 (* row_weight[row]) per row of a float32 [R, C] accumulator.
 
     Written to `out` (new [R, C] if None) at row r, or at `out_rows[r]` (rows with index -1 skipped)."""
     if out is None:
         out = torch.empty(acc.shape[0], acc.shape[1], dtype=out_dtype, device=acc.device)
     return _rows(acc, svh, out, False, OUT_SCALE, None, vec_rows, out_rows, row_weight,
                  rows_per_vec or max(acc.shape[0], 1))
+
+
+def rotate_out_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_svh: torch.Tensor, up_svh: torch.Tensor,
+                      vec_rows: torch.Tensor, limit: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """GLM's clamped SwiGLU of two rotated-out float32 accumulators [R, C] (gate's and up's, row r's vectors
+    `vec_rows[r]` of each stack) -> [R, C] in out_dtype: the bits of `rotate_out` on each, then SwiGLU, in one
+    launch; rows whose vector index is past the stacks (empty MoE slots) give 0."""
+    r, c = gate.shape
+    if up.shape != gate.shape or c % HAD or gate_svh.shape != up_svh.shape or gate_svh.shape[-1] != c:
+        raise ValueError(f"rotate_out_swiglu: accumulators {list(gate.shape)} / {list(up.shape)}, vectors "
+                         f"{list(gate_svh.shape)} / {list(up_svh.shape)}")
+    h = torch.empty(r, c, dtype=out_dtype, device=gate.device)
+    if r:
+        _rotate_out_swiglu_kernel[(triton.cdiv(r, _BLOCK_R), c // HAD)](
+            gate.contiguous(), up.contiguous(), gate_svh.contiguous(), up_svh.contiguous(), vec_rows, h, r, c,
+            gate_svh.shape[0], float(limit), OUT_SCALE, BLOCK_R=_BLOCK_R)
+    return h

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.gpu import exl3_cuda, hadamard
-from kernels.gpu.moe_groups import Groups, group_pairs
+from kernels.gpu.moe_groups import Groups, group_pairs, slot_tables
 from kernels.gpu.gemm import RowClass
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -262,40 +262,24 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     The stacks hold the shards' experts one block after another ([shards * (E+1), ...]: gate / up with the shard's
     I_local outputs, down with its I_local inputs). Shard s's rows are a copy of the slot grid whose tiles read
     expert block s * (E+1) + e, so each row's arithmetic is the one-shard launch's: the tiles and the grouping are
-    the same for every shard."""
+    the same for every shard. Launches: grouping, its tables, gate and up rotated in together, their two
+    products, their rotations out with the SwiGLU, down's rotation in, product and rotation out, the combine."""
     t, d = x.shape
     n_exp = gate.data.shape[0] // shards
-    pairs_per_row = ids.shape[1]
     groups = group_pairs(ids, n_exp, tile.block_m)
-    pair = groups.pair_of_slot
-    cap = pair.shape[0]
-    n_pairs = t * pairs_per_row
-    token = torch.where(pair >= 0, pair // pairs_per_row, -1).to(torch.int32)
-    offsets = torch.arange(shards, device=x.device, dtype=torch.int32)[:, None] * n_exp
-    # each shard's tiles read its own expert block; unused tiles (expert n_exp) a sentinel past every block
-    block_expert = torch.where(groups.expert_of_block[None, :] < n_exp, groups.expert_of_block[None, :] + offsets,
-                               shards * n_exp).reshape(-1).to(torch.int32)
-    all_shards = Groups(pair.repeat(shards), block_expert, groups.blocks * shards)
-    # each row's expert (expand, not repeat_interleave: no host sync)
-    expert = block_expert[:, None].expand(-1, tile.block_m).reshape(-1)
-    act = x.dtype
-
-    def projection(src: torch.Tensor, w: WeightArgs, src_rows: torch.Tensor | None) -> torch.Tensor:
-        u = hadamard.rotate_in(src, w.suh, rows=shards * cap, src_rows=src_rows, vec_rows=expert)
-        return _grouped(u, w, all_shards, tile)
-
-    g = hadamard.rotate_out(projection(x, gate, token.repeat(shards)), gate.svh, act, vec_rows=expert)
-    u = hadamard.rotate_out(projection(x, up, token.repeat(shards)), up.svh, act, vec_rows=expert)
-    h = torch.empty_like(g)  # row (s, slot): shard s's I_local columns, down's input for that shard
+    tables = slot_tables(groups, weights, n_exp, shards)
+    rows = tables.token.shape[0]
+    gu = hadamard.rotate_in(x, gate.suh, rows=rows, src_rows=tables.token, vec_rows=tables.vec, suh2=up.suh)
+    h = hadamard.rotate_out_swiglu(_grouped(gu[:rows], gate, tables.grouped, tile),
+                                   _grouped(gu[rows:], up, tables.grouped, tile), gate.svh, up.svh, tables.vec,
+                                   limit, x.dtype)  # row (s, slot): shard s's I_local columns, down's input
+    y = torch.empty(shards, t * ids.shape[1], d, dtype=torch.float32, device=x.device)
+    acc = _grouped(hadamard.rotate_in(h, down.suh, vec_rows=tables.vec), down, tables.grouped, tile)
+    hadamard.rotate_out(acc, down.svh, torch.float32, vec_rows=tables.vec, out=y.view(-1, d), out_rows=tables.out_row,
+                        row_weight=tables.weight)
     block = 1024
-    _swiglu_kernel[(triton.cdiv(h.numel(), block),)](g, u, h, h.numel(), float(limit), BLOCK=block)
-    y = torch.empty(shards, n_pairs, d, dtype=torch.float32, device=x.device)
-    shard = torch.arange(shards, device=x.device)[:, None]
-    out_rows = torch.where(pair[None, :] >= 0, pair[None, :] + shard * n_pairs, -1)
-    hadamard.rotate_out(projection(h, down, None), down.svh, torch.float32, vec_rows=expert, out=y.view(-1, d),
-                        out_rows=out_rows.reshape(-1).to(torch.int32), row_weight=weights.reshape(-1).repeat(shards))
     _combine_kernel[(t, triton.cdiv(d, block), shards)](y, ids, out, n_exp, d, t, out.shape[1], row0,
-                                                        PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
+                                                        PAIRS_PER_ROW=ids.shape[1], BLOCK=block)
 
 
 def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,

@@ -64,6 +64,28 @@ def test_rotations_are_the_twins_butterflies() -> None:
     assert torch.equal(got_out, exl3.fwht(x) * (svh.float()[vec.squeeze(1)] * hadamard.OUT_SCALE))
 
 
+def test_paired_and_fused_rotations_equal_the_single_ones() -> None:
+    """The MoE's one-launch forms: gate's and up's rotations in of gathered rows (a second vector stack) equal two
+    single rotations; rotate_out_swiglu equals each accumulator rotated out, then the SwiGLU kernel, bit for bit
+    (dead rows: an empty slot's gather (-1) or a vector row past the stacks)."""
+    x = randn(7, 256, seed=11)
+    suh, suh2 = randn(3, 256, dtype=torch.float16, seed=12), randn(3, 256, dtype=torch.float16, seed=13)
+    src = torch.tensor([4, -1, 0, 6, 6, 2, 1, 3, 5, 0, -1], dtype=torch.int32, device=DEVICE)
+    vec = torch.tensor([0, 3, 2, 1, 1, 0, 2, 2, 3, 1, 0], dtype=torch.int32, device=DEVICE)
+    both = hadamard.rotate_in(x, suh, src_rows=src, vec_rows=vec, suh2=suh2)
+    assert torch.equal(both[:11], hadamard.rotate_in(x, suh, src_rows=src, vec_rows=vec))
+    assert torch.equal(both[11:], hadamard.rotate_in(x, suh2, src_rows=src, vec_rows=vec))
+    g, u = randn(11, 256, dtype=torch.float32, seed=14, scale=40.0), randn(11, 256, dtype=torch.float32, seed=15)
+    svh, svh2 = randn(3, 256, dtype=torch.float16, seed=16), randn(3, 256, dtype=torch.float16, seed=17)
+    fused = hadamard.rotate_out_swiglu(g, u, svh, svh2, vec, 7.0, HALF)
+    g_out = hadamard.rotate_out(g, svh, HALF, vec_rows=vec)
+    u_out = hadamard.rotate_out(u, svh2, HALF, vec_rows=vec)
+    single = torch.empty_like(g_out)
+    moe._swiglu_kernel[(1,)](g_out, u_out, single, single.numel(), 7.0, BLOCK=4096)
+    assert torch.equal(fused, single)
+    assert bool((fused[vec >= 3] == 0).all())
+
+
 @pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 2)])
 def test_matmul_matches_the_dequantized_twin(rows: int, codebook: str, bits: float) -> None:

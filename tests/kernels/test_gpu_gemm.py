@@ -34,6 +34,22 @@ def test_decode_schedule_splits_k_and_sums_in_order() -> None:
     torch.testing.assert_close(out.double(), reference(x, w), rtol=1e-3, atol=0.1)
 
 
+def test_split_k_leaves_its_counters_zero_and_writes_strided_outputs() -> None:
+    """The last split of a tile adds the partials and resets the tile's arrival counter, so the next launch (or a
+    CUDA graph's replay) starts from zero; a strided output view (a column run of a wider projection) is written
+    in place with the same bits as a contiguous one."""
+    n, k = 256, 4096
+    assert gemm.schedule(n, k, gemm.RowClass.DECODE).split_k > 1
+    x, w = randn(5, k, seed=7).unsqueeze(0), randn(n, k, seed=8).unsqueeze(0)
+    first = gemm.bmm(x, w, CLASSES["decode"], torch.float32)
+    assert int(gemm._COUNTERS[first.device].abs().sum()) == 0
+    wide = torch.full((1, 5, n + 64), -1.0, device=first.device)
+    gemm.bmm(x, w, CLASSES["decode"], torch.float32, out=wide[:, :, 32 : 32 + n])
+    assert torch.equal(wide[:, :, 32 : 32 + n], first)
+    assert bool((wide[:, :, :32] == -1).all()) and bool((wide[:, :, 32 + n :] == -1).all())
+    assert torch.equal(gemm.bmm(x, w, CLASSES["decode"], torch.float32), first)
+
+
 def _weight(fmt: str, n: int, k: int, seed: int):
     """A [N, K] weight as the kernels read it: dense, fp8 (128-blocks) or int4 (group 128)."""
     from kernels.gpu import wtiles

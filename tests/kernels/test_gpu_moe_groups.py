@@ -51,3 +51,29 @@ def test_group_pairs_takes_the_fused_way_up_to_its_limit(monkeypatch) -> None:
     monkeypatch.setattr(moe_groups, "FUSED_PAIRS", ids.numel() - 1)
     moe_groups.group_pairs(ids, 9, 16)
     assert taken == ["fused", "torch"]
+
+
+def test_slot_tables_follow_the_grouping() -> None:
+    """Each (shard, slot) row's token, expert vector row, output row and weight, and each shard's tiles reading
+    its own expert block — as the grouping's tables say, recomputed here with plain indexing."""
+    rows, per_row, experts, shards, block_m = 6, 4, 11, 3, 16
+    ids = routing(rows, per_row, experts, absent=1, seed=5)
+    weights = torch.rand(rows, per_row, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    groups = moe_groups.group_pairs(ids, experts, block_m)
+    t = moe_groups.slot_tables(groups, weights, experts, shards)
+    pair, blk = groups.pair_of_slot.cpu().long(), groups.expert_of_block.cpu().long()
+    cap, n_pairs = pair.numel(), ids.numel()
+    for s in range(shards):
+        lo = s * cap
+        has = pair >= 0
+        expert = blk[torch.arange(cap) // block_m]
+        assert torch.equal(t.grouped.pair_of_slot[lo : lo + cap].cpu(), pair.int())
+        assert torch.equal(t.token[lo : lo + cap].cpu(), torch.where(has, pair // per_row, -1).int())
+        assert torch.equal(t.vec[lo : lo + cap].cpu(),
+                           torch.where(expert < experts, expert + s * experts, shards * experts).int())
+        assert torch.equal(t.out_row[lo : lo + cap].cpu(), torch.where(has, pair + s * n_pairs, -1).int())
+        assert torch.equal(t.weight[lo : lo + cap].cpu(),
+                           torch.where(has, weights.reshape(-1).cpu()[pair.clamp(min=0)], 0.0))
+        tiles = t.grouped.expert_of_block[s * groups.blocks : (s + 1) * groups.blocks].cpu()
+        assert torch.equal(tiles, torch.where(blk < experts, blk + s * experts, shards * experts).int())
+    assert t.grouped.blocks == shards * groups.blocks
