@@ -1,8 +1,17 @@
-"""mHC around a block on the GPU, one program per row. Torch twins: kernels/mhc.py (hc_weights, collapse, expand)
-and kernels/norms.py (rms_norm), composed as `kernels.mhc.pre` / `kernels.mhc.post` do.
+"""mHC around a block on the GPU. Torch twins: kernels/mhc.py (hc_weights, collapse, expand) and kernels/norms.py
+(rms_norm), composed as `kernels.mhc.pre` / `kernels.mhc.post` do.
 
-`pre`: the small projection to (pre, post, comb) as a fixed-schedule GEMM, then per row the streams' RMS, the
-Sinkhorn iterations, the collapse and the block's input RMSNorm — two launches for what torch runs as ~60.
+`pre`: the small projection of the flattened streams to (pre, post, comb), then per row the streams' RMS, the
+Sinkhorn iterations, the collapse and the block's input RMSNorm — two launches per row class for what torch runs as
+~60. The projection is [T, hc*D] x [hc*(2+hc), hc*D]^T: N is 24 for hc=4, K is 16,384 at D=4,096.
+- Decode-class rows: `_proj_kernel` splits K into fixed chunks (a function of hc and D only) and writes each
+  chunk's fp32 partial products; `_pre_decode_kernel` sums them in chunk order and does the rest with the whole row
+  in registers (one read of the streams, one write of the output). The general GEMM's decode schedule would tile
+  N=24 into a 128-wide tile (81% of it padding) with K split only 16 ways (16 programs streaming fn at one row),
+  then a third launch to sum the splits, and `_pre_kernel` reads the row three times with 4 warps: ~17.5 us per
+  block on an H200 at batch 1.
+- Prompt rows: the fixed-schedule GEMM's prompt schedule (compute-bound: big tiles pay off), then `_pre_kernel`,
+  one program per row streaming D in blocks (any D).
 `post`: the ordered sum of the row-parallel partials (virtual shard order), then the expand.
 """
 
@@ -14,12 +23,36 @@ import triton.language as tl
 
 from kernels.gpu import gemm
 
+# Decode projection: K elements per program (64 programs per 16 rows at K=16,384, each streaming a 12 KB slice of fn)
+# and rows per program (tl.dot's smallest M: fn is read once per 16 rows, and a tile's row never reads another row).
+_CHUNK = 256
+_ROWS = 16
+
+
+@triton.jit
+def _hc_weights(m_pre, m_post, m_comb, base_ptr, scale_ptr, hc_eps, ITERS: tl.constexpr, HC: tl.constexpr):
+    """(pre [HC], post [HC], comb [HC, HC]) from the RMS-scaled projection: sigmoids, then softmax + Sinkhorn."""
+    st = tl.arange(0, HC)
+    s_pre = tl.load(scale_ptr)
+    s_post = tl.load(scale_ptr + 1)
+    s_comb = tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(m_pre * s_pre + tl.load(base_ptr + st)) + hc_eps
+    post = 2.0 * tl.sigmoid(m_post * s_post + tl.load(base_ptr + HC + st))
+    logits = m_comb * s_comb + tl.load(base_ptr + 2 * HC + st[:, None] * HC + st[None, :])
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in tl.static_range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    return pre, post, comb
+
 
 @triton.jit
 def _pre_kernel(s_ptr, mixed_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps,
                 rms_eps, ITERS: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One row: RMS of the flattened streams scales the raw projection (`mixed` = streams @ fn^T, from the GEMM),
-    then pre / post / comb with Sinkhorn, then the collapse and the block's RMSNorm."""
+    """One prompt row: RMS of the flattened streams scales the raw projection (`mixed` = streams @ fn^T, from the
+    GEMM), then pre / post / comb with Sinkhorn, then the collapse and the block's RMSNorm."""
     row = tl.program_id(0).to(tl.int64)
     act = h_ptr.dtype.element_ty
     st = tl.arange(0, HC)
@@ -35,19 +68,7 @@ def _pre_kernel(s_ptr, mixed_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, 
     m_pre = tl.load(mixed_ptr + row * n_mix + st) * rstd
     m_post = tl.load(mixed_ptr + row * n_mix + HC + st) * rstd
     m_comb = tl.load(mixed_ptr + row * n_mix + 2 * HC + st[:, None] * HC + st[None, :]) * rstd
-
-    s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(m_pre * s_pre + tl.load(base_ptr + st)) + hc_eps
-    post = 2.0 * tl.sigmoid(m_post * s_post + tl.load(base_ptr + HC + st))
-    logits = m_comb * s_comb + tl.load(base_ptr + 2 * HC + st[:, None] * HC + st[None, :])
-    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    for _ in tl.static_range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    pre, post, comb = _hc_weights(m_pre, m_post, m_comb, base_ptr, scale_ptr, hc_eps, ITERS, HC)
     tl.store(post_ptr + row * HC + st, post)
     tl.store(comb_ptr + row * HC * HC + st[:, None] * HC + st[None, :], comb)
 
@@ -70,25 +91,100 @@ def _pre_kernel(s_ptr, mixed_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, 
         tl.store(h_ptr + row * D + d, (w * (cf * rstd2).to(act).to(tl.float32)).to(act), mask=dm)
 
 
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel (one arithmetic) for M = 1 and M > 1
+def _proj_kernel(x_ptr, fn_ptr, ws_ptr, M, K, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CHUNK: tl.constexpr, IEEE: tl.constexpr):
+    """ws[row, chunk, :] = x[row, chunk's K] @ fn[:, chunk's K]^T in fp32, for BLOCK_M rows and one chunk of K."""
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    chunk = tl.program_id(1)
+    kk = chunk * CHUNK + tl.arange(0, CHUNK)
+    rn = tl.arange(0, BLOCK_N)
+    a = tl.load(x_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+    b = tl.load(fn_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+    if IEEE:  # fp32 streams (the fp32 test models): true fp32 products, as the GEMM (tl.dot would round to tf32)
+        part = tl.dot(a, b, input_precision="ieee")
+    else:
+        part = tl.dot(a, b)
+    out = ws_ptr + (rm[:, None] * tl.num_programs(1) + chunk) * N + rn[None, :]
+    tl.store(out, part, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _pre_decode_kernel(s_ptr, ws_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps,
+                       rms_eps, CHUNKS: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One decode row, its whole [HC, D] streams held in registers: the same math as `_pre_kernel` with the
+    projection summed from `_proj_kernel`'s partials, and one read of the streams instead of three."""
+    row = tl.program_id(0).to(tl.int64)
+    act = h_ptr.dtype.element_ty
+    st = tl.arange(0, HC)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    x = tl.load(s_ptr + row * HC * D + st[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (HC * D) + norm_eps)
+    n_mix = HC * (2 + HC)
+    parts = ws_ptr + row * CHUNKS * n_mix
+    m_pre = tl.load(parts + st)
+    m_post = tl.load(parts + HC + st)
+    m_comb = tl.load(parts + 2 * HC + st[:, None] * HC + st[None, :])
+    for c in tl.static_range(1, CHUNKS):  # ascending chunk order; unrolled so the small loads are all in flight
+        m_pre += tl.load(parts + c * n_mix + st)
+        m_post += tl.load(parts + c * n_mix + HC + st)
+        m_comb += tl.load(parts + c * n_mix + 2 * HC + st[:, None] * HC + st[None, :])
+    pre, post, comb = _hc_weights(m_pre * rstd, m_post * rstd, m_comb * rstd, base_ptr, scale_ptr, hc_eps, ITERS, HC)
+    tl.store(post_ptr + row * HC + st, post)
+    tl.store(comb_ptr + row * HC * HC + st[:, None] * HC + st[None, :], comb)
+
+    # The collapse rounded to the activation dtype (as the twin) before its RMS, then the normalised output.
+    cf = tl.sum(pre[:, None] * x, axis=0).to(act).to(tl.float32)
+    rstd2 = 1.0 / tl.sqrt(tl.sum(cf * cf, axis=0) / D + rms_eps)
+    w = tl.load(nw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(h_ptr + row * D + d, (w * (cf * rstd2).to(act).to(tl.float32)).to(act), mask=dm)
+
+
+def _decode_rows(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                 norm_weight: torch.Tensor, h: torch.Tensor, post_w: torch.Tensor, comb: torch.Tensor, hc_eps: float,
+                 norm_eps: float, rms_eps: float, *, iters: int) -> None:
+    """`pre` for decode-class rows, written into h / post_w / comb: the split-K projection, then one program per
+    row. The chunk count depends on hc and D only, so a row's sums never depend on how many rows share the call."""
+    m, hc, d = streams.shape
+    n_mix, k = fn.shape
+    chunks = triton.cdiv(k, _CHUNK)
+    ws = torch.empty(m, chunks, n_mix, dtype=torch.float32, device=streams.device)
+    _proj_kernel[(triton.cdiv(m, _ROWS), chunks)](streams, fn, ws, m, k, n_mix, BLOCK_M=_ROWS,
+                                                  BLOCK_N=max(16, triton.next_power_of_2(n_mix)), CHUNK=_CHUNK,
+                                                  IEEE=streams.dtype == torch.float32, num_warps=4)
+    block_d = triton.next_power_of_2(d)
+    # About 32 fp32 stream values per thread (16 warps for hc=4, D=4,096): the row fits in registers.
+    warps = min(16, max(4, hc * block_d // 1024))
+    _pre_decode_kernel[(m,)](streams, ws, base, scale, norm_weight, h, post_w, comb, d, hc_eps, norm_eps, rms_eps,
+                             CHUNKS=chunks, ITERS=iters, HC=hc, BLOCK_D=block_d, num_warps=warps)
+
+
 def pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor,
         *, eps: float, norm_eps: float, rms_eps: float, iters: int, decode_rows: int
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, hc, D] -> (block input [T, D] normed, post [T, hc] fp32, comb [T, hc, hc] fp32).
 
-    The projection of the flattened streams goes through the fixed-schedule GEMM (rows [0, decode_rows) are
-    decode-class): unnormalised bf16 products summed in fp32, scaled by the row's RMS afterwards — the twin
-    normalises first, the same value up to rounding."""
+    Rows [0, decode_rows) are decode-class, the rest prompt rows; each class runs its own two launches (see the
+    module docstring). The projection is of the unnormalised streams (half-precision products summed in fp32),
+    scaled by the row's RMS afterwards — the twin normalises first, the same value up to rounding."""
     t, hc, d = streams.shape
     streams = streams.contiguous()
     h = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
-    post = torch.empty(t, hc, dtype=torch.float32, device=streams.device)
+    post_w = torch.empty(t, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(t, hc, hc, dtype=torch.float32, device=streams.device)
-    if t:
-        mixed = gemm.matmul(streams.view(t, hc * d), fn, decode_rows, torch.float32)
-        _pre_kernel[(t,)](streams, mixed, base.float().contiguous(), scale.float().contiguous(), norm_weight, h, post,
-                          comb, d, float(eps), float(norm_eps), float(rms_eps), ITERS=iters, HC=hc,
-                          BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4)
-    return h, post, comb
+    split = min(max(decode_rows, 0), t)
+    consts = (base.float().contiguous(), scale.float().contiguous(), norm_weight)
+    eps_args = (float(eps), float(norm_eps), float(rms_eps))
+    if split:
+        s, outs = streams[:split], (h[:split], post_w[:split], comb[:split])
+        _decode_rows(s, fn.contiguous(), *consts, *outs, *eps_args, iters=iters)
+    if split < t:
+        s = streams[split:]
+        mixed = gemm.matmul(s.view(t - split, hc * d), fn, 0, torch.float32)
+        _pre_kernel[(t - split,)](s, mixed, *consts, h[split:], post_w[split:], comb[split:], d, *eps_args,
+                                  ITERS=iters, HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4)
+    return h, post_w, comb
 
 
 @triton.jit

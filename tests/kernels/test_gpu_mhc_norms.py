@@ -3,6 +3,7 @@ invariance."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.kernels.gpu_support import DEVICE, HALF, HALF_TOL, randn
@@ -14,6 +15,9 @@ from kernels.norms import layer_norm, rms_norm  # noqa: E402
 T, HC, D = 9, 4, 96
 KW = dict(eps=1e-6, norm_eps=1e-5, iters=20)
 GPU_KW = dict(rms_eps=1e-5, decode_rows=1 << 30, **KW)
+# decode_rows: every row decode-class (split-K projection + one program per row), every row a prompt row (the GEMM
+# + _pre_kernel), or both classes in one call.
+CLASSES = {"decode": 1 << 30, "prefill": 0, "mixed": 5}
 
 
 def params() -> dict[str, torch.Tensor]:
@@ -30,9 +34,15 @@ def twin_pre(streams, p):
     return h, post, comb
 
 
-def test_pre_matches_twin() -> None:
+def gpu_pre(streams: torch.Tensor, p: dict[str, torch.Tensor], decode_rows: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return mhc.pre(streams, p["fn"], p["base"], p["scale"], p["norm"], **{**GPU_KW, "decode_rows": decode_rows})
+
+
+@pytest.mark.parametrize("decode_rows", CLASSES.values(), ids=CLASSES.keys())
+def test_pre_matches_twin(decode_rows: int) -> None:
     streams, p = randn(T, HC, D, seed=5), params()
-    h, post, comb = mhc.pre(streams, p["fn"], p["base"], p["scale"], p["norm"], **GPU_KW)
+    h, post, comb = gpu_pre(streams, p, decode_rows)
     want_h, want_post, want_comb = twin_pre(streams, p)
     torch.testing.assert_close(post.cpu(), want_post, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(comb.cpu(), want_comb, rtol=1e-4, atol=1e-5)
@@ -57,10 +67,20 @@ def test_norms_match_twin() -> None:
                                rtol=1e-2, atol=1e-2)
 
 
-def test_rows_alone_equal_rows_in_company() -> None:
-    streams, p = randn(T, HC, D, seed=11), params()
-    alone = mhc.pre(streams[4:5], p["fn"], p["base"], p["scale"], p["norm"], **GPU_KW)
-    together = mhc.pre(streams, p["fn"], p["base"], p["scale"], p["norm"], **GPU_KW)
-    assert all(torch.equal(a[0], b[4]) for a, b in zip(alone, together))
+@pytest.mark.parametrize("decode_rows", [CLASSES["decode"], CLASSES["prefill"]], ids=["decode", "prefill"])
+def test_rows_alone_equal_rows_in_company(decode_rows: int) -> None:
+    # 37 rows: row 20 sits in the decode projection's second 16-row tile, alone it is row 0 of the first.
+    streams, p = randn(37, HC, D, seed=11), params()
+    alone = gpu_pre(streams[20:21], p, decode_rows)
+    together = gpu_pre(streams, p, decode_rows)
+    assert all(torch.equal(a[0], b[20]) for a, b in zip(alone, together))
     x, w = randn(T, D, seed=12), 1 + randn(D, seed=13, scale=0.1)
     assert torch.equal(norms.rms_norm(x[4:5], w, 1e-5)[0], norms.rms_norm(x, w, 1e-5)[4])
+
+
+def test_mixed_rows_equal_each_class_alone() -> None:
+    streams, p, n = randn(T, HC, D, seed=14), params(), CLASSES["mixed"]
+    mixed = gpu_pre(streams, p, n)
+    decode = gpu_pre(streams[:n], p, CLASSES["decode"])
+    prompt = gpu_pre(streams[n:], p, CLASSES["prefill"])
+    assert all(torch.equal(m[:n], a) and torch.equal(m[n:], b) for m, a, b in zip(mixed, decode, prompt))
