@@ -75,6 +75,22 @@ def grouped(a: torch.Tensor, w: WeightArgs, pair_of_slot: torch.Tensor, expert_o
     return out
 
 
+def grouped_pair(a: torch.Tensor, w: WeightArgs, w2: WeightArgs, pair_of_slot: torch.Tensor,
+                 expert_of_block: torch.Tensor) -> torch.Tensor:
+    """`grouped` of two stacks of one layout (the MoE's gate and up) on one slot grid, in one launch: a [2 x slots,
+    K] (w's rows, then w2's) -> out [2 x slots, N] float32 alike; each half's bits are those of `grouped` alone."""
+    out = torch.empty(a.shape[0], w.n, dtype=torch.float32, device=a.device)
+    extension().exl3_grouped_pair(a, w.data, w2.data, out, pair_of_slot, expert_of_block, w.data.shape[0], w.block_n,
+                                  w.block_k // 8)
+    return out
+
+
+def pairs_with(w: WeightArgs, w2: WeightArgs) -> bool:
+    """Whether two weights can share a `grouped_pair` launch: one codebook, rate and trellis layout."""
+    return (w.fmt is Fmt.EXL3 and w2.fmt is Fmt.EXL3 and (w.block_n, w.block_k) == (w2.block_n, w2.block_k)
+            and w.data.shape == w2.data.shape and w.data.stride() == w2.data.stride())
+
+
 def dense(a: torch.Tensor, w: WeightArgs) -> torch.Tensor:
     """[B, M, N] float32 = a [B, M, K] @ T[b] for each weight b of the stack (`covers` holds for a's rows)."""
     b, m, k = a.shape

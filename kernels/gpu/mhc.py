@@ -100,7 +100,8 @@ def _proj_kernel(x_ptr, fn_ptr, ws_ptr, M, K, N, BLOCK_M: tl.constexpr, BLOCK_N:
     kk = chunk * CHUNK + tl.arange(0, CHUNK)
     rn = tl.arange(0, BLOCK_N)
     a = tl.load(x_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-    b = tl.load(fn_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+    b = tl.load(fn_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
+                other=0.0).to(x_ptr.dtype.element_ty)  # fn in the streams' dtype, as the GEMM's weight tiles
     if IEEE:  # fp32 streams (the fp32 test models): true fp32 products, as the GEMM (tl.dot would round to tf32)
         part = tl.dot(a, b, input_precision="ieee")
     else:

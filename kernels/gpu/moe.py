@@ -262,17 +262,22 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     The stacks hold the shards' experts one block after another ([shards * (E+1), ...]: gate / up with the shard's
     I_local outputs, down with its I_local inputs). Shard s's rows are a copy of the slot grid whose tiles read
     expert block s * (E+1) + e, so each row's arithmetic is the one-shard launch's: the tiles and the grouping are
-    the same for every shard. Launches: grouping, its tables, gate and up rotated in together, their two
-    products, their rotations out with the SwiGLU, down's rotation in, product and rotation out, the combine."""
+    the same for every shard. Launches: grouping, its tables, gate and up rotated in together, their products
+    (one CUDA launch for both), their rotations out with the SwiGLU, down's rotation in, product and rotation out,
+    the combine."""
     t, d = x.shape
     n_exp = gate.data.shape[0] // shards
     groups = group_pairs(ids, n_exp, tile.block_m)
     tables = slot_tables(groups, weights, n_exp, shards)
     rows = tables.token.shape[0]
     gu = hadamard.rotate_in(x, gate.suh, rows=rows, src_rows=tables.token, vec_rows=tables.vec, suh2=up.suh)
-    h = hadamard.rotate_out_swiglu(_grouped(gu[:rows], gate, tables.grouped, tile),
-                                   _grouped(gu[rows:], up, tables.grouped, tile), gate.svh, up.svh, tables.vec,
-                                   limit, x.dtype)  # row (s, slot): shard s's I_local columns, down's input
+    if exl3_cuda.covers(gu, gate, tile.block_m) and exl3_cuda.pairs_with(gate, up):  # both in one launch
+        acc = exl3_cuda.grouped_pair(gu, gate, up, tables.grouped.pair_of_slot, tables.grouped.expert_of_block)
+    else:
+        acc = torch.cat([_grouped(gu[:rows], gate, tables.grouped, tile), _grouped(gu[rows:], up, tables.grouped,
+                                                                                   tile)])
+    # row (s, slot) of h: shard s's I_local columns of its slot, down's input
+    h = hadamard.rotate_out_swiglu(acc[:rows], acc[rows:], gate.svh, up.svh, tables.vec, limit, x.dtype)
     y = torch.empty(shards, t * ids.shape[1], d, dtype=torch.float32, device=x.device)
     acc = _grouped(hadamard.rotate_in(h, down.suh, vec_rows=tables.vec), down, tables.grouped, tile)
     hadamard.rotate_out(acc, down.svh, torch.float32, vec_rows=tables.vec, out=y.view(-1, d), out_rows=tables.out_row,

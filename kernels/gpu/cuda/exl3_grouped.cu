@@ -19,8 +19,8 @@
 // Exactness (docs/design.md section 5.1): a block is 16 rows (slots) of one weight and 32 outputs; its warps take
 // fixed equal parts of K and their partials are added in warp order. The K order of every output therefore depends
 // on K alone, never on how many rows, tiles or experts share the launch, and a row never reads another's. Two
-// callers: the MoE's slot grid (a table gives each 16-slot tile its expert) and a stack of weights with the same
-// rows count each (`exl3_dense`, the GEMM's decode rows); both run the same tile code.
+// callers: the MoE's slot grid (a table gives each 16-slot tile its expert; gate and up as one pair launch) and a
+// stack of weights with the same rows count each (`exl3_dense`, the GEMM's decode rows); all run the same tile code.
 
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -117,9 +117,16 @@ template <int CB, int BITS2>
 __global__ void __launch_bounds__(WARPS * 32) exl3_grouped_kernel(
     const half* __restrict__ a, const uint32_t* __restrict__ w, float* __restrict__ out,
     const int* __restrict__ pair_of_slot, const int* __restrict__ expert_of_block, int num_experts, int n, int k,
-    int dense_rows, int64_t se, int64_t sn, int64_t sk) {
+    int dense_rows, int64_t se, int64_t sn, int64_t sk, const uint32_t* __restrict__ w2, int64_t slots) {
   using R = Rate<BITS2>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  // A pair of weights of one layout on one slot grid (the MoE's gate and up): grid z = 1 is the second, its rows
+  // and outputs `slots` rows further on. Each block's arithmetic is that of a launch on its weight alone.
+  if (blockIdx.z) {
+    w = w2;
+    a += slots * k;
+    out += slots * n;
+  }
   // Grouped (dense_rows == 0): block b is slots 16b.. of the slot grid, its expert from the table, a slot empty when
   // its pair is -1. Dense (a batch of `dense_rows` rows per weight, stacked): block b is rows 16t.. of weight e,
   // t and e from b; rows past dense_rows are empty. Empty rows read zeros and are not written.
@@ -233,13 +240,14 @@ __global__ void __launch_bounds__(WARPS * 32) exl3_grouped_kernel(
 
 template <int CB, int BITS2>
 void launch(const torch::Tensor& a, const torch::Tensor& w, torch::Tensor& out, const int* pairs, const int* experts,
-            int64_t blocks, int64_t num_experts, int64_t n, int64_t k, int64_t dense_rows) {
-  const dim3 grid(blocks, n / (16 * N_TILES));
+            int64_t blocks, int64_t num_experts, int64_t n, int64_t k, int64_t dense_rows, const torch::Tensor* w2) {
+  const dim3 grid(blocks, n / (16 * N_TILES), w2 ? 2 : 1);
+  const auto words = [](const torch::Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr<int16_t>()); };
   // Strides in 32-bit words (every int16 stride of a trellis is even: 16 x bits words per tile).
   exl3_grouped_kernel<CB, BITS2><<<grid, WARPS * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const half*>(a.data_ptr<at::Half>()), reinterpret_cast<const uint32_t*>(w.data_ptr<int16_t>()),
-      out.data_ptr<float>(), pairs, experts, int(num_experts), int(n), int(k), int(dense_rows), w.stride(0) / 2,
-      w.stride(2) / 2, w.stride(1) / 2);
+      reinterpret_cast<const half*>(a.data_ptr<at::Half>()), words(w), out.data_ptr<float>(), pairs, experts,
+      int(num_experts), int(n), int(k), int(dense_rows), w.stride(0) / 2, w.stride(2) / 2, w.stride(1) / 2,
+      w2 ? words(*w2) : nullptr, w2 ? a.size(0) / 2 : 0);
 }
 
 void check(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& out, int64_t bits2) {
@@ -254,11 +262,11 @@ void check(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& 
 
 void dispatch(const torch::Tensor& a, const torch::Tensor& w, torch::Tensor& out, const int* pairs,
               const int* experts, int64_t blocks, int64_t num_experts, int64_t codebook, int64_t bits2,
-              int64_t dense_rows) {
+              int64_t dense_rows, const torch::Tensor* w2 = nullptr) {
   const int64_t k = a.size(1), n = out.size(1);
 #define TWINSPARK_EXL3_RATE(CB, B2) \
   if (codebook == CB && bits2 == B2) \
-    return launch<CB, B2>(a, w, out, pairs, experts, blocks, num_experts, n, k, dense_rows);
+    return launch<CB, B2>(a, w, out, pairs, experts, blocks, num_experts, n, k, dense_rows, w2);
   // 2.0 to 4.0 bits per weight, the half rates too, in exllamav3's default codebook (mul1); whole rates in the
   // others. kernels/gpu/exl3_cuda.py keeps the same list and sends other rates to the Triton kernel.
   TWINSPARK_EXL3_RATE(2, 4) TWINSPARK_EXL3_RATE(2, 5) TWINSPARK_EXL3_RATE(2, 6) TWINSPARK_EXL3_RATE(2, 7)
@@ -279,6 +287,22 @@ void exl3_grouped(torch::Tensor a, torch::Tensor w, torch::Tensor out, torch::Te
            num_experts, codebook, bits2, 0);
 }
 
+// The same for two stacks of one layout on one slot grid (the MoE's gate and up): a [2 x slots, k], the first
+// weight's rows then the second's; out [2 x slots, n] alike.
+void exl3_grouped_pair(torch::Tensor a, torch::Tensor w, torch::Tensor w2, torch::Tensor out,
+                       torch::Tensor pair_of_slot, torch::Tensor expert_of_block, int64_t num_experts,
+                       int64_t codebook, int64_t bits2) {
+  check(a, w, out, bits2);
+  TORCH_CHECK(w2.sizes() == w.sizes() && w2.strides() == w.strides() && w2.scalar_type() == w.scalar_type(),
+              "w2: the layout of w");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w2.data_ptr()) % 16 == 0, "w2: 16-byte aligned (cp.async)");
+  TORCH_CHECK(a.size(0) % 2 == 0 && a.size(0) / 2 >= expert_of_block.size(0) * 16 &&
+                  pair_of_slot.size(0) >= expert_of_block.size(0) * 16,
+              "a: two grids of 16 slots per tile");
+  dispatch(a, w, out, pair_of_slot.data_ptr<int>(), expert_of_block.data_ptr<int>(), expert_of_block.size(0),
+           num_experts, codebook, bits2, 0, &w2);
+}
+
 // a [experts x rows, k] float16: `rows` rows per weight of the stack w; out [experts x rows, n] float32.
 void exl3_dense(torch::Tensor a, torch::Tensor w, torch::Tensor out, int64_t rows, int64_t codebook, int64_t bits2) {
   check(a, w, out, bits2);
@@ -288,5 +312,6 @@ void exl3_dense(torch::Tensor a, torch::Tensor w, torch::Tensor out, int64_t row
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exl3_grouped", &exl3_grouped, "EXL3 grouped product for decode-class slot tiles");
+  m.def("exl3_grouped_pair", &exl3_grouped_pair, "the grouped product of two stacks of one layout in one launch");
   m.def("exl3_dense", &exl3_dense, "EXL3 product of each weight of a stack with its own rows");
 }
