@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import kda, moe
+from kernels import kda
 from kernels.gpu import gemm
 from kernels.gpu import kda as gpu_kda
 from kernels.gpu import mhc as gpu_mhc
 from kernels.gpu import mla as gpu_mla
 from kernels.gpu import moe as gpu_moe
 from kernels.gpu import norms as gpu_norms
+from kernels.gpu import swiglu as gpu_swiglu
 from model.batch import Batch
 from model.cache import PagedCache
 from model.parallel import Collective
@@ -69,7 +70,8 @@ class FusedForward:
         return gpu_norms.layer_norm(x, w, b, eps)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-        return moe.swiglu(gate, up, limit)
+        """gate, up: the two halves of the gate|up projection's [S, T, 2I] output -> [S, T, I], in one launch."""
+        return gpu_swiglu.swiglu(gate, up, limit)
 
     # ----- hyper-connections -----
 

@@ -183,7 +183,8 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
         if t.shape[0] != shards or t.stride(-1) != 1:
             raise ValueError(f"KDA decode operands need {shards} shards and unit stride along their last dim")
     # Value blocks of a head read the q/k history that block 0 rewrites, so new history goes to a side buffer and
-    # is copied into the decode steps' slots once every program is done.
+    # is copied into the decode steps' slots once every program is done: by a second launch, as a grid has no
+    # barrier that could hold block 0's in-place writes until its head's other blocks have read the slot.
     hist_out = torch.empty(seqs.count, *conv_state.shape[1:], dtype=conv_state.dtype, device=conv_state.device)
     ps = pend_state if pend_state is not None else state
     pc = pend_conv if pend_conv is not None else conv_state
@@ -198,9 +199,37 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
         pc, pc.stride(0), pc.stride(1) if pend_conv is not None else 0,
         heads, c, float(lower_bound) if lower_bound is not None else 0.0,
         HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, num_warps=4)
-    chans = slice(chan_off, chan_off + shards * 3 * c)
-    commit_slots = seqs.slot.long()[seqs.commit]
-    conv_state[commit_slots, :, chans] = hist_out[seqs.commit][:, :, chans]
+    commit_history(hist_out, conv_state, seqs, chan_off, shards * 3 * c)
+
+
+@triton.jit
+def _commit_history_kernel(hist_ptr, s_hist_seq, s_hist_row, conv_ptr, s_conv_slot, s_conv_row, commit_ptr, slot_ptr,
+                           chan_off, width, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """One committing decode step, BLOCK channels: its ROWS history rows from `hist_out` into its slot."""
+    seq = tl.load(commit_ptr + tl.program_id(0))
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    ch = chan_off + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = ch < chan_off + width
+    src = hist_ptr + seq * s_hist_seq + ch
+    dst = conv_ptr + slot * s_conv_slot + ch
+    for j in tl.static_range(ROWS):
+        tl.store(dst + j * s_conv_row, tl.load(src + j * s_hist_row, mask=mask), mask=mask)
+
+
+def commit_history(hist_out: torch.Tensor, conv_state: torch.Tensor, seqs: DecodeSeqs, chan_off: int,
+                   width: int) -> None:
+    """conv_state[slot[i], :, chan_off : chan_off + width] = hist_out[i, :, same columns] for every sequence i in
+    `seqs.commit` (the decode steps; verify windows keep theirs in the pending buffers), in one launch.
+
+    hist_out [sequences, K-1, channels of the rank], conv_state [slots, K-1, same channels], both with unit last
+    stride. The grid comes from the index list's length alone (no host sync: it runs inside CUDA graphs)."""
+    n = seqs.commit.numel()
+    if n == 0:
+        return
+    block = min(1024, triton.next_power_of_2(width))
+    _commit_history_kernel[(n, triton.cdiv(width, block))](
+        hist_out, hist_out.stride(0), hist_out.stride(1), conv_state, conv_state.stride(0), conv_state.stride(1),
+        seqs.commit, seqs.slot, chan_off, width, ROWS=conv_state.shape[1], BLOCK=block, num_warps=4)
 
 
 @triton.jit

@@ -113,6 +113,22 @@ def test_decode_row_alone_equals_row_in_company() -> None:
     assert torch.equal(alone_state[5], state[5]) and torch.equal(alone_conv[5], conv[5])
 
 
+def test_commit_history_equals_torch_indexing() -> None:
+    """The commit launch writes what `conv_state[slot[commit], :, chans] = hist_out[commit][:, :, chans]` did: the
+    decode steps' slots get their new history in this shard's columns only; verify windows' slots (not in `commit`,
+    whatever their hist_out rows hold) and every other column stay as they were."""
+    # decode in slot 2, verify window (slot 1), fresh decode in slot 4, verify window (slot 5), decode in slot 0
+    sq = seqs([(0, 1, 2, 0, -1), (1, 3, 1, 0, 0), (4, 1, 4, 1, -1), (5, 2, 5, 0, 1), (7, 1, 0, 0, -1)])
+    conv = randn(SLOTS, 3, CH, seed=800)
+    hist_out = randn(sq.count, 3, CH, seed=801)
+    want = conv.clone()
+    mine = slice(CHAN_OFF, CHAN_OFF + 3 * C)
+    want[sq.slot.long()[sq.commit], :, mine] = hist_out[sq.commit][:, :, mine]
+    kda.commit_history(hist_out, conv, sq, CHAN_OFF, 3 * C)
+    assert torch.equal(conv, want)
+    assert torch.equal(conv[2, :, mine], hist_out[0, :, mine])  # the indexing itself moved a decode step's slot on
+
+
 def prompt_rows(chunks: list[tuple[int, int, bool]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(first, slot, fresh) int32 per row of prompt chunks given as (slot, rows, fresh)."""
     first, slot, fresh, lo = [], [], [], 0
