@@ -75,6 +75,22 @@ def test_a_row_alone_equals_the_row_in_company() -> None:
         assert torch.equal(row, alone), f"the row changed in {name}"
 
 
+def test_the_pair_launch_equals_two_single_launches() -> None:
+    """The MoE's gate and up in one launch (grid z picks the stack): each half is its single launch, bit for bit."""
+    from kernels.gpu import exl3_cuda
+    n, k = 128, 1024
+    gate, _ = stack(3, n, k, 2.5, "mul1", seed=6)
+    up, _ = stack(3, n, k, 2.5, "mul1", seed=7)
+    assert exl3_cuda.pairs_with(gate, up)
+    pairs = torch.arange(48, dtype=torch.int32, device="cuda")
+    pairs[[2, 30]] = -1
+    experts = torch.tensor([2, 0, 3], dtype=torch.int32, device="cuda")  # the last tile unused (sentinel)
+    a = torch.randn(96, k, device="cuda").to(torch.float16)
+    both = exl3_cuda.grouped_pair(a, gate, up, pairs, experts)
+    assert torch.equal(both[:32], exl3_cuda.grouped(a[:48], gate, pairs, experts)[:32])
+    assert torch.equal(both[48:80], exl3_cuda.grouped(a[48:], up, pairs, experts)[:32])
+
+
 def test_graph_replay_equals_eager() -> None:
     from kernels.gpu import exl3_cuda
     n, k = 128, 512
