@@ -435,11 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
-    p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, exl3inv, sweep, "
-                   "exl3pin, exl3builds, moe, moesweep, kda, mla, mhc, invariance, fla (formats / formatsweep / "
-                   "exl3inv / exl3pin / exl3builds: bench/kernels_formats.py — every weight format against "
-                   "exllamav3's EXL3 kernel, decode tiles per format, exllamav3's row invariance, and with its kernel "
-                   "choice pinned, tile shapes of the CUDA EXL3 product)")
+    p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, splitsweep, "
+                   "exl3inv, sweep, exl3pin, exl3builds, moe, moesweep, kda, mla, mhc, invariance, fla (formats / "
+                   "formatsweep / splitsweep / exl3inv / exl3pin / exl3builds: bench/kernels_formats.py — every "
+                   "weight format against exllamav3's EXL3 kernel, decode tiles per format, the decode K split, "
+                   "exllamav3's row invariance, and with its kernel choice pinned, tile shapes of the CUDA EXL3 "
+                   "product)")
     p.add_argument("--formats", default="", help="comma list of weight formats for the formats and moe sections "
                    "(bf16, fp8, w4a16, exl3:BITS; default: formats: bf16, fp8, w4a16, exl3 at 2.5 / 3.0 / 4.0; moe: "
                    "bf16, w4a16, exl3:3.0)")
@@ -466,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         if want("formatsweep"):
             from bench.kernels_formats import format_sweep
             data["rows"] += format_sweep(bw, mm, log)
+        if want("splitsweep"):
+            from bench.kernels_formats import split_sweep
+            data["rows"] += split_sweep(bw, log)
         if want("exl3inv"):
             from bench.kernels_formats import exllamav3_invariance
             data["checks"] += exllamav3_invariance(log)

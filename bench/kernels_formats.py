@@ -8,8 +8,10 @@ do). The roofline is the stored bytes (values + scales) over the HBM bandwidth m
 exllamav3's kernel is called through its LinearEXL3 module (what its models run), on the trellis, suh and svh that
 twinspark's kernels read: the same bytes, so the ratio compares decoders, not files.
 
-Also here: `formatsweep`, the decode tiles per format (what chose gemm.schedule's decode tile), and `exl3inv`,
-whether exllamav3's kernel keeps a row's bits alone and among 2..256 rows (the condition for the engine to call it).
+Also here: `formatsweep`, the decode tiles per format (what chose gemm.schedule's decode tile), `splitsweep`, the
+decode schedule's K split on the model's small and large decode products (what chose its program target and the
+K steps a split keeps), and `exl3inv`, whether exllamav3's kernel keeps a row's bits alone and among 2..256 rows
+(the condition for the engine to call it).
 
     python -m bench.kernels --only formats,formatsweep,exl3inv --out $OUT
 """
@@ -117,6 +119,39 @@ def format_rows(bw: float, log: Callable[[str], None], formats: tuple[str, ...] 
 _SWEEP_TILES = [(bm, bn, bk, w, 4) for bm in (16, 64) for bn, bk in ((64, 128), (128, 128), (32, 128), (64, 64))
                 for w in (4, 8)]
 _SWEEP_SHAPES = [("4096x12288", 12288, 4096), ("dense down", 4096, 12288)]
+# (name, N, K, format) of one layer's decode products at TP 1 (dense ones are the linears quantize keeps dense)
+_SPLIT_SHAPES = [("router", 288, 4096, "bf16"), ("kda f_a|g_a", 256, 4096, "bf16"), ("kda b", 64, 4096, "bf16"),
+                 ("mla q_a", 1536, 4096, "fp8"), ("shared gate|up", 4096, 4096, "fp8"),
+                 ("shared down", 4096, 2048, "fp8"), ("kda o", 4096, 8192, "fp8"), ("kda q|k|v", 24576, 4096, "fp8")]
+
+
+def split_sweep(bw: float, log: Callable[[str], None]) -> list[dict]:
+    """The decode GEMM's K split rule (gemm.decode_split's program target and minimum K steps per split) on the
+    model's decode products at rows 1 and 8, each timed in a CUDA graph over copies past L2."""
+    from bench import kernels as kb
+    from kernels.gpu import gemm
+    rows: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    base = gemm.schedule(4096, 4096, gemm.RowClass.DECODE)
+    for name, n, k, fmt in _SPLIT_SHAPES:
+        copies, params, nbytes = _copies(fmt, n, k, gen)
+        args = [_weight_args(fmt, t, params) for t in copies]
+        for m in (1, 8):
+            x = torch.randn(1, m, k, device="cuda", dtype=BF16)
+            out = torch.empty(1, m, n, device="cuda", dtype=BF16)
+            for programs in (256, 512):
+                for steps in (1, 2, 4, 8):
+                    split = gemm.decode_split(n, k, base.block_n, base.block_k, programs, steps)
+                    tile = gemm.Tile(base.block_m, base.block_n, base.block_k, split, base.warps, base.stages)
+                    ms = kb.graph_ms([lambda a=a: gemm._launch(x, a, out, tile) for a in args])
+                    rows.append(dict(kernel="decode_split", shape=name, n=n, k=k, format=fmt, rows=m,
+                                     programs=programs, min_steps=steps, split=split, us=ms * 1e3,
+                                     roofline=nbytes / bw / (ms / 1e3)))
+                    log(f"splitsweep {name:14s} {fmt:5s} rows={m} programs {programs} steps {steps}: split {split:3d} "
+                        f"{ms * 1e3:7.1f} us {rows[-1]['roofline']:6.1%}")
+        del copies, args
+        torch.cuda.empty_cache()
+    return rows
 
 
 def format_sweep(bw: float, mm: float, log: Callable[[str], None]) -> list[dict]:

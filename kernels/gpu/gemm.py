@@ -33,6 +33,8 @@ from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 # Programs the decode schedule aims for per GEMM (about two waves on an H200's 132 SMs). A constant, not the SM
 # count of the device at hand, so the schedule stays a function of the shapes.
 _DECODE_PROGRAMS = 256
+# K steps each split keeps at least (bench.kernels' splitsweep times the model's decode shapes at 1 / 2 / 4 / 8).
+_DECODE_MIN_STEPS = 8
 
 
 class RowClass(Enum):
@@ -71,12 +73,13 @@ def schedule(n: int, k: int, rows: RowClass) -> Tile:
                 stages=4)
 
 
-def decode_split(n: int, k: int, block_n: int, block_k: int) -> int:
-    """The decode schedule's K split for tiles of block_n x block_k: doubled until about _DECODE_PROGRAMS programs
-    stream the weight, while K divides evenly and each split keeps at least 8 K steps."""
+def decode_split(n: int, k: int, block_n: int, block_k: int, programs: int = _DECODE_PROGRAMS,
+                 min_steps: int = _DECODE_MIN_STEPS) -> int:
+    """The decode schedule's K split for tiles of block_n x block_k: doubled until about `programs` programs
+    stream the weight, while K divides evenly and each split keeps at least `min_steps` K steps."""
     tiles = triton.cdiv(n, block_n)
     split = 1
-    while tiles * split < _DECODE_PROGRAMS and k % (2 * split * block_k) == 0 and k // (2 * split) >= 8 * block_k:
+    while tiles * split < programs and k % (2 * split * block_k) == 0 and k // (2 * split) >= min_steps * block_k:
         split *= 2
     return split
 

@@ -112,7 +112,8 @@ def _proj_kernel(x_ptr, fn_ptr, ws_ptr, M, K, N, BLOCK_M: tl.constexpr, BLOCK_N:
 
 @triton.jit
 def _pre_decode_kernel(s_ptr, ws_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps,
-                       rms_eps, CHUNKS: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+                       rms_eps, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, ITERS: tl.constexpr,
+                       HC: tl.constexpr, BLOCK_D: tl.constexpr):
     """One decode row, its whole [HC, D] streams held in registers: the same math as `_pre_kernel` with the
     projection summed from `_proj_kernel`'s partials, and one read of the streams instead of three."""
     row = tl.program_id(0).to(tl.int64)
@@ -123,14 +124,16 @@ def _pre_decode_kernel(s_ptr, ws_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_p
     x = tl.load(s_ptr + row * HC * D + st[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (HC * D) + norm_eps)
     n_mix = HC * (2 + HC)
-    parts = ws_ptr + row * CHUNKS * n_mix
-    m_pre = tl.load(parts + st)
-    m_post = tl.load(parts + HC + st)
-    m_comb = tl.load(parts + 2 * HC + st[:, None] * HC + st[None, :])
-    for c in tl.static_range(1, CHUNKS):  # ascending chunk order; unrolled so the small loads are all in flight
-        m_pre += tl.load(parts + c * n_mix + st)
-        m_post += tl.load(parts + c * n_mix + HC + st)
-        m_comb += tl.load(parts + c * n_mix + 2 * HC + st[:, None] * HC + st[None, :])
+    # Every chunk's partials in three loads, summed over the chunk axis: a reduction tree fixed by CHUNKS_P2 (a
+    # function of the shapes), so a row's sums never depend on its company; one load per chunk would be ~200
+    # dependent small loads.
+    ch = tl.arange(0, CHUNKS_P2)
+    live = ch < CHUNKS
+    parts = ws_ptr + row * CHUNKS * n_mix + ch * n_mix
+    m_pre = tl.sum(tl.load(parts[:, None] + st[None, :], mask=live[:, None], other=0.0), axis=0)
+    m_post = tl.sum(tl.load(parts[:, None] + HC + st[None, :], mask=live[:, None], other=0.0), axis=0)
+    comb_at = parts[:, None, None] + 2 * HC + st[None, :, None] * HC + st[None, None, :]
+    m_comb = tl.sum(tl.load(comb_at, mask=live[:, None, None], other=0.0), axis=0)
     pre, post, comb = _hc_weights(m_pre * rstd, m_post * rstd, m_comb * rstd, base_ptr, scale_ptr, hc_eps, ITERS, HC)
     tl.store(post_ptr + row * HC + st, post)
     tl.store(comb_ptr + row * HC * HC + st[:, None] * HC + st[None, :], comb)
@@ -158,7 +161,8 @@ def _decode_rows(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     # About 32 fp32 stream values per thread (16 warps for hc=4, D=4,096): the row fits in registers.
     warps = min(16, max(4, hc * block_d // 1024))
     _pre_decode_kernel[(m,)](streams, ws, base, scale, norm_weight, h, post_w, comb, d, hc_eps, norm_eps, rms_eps,
-                             CHUNKS=chunks, ITERS=iters, HC=hc, BLOCK_D=block_d, num_warps=warps)
+                             CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), ITERS=iters, HC=hc,
+                             BLOCK_D=block_d, num_warps=warps)
 
 
 def pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor,
