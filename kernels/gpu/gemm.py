@@ -33,8 +33,11 @@ from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 # Programs the decode schedule aims for per GEMM (about two waves on an H200's 132 SMs). A constant, not the SM
 # count of the device at hand, so the schedule stays a function of the shapes.
 _DECODE_PROGRAMS = 256
-# K steps each split keeps at least (bench.kernels' splitsweep times the model's decode shapes at 1 / 2 / 4 / 8).
-_DECODE_MIN_STEPS = 8
+# K steps each split keeps at least: 4 (bench/results/kernels-20261204-075745, splitsweep: one layer's decode products
+# at rows 1 and 8; against 8, the small bf16 / fp8 ones take 20-25% less, e.g. the router 8.1 -> 6.4 us and the
+# shared expert's down 10.3 -> 7.9 us, the large ones the same; 2 wins a little more on the smallest and loses on
+# q_a at 8 rows; a 512-program target loses on every shape it changes).
+_DECODE_MIN_STEPS = 4
 
 
 class RowClass(Enum):
@@ -58,8 +61,8 @@ def schedule(n: int, k: int, rows: RowClass) -> Tile:
 
     Chosen by bench/kernels.py's sweeps on an H200 (bench/results/kernels-20261130-235732.*,
     kernels-20261202-*): prompt rows reach 70-78% of the bf16 peak with 128x256 tiles; decode rows are
-    bandwidth-bound, so their K is split until about 256 programs stream the weight, keeping at least 8 K steps
-    per split (shorter splits measured 6x slower). Decode tiles are 16 rows x 128 outputs for every format
+    bandwidth-bound, so their K is split until about 256 programs stream the weight, keeping at least
+    _DECODE_MIN_STEPS K steps per split. Decode tiles are 16 rows x 128 outputs for every format
     (bench/results/kernels-20261202-122147.*: 16 tiles at one row): the best for fp8 and W4A16, and for bf16
     within 17% of its best (16x32, which W4A16 runs 45% slower) — a 4096x12288 product at one row in bf16
     29.8 us (80% of the HBM roofline; 32.4 us with the 64x64 tile used before), fp8 19.0 us (63%; 40.8 us
