@@ -39,7 +39,12 @@ def enabled() -> bool:
 
 def covers(a: torch.Tensor, w: WeightArgs, block_m: int) -> bool:
     """Whether this product runs here: EXL3 weights at a built rate, float16 rows on CUDA, 16-slot tiles."""
-    return (w.fmt is Fmt.EXL3 and a.is_cuda and a.dtype == torch.float16 and block_m == BLOCK_M
+    return runs(a.device, a.dtype, w, block_m)
+
+
+def runs(device: torch.device, dtype: torch.dtype, w: WeightArgs, block_m: int) -> bool:
+    """`covers` for rows of `dtype` on `device` that are not made yet."""
+    return (w.fmt is Fmt.EXL3 and device.type == "cuda" and dtype == torch.float16 and block_m == BLOCK_M
             and (w.block_n, w.block_k // 8) in RATES and w.k % K_MULTIPLE == 0 and w.n % N_MULTIPLE == 0
             and enabled())
 

@@ -11,10 +11,10 @@ decoded trellis tiles T as they are and these kernels rotate the rows around it.
 Exactness (docs/design.md §5.1): each program transforms whole 128-blocks of BLOCK_R rows with one fixed butterfly order
 (the twin's `fwht`: pairs (i, i + h) for h = 1, 2, ..., 64, (a + b, a - b)) in float32, so a row's result depends on
 that row only, never on how many rows share the call. Rows can be gathered (`src_rows`: MoE slots read their
-token's row), take their sign/scale vector from a stack (`vec_rows`: each slot its expert's; a second stack for a
-second output in the same launch: gate's and up's), be scattered (`out_rows`) and scaled (`row_weight`: a routing
-weight); index -1 (or a vector row past the stack) = no row. `rotate_out_swiglu` ends a gate / up pair with the
-SwiGLU in the same launch.
+token's row) and take their sign/scale vector from a stack (`vec_rows`: each slot its expert's; a second stack for a
+second output in the same launch: gate's and up's); index -1 (or a vector row past the stack) = no row, written as
+0. `rotate_out_swiglu` ends a gate / up pair with the SwiGLU (and the next product's rotation in) in one launch;
+kernels/gpu/moe.py's rotated combine ends down's product.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _BLOCK_R = 16  # rows per program (a power of two; any value gives the same bits
 IN_SCALE = 1.0 / 8
 OUT_SCALE = 1.0 / 16
 # Triton's CPU interpreter has no libdevice; it never contracts a multiply into an add either.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -56,10 +56,9 @@ def had128(v, R: tl.constexpr):
 
 
 @triton.jit
-def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, out_rows_ptr, weight_ptr,
-                   R, C, V, rows_per_vec, ssr, svr, sor, scale,
-                   PRE: tl.constexpr, SRC_ROWS: tl.constexpr, VEC_ROWS: tl.constexpr, OUT_ROWS: tl.constexpr,
-                   WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, ROUNDED_MUL: tl.constexpr):
+def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, R, C, V, rows_per_vec, ssr, svr,
+                   sor, scale, PRE: tl.constexpr, SRC_ROWS: tl.constexpr, VEC_ROWS: tl.constexpr,
+                   BLOCK_R: tl.constexpr, ROUNDED_MUL: tl.constexpr):
     """Rows [R, C] in 128-blocks. Program axis 2 picks the vector stack (vec, or vec2 for a second output of the
     same rows written R rows further on: the MoE's gate and up rotate one gathered input in one launch)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -68,11 +67,9 @@ def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_p
     in_range = r < R
     srow = tl.load(src_rows_ptr + r, mask=in_range, other=-1) if SRC_ROWS else r
     vrow = tl.load(vec_rows_ptr + r, mask=in_range, other=V) if VEC_ROWS else r // rows_per_vec
-    orow = tl.load(out_rows_ptr + r, mask=in_range, other=-1) if OUT_ROWS else r
-    live = in_range & (srow >= 0) & (vrow < V) & (orow >= 0)
+    live = in_range & (srow >= 0) & (vrow < V)
     srow = tl.where(live, srow, 0).to(tl.int64)
     vrow = tl.where(live, vrow, 0).to(tl.int64)
-    orow = tl.where(live, orow, 0).to(tl.int64)
     m = live[:, None]
     x = tl.load(src_ptr + srow[:, None] * ssr + c[None, :], mask=m, other=0.0).to(tl.float32)
     if second == 0:
@@ -89,21 +86,19 @@ def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_p
         y = had128(x, BLOCK_R) * scale
     else:  # output side: rotate, then sign/scale
         y = had128(x, BLOCK_R) * (vec * scale)
-    if WEIGHT:  # one weight per input row (a MoE slot's routing weight)
-        y = y * tl.load(weight_ptr + r, mask=live, other=0.0)[:, None]
-    if OUT_ROWS:  # scattered rows: only live ones are written
-        tl.store(out_ptr + orow[:, None] * sor + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
-    else:  # dense rows: dead ones (empty MoE slots) become 0
-        out_row = (second * R + r).to(tl.int64)
-        tl.store(out_ptr + out_row[:, None] * sor + c[None, :], tl.where(m, y, 0.0).to(out_ptr.dtype.element_ty),
-                 mask=in_range[:, None])
+    out_row = (second * R + r).to(tl.int64)  # dead rows (empty MoE slots) become 0
+    tl.store(out_ptr + out_row[:, None] * sor + c[None, :], tl.where(m, y, 0.0).to(out_ptr.dtype.element_ty),
+             mask=in_range[:, None])
 
 
 @triton.jit
-def _rotate_out_swiglu_kernel(g_ptr, u_ptr, gvec_ptr, uvec_ptr, vec_rows_ptr, h_ptr, R, C, V, limit, scale,
-                              BLOCK_R: tl.constexpr):
-    """h = SwiGLU(rotate_out(g), rotate_out(u)) per row: each projection rotated, scaled and rounded to the output
-    dtype exactly as `rotate_out` does, then `kernels/gpu/moe.py`'s `_swiglu_kernel` arithmetic."""
+def _rotate_out_swiglu_kernel(g_ptr, u_ptr, gvec_ptr, uvec_ptr, nvec_ptr, vec_rows_ptr, h_ptr, act_ptr, R, C, V,
+                              limit, out_scale, in_scale, NEXT: tl.constexpr, BLOCK_R: tl.constexpr,
+                              ROUNDED_MUL: tl.constexpr):
+    """h = SwiGLU(rotate_out(g), rotate_out(u)) per row: each projection rotated, scaled and rounded to the
+    activation dtype exactly as `rotate_out` does, then `kernels/gpu/moe.py`'s `_swiglu_kernel` arithmetic. NEXT:
+    h then goes through `rotate_in` with the next product's suh (the same 128-column block, so the same program)
+    and that operand is stored instead of h."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * 128 + tl.arange(0, 128)
     in_range = r < R
@@ -112,24 +107,34 @@ def _rotate_out_swiglu_kernel(g_ptr, u_ptr, gvec_ptr, uvec_ptr, vec_rows_ptr, h_
     vrow = tl.where(live, vrow, 0).to(tl.int64)
     m = live[:, None]
     rows = r.to(tl.int64)[:, None] * C + c[None, :]
-    act = h_ptr.dtype.element_ty
+    vecs = vrow[:, None] * C + c[None, :]
+    act = act_ptr.dtype.element_ty  # the activation dtype (h's, or the rounding before the next rotation)
     g = tl.load(g_ptr + rows, mask=m, other=0.0)
-    g = had128(g, BLOCK_R) * (tl.load(gvec_ptr + vrow[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
-                              * scale)
+    g = had128(g, BLOCK_R) * (tl.load(gvec_ptr + vecs, mask=m, other=0.0).to(tl.float32) * out_scale)
     u = tl.load(u_ptr + rows, mask=m, other=0.0)
-    u = had128(u, BLOCK_R) * (tl.load(uvec_ptr + vrow[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
-                              * scale)
+    u = had128(u, BLOCK_R) * (tl.load(uvec_ptr + vecs, mask=m, other=0.0).to(tl.float32) * out_scale)
     g = tl.minimum(tl.where(m, g, 0.0).to(act).to(tl.float32), limit)
     u = tl.where(m, u, 0.0).to(act).to(tl.float32)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
-    tl.store(h_ptr + rows, (s * u).to(act), mask=in_range[:, None])
+    h = (s * u).to(act)
+    if NEXT:  # rotate_in's arithmetic on the rounded h (see _rotate_kernel's PRE branch)
+        x = h.to(tl.float32)
+        nvec = tl.load(nvec_ptr + vecs, mask=m, other=0.0).to(tl.float32)
+        if ROUNDED_MUL:
+            x = libdevice.mul_rn(x, nvec)
+        else:
+            x = x * nvec
+        y = had128(x, BLOCK_R) * in_scale
+        tl.store(h_ptr + rows, tl.where(m, y, 0.0).to(h_ptr.dtype.element_ty), mask=in_range[:, None])
+    else:
+        tl.store(h_ptr + rows, h, mask=in_range[:, None])
 
 
 def _rows(src: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, pre: bool, scale: float,
-          src_rows: torch.Tensor | None, vec_rows: torch.Tensor | None, out_rows: torch.Tensor | None,
-          row_weight: torch.Tensor | None, rows_per_vec: int, vec2: torch.Tensor | None = None) -> torch.Tensor:
-    r = (out.shape[0] // (2 if vec2 is not None else 1)) if out_rows is None else out_rows.shape[0]
+          src_rows: torch.Tensor | None, vec_rows: torch.Tensor | None, rows_per_vec: int,
+          vec2: torch.Tensor | None = None) -> torch.Tensor:
+    r = out.shape[0] // (2 if vec2 is not None else 1)
     c = src.shape[1]
     if c % HAD or vec.shape[-1] != c or src.stride(1) != 1 or out.stride(1) != 1 or vec.stride(-1) != 1:
         raise ValueError(f"rotate: rows of {c} (a multiple of {HAD}, unit stride) with vectors {list(vec.shape)}")
@@ -141,10 +146,9 @@ def _rows(src: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, pre: bool, sc
     if r:
         _rotate_kernel[(triton.cdiv(r, _BLOCK_R), c // HAD, 1 if vec2 is None else 2)](
             src, vec2d, other, out, dummy if src_rows is None else src_rows, dummy if vec_rows is None else vec_rows,
-            dummy if out_rows is None else out_rows, out if row_weight is None else row_weight,
             r, c, vec2d.shape[0], max(rows_per_vec, 1), src.stride(0), vec2d.stride(0), out.stride(0), float(scale),
-            PRE=pre, SRC_ROWS=src_rows is not None, VEC_ROWS=vec_rows is not None, OUT_ROWS=out_rows is not None,
-            WEIGHT=row_weight is not None, BLOCK_R=_BLOCK_R, ROUNDED_MUL=not _INTERPRETED)
+            PRE=pre, SRC_ROWS=src_rows is not None, VEC_ROWS=vec_rows is not None, BLOCK_R=_BLOCK_R,
+            ROUNDED_MUL=not INTERPRETED)
     return out
 
 
@@ -163,33 +167,35 @@ def rotate_in(x: torch.Tensor, suh: torch.Tensor, *, rows: int | None = None, sr
     shape), the same rows are rotated with it too, in the same launch: -> [2 * rows, C], suh2's rows second."""
     n = rows if rows is not None else (src_rows.shape[0] if src_rows is not None else x.shape[0])
     out = torch.empty(n * (1 if suh2 is None else 2), x.shape[1], dtype=operand_dtype(x.dtype), device=x.device)
-    return _rows(x, suh, out, True, IN_SCALE, src_rows, vec_rows, None, None, rows_per_vec or max(n, 1), suh2)
+    return _rows(x, suh, out, True, IN_SCALE, src_rows, vec_rows, rows_per_vec or max(n, 1), suh2)
 
 
 def rotate_out(acc: torch.Tensor, svh: torch.Tensor, out_dtype: torch.dtype, *, vec_rows: torch.Tensor | None = None,
-               rows_per_vec: int | None = None, out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
-               row_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """had(acc[row]) * svh[vector of row] / 16 (* row_weight[row]) per row of a float32 [R, C] accumulator.
-
-    Written to `out` (new [R, C] if None) at row r, or at `out_rows[r]` (rows with index -1 skipped)."""
-    if out is None:
-        out = torch.empty(acc.shape[0], acc.shape[1], dtype=out_dtype, device=acc.device)
-    return _rows(acc, svh, out, False, OUT_SCALE, None, vec_rows, out_rows, row_weight,
-                 rows_per_vec or max(acc.shape[0], 1))
+               rows_per_vec: int | None = None) -> torch.Tensor:
+    """had(acc[row]) * svh[vector of row] / 16 per row of a float32 [R, C] accumulator -> [R, C] in out_dtype."""
+    out = torch.empty(acc.shape[0], acc.shape[1], dtype=out_dtype, device=acc.device)
+    return _rows(acc, svh, out, False, OUT_SCALE, None, vec_rows, rows_per_vec or max(acc.shape[0], 1))
 
 
 def rotate_out_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_svh: torch.Tensor, up_svh: torch.Tensor,
-                      vec_rows: torch.Tensor, limit: float, out_dtype: torch.dtype) -> torch.Tensor:
+                      vec_rows: torch.Tensor, limit: float, out_dtype: torch.dtype,
+                      next_suh: torch.Tensor | None = None) -> torch.Tensor:
     """GLM's clamped SwiGLU of two rotated-out float32 accumulators [R, C] (gate's and up's, row r's vectors
-    `vec_rows[r]` of each stack) -> [R, C] in out_dtype: the bits of `rotate_out` on each, then SwiGLU, in one
-    launch; rows whose vector index is past the stacks (empty MoE slots) give 0."""
+    `vec_rows[r]` of each stack) -> h [R, C] in out_dtype: the bits of `rotate_out` on each, then SwiGLU, in one
+    launch; rows whose vector index is past the stacks (empty MoE slots) give 0. With `next_suh` (the next
+    product's input vectors, same stack rows): `rotate_in(h, next_suh, vec_rows=vec_rows)` instead, in the same
+    launch, in `operand_dtype(out_dtype)`."""
     r, c = gate.shape
-    if up.shape != gate.shape or c % HAD or gate_svh.shape != up_svh.shape or gate_svh.shape[-1] != c:
+    if up.shape != gate.shape or c % HAD or gate_svh.shape != up_svh.shape or gate_svh.shape[-1] != c or (
+            next_suh is not None and next_suh.shape != gate_svh.shape):
         raise ValueError(f"rotate_out_swiglu: accumulators {list(gate.shape)} / {list(up.shape)}, vectors "
                          f"{list(gate_svh.shape)} / {list(up_svh.shape)}")
-    h = torch.empty(r, c, dtype=out_dtype, device=gate.device)
+    nxt = next_suh is not None
+    h = torch.empty(r, c, dtype=operand_dtype(out_dtype) if nxt else out_dtype, device=gate.device)
     if r:
         _rotate_out_swiglu_kernel[(triton.cdiv(r, _BLOCK_R), c // HAD)](
-            gate.contiguous(), up.contiguous(), gate_svh.contiguous(), up_svh.contiguous(), vec_rows, h, r, c,
-            gate_svh.shape[0], float(limit), OUT_SCALE, BLOCK_R=_BLOCK_R)
+            gate.contiguous(), up.contiguous(), gate_svh.contiguous(), up_svh.contiguous(),
+            next_suh.contiguous() if nxt else gate_svh, vec_rows, h, torch.empty(1, dtype=out_dtype, device=h.device),
+            r, c, gate_svh.shape[0], float(limit), OUT_SCALE, IN_SCALE, NEXT=nxt, BLOCK_R=_BLOCK_R,
+            ROUNDED_MUL=not INTERPRETED)
     return h

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels.gpu import exl3_cuda, hadamard
-from kernels.gpu.moe_groups import Groups, group_pairs, slot_tables
+from kernels.gpu.moe_groups import Groups, SlotTables, group_pairs, slot_tables
 from kernels.gpu.gemm import RowClass
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -198,6 +199,33 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, T, out_rows, row0, 
 
 
 @triton.jit
+def _combine_rotated_kernel(acc_ptr, svh_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, ids_ptr, out_ptr, num_experts,
+                            D, n_pairs, out_rows, row0, scale, PAIRS_PER_ROW: tl.constexpr,
+                            ROUNDED_MUL: tl.constexpr):
+    """`_combine_kernel` over EXL3 down products still in their rotated basis: each pair's output is rotated out
+    here (`hadamard.rotate_out`'s arithmetic: had(acc) * svh * scale, times the routing weight) as it is added, in
+    the same pair order, so the rotated rows are never stored. One 128-column block of one row per program."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    shard = tl.program_id(2)
+    total = tl.zeros((1, 128), dtype=tl.float32)
+    for j in tl.static_range(PAIRS_PER_ROW):
+        pair = row * PAIRS_PER_ROW + j
+        real = tl.load(ids_ptr + pair) < num_experts
+        r = tl.load(row_of_pair_ptr + shard * n_pairs + pair, mask=real, other=0).to(tl.int64)
+        x = tl.load(acc_ptr + r * D + cols[None, :], mask=real, other=0.0)
+        vec = tl.load(svh_ptr + tl.load(vec_ptr + r, mask=real, other=0).to(tl.int64) * D + cols[None, :],
+                      mask=real, other=0.0).to(tl.float32)
+        y = hadamard.had128(x, 1) * (vec * scale)
+        w = tl.load(weight_ptr + r, mask=real, other=0.0)
+        # The weighted output rounded on its own before the add (an fma would round once fewer: other bits than
+        # adding stored pair outputs, as `_combine_kernel` does)
+        total += libdevice.mul_rn(y, w) if ROUNDED_MUL else y * w
+    out = out_ptr + (shard.to(tl.int64) * out_rows + row0 + row) * D + cols[None, :]
+    tl.store(out, total)
+
+
+@triton.jit
 def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, expert_ptr, num_experts, N, K,
                     swe, swn, swk, sse, ssn, ssk,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
@@ -253,6 +281,22 @@ def _grouped(a: torch.Tensor, w: WeightArgs, groups: Groups, tile: MoeTile) -> t
     return out
 
 
+def _gate_up_exl3(x: torch.Tensor, gate: WeightArgs, up: WeightArgs, tables: SlotTables, tile: MoeTile
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate's and up's float32 products of every (shard, slot) row, still rotated. Decode-class tiles on the CUDA
+    kernel: both rotated in by one launch and multiplied by one. Otherwise (prompt rows: up to hundreds of
+    thousands of slot rows, a 4096-wide rotated row each) one projection at a time, so only one rotated input is
+    held at once (both would add gigabytes to a prompt chunk's peak, which sizes the KV pool)."""
+    rows = tables.token.shape[0]
+    grid = tables.grouped
+    if exl3_cuda.runs(x.device, hadamard.operand_dtype(x.dtype), gate, tile.block_m) and exl3_cuda.pairs_with(gate, up):
+        gu = hadamard.rotate_in(x, gate.suh, rows=rows, src_rows=tables.token, vec_rows=tables.vec, suh2=up.suh)
+        acc = exl3_cuda.grouped_pair(gu, gate, up, grid.pair_of_slot, grid.expert_of_block)
+        return acc[:rows], acc[rows:]
+    return tuple(_grouped(hadamard.rotate_in(x, w.suh, rows=rows, src_rows=tables.token, vec_rows=tables.vec), w,
+                          grid, tile) for w in (gate, up))
+
+
 def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs, up: WeightArgs,
                   down: WeightArgs, limit: float, tile: MoeTile, shards: int, out: torch.Tensor, row0: int) -> None:
     """EXL3 expert stacks, every local shard in one launch per step: per (shard, slot) row, rotate in (its token's
@@ -263,28 +307,19 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     I_local outputs, down with its I_local inputs). Shard s's rows are a copy of the slot grid whose tiles read
     expert block s * (E+1) + e, so each row's arithmetic is the one-shard launch's: the tiles and the grouping are
     the same for every shard. Launches: grouping, its tables, gate and up rotated in together, their products
-    (one CUDA launch for both), their rotations out with the SwiGLU, down's rotation in, product and rotation out,
-    the combine."""
+    (one CUDA launch for both), their rotations out with the SwiGLU and down's rotation in, down's product, and the
+    combine with down's rotation out."""
     t, d = x.shape
     n_exp = gate.data.shape[0] // shards
     groups = group_pairs(ids, n_exp, tile.block_m)
     tables = slot_tables(groups, weights, n_exp, shards)
-    rows = tables.token.shape[0]
-    gu = hadamard.rotate_in(x, gate.suh, rows=rows, src_rows=tables.token, vec_rows=tables.vec, suh2=up.suh)
-    if exl3_cuda.covers(gu, gate, tile.block_m) and exl3_cuda.pairs_with(gate, up):  # both in one launch
-        acc = exl3_cuda.grouped_pair(gu, gate, up, tables.grouped.pair_of_slot, tables.grouped.expert_of_block)
-    else:
-        acc = torch.cat([_grouped(gu[:rows], gate, tables.grouped, tile), _grouped(gu[rows:], up, tables.grouped,
-                                                                                   tile)])
-    # row (s, slot) of h: shard s's I_local columns of its slot, down's input
-    h = hadamard.rotate_out_swiglu(acc[:rows], acc[rows:], gate.svh, up.svh, tables.vec, limit, x.dtype)
-    y = torch.empty(shards, t * ids.shape[1], d, dtype=torch.float32, device=x.device)
-    acc = _grouped(hadamard.rotate_in(h, down.suh, vec_rows=tables.vec), down, tables.grouped, tile)
-    hadamard.rotate_out(acc, down.svh, torch.float32, vec_rows=tables.vec, out=y.view(-1, d), out_rows=tables.out_row,
-                        row_weight=tables.weight)
-    block = 1024
-    _combine_kernel[(t, triton.cdiv(d, block), shards)](y, ids, out, n_exp, d, t, out.shape[1], row0,
-                                                        PAIRS_PER_ROW=ids.shape[1], BLOCK=block)
+    g_acc, u_acc = _gate_up_exl3(x, gate, up, tables, tile)
+    # row (s, slot): SwiGLU of shard s's I_local columns of its slot, rotated in for down, in one launch
+    h = hadamard.rotate_out_swiglu(g_acc, u_acc, gate.svh, up.svh, tables.vec, limit, x.dtype, next_suh=down.suh)
+    acc = _grouped(h, down, tables.grouped, tile)
+    _combine_rotated_kernel[(t, d // hadamard.HAD, shards)](
+        acc, down.svh, tables.vec, tables.weight, tables.row_of_pair, ids, out, n_exp, d, ids.numel(), out.shape[1],
+        row0, hadamard.OUT_SCALE, PAIRS_PER_ROW=ids.shape[1], ROUNDED_MUL=not hadamard.INTERPRETED)
 
 
 def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,

@@ -7,8 +7,8 @@ would be about twenty launches per MoE layer, a real part of a one-row step), to
 `tests/kernels/test_gpu_moe_groups.py` checks they agree.
 
 `slot_tables` derives, in one more launch, the per-row tables of the EXL3 experts' rotations (kernels/gpu/moe.py):
-each slot of each virtual shard's copy of the grid, its token, its expert's vector row, its output row and its
-routing weight (a dozen torch index ops otherwise).
+each slot of each virtual shard's copy of the grid, its token, its expert's vector row and its routing weight, and
+each pair's row (a dozen torch index ops otherwise).
 """
 
 from __future__ import annotations
@@ -117,14 +117,15 @@ class SlotTables:
     EXL3 experts' rotations and grouped products read (kernels/gpu/moe.py `_experts_exl3`)."""
     token: torch.Tensor  # the slot's token row, -1 for an empty slot
     vec: torch.Tensor  # the slot's expert in the shards' stacked experts (s * experts + e); shards * experts = none
-    out_row: torch.Tensor  # where the slot's down output goes: pair + s * pairs, -1 for none
     weight: torch.Tensor  # float32 routing weight of the slot's pair, 0 for none
     grouped: Groups  # the grid repeated per shard, each copy's tiles reading its own expert block
+    row_of_pair: torch.Tensor  # [shards * pairs]: pair p's row of shard s at s * pairs + p (unset: a pair with no
+    # expert, which no reader asks for)
 
 
 @triton.jit
-def _slot_tables_kernel(pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, token_ptr, vec_ptr, out_row_ptr,
-                        weight_ptr, cap, blocks, experts, n_pairs, shards,
+def _slot_tables_kernel(pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr,
+                        row_of_pair_ptr, cap, blocks, experts, n_pairs, shards,
                         PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     rows = r < shards * cap
@@ -136,7 +137,7 @@ def _slot_tables_kernel(pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, toke
     tl.store(pairs_ptr + r, pair, mask=rows)
     tl.store(token_ptr + r, tl.where(has, pair // PAIRS_PER_ROW, -1), mask=rows)
     tl.store(vec_ptr + r, tl.where(expert < experts, expert + shard * experts, shards * experts), mask=rows)
-    tl.store(out_row_ptr + r, tl.where(has, pair + shard * n_pairs, -1), mask=rows)
+    tl.store(row_of_pair_ptr + tl.where(has, pair + shard * n_pairs, 0), r, mask=rows & has)
     tl.store(weight_ptr + r, tl.load(rw_ptr + pair, mask=rows & has, other=0.0), mask=rows)
     tiles = r < shards * blocks  # the tiles' table: tile s * blocks + b reads expert block s * experts + e
     e = tl.load(expert_ptr + r % blocks, mask=tiles, other=experts)
@@ -153,11 +154,11 @@ def slot_tables(groups: Groups, weights: torch.Tensor, experts: int, shards: int
     def table(dtype: torch.dtype = torch.int32, n: int = rows) -> torch.Tensor:
         return torch.empty(n, dtype=dtype, device=dev)
 
-    pairs, block, token, vec, out_row, weight = table(), table(n=shards * groups.blocks), table(), table(), table(), \
-        table(torch.float32)
+    pairs, block, token, vec, weight = table(), table(n=shards * groups.blocks), table(), table(), table(torch.float32)
+    row_of_pair = table(n=shards * weights.numel())
     block_rows = 1024
     _slot_tables_kernel[(triton.cdiv(rows, block_rows),)](
-        groups.pair_of_slot, groups.expert_of_block, weights.reshape(-1).float(), pairs, block, token, vec,
-        out_row, weight, cap, groups.blocks, experts, weights.numel(), shards, PAIRS_PER_ROW=weights.shape[1],
-        BLOCK_M=cap // groups.blocks, BLOCK=block_rows)
-    return SlotTables(token, vec, out_row, weight, Groups(pairs, block, groups.blocks * shards))
+        groups.pair_of_slot, groups.expert_of_block, weights.reshape(-1).float(), pairs, block, token, vec, weight,
+        row_of_pair, cap, groups.blocks, experts, weights.numel(), shards,
+        PAIRS_PER_ROW=weights.shape[1], BLOCK_M=cap // groups.blocks, BLOCK=block_rows)
+    return SlotTables(token, vec, weight, Groups(pairs, block, groups.blocks * shards), row_of_pair)

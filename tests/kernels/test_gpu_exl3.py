@@ -84,6 +84,35 @@ def test_paired_and_fused_rotations_equal_the_single_ones() -> None:
     moe._swiglu_kernel[(1,)](g_out, u_out, single, single.numel(), 7.0, BLOCK=4096)
     assert torch.equal(fused, single)
     assert bool((fused[vec >= 3] == 0).all())
+    nsuh = randn(3, 256, dtype=torch.float16, seed=18)
+    chained = hadamard.rotate_out_swiglu(g, u, svh, svh2, vec, 7.0, HALF, next_suh=nsuh)
+    assert torch.equal(chained, hadamard.rotate_in(single, nsuh, vec_rows=vec))
+
+
+def test_the_rotated_combine_equals_rotating_out_then_combining() -> None:
+    """down's outputs rotated out inside the combine (weighted, added in pair order) = each slot rotated out by
+    `rotate_out`, weighted, and the pairs added in order, bit for bit; pairs with no expert add nothing."""
+    from kernels.gpu.moe_groups import group_pairs, slot_tables
+    experts, per_row, d, shards = 5, 3, 256, 2
+    ids = torch.tensor([[0, 2, 4], [1, 2, 4], [6, 6, 6]], dtype=torch.int32, device=DEVICE)  # row 2: padding
+    weights = torch.rand(3, per_row, generator=torch.Generator().manual_seed(20)).to(DEVICE)
+    tables = slot_tables(group_pairs(ids, experts, 16), weights, experts, shards)
+    acc = randn(tables.vec.numel(), d, dtype=torch.float32, seed=21)
+    svh = randn(shards * experts, d, dtype=torch.float16, seed=22)
+    out = torch.full((shards, 4, d), -1.0, device=DEVICE)
+    moe._combine_rotated_kernel[(3, d // 128, shards)](
+        acc, svh, tables.vec, tables.weight, tables.row_of_pair, ids, out, experts, d, ids.numel(), 4, 1,
+        hadamard.OUT_SCALE, PAIRS_PER_ROW=per_row, ROUNDED_MUL=not hadamard.INTERPRETED)
+    rotated = hadamard.rotate_out(acc, svh, torch.float32, vec_rows=tables.vec) * tables.weight[:, None]
+    for s in range(shards):
+        for row in range(3):
+            want = torch.zeros(d, device=DEVICE)
+            for j in range(per_row):
+                p = row * per_row + j
+                if int(ids[row, j]) < experts:
+                    want = want + rotated[int(tables.row_of_pair[s * ids.numel() + p])]
+            assert torch.equal(out[s, 1 + row], want), (s, row)
+    assert bool((out[:, 0] == -1).all())  # rows before row0 untouched
 
 
 @pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())

@@ -54,8 +54,8 @@ def test_group_pairs_takes_the_fused_way_up_to_its_limit(monkeypatch) -> None:
 
 
 def test_slot_tables_follow_the_grouping() -> None:
-    """Each (shard, slot) row's token, expert vector row, output row and weight, and each shard's tiles reading
-    its own expert block — as the grouping's tables say, recomputed here with plain indexing."""
+    """Each (shard, slot) row's token, expert vector row and weight, each pair's row, and each shard's tiles
+    reading its own expert block — as the grouping's tables say, recomputed here with plain indexing."""
     rows, per_row, experts, shards, block_m = 6, 4, 11, 3, 16
     ids = routing(rows, per_row, experts, absent=1, seed=5)
     weights = torch.rand(rows, per_row, generator=torch.Generator().manual_seed(6)).to(DEVICE)
@@ -71,7 +71,8 @@ def test_slot_tables_follow_the_grouping() -> None:
         assert torch.equal(t.token[lo : lo + cap].cpu(), torch.where(has, pair // per_row, -1).int())
         assert torch.equal(t.vec[lo : lo + cap].cpu(),
                            torch.where(expert < experts, expert + s * experts, shards * experts).int())
-        assert torch.equal(t.out_row[lo : lo + cap].cpu(), torch.where(has, pair + s * n_pairs, -1).int())
+        rows_of_pairs = t.row_of_pair[s * n_pairs : (s + 1) * n_pairs].cpu()
+        assert torch.equal(rows_of_pairs[pair[has]], (lo + torch.arange(cap)[has]).int())
         assert torch.equal(t.weight[lo : lo + cap].cpu(),
                            torch.where(has, weights.reshape(-1).cpu()[pair.clamp(min=0)], 0.0))
         tiles = t.grouped.expert_of_block[s * groups.blocks : (s + 1) * groups.blocks].cpu()
