@@ -353,6 +353,18 @@ def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                                                         PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
 
 
+def _tile(rows: RowClass, x: torch.Tensor, gate: WeightArgs) -> MoeTile:
+    """The row class's tile; EXL3 prompt rows take the decode class's 16-slot tiles where the CUDA product runs.
+    Why: a grouped tile decodes its expert's whole trellis, and Triton's decode is ~5x slower than the CUDA one
+    (bench/results/decode_prefill-20261204-075748: 24.6 ms per MoE layer at a 2,048-token prompt, ~0.44 T weights
+    per second, against ~2.3 T in the CUDA product), so eight times the tiles still cost less: about 16 against 25
+    ms at 2,048 tokens and 4 against 17 ms at 128, where nearly every expert is one mostly empty tile either way.
+    It is still a pure function of the class and the weight (docs/design.md §5.1)."""
+    if gate.fmt is Fmt.EXL3 and exl3_cuda.runs(x.device, hadamard.operand_dtype(x.dtype), gate, exl3_cuda.BLOCK_M):
+        return moe_schedule(RowClass.DECODE)
+    return moe_schedule(rows)
+
+
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | WeightArgs,
             up: torch.Tensor | WeightArgs, down: torch.Tensor | WeightArgs, limit: float, decode_rows: int,
             shards: int = 1) -> torch.Tensor:
@@ -380,6 +392,6 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
     for rows, part in ((RowClass.DECODE, slice(0, split)), (RowClass.PREFILL, slice(split, t))):
         if part.stop > part.start:
             one_class = _experts_exl3 if gate.fmt is Fmt.EXL3 else _experts_one_class
-            one_class(x[part], ids[part], weights[part], gate, up, down, limit, moe_schedule(rows), shards, out,
+            one_class(x[part], ids[part], weights[part], gate, up, down, limit, _tile(rows, x, gate), shards, out,
                       part.start)
     return out

@@ -136,3 +136,22 @@ def test_the_paths_that_use_it_agree_with_the_triton_kernel(path: str, monkeypat
     triton_out = run(x, 7)
     assert not torch.equal(cuda, triton_out), "the CUDA product did not run (same bits as Triton's)"
     torch.testing.assert_close(cuda, triton_out, rtol=2e-2, atol=2e-2)
+
+
+def test_prompt_rows_take_the_cuda_product_too() -> None:
+    """EXL3 experts' prompt rows run the CUDA product's 16-slot tiles as decode rows do (moe._tile): a row's bits
+    are the same in either class, and alone or among others."""
+    from kernels.gpu import moe
+    d, i, experts = 512, 512, 5
+    gate, _ = stack(experts, i, d, 2.5, "mul1", seed=9)
+    up, _ = stack(experts, i, d, 2.5, "mul1", seed=10)
+    down, _ = stack(experts, d, i, 2.5, "mul1", seed=11)
+    x = torch.randn(40, d, device="cuda").to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts - 1)[:2].sort().values for _ in range(40)])
+    ids = torch.cat([ids, torch.full((40, 1), experts - 1)], dim=1).to(torch.int32).cuda()
+    rw = torch.rand(40, 3, device="cuda")
+    prompt = moe.experts(x, ids, rw, gate, up, down, 10.0, 0)
+    decode = moe.experts(x, ids, rw, gate, up, down, 10.0, 40)
+    mixed = moe.experts(x, ids, rw, gate, up, down, 10.0, 13)
+    assert torch.equal(prompt, decode) and torch.equal(mixed, decode)
+    assert torch.equal(moe.experts(x[7:8], ids[7:8], rw[7:8], gate, up, down, 10.0, 0)[:, 0], decode[:, 7])
