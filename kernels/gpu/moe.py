@@ -313,9 +313,11 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     n_exp = gate.data.shape[0] // shards
     groups = group_pairs(ids, n_exp, tile.block_m)
     tables = slot_tables(groups, weights, n_exp, shards)
-    g_acc, u_acc = _gate_up_exl3(x, gate, up, tables, tile)
-    # row (s, slot): SwiGLU of shard s's I_local columns of its slot, rotated in for down, in one launch
-    h = hadamard.rotate_out_swiglu(g_acc, u_acc, gate.svh, up.svh, tables.vec, limit, x.dtype, next_suh=down.suh)
+    # row (s, slot): SwiGLU of shard s's I_local columns of its slot, rotated in for down, in one launch. (Every
+    # big temporary dies with the call that made it: at a prompt chunk each is gigabytes, and the largest moment of
+    # a prompt chunk sizes the KV pool.)
+    h = hadamard.rotate_out_swiglu(*_gate_up_exl3(x, gate, up, tables, tile), gate.svh, up.svh, tables.vec, limit,
+                                   x.dtype, next_suh=down.suh)
     acc = _grouped(h, down, tables.grouped, tile)
     _combine_rotated_kernel[(t, d // hadamard.HAD, shards)](
         acc, down.svh, tables.vec, tables.weight, tables.row_of_pair, ids, out, n_exp, d, ids.numel(), out.shape[1],
