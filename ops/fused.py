@@ -86,11 +86,8 @@ class FusedForward:
         return gpu_mhc.post(coll.gather_partials(partials), streams, post, comb)
 
     def hc_final(self, streams: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
-        # The streams' mean as elementwise adds in stream order (a torch mean reduces in a shape-chosen order).
-        total = streams[:, 0].float()
-        for i in range(1, streams.shape[1]):
-            total = total + streams[:, i].float()
-        return gpu_norms.rms_norm((total / streams.shape[1]).to(streams.dtype), norm, eps)
+        # The streams' mean as adds in stream order (a torch mean reduces in a shape-chosen order), then the norm.
+        return gpu_norms.mean_rms_norm(streams, norm, eps)
 
     def logits(self, hidden: torch.Tensor, lm_head: Projection, coll: Collective) -> torch.Tensor:
         """fp32 logits of `batch.logit_rows` over the full vocabulary: decode-class rows with the decode schedule and
