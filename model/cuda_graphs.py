@@ -169,8 +169,7 @@ class DecodeGraphs:
         keep = cfg.index_topk // cfg.index_kpool
         max_pools = max(keep, width * self.cache.block_size // cfg.index_kpool)
         rows = GpuRows(n_rows=bucket, decode_rows=bucket, positions=positions, row_seq=arange, tables=tables,
-                       n_real=n_real, kda=kda, verify=[], window=0, prompt=None, max_pools=max_pools,
-                       block_size=self.cache.block_size)
+                       n_real=n_real, kda=kda, verify=[], window=0, prompt=None, max_pools=max_pools)
         batch = Batch(token_ids=tokens, starts=[0] * bucket, lengths=[1] * bucket, block_tables=tables,
                       slots=[self.cache.scratch_slot] * bucket, logit_rows=torch.arange(bucket),
                       prompt=[False] * bucket)

@@ -25,6 +25,7 @@ from kernels.gpu import mhc as gpu_mhc
 from kernels.gpu import mla as gpu_mla
 from kernels.gpu import moe as gpu_moe
 from kernels.gpu import norms as gpu_norms
+from kernels.gpu import rows as gpu_rows
 from kernels.gpu import swiglu as gpu_swiglu
 from model.batch import Batch
 from model.cache import PagedCache
@@ -47,7 +48,7 @@ class FusedForward:
         """rows: a prepared description (a CUDA graph's static one); by default built from the batch."""
         self.batch = batch
         self.cache = cache
-        self.rows = rows or build(batch, kpool=cache.kpool, block_size=cache.block_size)
+        self.rows = rows or build(batch, kpool=cache.kpool)
         self.n_rows = self.rows.n_rows
         self.token_ids = batch.token_ids
 
@@ -86,11 +87,8 @@ class FusedForward:
         return gpu_mhc.post(coll.gather_partials(partials), streams, post, comb)
 
     def hc_final(self, streams: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
-        # The streams' mean as elementwise adds in stream order (a torch mean reduces in a shape-chosen order).
-        total = streams[:, 0].float()
-        for i in range(1, streams.shape[1]):
-            total = total + streams[:, i].float()
-        return gpu_norms.rms_norm((total / streams.shape[1]).to(streams.dtype), norm, eps)
+        # The streams' mean as adds in stream order (a torch mean reduces in a shape-chosen order), then the norm.
+        return gpu_norms.mean_rms_norm(streams, norm, eps)
 
     def logits(self, hidden: torch.Tensor, lm_head: Projection, coll: Collective) -> torch.Tensor:
         """fp32 logits of `batch.logit_rows` over the full vocabulary: decode-class rows with the decode schedule and
@@ -110,9 +108,10 @@ class FusedForward:
 
     # ----- caches -----
 
-    def write_rows(self, store: RowStore, values: torch.Tensor) -> None:
-        blocks, offsets = self.rows.addresses()
-        store.write(blocks, offsets, values)
+    def write_rows(self, store: RowStore, values: torch.Tensor, tail: torch.Tensor | None = None) -> None:
+        """Each row's values (then tail's columns, when given) at its cache position, in one launch."""
+        rows = self.rows
+        gpu_rows.write(store.data, store.scale, rows.tables, rows.positions, rows.row_seq, values, tail)
 
     # ----- KDA -----
 
@@ -183,7 +182,7 @@ class FusedForward:
         wk_out, gate_out, w_out = x_parts
         store = cache.index_keys[layer]
         key = gpu_norms.layer_norm(wk_out, ix.k_norm_w, ix.k_norm_b, 1e-6)
-        self.write_rows(store, torch.cat([key, gate_out], dim=-1))
+        self.write_rows(store, key, gate_out)
         pooled = cache.pooled[layer]
         gpu_mla.write_pools(store.data, store.scale, pooled, ix.ape, rows.tables, rows.positions, rows.row_seq,
                             ix.kpool)

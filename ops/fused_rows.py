@@ -46,13 +46,6 @@ class GpuRows:
     window: int  # longest verify window (rows)
     prompt: PromptSeqs | None
     max_pools: int  # most complete k-pools any row sees (sizes the indexer's score matrix)
-    block_size: int
-
-    def addresses(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of every row's cache position, computed on the device."""
-        pos = self.positions.long()
-        blocks = self.tables[self.row_seq.long(), pos // self.block_size].long()
-        return blocks, pos % self.block_size
 
 
 def _device(values: list[list[int]], device: torch.device) -> list[torch.Tensor]:
@@ -62,7 +55,7 @@ def _device(values: list[list[int]], device: torch.device) -> list[torch.Tensor]
     return list(torch.split(dev, sizes))
 
 
-def build(batch: Batch, *, kpool: int, block_size: int) -> GpuRows:
+def build(batch: Batch, *, kpool: int) -> GpuRows:
     """GpuRows of an eager forward (decode-class sequences must come first: Batch.permuted)."""
     dev = batch.token_ids.device
     decode_rows = batch.decode_rows
@@ -100,4 +93,4 @@ def build(batch: Batch, *, kpool: int, block_size: int) -> GpuRows:
     return GpuRows(n_rows=len(positions), decode_rows=decode_rows, positions=pos_t, row_seq=seq_t,
                    tables=batch.block_tables.to(torch.int32), n_real=n_real, kda=kda, verify=verify,
                    window=max((batch.lengths[s] for s in verify), default=0), prompt=prompt_seqs,
-                   max_pools=max(ends) // kpool, block_size=block_size)
+                   max_pools=max(ends) // kpool)

@@ -130,6 +130,20 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, b
     return out
 
 
+@triton.jit
+def _count_kernel(pos_ptr, count_ptr, sel_ptr, n_pools, keep, KP: tl.constexpr, TAKE_ALL: tl.constexpr,
+                  BP: tl.constexpr):
+    """count[r] = how many pools row r selects: those ending at or before it, at most n_pools and keep. TAKE_ALL
+    (n_pools <= keep: every row takes every pool it sees): also sel[r, :] = 0, 1, ..., n_pools - 1."""
+    r = tl.program_id(0)
+    visible = tl.minimum((tl.load(pos_ptr + r) + 1) // KP, n_pools)
+    tl.store(count_ptr + r, tl.minimum(visible, keep))
+    if TAKE_ALL:
+        p = tl.arange(0, BP)
+        for p0 in range(0, n_pools, BP):
+            tl.store(sel_ptr + r.to(tl.int64) * n_pools + p0 + p, p0 + p, mask=p0 + p < n_pools)
+
+
 def select_pools(scores: torch.Tensor | Callable[[int, int], torch.Tensor] | None, positions: torch.Tensor,
                  kpool: int, keep: int, n_pools: int, tile: int = POOL_TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's selected pools in ascending order, and how many: (sel [T, W] int32, count [T] int32).
@@ -140,11 +154,15 @@ def select_pools(scores: torch.Tensor | Callable[[int, int], torch.Tensor] | Non
     pools p0 .. p1 - 1, asked for `tile` pools at a time: the best `keep` so far are kept across tiles (candidates =
     the best so far, all of lower index, then the tile in index order; a stable sort keeps ties to the lowest
     index), the same picks as one sort over every pool (kernels/dsa.py select_positions does this on the CPU)."""
-    visible = torch.div(positions.long() + 1, kpool, rounding_mode="floor").clamp(max=n_pools)
-    count = visible.clamp(max=keep).to(torch.int32)
-    if n_pools <= keep:
-        sel = torch.arange(n_pools, dtype=torch.int32, device=positions.device).expand(positions.numel(), n_pools)
-        return sel.contiguous(), count
+    t, dev = positions.numel(), positions.device
+    take_all = n_pools <= keep
+    count = torch.empty(t, dtype=torch.int32, device=dev)
+    sel = torch.empty(t, n_pools, dtype=torch.int32, device=dev) if take_all else None
+    if t:  # one launch for what were a handful of torch index ops (a decode step's selection, when it takes all)
+        out = sel if sel is not None and sel.numel() else count  # else a stand-in pointer, never written
+        _count_kernel[(t,)](positions, count, out, n_pools, keep, KP=kpool, TAKE_ALL=take_all, BP=256)
+    if sel is not None:
+        return sel, count
     scores_of = scores if callable(scores) else (lambda p0, p1: scores[:, p0:p1])
     tile = max(tile, keep)
     best_v = best_i = None

@@ -84,3 +84,23 @@ def test_mixed_rows_equal_each_class_alone() -> None:
     decode = gpu_pre(streams[:n], p, CLASSES["decode"])
     prompt = gpu_pre(streams[n:], p, CLASSES["prefill"])
     assert all(torch.equal(m[:n], a) and torch.equal(m[n:], b) for m, a, b in zip(mixed, decode, prompt))
+
+
+def torch_hc_final(streams: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """FusedForward.hc_final as torch ops before its one launch: fp32 adds in stream order, / N, rounding, norm."""
+    total = streams[:, 0].float()
+    for i in range(1, streams.shape[1]):
+        total = total + streams[:, i].float()
+    return norms.rms_norm((total / streams.shape[1]).to(streams.dtype), w, eps)
+
+
+# (streams, width): the tiny models' and the release's hidden size (8 warps a row there, as rms_norm takes). On a
+# CPU torch divides by N where CUDA multiplies by its fp32 reciprocal (as the kernel does): equal for these N.
+@pytest.mark.parametrize("n, d", [(4, D), (2, 100), (4, 4096)])
+def test_mean_rms_norm_equals_torch_ops(n: int, d: int) -> None:
+    streams = randn(T, n, d, seed=7)
+    streams[2, 1, ::5] = -0.0
+    w = 1 + randn(d, seed=8, scale=0.1)
+    got = norms.mean_rms_norm(streams, w, 1e-5)
+    assert torch.equal(got, torch_hc_final(streams, w, 1e-5))
+    assert torch.equal(norms.mean_rms_norm(streams[3:4], w, 1e-5)[0], got[3])  # a row alone = among others

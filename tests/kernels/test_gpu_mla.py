@@ -136,6 +136,33 @@ def test_select_takes_everything_when_few_pools(paged: Paged) -> None:
     assert count.tolist() == [1, 9] and sel[1].tolist() == list(range(9))
 
 
+def torch_counts(positions: torch.Tensor, keep: int, n_pools: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """What select_pools computed with torch ops before its count kernel: (sel when it takes all, count)."""
+    visible = torch.div(positions.long() + 1, KP, rounding_mode="floor").clamp(max=n_pools)
+    count = visible.clamp(max=keep).to(torch.int32)
+    if n_pools > keep:
+        return None, count
+    sel = torch.arange(n_pools, dtype=torch.int32, device=positions.device).expand(positions.numel(), n_pools)
+    return sel.contiguous(), count
+
+
+@pytest.mark.parametrize("keep, n_pools", [(16, 0), (16, 1), (16, 9), (9, 9), (300, 290), (5, 9)])
+def test_selection_counts_equal_torch_ops(keep: int, n_pools: int) -> None:
+    """The count kernel (and the take-all selection) against the torch ops it replaced: rows before their first
+    pool, at a pool's last position and past n_pools, alone or together; (5, 9) scores, so only counts come."""
+    positions = [0, 2, 3, 4, 7, 35, 36, 1200]
+    pos = torch.tensor(positions, dtype=torch.int32, device=DEVICE)
+    want_sel, want_count = torch_counts(pos, keep, n_pools)
+    scores = None if n_pools <= keep else randn(len(positions), n_pools, dtype=torch.float32, seed=46)
+    sel, count = mla.select_pools(scores, pos, KP, keep, n_pools)
+    assert torch.equal(count, want_count) and count.dtype == torch.int32
+    if want_sel is not None:
+        assert torch.equal(sel, want_sel) and sel.is_contiguous()
+        for i in range(len(positions)):  # a row's selection whatever rows come with it
+            alone = mla.select_pools(None, pos[i : i + 1], KP, keep, n_pools)
+            assert torch.equal(alone[0], sel[i : i + 1]) and torch.equal(alone[1], count[i : i + 1])
+
+
 @pytest.mark.parametrize("cls", CLASSES.values(), ids=CLASSES.keys())
 def test_fp8_latent_rows(cls: dict) -> None:
     cache = Paged(fp8=True)
