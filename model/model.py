@@ -62,7 +62,7 @@ class Glm5Model:
         self.vision = VisionTower(vision, reader) if vision is not None else None
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, sharding: Sharding | None = None, group=None,
+    def load(cls, model_dir: str | Path, *, sharding: Sharding | None = None, group=None, exchange=None,
              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", load_mtp: bool = True,
              progress: bool = True, load_target: bool = True, load_vision: bool = False) -> "Glm5Model":
         sharding = sharding or Sharding()
@@ -71,7 +71,7 @@ class Glm5Model:
             if load_vision else None
         reader = WeightReader(model_dir, sharding, dtype, torch.device(device), progress=progress)
         try:
-            return cls(cfg, reader, Collective(sharding, group), load_mtp=load_mtp, load_target=load_target,
+            return cls(cfg, reader, Collective(sharding, group, exchange), load_mtp=load_mtp, load_target=load_target,
                        vision=vision)
         finally:
             reader.close()

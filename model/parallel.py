@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model.host_exchange import HostExchange
+
 
 @dataclass(frozen=True)
 class Sharding:
@@ -42,24 +44,23 @@ class Sharding:
 
 
 class Collective:
-    """All-gather based reductions over the tensor-parallel group (gloo on CPU, NCCL on CUDA).
+    """All-gather based reductions over the tensor-parallel group (gloo on CPU, NCCL on CUDA), or, with an
+    `exchange`, through the same-host region every rank maps (model/host_exchange.py; `union` stays on the group).
 
     With one rank no process group is needed and nothing is sent.
     """
 
-    def __init__(self, sharding: Sharding, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, sharding: Sharding, group: dist.ProcessGroup | None = None,
+                 exchange: HostExchange | None = None) -> None:
         self.sharding = sharding
         self.group = group
+        self.exchange = exchange
 
     def gather_partials(self, partials: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """Every virtual shard's partial result, stacked in virtual-shard order ([S, ...] fp32), on every rank.
         partials: this rank's local shards' partials, as a list or already stacked ([local shards, ...])."""
         local = partials.float() if isinstance(partials, torch.Tensor) else torch.stack([p.float() for p in partials])
-        if self.sharding.world > 1:
-            gathered = [torch.empty_like(local) for _ in range(self.sharding.world)]
-            dist.all_gather(gathered, local.contiguous(), group=self.group)
-            local = torch.cat(gathered)
-        return local
+        return self._all_gather(local, 0) if self.sharding.world > 1 else local
 
     def sum_partials(self, partials: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """Sum of every virtual shard's partial result, in virtual-shard order, identical on every rank."""
@@ -73,11 +74,7 @@ class Collective:
         """Concatenate column slices (e.g. vocab shards of the logits) from every rank in order. parts: this rank's
         local shards' slices, as a list or stacked ([local shards, rows, columns])."""
         local = torch.cat(list(parts), dim=-1).contiguous()
-        if self.sharding.world == 1:
-            return local
-        gathered = [torch.empty_like(local) for _ in range(self.sharding.world)]
-        dist.all_gather(gathered, local, group=self.group)
-        return torch.cat(gathered, dim=-1)
+        return self._all_gather(local, -1) if self.sharding.world > 1 else local
 
     def union(self, keys: set[bytes]) -> set[bytes]:
         """The union of every rank's `keys` (KV tier entries that failed on some rank: all must drop them alike)."""
@@ -89,8 +86,18 @@ class Collective:
 
     def from_first(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's `t` on every rank (the other ranks pass a tensor of the same shape and dtype to receive it)."""
+        if self.sharding.world > 1 and self.exchange is not None:
+            return self.exchange.from_first(t)
         if self.sharding.world > 1:
             t = t.contiguous()
             dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                            group=self.group)
         return t
+
+    def _all_gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `local`, concatenated along `dim` in rank order."""
+        if self.exchange is not None:
+            return self.exchange.all_gather(local, dim)
+        gathered = [torch.empty_like(local) for _ in range(self.sharding.world)]
+        dist.all_gather(gathered, local.contiguous(), group=self.group)
+        return torch.cat(gathered, dim=dim)

@@ -195,7 +195,7 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
     cfg = LaunchConfig(model=s.model, state_dir=s.state_dir, tp=s.tp, host=s.host, port=s.port, device=s.device,
                        command=command, drafter=s.drafter, kv_cache_dtype=s.kv_cache_dtype,
                        **_drafter_fields(s),
-                       enforce_eager=s.enforce_eager, kv_tiers=tuple(s.tier_flags()),
+                       enforce_eager=s.enforce_eager, collective=s.collective, kv_tiers=tuple(s.tier_flags()),
                        random_weights=s.random_weights or "", random_block_size=s.random_block_size,
                        max_num_batched_tokens=s.max_num_batched_tokens, gateway_flags=tuple(s.gateway_flags()),
                        strict_request_fields=s.strict_request_fields, kv_events_endpoint=s.kv_events_endpoint)

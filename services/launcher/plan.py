@@ -39,6 +39,7 @@ class LaunchConfig:
     drafter_model: str = ""  # dflash: the drafter's folder
     draft_layers: tuple[int, ...] = ()  # dflash: the target layers the drafter reads (its config's target_layer_ids)
     kv_cache_dtype: str = "auto"  # storage of the ranks' latent + indexer cache rows: auto | fp8 | fp8_e4m3
+    collective: str = "auto"  # the ranks' --collective: auto | nccl | ipc | gloo
     enforce_eager: bool = False  # GPU ranks: no CUDA graphs for decode rounds
     kv_tiers: tuple[str, ...] = ()  # the ranks' KV tier flags (--kv-host-bytes / --kv-disk-dir / --kv-disk-bytes)
     random_weights: str = ""  # ranks draw random weights in this recipe (serve-rank --random-weights); "" = read them
@@ -71,6 +72,7 @@ def _rank_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int) -> 
     return ["serve-rank", "--model", c.model, "--rank", str(i), "--world", str(c.tp),
             "--master-addr", INTERNAL_HOST, "--master-port", str(shared["master"]), "--peer-port", str(shared["peer"]),
             "--host", host, "--port", str(port), "--device", c.device, "--kv-cache-dtype", c.kv_cache_dtype,
+            "--collective", c.collective,
             *(["--enforce-eager"] if c.enforce_eager else []),
             *(["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
               if c.max_num_batched_tokens is not None else []),

@@ -40,6 +40,7 @@ class UpSettings:
     kv_host_bytes: int | None = _passed_on(shared.KV_HOST_BYTES)
     kv_disk_dir: str | None = _passed_on(shared.KV_DISK_DIR)
     kv_disk_bytes: int | None = _passed_on(shared.KV_DISK_BYTES)
+    collective: str = flag(shared.COLLECTIVE)
     enforce_eager: bool = flag(shared.ENFORCE_EAGER)
     reasoning_budget: int | None = _passed_on(shared.REASONING_BUDGET, "the gateway")
     reasoning_budget_message: str | None = _passed_on(shared.REASONING_BUDGET_MESSAGE, "the gateway")

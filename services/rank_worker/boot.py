@@ -2,8 +2,8 @@
 watchdog, load this rank's shard, size the KV pool, capture CUDA graphs, warm up (on a GPU), serve StepPlans.
 
 Exit codes that mean "this group cannot go on" (a supervisor restarts the whole group): 3 a bad plan (server.py),
-4 the ranks' settings differ (fingerprint.py), 5 a peer was lost or never reached the watchdog (peer_watch.py);
-2 is a setting this rank cannot honour.
+4 the ranks' settings differ (fingerprint.py; or their --collective, distributed.py), 5 a peer was lost or never
+reached the watchdog (peer_watch.py); 2 is a setting this rank cannot honour.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # imported where used: `twinspark --help` loads no model code
     from torch.distributed import ProcessGroup
 
     from model.cache import PagedCache
+    from model.host_exchange import HostExchange
     from model.model import Glm5Model
     from model.parallel import Sharding
     from model.quantize.select import Recipe
@@ -76,6 +77,13 @@ def serve_rank(s: RankSettings) -> int:
         except ValueError as exc:
             log.error("--random-weights %s", exc)
             return 2
+    from services.rank_worker.distributed import backend_for
+
+    try:
+        backend_for(s.collective, s.device)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     if s.device == "cpu" and s.world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.world))
     loaded = _load(s, recipe, *_join(s))
@@ -88,16 +96,21 @@ def serve_rank(s: RankSettings) -> int:
     return 0
 
 
-def _join(s: RankSettings) -> tuple[Sharding, ProcessGroup | None, dict[str, str]]:
+def _join(s: RankSettings) -> tuple[Sharding, ProcessGroup | None, HostExchange | None, dict[str, str]]:
     """Join the group, check that every rank has the same settings and arm the peer watchdog: (sharding, group,
-    the agreed settings)."""
+    the same-host exchange if the collective runs through one, the agreed settings)."""
     from services.common.internal_auth import group_digest
     from services.rank_worker.distributed import join_group
     from services.rank_worker.peer_watch import EXIT_PEER_LOST, PeerWatch
 
     log.info("joining group as rank %d of %d via %s:%d", s.rank, s.world, s.master_addr, s.master_port)
-    sharding, group = join_group(s.rank, s.world, master_addr=s.master_addr, master_port=s.master_port,
-                                 device=s.device, virtual=s.virtual_shards)
+    try:
+        sharding, group, exchange = join_group(s.rank, s.world, master_addr=s.master_addr,
+                                               master_port=s.master_port, device=s.device, virtual=s.virtual_shards,
+                                               collective=s.collective, slot_bytes=s.collective_slot_bytes)
+    except RuntimeError as exc:  # the ranks chose different collectives, or ipc where a rank cannot map the region
+        log.error("%s", exc)
+        _leave(4)
     settings = fp.settings(model_dir=s.model, world=s.world, dtype=getattr(torch, s.compute_dtype), device=s.device,
                            virtual_shards=s.virtual_shards, num_blocks=s.num_blocks or "auto",
                            block_size=s.block_size, num_slots=s.num_slots,
@@ -114,11 +127,11 @@ def _join(s: RankSettings) -> tuple[Sharding, ProcessGroup | None, dict[str, str
     except (OSError, ValueError) as exc:  # TimeoutError is an OSError
         log.error("%s", exc)
         _leave(EXIT_PEER_LOST)
-    return sharding, group, settings
+    return sharding, group, exchange, settings
 
 
 def _load(s: RankSettings, recipe: Recipe | None, sharding: Sharding, group: ProcessGroup | None,
-          settings: dict[str, str]) -> Loaded:
+          exchange: HostExchange | None, settings: dict[str, str]) -> Loaded:
     """This rank's shard: read from the checkpoint, or drawn at random in `recipe`'s formats."""
     from model.model import Glm5Model
     from model.vision import VisionConfig
@@ -132,11 +145,11 @@ def _load(s: RankSettings, recipe: Recipe | None, sharding: Sharding, group: Pro
               if recipe is None else None)
     if recipe is not None:
         log.info("drawing random %s weights for %s's config (%s, %s)", s.random_weights, s.model, dtype, s.device)
-        model = _random_model(s.model, recipe, sharding, group, dtype, device)
+        model = _random_model(s.model, recipe, sharding, group, exchange, dtype, device)
     else:
         log.info("loading %s (%s, %s)", s.model, dtype, s.device)
-        model = Glm5Model.load(s.model, sharding=sharding, group=group, dtype=dtype, device=device, progress=True,
-                               load_vision=vision is not None and s.rank == 0)
+        model = Glm5Model.load(s.model, sharding=sharding, group=group, exchange=exchange, dtype=dtype, device=device,
+                               progress=True, load_vision=vision is not None and s.rank == 0)
     if device.type == "cuda":
         # Loading leaves freed staging memory in torch's caching allocator (per-shard tensors stacked into one,
         # dequantized copies): hand it back, or the pool sizing counts it as in use and the pool comes out that
@@ -146,8 +159,8 @@ def _load(s: RankSettings, recipe: Recipe | None, sharding: Sharding, group: Pro
     return Loaded(model, group, device, settings, vision)
 
 
-def _random_model(model_dir: str, recipe: Recipe, sharding: Sharding, group: ProcessGroup | None, dtype: torch.dtype,
-                  device: torch.device) -> Glm5Model:
+def _random_model(model_dir: str, recipe: Recipe, sharding: Sharding, group: ProcessGroup | None,
+                  exchange: HostExchange | None, dtype: torch.dtype, device: torch.device) -> Glm5Model:
     """The model of `model_dir`'s config over weights drawn on the device (`--random-weights`)."""
     from model.config import ModelConfig
     from model.model import Glm5Model
@@ -156,7 +169,7 @@ def _random_model(model_dir: str, recipe: Recipe, sharding: Sharding, group: Pro
 
     cfg = ModelConfig.from_pretrained(model_dir)
     reader = RandomWeightReader(spec_from_config(cfg), sharding, dtype, device, recipe=recipe, log=log.info)
-    model = Glm5Model(cfg, reader, Collective(sharding, group))
+    model = Glm5Model(cfg, reader, Collective(sharding, group, exchange))
     log.info("random weights: %.2f GiB drawn (whole tensors, before this rank's cut; %d tensors, %d quantized)",
              reader.bytes_made / 2**30, reader.tensors_made, reader.quantized_made)
     return model

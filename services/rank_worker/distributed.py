@@ -1,14 +1,31 @@
-"""Joining the tensor-parallel group: gloo on CPU, NCCL on CUDA (whose IB transport is RoCE between Sparks)."""
+"""Joining the tensor-parallel group and choosing its collective (docs/deploy.md: the tensor-parallel collective).
+
+- nccl: torch.distributed over NCCL (CUDA; its IB transport is RoCE between Sparks).
+- gloo: torch.distributed over gloo (CPU tensors; loopback sockets even on one host).
+- ipc: the same-host exchange (model/host_exchange.py), CPU only for now: a shared-memory region every rank maps.
+  The group is still joined over gloo, for the once-only handshake (the region's name) and `Collective.union`.
+- auto: on CUDA nccl; on the CPU ipc when every rank can map rank 0's region (so all share this host and its
+  /dev/shm), else gloo.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from model.host_exchange import HostExchange, RegionError, create_region
 from model.parallel import Sharding
+from services.common import shared_flags as shared
+
+log = logging.getLogger(__name__)
+
+COLLECTIVES = shared.COLLECTIVE.choices or ()
+DEFAULT_SLOT_BYTES = 64 << 20  # serve-rank's --collective-slot-bytes default (tmpfs: only the pages written cost)
 
 
 def free_port() -> int:
@@ -17,18 +34,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_group(rank: int, world: int, *, master_addr: str, master_port: int, device: str,
-               virtual: int = 4, timeout_s: float = 60.0) -> tuple[Sharding, dist.ProcessGroup | None]:
-    """Initialise torch.distributed for this rank (no-op for one rank) and return its sharding."""
+def backend_for(collective: str, device: str) -> str:
+    """The torch.distributed backend a collective choice joins over; refuses what cannot run on `device`."""
+    cuda = device.startswith("cuda")
+    if collective not in COLLECTIVES:
+        raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    if collective == "ipc" and cuda:
+        raise ValueError("--collective ipc: the CUDA transport of the same-host collective (device buffers mapped "
+                         "through CUDA IPC) is not built yet; on CUDA use nccl (or auto)")
+    if collective == "nccl" and not cuda:
+        raise ValueError("--collective nccl needs --device cuda (NCCL moves CUDA tensors only); on the CPU use "
+                         "ipc, gloo or auto")
+    if collective == "auto":
+        return "nccl" if cuda else "gloo"
+    return "gloo" if collective == "ipc" else collective
+
+
+def join_group(rank: int, world: int, *, master_addr: str, master_port: int, device: str, virtual: int = 4,
+               timeout_s: float = 60.0, collective: str = "auto", slot_bytes: int = DEFAULT_SLOT_BYTES,
+               ) -> tuple[Sharding, dist.ProcessGroup | None, HostExchange | None]:
+    """Initialise torch.distributed for this rank (no-op for one rank): (its sharding, the group, the same-host
+    exchange when the collective runs through one)."""
     sharding = Sharding(rank=rank, world=world, virtual=virtual)
+    backend = backend_for(collective, device)
     if world == 1:
-        return sharding, None
+        return sharding, None, None
     if device.startswith("cuda"):
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
-    return sharding, dist.group.WORLD
+    group = dist.group.WORLD
+    chosen: list[str | None] = [None] * world
+    dist.all_gather_object(chosen, collective, group=group)
+    if len(set(chosen)) > 1:
+        raise RuntimeError(f"the ranks chose different collectives: {', '.join(map(str, chosen))} (rank order); "
+                           "give every rank the same --collective")
+    exchange = None
+    if backend == "gloo" and collective != "gloo":
+        exchange = _same_host(rank, world, group, required=collective == "ipc", slot_bytes=slot_bytes,
+                              timeout_s=timeout_s)
+    log.info("collective: %s", "ipc (same-host shared memory)" if exchange else backend)
+    return sharding, group, exchange
+
+
+def _same_host(rank: int, world: int, group: dist.ProcessGroup, *, required: bool, slot_bytes: int,
+               timeout_s: float) -> HostExchange | None:
+    """The once-only handshake: rank 0 makes the region and sends its name; every rank maps it; the exchange is
+    used when all could (`required`: else raise, naming the ranks that could not)."""
+    made: list[tuple[str, bytes] | str | None] = [None]
+    if rank == 0:
+        try:
+            made[0] = create_region(world, slot_bytes)
+        except RegionError as exc:
+            made[0] = str(exc)
+    dist.broadcast_object_list(made, src=0, group=group)
+    exchange, why = None, made[0] if isinstance(made[0], str) else ""
+    if not why:
+        path, nonce = made[0]
+        try:
+            exchange = HostExchange(path, rank, nonce, timeout_s=timeout_s)
+        except RegionError as exc:
+            why = str(exc)
+    reasons: list[str | None] = [None] * world
+    dist.all_gather_object(reasons, why, group=group)  # also the barrier after which no rank opens the file again
+    if rank == 0 and not isinstance(made[0], str):
+        os.unlink(made[0][0])  # mapped everywhere it can be: the name goes, and nothing is left if a rank dies
+    failed = "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w)
+    if not failed:
+        return exchange
+    if required:
+        raise RuntimeError(f"--collective ipc needs every rank on this host, mapping rank 0's region: {failed}")
+    log.info("same-host collective not usable (%s): gloo instead", failed)
+    return None
 
 
 def rank_device(device: str, rank: int) -> torch.device:

@@ -86,12 +86,13 @@ def prompt_log_softmax(model: Glm5Model, prompt_ids: list[int], *, prefill_chunk
 
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, device: str, dtype: torch.dtype,
-               job: Callable[[Glm5Model], Any], results: "mp.Queue") -> None:
+               job: Callable[[Glm5Model], Any], results: "mp.Queue", collective: str) -> None:
     try:
         if device == "cpu":  # ranks share the machine's cores; oversubscribed OpenMP threads spin against each other
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        sharding, group = join_group(rank, world, master_addr="127.0.0.1", master_port=port, device=device)
-        model = Glm5Model.load(model_dir, sharding=sharding, group=group, dtype=dtype,
+        sharding, group, exchange = join_group(rank, world, master_addr="127.0.0.1", master_port=port,
+                                               device=device, collective=collective)
+        model = Glm5Model.load(model_dir, sharding=sharding, group=group, exchange=exchange, dtype=dtype,
                                device=rank_device(device, rank), progress=rank == 0)
         value = job(model)
         if rank == 0:
@@ -104,8 +105,9 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, device: str, dt
 
 
 def run_on_ranks(model_dir: str | Path, job: Callable[[Glm5Model], Any], *, tp: int = 1, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, timeout_s: float = 600.0) -> Any:
-    """Run `job(model)` on every rank of a TP group (spawned processes for TP > 1); return rank 0's result.
+                 dtype: torch.dtype = torch.float32, timeout_s: float = 600.0, collective: str = "auto") -> Any:
+    """Run `job(model)` on every rank of a TP group (spawned processes for TP > 1, exchanging through
+    `collective`, serve-rank's --collective); return rank 0's result.
 
     `job` must be picklable (a module-level function or a functools.partial of one).
     """
@@ -114,7 +116,8 @@ def run_on_ranks(model_dir: str | Path, job: Callable[[Glm5Model], Any], *, tp: 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, str(model_dir), device, dtype, job, results))
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, str(model_dir), device, dtype, job, results,
+                                                        collective))
              for r in range(tp)]
     for p in procs:
         p.start()

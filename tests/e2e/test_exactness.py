@@ -57,6 +57,8 @@ def test_concurrent_staggered_and_burst_equal_serial(stack_tp2, references):
 
 @pytest.mark.tp
 def test_tp1_tp2_tp4_same_token_ids(stack_tp1, stack_tp2, references, tiny_default, tmp_path):
+    for rank in range(2):
+        assert "collective: ipc" in (stack_tp2.state_dir / "logs" / f"rank{rank}.log").read_text()
     bodies = _requests()[:6]
     tp1 = [_reply(httpx.post(stack_tp1.v1 + "/completions", json=b, timeout=300)) for b in bodies]
     assert tp1 == references[:6]

@@ -27,7 +27,7 @@ def test_tp1_argv_per_role():
     assert rank0.argv == (*PREFIX, "serve-rank", "--model", "/models/glm", "--rank", "0", "--world", "1",
                           "--master-addr", "127.0.0.1", "--master-port", "5000", "--peer-port", "5009",
                           "--host", "127.0.0.1",
-                          "--port", "5001", "--device", "cpu", "--kv-cache-dtype", "auto")
+                          "--port", "5001", "--device", "cpu", "--kv-cache-dtype", "auto", "--collective", "auto")
     assert sched.argv == (*PREFIX, "serve-scheduler", "--ranks", "127.0.0.1:5001", "--host", "127.0.0.1",
                           "--port", "5002", "--tokenizer", "/models/glm")
     assert gw.argv == (*PREFIX, "serve-gateway", "--model", "/models/glm", "--scheduler", "127.0.0.1:5002",
@@ -40,7 +40,7 @@ def test_tp1_argv_per_role():
 
 
 def test_tp2_ranks_share_master_and_peer_ports_and_restart_together():
-    plan = make_plan(_cfg(2, device="cuda", kv_cache_dtype="fp8"), [6000, 6009, 6001, 6002, 6003])
+    plan = make_plan(_cfg(2, device="cuda", kv_cache_dtype="fp8", collective="nccl"), [6000, 6009, 6001, 6002, 6003])
     assert [[c.name for c in stage] for stage in plan.stages] == [["rank0", "rank1"], ["scheduler"], ["gateway"]]
     r0, r1, sched, gw = plan.children
     for i, r in enumerate((r0, r1)):
@@ -49,6 +49,7 @@ def test_tp2_ranks_share_master_and_peer_ports_and_restart_together():
         assert a[a.index("--master-port") + 1] == "6000" and a[a.index("--device") + 1] == "cuda"
         assert a[a.index("--peer-port") + 1] == "6009" and r.restart_together
         assert a[a.index("--model") + 1] == "/models/glm" and a[a.index("--kv-cache-dtype") + 1] == "fp8"
+        assert a[a.index("--collective") + 1] == "nccl"
     assert (r0.port, r1.port, sched.port) == (6001, 6002, 6003)
     assert list(sched.argv)[list(sched.argv).index("--ranks") + 1] == "127.0.0.1:6001,127.0.0.1:6002"
     assert list(gw.argv)[list(gw.argv).index("--model") + 1] == "/models/glm"
