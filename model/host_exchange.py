@@ -88,7 +88,10 @@ class HostExchange:
         self.timeout_s = timeout_s
         self.calls = 0
         self.base = self.region.data_ptr()
-        shm_atomics.check_lock_free(self._flag(rank, SEQ))
+        try:
+            shm_atomics.check_lock_free(self._flag(rank, SEQ))
+        except (OSError, RuntimeError) as exc:  # no libatomic, or locked atomics: `auto` falls back to gloo
+            raise RegionError(str(exc)) from exc
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Every rank's `t` (the same shape and dtype on all), concatenated along `dim` in rank order."""
