@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.gpu.swiglu import clamped_swiglu
+
 HAD = 128
 _BLOCK_R = 16  # rows per program (a power of two; any value gives the same bits per row)
 IN_SCALE = 1.0 / 8
@@ -56,6 +58,24 @@ def had128(v, R: tl.constexpr):
 
 
 @triton.jit
+def rotated_in(x, vec, scale, R: tl.constexpr, ROUNDED_MUL: tl.constexpr):
+    """The input side on float32 rows [R, 128]: had(x * vec) * scale. The product is rounded on its own, as the
+    twin's is: the compiler may otherwise fuse it into the first butterfly's add (an fma: one rounding fewer, other
+    bits); mul_rn is never contracted (ROUNDED_MUL off: the interpreter, which never contracts)."""
+    if ROUNDED_MUL:
+        x = libdevice.mul_rn(x, vec)
+    else:
+        x = x * vec
+    return had128(x, R) * scale
+
+
+@triton.jit
+def rotated_out(acc, vec, scale, R: tl.constexpr):
+    """The output side on float32 rows [R, 128]: had(acc) * (vec * scale)."""
+    return had128(acc, R) * (vec * scale)
+
+
+@triton.jit
 def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, R, C, V, rows_per_vec, ssr, svr,
                    sor, scale, PRE: tl.constexpr, SRC_ROWS: tl.constexpr, VEC_ROWS: tl.constexpr,
                    BLOCK_R: tl.constexpr, ROUNDED_MUL: tl.constexpr):
@@ -76,16 +96,10 @@ def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_p
         vec = tl.load(vec_ptr + vrow[:, None] * svr + c[None, :], mask=m, other=0.0).to(tl.float32)
     else:
         vec = tl.load(vec2_ptr + vrow[:, None] * svr + c[None, :], mask=m, other=0.0).to(tl.float32)
-    if PRE:  # input side: sign/scale, then rotate
-        # The product rounded on its own, as the twin's is: the compiler may otherwise fuse it into the first
-        # butterfly's add (an fma: one rounding fewer, other bits). mul_rn is never contracted.
-        if ROUNDED_MUL:
-            x = libdevice.mul_rn(x, vec)
-        else:
-            x = x * vec
-        y = had128(x, BLOCK_R) * scale
-    else:  # output side: rotate, then sign/scale
-        y = had128(x, BLOCK_R) * (vec * scale)
+    if PRE:
+        y = rotated_in(x, vec, scale, BLOCK_R, ROUNDED_MUL)
+    else:
+        y = rotated_out(x, vec, scale, BLOCK_R)
     out_row = (second * R + r).to(tl.int64)  # dead rows (empty MoE slots) become 0
     tl.store(out_ptr + out_row[:, None] * sor + c[None, :], tl.where(m, y, 0.0).to(out_ptr.dtype.element_ty),
              mask=in_range[:, None])
@@ -96,7 +110,7 @@ def _rotate_out_swiglu_kernel(g_ptr, u_ptr, gvec_ptr, uvec_ptr, nvec_ptr, vec_ro
                               limit, out_scale, in_scale, NEXT: tl.constexpr, BLOCK_R: tl.constexpr,
                               ROUNDED_MUL: tl.constexpr):
     """h = SwiGLU(rotate_out(g), rotate_out(u)) per row: each projection rotated, scaled and rounded to the
-    activation dtype exactly as `rotate_out` does, then `kernels/gpu/moe.py`'s `_swiglu_kernel` arithmetic. NEXT:
+    activation dtype exactly as `rotate_out` does, then `clamped_swiglu` (kernels/gpu/swiglu.py). NEXT:
     h then goes through `rotate_in` with the next product's suh (the same 128-column block, so the same program)
     and that operand is stored instead of h."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -109,23 +123,15 @@ def _rotate_out_swiglu_kernel(g_ptr, u_ptr, gvec_ptr, uvec_ptr, nvec_ptr, vec_ro
     rows = r.to(tl.int64)[:, None] * C + c[None, :]
     vecs = vrow[:, None] * C + c[None, :]
     act = act_ptr.dtype.element_ty  # the activation dtype (h's, or the rounding before the next rotation)
-    g = tl.load(g_ptr + rows, mask=m, other=0.0)
-    g = had128(g, BLOCK_R) * (tl.load(gvec_ptr + vecs, mask=m, other=0.0).to(tl.float32) * out_scale)
-    u = tl.load(u_ptr + rows, mask=m, other=0.0)
-    u = had128(u, BLOCK_R) * (tl.load(uvec_ptr + vecs, mask=m, other=0.0).to(tl.float32) * out_scale)
-    g = tl.minimum(tl.where(m, g, 0.0).to(act).to(tl.float32), limit)
-    u = tl.where(m, u, 0.0).to(act).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
-    h = (s * u).to(act)
-    if NEXT:  # rotate_in's arithmetic on the rounded h (see _rotate_kernel's PRE branch)
-        x = h.to(tl.float32)
+    g = rotated_out(tl.load(g_ptr + rows, mask=m, other=0.0),
+                    tl.load(gvec_ptr + vecs, mask=m, other=0.0).to(tl.float32), out_scale, BLOCK_R)
+    u = rotated_out(tl.load(u_ptr + rows, mask=m, other=0.0),
+                    tl.load(uvec_ptr + vecs, mask=m, other=0.0).to(tl.float32), out_scale, BLOCK_R)
+    h = clamped_swiglu(tl.where(m, g, 0.0).to(act).to(tl.float32), tl.where(m, u, 0.0).to(act).to(tl.float32),
+                       limit, act)
+    if NEXT:  # rotate_in's arithmetic on the rounded h
         nvec = tl.load(nvec_ptr + vecs, mask=m, other=0.0).to(tl.float32)
-        if ROUNDED_MUL:
-            x = libdevice.mul_rn(x, nvec)
-        else:
-            x = x * nvec
-        y = had128(x, BLOCK_R) * in_scale
+        y = rotated_in(h.to(tl.float32), nvec, in_scale, BLOCK_R, ROUNDED_MUL)
         tl.store(h_ptr + rows, tl.where(m, y, 0.0).to(h_ptr.dtype.element_ty), mask=in_range[:, None])
     else:
         tl.store(h_ptr + rows, h, mask=in_range[:, None])

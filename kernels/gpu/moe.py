@@ -31,6 +31,7 @@ from triton.language.extra import libdevice
 
 from kernels.gpu import exl3_cuda, hadamard
 from kernels.gpu.moe_groups import Groups, SlotTables, group_pairs, slot_tables
+from kernels.gpu.swiglu import clamped_swiglu
 from kernels.gpu.gemm import RowClass
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -137,10 +138,7 @@ def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_p
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
     # The torch twin rounds each projection to the activation dtype, then SiLU, then the product: do the same.
-    g = tl.minimum(acc_g.to(act).to(tl.float32), limit)
-    u = tl.minimum(tl.maximum(acc_u.to(act).to(tl.float32), -limit), limit)
-    s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
-    h = (s * u).to(act)
+    h = clamped_swiglu(acc_g.to(act).to(tl.float32), acc_u.to(act).to(tl.float32), limit, act)
     tl.store(h_ptr + slots[:, None] * I + rn[None, :], h, mask=has[:, None] & (rn[None, :] < I))
 
 
@@ -216,7 +214,7 @@ def _combine_rotated_kernel(acc_ptr, svh_ptr, vec_ptr, weight_ptr, row_of_pair_p
         x = tl.load(acc_ptr + r * D + cols[None, :], mask=real, other=0.0)
         vec = tl.load(svh_ptr + tl.load(vec_ptr + r, mask=real, other=0).to(tl.int64) * D + cols[None, :],
                       mask=real, other=0.0).to(tl.float32)
-        y = hadamard.had128(x, 1) * (vec * scale)
+        y = hadamard.rotated_out(x, vec, scale, 1)
         w = tl.load(weight_ptr + r, mask=real, other=0.0)
         # The weighted output rounded on its own before the add (an fma would round once fewer: other bits than
         # adding stored pair outputs, as `_combine_kernel` does)
@@ -254,19 +252,6 @@ def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, expert_ptr, num_expe
         else:
             acc = tl.dot(a, b, acc)
     tl.store(out_ptr + slots.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=rn[None, :] < N)
-
-
-@triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, h_ptr, numel, limit, BLOCK: tl.constexpr):
-    """h = silu(min(g, limit)) * clamp(u, -limit, limit), element by element, rounded as `_gate_up_kernel` does."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    g = tl.minimum(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), limit)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    act = h_ptr.dtype.element_ty
-    s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
-    tl.store(h_ptr + offs, (s * u).to(act), mask=mask)
 
 
 def _grouped(a: torch.Tensor, w: WeightArgs, groups: Groups, tile: MoeTile) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """GLM's clamped SwiGLU for the dense MLP (and the shared expert when it runs apart) in one launch.
 
-The torch twin is kernels/moe.swiglu: silu(min(gate, limit)) * clamp(up, -limit, limit). The rounding is that of
-kernels/gpu/moe.py's `_swiglu_kernel` (fp32 math, SiLU rounded to the activation dtype before the product, the
-product rounded again), so the dense path and the MoE kernels give a clamped SwiGLU the same bits, and both round
+The torch twin is kernels/moe.swiglu: silu(min(gate, limit)) * clamp(up, -limit, limit). `clamped_swiglu` is the
+element formula every GPU path shares (fp32 math, SiLU rounded to the activation dtype before the product, the
+product rounded again), so the dense path and the MoE kernels give a clamped SwiGLU the same bits, and all round
 where the twin's two half-precision ops do.
 
 gate and up come in as the two halves of one [S, T, 2I] projection output, so the kernel reads them through their
@@ -17,6 +17,18 @@ import triton.language as tl
 
 
 @triton.jit
+def clamped_swiglu(g, u, limit, act: tl.constexpr):
+    """silu(min(g, limit)) * clamp(u, -limit, limit) of fp32 g, u (already at the activation dtype's values), in
+    `act`: SiLU rounded to `act` before the product, as the twin's two half-precision ops round. Every GPU path's
+    clamped SwiGLU (this file's, the MoE's grouped gate|up, EXL3's rotations out) uses it, so all give one set of
+    bits."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
+    return (s * u).to(act)
+
+
+@triton.jit
 def _swiglu_kernel(g_ptr, s_g_shard, s_g, u_ptr, s_u_shard, s_u, h_ptr, n_rows, width, limit,
                    BLOCK: tl.constexpr):
     """One (row, block of BLOCK columns, shard): element by element, so a row's bits never depend on its company."""
@@ -26,11 +38,8 @@ def _swiglu_kernel(g_ptr, s_g_shard, s_g, u_ptr, s_u_shard, s_u, h_ptr, n_rows, 
     mask = cols < width
     g = tl.load(g_ptr + shard * s_g_shard + row * s_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + shard * s_u_shard + row * s_u + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    act = h_ptr.dtype.element_ty
-    s = (g * tl.sigmoid(g)).to(act).to(tl.float32)
-    tl.store(h_ptr + (shard * n_rows + row) * width + cols, (s * u).to(act), mask=mask)
+    h = clamped_swiglu(g, u, limit, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + (shard * n_rows + row) * width + cols, h, mask=mask)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ from tests.kernels.gpu_support import DEVICE, HALF, HALF_TOL, randn, triton
 import triton.language as tl  # noqa: E402
 
 from kernels import moe as ref  # noqa: E402
-from kernels.gpu import gemm, hadamard, moe, wtiles  # noqa: E402
+from kernels.gpu import gemm, hadamard, moe, swiglu, wtiles  # noqa: E402
 from kernels.quant import exl3, random_quantized  # noqa: E402
 
 CLASSES = {"decode": 1 << 30, "prefill": 0}  # decode_rows: every row decode-class / a prompt row
@@ -80,8 +80,7 @@ def test_paired_and_fused_rotations_equal_the_single_ones() -> None:
     fused = hadamard.rotate_out_swiglu(g, u, svh, svh2, vec, 7.0, HALF)
     g_out = hadamard.rotate_out(g, svh, HALF, vec_rows=vec)
     u_out = hadamard.rotate_out(u, svh2, HALF, vec_rows=vec)
-    single = torch.empty_like(g_out)
-    moe._swiglu_kernel[(1,)](g_out, u_out, single, single.numel(), 7.0, BLOCK=4096)
+    single = swiglu.swiglu(g_out[None], u_out[None], 7.0)[0]
     assert torch.equal(fused, single)
     assert bool((fused[vec >= 3] == 0).all())
     nsuh = randn(3, 256, dtype=torch.float16, seed=18)
