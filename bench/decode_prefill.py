@@ -478,18 +478,19 @@ def profile_kernels(fn, top: int = 25, sequence: Path | None = None) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-    total_ms = sum(e.device_time_total for e in rows) / 1e3
-    launches = sum(e.count for e in rows)
+    from torch.autograd import DeviceType
+    # The launches are the GPU-side events in time order (kernels, copies, memsets). key_averages' counts are not:
+    # with torch 2.11 they summed to 248 for a step whose GPU ran 117 launches (rows without GPU time among them).
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    rows = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    total_ms = sum(e.device_time_total for e in kernels) / 1e3
+    launches = len(kernels)
     out = {"kernels": launches, "gpu_ms": total_ms,
            "top": [{"kernel": e.key[:120], "calls": e.count, "gpu_ms": e.device_time_total / 1e3} for e in rows[:top]]}
     log(f"  profile: {launches} kernel launches, {total_ms:.3f} ms of GPU time")
     for r in out["top"]:
         log(f"  profile: {r['gpu_ms']:9.3f} ms  x{r['calls']:<4d} {r['kernel']}")
     if sequence is not None:
-        from torch.autograd import DeviceType
-        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                         key=lambda e: e.time_range.start)
         t0 = kernels[0].time_range.start if kernels else 0
         sequence.write_text("".join(f"{e.time_range.start - t0:.1f}\t{e.device_time_total:.1f}\t{e.name[:160]}\n"
                                     for e in kernels))
