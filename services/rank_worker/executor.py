@@ -186,6 +186,10 @@ class Executor:
         pen = checks.row_penalties(plan, rows.numel(), self.limits.vocab_size, self.limits.max_positions)
         want_k = checks.logprobs_k(plan, rows.numel())
         t0 = time.perf_counter()
+        begin = None
+        if self.next_token.is_cuda:  # timing events for the rank's round stats (round_stats.py)
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
         # Tier moves first (a save reads blocks and slots the scheduler freed this round before anything reuses
         # them), then state copies: a snapshot is taken from a slot as the previous round left it, and a resumed
         # sequence starts this round's rows from the copied state.
@@ -210,10 +214,10 @@ class Executor:
         scored = self._score(out.logits[rows.numel():], scores) if scores is not None else None
         done = None
         if out.logits.device.type == "cuda":  # recorded after every copy to the host: when it has passed, all are
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record()
         return Launched(batch, order, rows, sampled, logprobs, hidden, tier_bad, (t1 - t0) * 1e3, t1, done, scored,
-                        layer_hidden)
+                        layer_hidden, begin)
 
     @staticmethod
     def _score(logits: torch.Tensor, scores: ScoreRows) -> RowScores:

@@ -61,6 +61,7 @@ class Launched:
     done: torch.cuda.Event | None  # None: the work ran synchronously (CPU)
     scores: RowScores | None = None  # prompt logprobs of the plan's score rows
     layer_hidden: torch.Tensor | None = None  # [T, L * D] the plan's hidden_layers' outputs, plan row order
+    begin: torch.cuda.Event | None = None  # timing event before the round's work (round_stats.py); None on the CPU
 
     def ready(self) -> bool:
         """Whether reading this round back would not wait."""

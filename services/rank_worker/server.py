@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Iterator
@@ -30,6 +31,7 @@ from services.rank_worker.executor import Executor
 from services.rank_worker.plan_checks import PlanError
 from services.rank_worker.plan_queue import END, NOT_YET, PlanQueue
 from services.rank_worker.round_profiler import RoundProfiler
+from services.rank_worker.round_stats import RoundStats
 from services.rank_worker.rounds import Launched
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
@@ -39,12 +41,13 @@ _tracer = trace.get_tracer("twinspark.rank")
 
 
 class RankService(rank_pb2_grpc.RankWorkerServicer):
-    def __init__(self, executor: Executor, describe: rank_pb2.DescribeReply) -> None:
+    def __init__(self, executor: Executor, describe: rank_pb2.DescribeReply, stats_interval_s: float = 10.0) -> None:
         self.executor = executor
         self.describe = describe
         self.rank = describe.rank
         self._stream_lock = threading.Lock()
         self.profiler = RoundProfiler.from_env(self.rank)  # TWINSPARK_TORCH_PROFILER_DIR: off by default
+        self.stats = RoundStats(self.rank, stats_interval_s)  # --stats-interval
 
     def Describe(self, request: rank_pb2.DescribeRequest, context: grpc.ServicerContext) -> rank_pb2.DescribeReply:
         return self.describe
@@ -74,7 +77,11 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
         log.info("rank %d: step stream opened by %s", self.rank, context.peer())
         running: _Round | None = None  # launched, not yet read back
         while True:
+            t_wait = time.perf_counter()
             plan = incoming.next(running.launched.ready if running is not None else None)
+            if running is None:
+                self.stats.waited_for_plan(time.perf_counter() - t_wait)
+            self.stats.maybe_log()
             if plan is NOT_YET or plan is END:
                 if running is not None:
                     res, ok = self._finish(running)
@@ -94,7 +101,7 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
             new = refusal = None
             if not error:
                 try:
-                    new = self._launch(plan)
+                    new = self._launch(plan, behind=running is not None)
                 except PlanError as exc:
                     log.warning("rank %d: refused round %d: %s", self.rank, plan.round, exc)
                     refusal = rank_pb2.StepResult(round=plan.round, rank=self.rank, refused=True,
@@ -125,7 +132,7 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                     return
         log.info("rank %d: step stream closed after %d rounds", self.rank, expected - 1)
 
-    def _launch(self, plan: rank_pb2.StepPlan) -> "_Round":
+    def _launch(self, plan: rank_pb2.StepPlan, behind: bool) -> "_Round":
         """Queue a plan's work. Its trace span (a child of the scheduler's round span; none when the plan carries no
         trace context) stays open until the round is read back."""
         span = telemetry.start_server_span(_tracer, "step", plan.trace_context,
@@ -133,7 +140,9 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
         try:
             if self.profiler is not None:
                 self.profiler.before(plan.round)
+            t0 = time.perf_counter()
             launched = self.executor.launch(plan)
+            self.stats.launched(plan.round, (time.perf_counter() - t0) * 1e3, behind)
             if self.profiler is not None:
                 self.profiler.launched(plan.round)
         except BaseException as exc:
@@ -147,7 +156,9 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
     def _finish(self, r: "_Round") -> tuple[rank_pb2.StepResult, bool]:
         """Read a launched round back: its result, and False when this rank must stop (the read-back failed)."""
         try:
+            t0 = time.perf_counter()
             out = self.executor.finish(r.launched)
+            self.stats.finished(r.launched.begin, r.launched.done, (time.perf_counter() - t0) * 1e3)
         except Exception as exc:  # noqa: BLE001 — the round failed on the device: the group must restart
             log.exception("rank %d: round %d failed", self.rank, r.round)
             error = f"round {r.round}: the forward failed: {type(exc).__name__}: {exc}"

@@ -57,6 +57,10 @@ class RankSettings(RoleSettings):
         "(compiles every kernel a round of that size needs; default: 8192 on CUDA)")
     virtual_shards: int = flag("virtual-shards", "virtual shards per sharded dim (a multiple of --world; the same on "
                                "every rank)", default="4", type=int)
+    stats_interval: float = flag(
+        "stats-interval", "seconds between the log lines that say where the serving loop's time went (GPU per round, "
+        "GPU idle between rounds, host launch, read-back and plan waits; services/rank_worker/round_stats.py); "
+        "0 = no lines", default="10", type=float, metavar="S")
     random_weights: str | None = flag(shared.RANDOM_WEIGHTS)
     random_block_size: int = flag(shared.RANDOM_BLOCK_SIZE)
 

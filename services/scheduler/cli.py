@@ -40,7 +40,9 @@ class SchedulerSettings(RoleSettings):
                                   "300)", default="300", type=float)
     rank_timeout: float = flag("rank-timeout", "seconds one round may take before the rank is declared hung; 0 = "
                                "never (default 300)", default="300", type=float)
-    drafter: str | None = flag("drafter", "drafter address host:port; unset = no drafts")
+    # Its own variable: `twinspark up`'s TWINSPARK_DRAFTER is a draft method ("none", "copy", ...), and up's children
+    # inherit its environment, so a shared name read "none" as an address and planned rounds for a phantom drafter.
+    drafter: str | None = flag("drafter", "drafter address host:port; unset = no drafts", env="DRAFTER_ADDRESS")
     num_draft_tokens: int = flag("num-draft-tokens", "drafts asked per decoding request and round (default 4)",
                                  default="4", type=int)
     draft_timeout: float = flag("draft-timeout", "seconds a Propose may take; slower rounds go on without drafts "

@@ -21,7 +21,6 @@ REPO = Path(__file__).resolve().parents[2]
 # Settings whose default is not the flag's on purpose; start.sh gives these roles their value on the command
 # line (or under another setting), never through the variable.
 OTHER_MEANING = {
-    ("DRAFTER", SchedulerSettings): "the scheduler's TWINSPARK_DRAFTER is an address (start.sh: DRAFTER_ADDRESS)",
     ("DRAFTER_PORT", DrafterSettings): "the deployment's own port, passed as --port",
     ("PEER_PORT", RankSettings): "the rank's default is derived (--master-port + 1): the same 29501",
     ("RANK_HOST", RankSettings): "empty = derived by start.sh from the machines (loopback for one)",
@@ -70,3 +69,15 @@ def test_compose_fallbacks_are_the_env_example_defaults():
              for key, value in re.findall(r"\$\{(\w+):-([^}]*)\}", path.read_text())
              if example.get(key) and example[key] != value]
     assert not wrong, wrong
+
+
+def test_a_variable_read_by_several_roles_takes_one_kind_of_value():
+    """`twinspark up` hands its whole environment to every role it starts, so a TWINSPARK_* variable that two roles
+    read must mean the same to both: the same type and the same choices. (The scheduler once read up's
+    TWINSPARK_DRAFTER=none, a draft method, as the drafter's address.)"""
+    clashes = []
+    for key, users in _flags_by_variable().items():
+        kinds = {(spec.type, spec.choices, spec.switch or spec.toggle) for _, spec in users}
+        if len(kinds) > 1:
+            clashes.append(f"{key}: " + ", ".join(f"{role.__name__} {spec.option}" for role, spec in users))
+    assert not clashes, clashes

@@ -14,7 +14,7 @@ def test_defaults_environment_and_toggles():
         ("127.0.0.1", 50051, 16, None, None, None)  # the round budget: unset, the ranks' device decides
     assert s.enable_prefix_caching and s.reply_reuse and not s.draft_hidden and s.rank_timeout == 300.0
     env = {"TWINSPARK_RANKS": "a:1,b:2", "TWINSPARK_SCHEDULER_PORT": "6000", "TWINSPARK_ENABLE_PREFIX_CACHING": "no",
-           "TWINSPARK_DRAFT_HIDDEN": "1", "TWINSPARK_DRAFTER": "", "TWINSPARK_MAX_SNAPSHOTS": "3"}
+           "TWINSPARK_DRAFT_HIDDEN": "1", "TWINSPARK_DRAFTER_ADDRESS": "", "TWINSPARK_MAX_SNAPSHOTS": "3"}
     s = parse(SchedulerSettings, ["--reply-reuse"], env)
     assert (s.ranks, s.port, s.enable_prefix_caching, s.draft_hidden, s.drafter, s.max_snapshots) == \
         ("a:1,b:2", 6000, False, True, None, 3)
