@@ -48,3 +48,12 @@ def test_up_refuses_a_bad_recipe_or_the_mtp_drafter(tiny_default, tmp_path):
         proc = subprocess.run([TWINSPARK, "up", "--model", str(tiny_default), "--state-dir", str(tmp_path), *flags],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+
+
+def test_drafter_none_in_the_environment_leaves_the_scheduler_without_a_drafter(stack):
+    """`up` hands its environment to every role: with TWINSPARK_DRAFTER=none no role may take "none" for a drafter's
+    address (the scheduler once did, reported a drafter component and planned one round at a time for it)."""
+    import httpx
+    health = httpx.get(stack.url + "/health", timeout=30).json()
+    assert health["status"] == "ok"
+    assert [c["name"] for c in health["components"]] == ["scheduler", "rank0", "rank1"]
