@@ -36,6 +36,8 @@ from services.common import shared_flags as shared
 
 LAYERS = 45
 DENSE_LAYERS = 3
+# Seconds per round-stats line of the ranks (serve-rank --stats-interval): several lines per timed level.
+STATS_INTERVAL_S = 2.0
 
 
 def write_model_dir(out: Path, *, layers: int = LAYERS) -> Path:
@@ -68,6 +70,7 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
     """One format's stack, levels and exactness check; `save(row)` after each level and at the end, so a run cut
     short (a call's time limit) keeps what it measured."""
     env = {"TWINSPARK_DEVICE": "cuda", "TWINSPARK_RANDOM_WEIGHTS": fmt, "TWINSPARK_DRAFTER": "none",
+           "TWINSPARK_STATS_INTERVAL": str(STATS_INTERVAL_S),
            **({"TWINSPARK_NUM_BLOCKS": str(args.num_blocks)} if args.num_blocks else {})}
     t0 = time.perf_counter()
     stack = attach_or_start(None, tp=args.tp, model=str(args.model), env=env)
@@ -79,11 +82,14 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
         for c in args.concurrency:
             bodies = _bodies(max(2, c), args.prompt_len, args.output_len, seed=c)
             warm = warm_up(url, bodies, c)
+            log = stack.state_dir / "logs" / "rank0.log"
+            seen = log.stat().st_size
             samples, wall = asyncio.run(level(url, bodies, c))
             s = summarize(samples, wall, args.prompt_len)
             s["concurrency"] = c
             s["warmup_s"] = warm
             s["decode_tok_s_per_request"] = 1e3 / s["itl"]["median_ms"] if s["itl"] else 0.0
+            s["rank_stats"] = round_stats(log, seen)
             levels.append(s)
             row["levels"] = levels
             save(row)
@@ -104,6 +110,15 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
         stack.down()
     save(row)
     return row
+
+
+def round_stats(log: Path, start: int) -> list[str]:
+    """Rank 0's round-stats lines (services/rank_worker/round_stats.py) written after byte `start` of its log: where
+    the served step's time went during a timed level (GPU per round, GPU idle between rounds, host launch)."""
+    with log.open("rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    return [line.split(" INFO ", 1)[-1] for line in text.splitlines() if ": rounds " in line]
 
 
 def markdown(data: dict) -> str:
@@ -130,6 +145,12 @@ def markdown(data: dict) -> str:
                          f"{s['decode_tok_s_per_request']:.1f} | {s['ttft'].get('median_ms', 0):.0f} | "
                          f"{s.get('warmup_s', 0):.1f} | {mem} | "
                          f"{exact} |")
+    stats = [(r["format"], s) for r in data["formats"] for s in r.get("levels", []) if s.get("rank_stats")]
+    if stats:
+        lines += ["", f"Rank 0's round stats during each timed level (a line per {STATS_INTERVAL_S:g} s window: "
+                  "docs/deploy.md, \"Round stats\"):", ""]
+        for fmt, s in stats:
+            lines += [f"- {fmt}, concurrency {s['concurrency']}:", *(f"  - {x}" for x in s["rank_stats"])]
     return "\n".join(lines) + "\n"
 
 
