@@ -66,11 +66,23 @@ def _bodies(n: int, prompt_len: int, output_len: int, seed: int) -> list[dict]:
              "ignore_eos": True, "temperature": 0, "stream": True, "draft": False} for _ in range(n)]
 
 
+def running_limits(concurrency: int) -> dict[str, str]:
+    """What a user serving `concurrency` streams at once sets beyond the defaults (16 running requests, 32 KDA
+    slots: the rest hold prefix snapshots): room for every stream to run, and as many snapshot slots as by default.
+    Without it the 32-stream level ran 16 at a time and half its requests waited for a whole reply."""
+    from services.rank_worker.settings import RankSettings
+    from services.scheduler.cli import SchedulerSettings
+    running, slots = SchedulerSettings.max_num_seqs, RankSettings.num_slots
+    if concurrency <= running:
+        return {}
+    return {"TWINSPARK_MAX_NUM_SEQS": str(concurrency), "TWINSPARK_NUM_SLOTS": str(concurrency + slots - running)}
+
+
 def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     """One format's stack, levels and exactness check; `save(row)` after each level and at the end, so a run cut
     short (a call's time limit) keeps what it measured."""
     env = {"TWINSPARK_DEVICE": "cuda", "TWINSPARK_RANDOM_WEIGHTS": fmt, "TWINSPARK_DRAFTER": "none",
-           "TWINSPARK_STATS_INTERVAL": str(STATS_INTERVAL_S),
+           "TWINSPARK_STATS_INTERVAL": str(STATS_INTERVAL_S), **running_limits(max(args.concurrency)),
            **({"TWINSPARK_NUM_BLOCKS": str(args.num_blocks)} if args.num_blocks else {})}
     t0 = time.perf_counter()
     stack = attach_or_start(None, tp=args.tp, model=str(args.model), env=env)
@@ -127,7 +139,8 @@ def markdown(data: dict) -> str:
              f"weights drawn on the GPUs, TP "
              f"{data['tp']}; served through `twinspark up --device cuda` (drafter off), completions of "
              f"{data['prompt_len']} random token ids, {data['output_len']} tokens out, greedy, streamed; each level "
-             f"after an untimed pass of its own (compiles, graph captures: its wall time is the warm-up column)", "",
+             f"after an untimed pass of its own (compiles, graph captures: its wall time is the warm-up column)"
+             + (f"; `--max-num-seqs {data['max_num_seqs']}`" if data.get("max_num_seqs") else ""), "",
              "| format (experts+rest) | ready s | concurrency | output tok/s | ITL median / p99 ms | decode tok/s "
              "per request | TTFT median ms | warm-up s | GPU memory used MiB | burst / staggered = serial |",
              "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
@@ -182,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": str(args.model), "tp": args.tp,
             "prompt_len": args.prompt_len, "output_len": args.output_len, "formats": rows,
+            "max_num_seqs": int(running_limits(max(args.concurrency)).get("TWINSPARK_MAX_NUM_SEQS", 0)) or None,
             "config": json.loads((args.model / "config.json").read_text()).get("text_config", {})}
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
