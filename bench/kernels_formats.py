@@ -263,12 +263,17 @@ def exllamav3_forced(log: Callable[[str], None]) -> list[dict]:
 
 # Tile shapes of the CUDA EXL3 product (kernels/gpu/cuda/exl3_grouped.cu's TS_* macros) compared by `exl3builds`;
 # the first is the shipped build.
-EXL3_BUILDS = [(), (("TS_WARPS", 4),), (("TS_N_TILES", 1),), (("TS_N_TILES", 4),), (("TS_UNROLL", 2), ("TS_STAGES", 8))]
+EXL3_BUILDS = [(), (("TS_WARPS", 4),), (("TS_N_TILES", 1),), (("TS_N_TILES", 4),), (("TS_UNROLL", 2), ("TS_STAGES", 8)),
+               (("TS_UNROLL", 2), ("TS_MIN_BLOCKS", 3)), (("TS_UNROLL", 2), ("TS_MIN_BLOCKS", 4))]
+# Experts a decode step's MoE layer reads at 1 and 8 rows (decode_prefill-20261204-104936: 7, and 44-55): the MoE
+# shapes are also timed as stacks of that many experts, one row each, the grid a decode step's MoE launches.
+EXL3_STACKS = (7, 50)
 
 
 def exl3_builds(log: Callable[[str], None]) -> list[dict]:
     """The CUDA EXL3 product alone (no rotations) at one row, per tile-shape build, on the shapes of `SHAPES` at 2.5
-    and 4.0 bits: what chose the shipped build's macros."""
+    and 4.0 bits, and the MoE shapes as stacks of EXL3_STACKS experts (one row each): what chose the shipped build's
+    macros."""
     from bench.kernels import graph_ms
     from kernels.gpu import exl3_cuda
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -286,4 +291,25 @@ def exl3_builds(log: Callable[[str], None]) -> list[dict]:
             ms = graph_ms([lambda w=w: ext.exl3_dense(a, w.data, out, 1, w.block_n, w.block_k // 8) for w in ws])
             rows.append(dict(kernel="exl3_build", build=dict(build), shape=name, bits=bits, us=ms * 1e3))
             log(f"exl3 build {dict(build) or 'shipped'} {name} {bits}: {ms * 1e3:.1f} us")
+            if name.startswith("moe"):
+                for experts in EXL3_STACKS:
+                    us = _stack_us(ext, ws, experts)
+                    rows.append(dict(kernel="exl3_build", build=dict(build), shape=name, bits=bits, experts=experts,
+                                     us=us))
+                    log(f"exl3 build {dict(build) or 'shipped'} {name} {bits} x {experts} experts: {us:.1f} us")
     return rows
+
+
+def _stack_us(ext, ws: list, experts: int) -> float:
+    """One row on each of `experts` weights in one launch (exl3_dense over a stack), microseconds; enough stacks
+    in turn that their bytes pass L2_BYTES."""
+    from bench.kernels import graph_ms
+    w = ws[0]
+    stack_bytes = experts * w.data.numel() * w.data.element_size()
+    calls = []
+    for s in range(math.ceil(L2_BYTES / stack_bytes)):
+        data = torch.cat([ws[(s * experts + i) % len(ws)].data for i in range(experts)])
+        a = torch.randn(experts, w.k, device="cuda").half()
+        out = torch.empty(experts, w.n, device="cuda")
+        calls.append(lambda data=data, a=a, out=out: ext.exl3_dense(a, data, out, 1, w.block_n, w.block_k // 8))
+    return graph_ms(calls) * 1e3

@@ -49,6 +49,14 @@ namespace {
 #ifndef TS_STAGES
 #define TS_STAGES 6
 #endif
+#ifndef TS_MIN_BLOCKS  // blocks per SM the register budget is cut for (0: the compiler's choice)
+#define TS_MIN_BLOCKS 0
+#endif
+#if TS_MIN_BLOCKS > 0  // decode tiles only: the prompt blocks' accumulators need their registers
+#define TS_BOUNDS(SUB) __launch_bounds__(TS_WARPS * 32, (SUB) == 1 ? TS_MIN_BLOCKS : 1)
+#else
+#define TS_BOUNDS(SUB) __launch_bounds__(TS_WARPS * 32)
+#endif
 constexpr int WARPS = TS_WARPS;      // K parts per block, one per warp
 constexpr int N_TILES = TS_N_TILES;  // 16-wide output tiles per block
 constexpr int UNROLL = TS_UNROLL;    // K tiles per pipeline group
@@ -121,7 +129,7 @@ __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0
 }
 
 template <int CB, int BITS2, int SUB>
-__global__ void __launch_bounds__(WARPS * 32) exl3_grouped_kernel(
+__global__ void TS_BOUNDS(SUB) exl3_grouped_kernel(
     const half* __restrict__ a, const uint32_t* __restrict__ w, float* __restrict__ out,
     const int* __restrict__ pair_of_slot, const int* __restrict__ expert_of_block, int num_experts, int n, int k,
     int dense_rows, int64_t se, int64_t sn, int64_t sk, const uint32_t* __restrict__ w2, int64_t slots) {
