@@ -164,8 +164,11 @@ __global__ void TS_BOUNDS(SUB) exl3_grouped_kernel(
     const int tiles = (dense_rows + 15) / 16, row0 = (blockIdx.x % tiles) * 16;
     expert = blockIdx.x / tiles;
     slot0 = int64_t(expert) * dense_rows + row0;
-    has_g[0] = row0 + g < dense_rows;
-    has_g8[0] = row0 + g + 8 < dense_rows;
+#pragma unroll
+    for (int m = 0; m < SUB; ++m) {  // (SUB is 1 here: the dense path runs 16-row tiles)
+      has_g[m] = m == 0 && row0 + g < dense_rows;
+      has_g8[m] = m == 0 && row0 + g + 8 < dense_rows;
+    }
   }
   const int tile_n0 = blockIdx.y * N_TILES;
   const int k_tiles = k >> 4, per_warp = k_tiles / WARPS, kt0 = warp * per_warp;
