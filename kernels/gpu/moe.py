@@ -102,9 +102,11 @@ def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, norm_topk_pro
     ids = torch.empty(t, pairs, dtype=torch.int32, device=logits.device)
     w = torch.empty(t, pairs, dtype=torch.float32, device=logits.device)
     if t:
+        # One warp a row: its top-k's reductions stay in the warp (bench.ptx_stats, sm_90: 52 bar.sync with the
+        # default 4 warps, none with 1); a row is a few hundred scores.
         _route_kernel[(t,)](logits.contiguous(), bias.float().contiguous(), ids, w, n_real, e, float(scaling),
                             TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(e),
-                            SHARED=int(shared))
+                            SHARED=int(shared), num_warps=1)
     return ids, w
 
 
@@ -306,9 +308,11 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     h = hadamard.rotate_out_swiglu(*_gate_up_exl3(x, gate, up, tables, tile), gate.svh, up.svh, tables.vec, limit,
                                    x.dtype, next_suh=down.suh)
     acc = _grouped(h, down, tables.grouped, tile)
+    # One warp a 128-column block: the Hadamard butterflies' exchanges stay in the warp (bench.ptx_stats, sm_90: 53
+    # bar.sync with the default 4 warps, none with 1). The arithmetic is elementwise, so the bits are the same.
     _combine_rotated_kernel[(t, d // hadamard.HAD, shards)](
         acc, down.svh, tables.vec, tables.weight, tables.row_of_pair, ids, out, n_exp, d, ids.numel(), out.shape[1],
-        row0, hadamard.OUT_SCALE, PAIRS_PER_ROW=ids.shape[1], ROUNDED_MUL=not hadamard.INTERPRETED)
+        row0, hadamard.OUT_SCALE, PAIRS_PER_ROW=ids.shape[1], ROUNDED_MUL=not hadamard.INTERPRETED, num_warps=1)
 
 
 def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,
