@@ -31,7 +31,7 @@ from services.rank_worker.executor import Executor
 from services.rank_worker.plan_checks import PlanError
 from services.rank_worker.plan_queue import END, NOT_YET, PlanQueue
 from services.rank_worker.round_profiler import RoundProfiler
-from services.rank_worker.round_stats import RoundStats
+from services.rank_worker.round_stats import DEFAULT_INTERVAL_S, RoundStats
 from services.rank_worker.rounds import Launched
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
@@ -41,7 +41,8 @@ _tracer = trace.get_tracer("twinspark.rank")
 
 
 class RankService(rank_pb2_grpc.RankWorkerServicer):
-    def __init__(self, executor: Executor, describe: rank_pb2.DescribeReply, stats_interval_s: float = 10.0) -> None:
+    def __init__(self, executor: Executor, describe: rank_pb2.DescribeReply,
+                 stats_interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.executor = executor
         self.describe = describe
         self.rank = describe.rank
