@@ -1,10 +1,9 @@
 """The hand-written CUDA EXL3 grouped product (kernels/gpu/cuda/exl3_grouped.cu): when it runs, and its build.
 
-It replaces the Triton grouped kernel for EXL3 experts (float16 rotated rows, at the rates it is built for): decode
-rows in 16-slot tiles, prompt rows in 64-slot blocks (four tiles of one expert share each decoded weight tile);
-and the GEMM's decode rows of EXL3 weights (`dense`). Everything else keeps the Triton kernel. Its schedule is fixed
-per shape as the Triton one's is (docs/design.md §5.1), but the two add K in different orders: a row's bits differ
-between them, so the choice is a pure function of the weight and the row class, never of the batch.
+It replaces the Triton grouped kernel for EXL3 experts in the decode row class only (16-slot tiles, float16 rotated
+rows), at the rates it is built for; everything else keeps the Triton kernel. Its schedule is fixed per shape as the
+Triton one's is (docs/design.md §5.1), but the two add K in different orders: a row's bits differ between them, so
+the choice is a pure function of the weight and the row class, never of the batch.
 
 The extension is compiled for the GPU in use by torch's extension builder (nvcc + ninja) on first use, in a cache
 directory (`TWINSPARK_CUDA_CACHE`, default ~/.cache/twinspark/cuda): a rank builds it during warm-up, before it
@@ -24,7 +23,6 @@ from kernels.gpu.wtiles import Fmt, WeightArgs
 
 SOURCE = Path(__file__).with_name("cuda") / "exl3_grouped.cu"
 BLOCK_M = 16  # slots per tile: the decode class's grouping (kernels/gpu/moe.py's moe_schedule)
-PROMPT_BLOCK_M = 64  # slots per block for prompt rows: four 16-slot tiles of one expert (kernels/gpu/moe.py `_tile`)
 K_MULTIPLE = 512  # 8 warps x 4 unrolled 16-wide K tiles
 N_MULTIPLE = 32  # two 16-wide output tiles per block
 # (codebook id, 2 x bits) pairs the .cu file instantiates: mul1 at 2.0-4.0 bits with the half rates, the other two
@@ -40,14 +38,13 @@ def enabled() -> bool:
 
 
 def covers(a: torch.Tensor, w: WeightArgs, block_m: int) -> bool:
-    """Whether this product runs here: EXL3 weights at a built rate, float16 rows on CUDA, 16- or 64-slot blocks."""
+    """Whether this product runs here: EXL3 weights at a built rate, float16 rows on CUDA, 16-slot tiles."""
     return runs(a.device, a.dtype, w, block_m)
 
 
 def runs(device: torch.device, dtype: torch.dtype, w: WeightArgs, block_m: int) -> bool:
     """`covers` for rows of `dtype` on `device` that are not made yet."""
-    return (w.fmt is Fmt.EXL3 and device.type == "cuda" and dtype == torch.float16
-            and block_m in (BLOCK_M, PROMPT_BLOCK_M)
+    return (w.fmt is Fmt.EXL3 and device.type == "cuda" and dtype == torch.float16 and block_m == BLOCK_M
             and (w.block_n, w.block_k // 8) in RATES and w.k % K_MULTIPLE == 0 and w.n % N_MULTIPLE == 0
             and enabled())
 
@@ -75,24 +72,21 @@ def extension(variant: tuple[tuple[str, int], ...] = ()):
                 extra_cuda_cflags=["-O3", "-lineinfo", *(f"-D{k}={v}" for k, v in variant)], verbose=False)
 
 
-def grouped(a: torch.Tensor, w: WeightArgs, pair_of_slot: torch.Tensor, expert_of_block: torch.Tensor,
-            block_m: int = BLOCK_M) -> torch.Tensor:
-    """out [slots, N] float32 = a [slots, K] @ T[expert of the slot's block] (see the .cu file), the grid in blocks
-    of `block_m` slots; `covers` holds. A row's bits are the same at either block size."""
+def grouped(a: torch.Tensor, w: WeightArgs, pair_of_slot: torch.Tensor, expert_of_block: torch.Tensor) -> torch.Tensor:
+    """out [slots, N] float32 = a [slots, K] @ T[expert of the slot's tile] (see the .cu file); `covers` holds."""
     out = torch.empty(a.shape[0], w.n, dtype=torch.float32, device=a.device)
     extension().exl3_grouped(a, w.data, out, pair_of_slot, expert_of_block, w.data.shape[0], w.block_n,
-                             w.block_k // 8, block_m)
+                             w.block_k // 8)
     return out
 
 
 def grouped_pair(a: torch.Tensor, w: WeightArgs, w2: WeightArgs, pair_of_slot: torch.Tensor,
                  expert_of_block: torch.Tensor) -> torch.Tensor:
-    """`grouped` of two stacks of one layout (the MoE's gate and up) on one grid of 16-slot tiles, in one launch:
-    a [2 x slots, K] (w's rows, then w2's) -> out [2 x slots, N] float32 alike; each half's bits are those of
-    `grouped` alone."""
+    """`grouped` of two stacks of one layout (the MoE's gate and up) on one slot grid, in one launch: a [2 x slots,
+    K] (w's rows, then w2's) -> out [2 x slots, N] float32 alike; each half's bits are those of `grouped` alone."""
     out = torch.empty(a.shape[0], w.n, dtype=torch.float32, device=a.device)
     extension().exl3_grouped_pair(a, w.data, w2.data, out, pair_of_slot, expert_of_block, w.data.shape[0], w.block_n,
-                                  w.block_k // 8, BLOCK_M)
+                                  w.block_k // 8)
     return out
 
 

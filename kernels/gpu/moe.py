@@ -22,7 +22,7 @@ hand-written CUDA kernel where it is built (kernels/gpu/exl3_cuda.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -258,7 +258,7 @@ def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, expert_ptr, num_expe
 
 def _grouped(a: torch.Tensor, w: WeightArgs, groups: Groups, tile: MoeTile) -> torch.Tensor:
     if exl3_cuda.covers(a, w, tile.block_m):
-        return exl3_cuda.grouped(a, w, groups.pair_of_slot, groups.expert_of_block, tile.block_m)
+        return exl3_cuda.grouped(a, w, groups.pair_of_slot, groups.expert_of_block)
     out = torch.empty(a.shape[0], w.n, dtype=torch.float32, device=a.device)
     _grouped_kernel[(groups.blocks, triton.cdiv(w.n, tile.block_n))](
         a, w.data, w.scale, out, groups.pair_of_slot, groups.expert_of_block, w.data.shape[0], w.n, w.k,
@@ -276,9 +276,7 @@ def _gate_up_exl3(x: torch.Tensor, gate: WeightArgs, up: WeightArgs, tables: Slo
     held at once (both would add gigabytes to a prompt chunk's peak, which sizes the KV pool)."""
     rows = tables.token.shape[0]
     grid = tables.grouped
-    decode_tiles = tile.block_m == exl3_cuda.BLOCK_M
-    if decode_tiles and exl3_cuda.runs(x.device, hadamard.operand_dtype(x.dtype), gate, tile.block_m) \
-            and exl3_cuda.pairs_with(gate, up):
+    if exl3_cuda.runs(x.device, hadamard.operand_dtype(x.dtype), gate, tile.block_m) and exl3_cuda.pairs_with(gate, up):
         gu = hadamard.rotate_in(x, gate.suh, rows=rows, src_rows=tables.token, vec_rows=tables.vec, suh2=up.suh)
         acc = exl3_cuda.grouped_pair(gu, gate, up, grid.pair_of_slot, grid.expert_of_block)
         return acc[:rows], acc[rows:]
@@ -347,16 +345,15 @@ def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 
 
 def _tile(rows: RowClass, x: torch.Tensor, gate: WeightArgs) -> MoeTile:
-    """The row class's tile; EXL3 rows take the CUDA product's blocks where it runs: 16 slots for decode rows, 64
-    for prompt rows. Why: a grouped block decodes its expert's whole trellis, and Triton's decode is ~5x slower than
-    the CUDA one (bench/results/decode_prefill-20261204-075748: 24.6 ms per MoE layer at a 2,048-token prompt, ~0.44
-    T weights per second, against ~2.3 T in the CUDA product). Prompt rows on 16-slot tiles still decoded an
-    expert's weights once per 16 of its rows (the EXL3 products were 43 of 68 ms of GPU time at a 2,048-token
-    prompt on 4 layers, decode_prefill-20261204-103755); a 64-slot block decodes them once per 64 rows and gives the
-    same bits. It is a pure function of the class and the weight (docs/design.md §5.1)."""
+    """The row class's tile; EXL3 prompt rows take the decode class's 16-slot tiles where the CUDA product runs.
+    Why: a grouped tile decodes its expert's whole trellis, and Triton's decode is ~5x slower than the CUDA one
+    (bench/results/decode_prefill-20261204-075748: 24.6 ms per MoE layer at a 2,048-token prompt, ~0.44 T weights
+    per second, against ~2.3 T in the CUDA product), so eight times the tiles still cost less (a 2,048-token prefill
+    of 4 layers: 72.3 against 106.6 ms, decode_prefill-20261204-103755). 64-slot blocks that share each decoded
+    fragment among four tiles measured slower (85.3 ms, decode_prefill-20261204-133852: too few blocks to fill the
+    GPU at ~64 rows an expert). It is still a pure function of the class and the weight (docs/design.md §5.1)."""
     if gate.fmt is Fmt.EXL3 and exl3_cuda.runs(x.device, hadamard.operand_dtype(x.dtype), gate, exl3_cuda.BLOCK_M):
-        decode = moe_schedule(RowClass.DECODE)
-        return decode if rows is RowClass.DECODE else replace(decode, block_m=exl3_cuda.PROMPT_BLOCK_M)
+        return moe_schedule(RowClass.DECODE)
     return moe_schedule(rows)
 
 

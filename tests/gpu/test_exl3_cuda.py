@@ -75,31 +75,6 @@ def test_a_row_alone_equals_the_row_in_company() -> None:
         assert torch.equal(row, alone), f"the row changed in {name}"
 
 
-@pytest.mark.parametrize("codebook,bits", [("mul1", 2.5), ("mul1", 4.0), ("3inst", 2.0)])
-def test_prompt_blocks_of_64_slots_equal_16_slot_tiles(codebook: str, bits: float) -> None:
-    """Prompt rows' 64-slot blocks (four 16-slot tiles of one expert on each decoded weight tile): every row's bits
-    are the 16-slot tiles', in a full block, a block with empty slots at its end, a block with one row, beside an
-    unused upper-bound block."""
-    from kernels.gpu import exl3_cuda
-    n, k, experts = 128, 1024, 3
-    w, _ = stack(experts, n, k, bits, codebook, seed=4)
-    a = torch.randn(256, k, device="cuda").to(torch.float16)
-    # Blocks: expert 2 with 64 rows, expert 0 with 40 (24 empty slots at the end), expert 1 with one row at slot
-    # 130 of its block, and an unused block (the sentinel) past them.
-    pairs64 = torch.full((256,), -1)
-    pairs64[0:64] = torch.arange(64)
-    pairs64[64:104] = torch.arange(64, 104)
-    pairs64[130] = 130
-    blocks64 = torch.tensor([2, 0, 1, experts], dtype=torch.int32, device="cuda")
-    got = exl3_cuda.grouped(a, w, pairs64.to(torch.int32).cuda(), blocks64, exl3_cuda.PROMPT_BLOCK_M)
-    # The same slots as 16 tiles of 16: each 16-slot tile takes its 64-slot block's expert.
-    tiles16 = [int(e) for e in blocks64.cpu() for _ in range(4)]
-    want = grouped(a, w, tiles16, pairs64)
-    live = pairs64 >= 0
-    assert torch.equal(got[live.cuda()], want[live.cuda()])
-    assert exl3_cuda.covers(a, w, exl3_cuda.PROMPT_BLOCK_M)
-
-
 def test_the_pair_launch_equals_two_single_launches() -> None:
     """The MoE's gate and up in one launch (grid z picks the stack): each half is its single launch, bit for bit."""
     from kernels.gpu import exl3_cuda
@@ -164,8 +139,8 @@ def test_the_paths_that_use_it_agree_with_the_triton_kernel(path: str, monkeypat
 
 
 def test_prompt_rows_take_the_cuda_product_too() -> None:
-    """EXL3 experts' prompt rows run the CUDA product too, in 64-slot blocks (moe._tile), decode rows in 16-slot
-    tiles: a row's bits are the same in either class, and alone or among others."""
+    """EXL3 experts' prompt rows run the CUDA product's 16-slot tiles as decode rows do (moe._tile): a row's bits
+    are the same in either class, and alone or among others."""
     from kernels.gpu import moe
     d, i, experts = 512, 512, 5
     gate, _ = stack(experts, i, d, 2.5, "mul1", seed=9)

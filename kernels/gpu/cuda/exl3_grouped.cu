@@ -1,8 +1,7 @@
-// EXL3 grouped product: out[slot] = a[slot] @ T[expert of the slot's tile] in float32, T the decoded trellis tiles
-// (kernels/quant/exl3.py), a the rotated float16 rows (kernels/gpu/hadamard.py). The contract is
-// kernels/gpu/moe.py's `_grouped_kernel` for EXL3 weights at block_m = 16 (decode rows) or 64 (prompt rows); this
-// file is its hand-written CUDA form, because the Triton one decodes each weight from two gathered words (6-7x
-// slower than exllamav3's kernel).
+// EXL3 grouped product for decode-class rows: out[slot] = a[slot] @ T[expert of the slot's tile] in float32, T the
+// decoded trellis tiles (kernels/quant/exl3.py), a the rotated float16 rows (kernels/gpu/hadamard.py). The contract
+// is kernels/gpu/moe.py's `_grouped_kernel` for EXL3 weights at block_m = 16; this file is its hand-written CUDA
+// form, because the Triton one decodes each weight from two gathered words (6-7x slower than exllamav3's kernel).
 //
 // How it is fast (the format is laid out for this: exllamav3's encoder stores each 16x16 tile in tensor-core
 // fragment order, so lane t of a warp owns trellis steps 8t..8t+7, exactly its B-fragment elements of the two
@@ -17,17 +16,11 @@
 // Measured on an H200 (bench/results/kernels-20261203-195245.json): 4096x12288 at 2.5 bits, one row, 28.4 us with
 // the rotations against 24.2 us for exllamav3's kernel; the tile shape was chosen by bench.kernels' exl3builds.
 //
-// Prompt rows (many slots per expert) take blocks of SUB = 4 16-slot tiles of one expert: each decoded B fragment
-// feeds the four tiles' products, so a weight is decoded once per 64 slots instead of once per 16 (decoding, not
-// the tensor-core products, is what the product spends its time on).
-//
-// Exactness (docs/design.md section 5.1): a block is 16 x SUB rows (slots) of one weight and 32 outputs; its warps
-// take fixed equal parts of K and their partials are added in warp order. The K order of every output therefore
-// depends on K alone, never on how many rows, tiles or experts share the launch, and a row never reads another's:
-// each 16-row tile's products are the same m16n8k16 steps whatever SUB is, so a row's bits are the same in a
-// 16-slot and a 64-slot block. Two callers: the MoE's slot grid (a table gives each block its expert; gate and up as
-// one pair launch) and a stack of weights with the same rows count each (`exl3_dense`, the GEMM's decode rows); all
-// run the same tile code.
+// Exactness (docs/design.md section 5.1): a block is 16 rows (slots) of one weight and 32 outputs; its warps take
+// fixed equal parts of K and their partials are added in warp order. The K order of every output therefore depends
+// on K alone, never on how many rows, tiles or experts share the launch, and a row never reads another's. Two
+// callers: the MoE's slot grid (a table gives each 16-slot tile its expert; gate and up as one pair launch) and a
+// stack of weights with the same rows count each (`exl3_dense`, the GEMM's decode rows); all run the same tile code.
 
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -52,10 +45,10 @@ namespace {
 #ifndef TS_MIN_BLOCKS  // blocks per SM the register budget is cut for (0: the compiler's choice)
 #define TS_MIN_BLOCKS 0
 #endif
-#if TS_MIN_BLOCKS > 0  // decode tiles only: the prompt blocks' accumulators need their registers
-#define TS_BOUNDS(SUB) __launch_bounds__(TS_WARPS * 32, (SUB) == 1 ? TS_MIN_BLOCKS : 1)
+#if TS_MIN_BLOCKS > 0
+#define TS_BOUNDS __launch_bounds__(TS_WARPS * 32, TS_MIN_BLOCKS)
 #else
-#define TS_BOUNDS(SUB) __launch_bounds__(TS_WARPS * 32)
+#define TS_BOUNDS __launch_bounds__(TS_WARPS * 32)
 #endif
 constexpr int WARPS = TS_WARPS;      // K parts per block, one per warp
 constexpr int N_TILES = TS_N_TILES;  // 16-wide output tiles per block
@@ -128,15 +121,12 @@ __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int CB, int BITS2, int SUB>
-__global__ void TS_BOUNDS(SUB) exl3_grouped_kernel(
+template <int CB, int BITS2>
+__global__ void TS_BOUNDS exl3_grouped_kernel(
     const half* __restrict__ a, const uint32_t* __restrict__ w, float* __restrict__ out,
     const int* __restrict__ pair_of_slot, const int* __restrict__ expert_of_block, int num_experts, int n, int k,
     int dense_rows, int64_t se, int64_t sn, int64_t sk, const uint32_t* __restrict__ w2, int64_t slots) {
   using R = Rate<BITS2>;
-  // K tiles per pipeline group: fewer with more tiles per block, whose fragments and accumulators take the registers
-  // (the group size changes when loads are issued, not the order in which K is added).
-  constexpr int GROUP = SUB == 1 ? UNROLL : 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   // A pair of weights of one layout on one slot grid (the MoE's gate and up): grid z = 1 is the second, its rows
   // and outputs `slots` rows further on. Each block's arithmetic is that of a launch on its weight alone.
@@ -145,55 +135,44 @@ __global__ void TS_BOUNDS(SUB) exl3_grouped_kernel(
     a += slots * k;
     out += slots * n;
   }
-  // Grouped (dense_rows == 0): block b is slots 16 SUB b.. of the slot grid, its expert from the table, a slot empty
-  // when its pair is -1. Dense (SUB = 1; a batch of `dense_rows` rows per weight, stacked): block b is rows 16t.. of
-  // weight e, t and e from b; rows past dense_rows are empty. Empty rows read zeros and are not written.
+  // Grouped (dense_rows == 0): block b is slots 16b.. of the slot grid, its expert from the table, a slot empty when
+  // its pair is -1. Dense (a batch of `dense_rows` rows per weight, stacked): block b is rows 16t.. of weight e,
+  // t and e from b; rows past dense_rows are empty. Empty rows read zeros and are not written.
   int expert;
   int64_t slot0;
-  bool has_g[SUB], has_g8[SUB];
+  bool has_g, has_g8;
   if (dense_rows == 0) {
     expert = expert_of_block[blockIdx.x];
-    if (expert >= num_experts) return;  // an unused block of the upper bound
-    slot0 = int64_t(blockIdx.x) * 16 * SUB;
-#pragma unroll
-    for (int m = 0; m < SUB; ++m) {
-      has_g[m] = pair_of_slot[slot0 + 16 * m + g] >= 0;
-      has_g8[m] = pair_of_slot[slot0 + 16 * m + g + 8] >= 0;
-    }
+    if (expert >= num_experts) return;  // an unused tile of the upper bound
+    slot0 = int64_t(blockIdx.x) * 16;
+    has_g = pair_of_slot[slot0 + g] >= 0;
+    has_g8 = pair_of_slot[slot0 + g + 8] >= 0;
   } else {
     const int tiles = (dense_rows + 15) / 16, row0 = (blockIdx.x % tiles) * 16;
     expert = blockIdx.x / tiles;
     slot0 = int64_t(expert) * dense_rows + row0;
-#pragma unroll
-    for (int m = 0; m < SUB; ++m) {  // (SUB is 1 here: the dense path runs 16-row tiles)
-      has_g[m] = m == 0 && row0 + g < dense_rows;
-      has_g8[m] = m == 0 && row0 + g + 8 < dense_rows;
-    }
+    has_g = row0 + g < dense_rows;
+    has_g8 = row0 + g + 8 < dense_rows;
   }
   const int tile_n0 = blockIdx.y * N_TILES;
   const int k_tiles = k >> 4, per_warp = k_tiles / WARPS, kt0 = warp * per_warp;
-  const uint32_t* row_g[SUB];
-  const uint32_t* row_g8[SUB];
-#pragma unroll
-  for (int m = 0; m < SUB; ++m) {
-    row_g[m] = reinterpret_cast<const uint32_t*>(a + (has_g[m] ? slot0 + 16 * m + g : 0) * k);
-    row_g8[m] = reinterpret_cast<const uint32_t*>(a + (has_g8[m] ? slot0 + 16 * m + g + 8 : 0) * k);
-  }
+  const uint32_t* row_g = reinterpret_cast<const uint32_t*>(a + (has_g ? slot0 + g : 0) * k);
+  const uint32_t* row_g8 = reinterpret_cast<const uint32_t*>(a + (has_g8 ? slot0 + g + 8 : 0) * k);
   const uint32_t* w_e = w + expert * se + tile_n0 * sn;
   int first = R::end_bit(8 * lane) - 16;
   if (first < 0) first += R::BITS;
   const int first_word = first >> 5, offset = first & 31;
 
-  // Each warp streams its part of K through shared memory, STAGES groups of GROUP K tiles deep (cp.async: the loads
-  // of later groups are in flight while a group is decoded). A K tile's N_TILES output tiles are adjacent in
+  // Each warp streams its quarter of K through shared memory, STAGES groups of UNROLL K tiles deep (cp.async: the
+  // loads of later groups are in flight while a group is decoded). A K tile's N_TILES output tiles are adjacent in
   // memory: one run of N_TILES * WORDS words, 16-byte aligned (16 x bits int16 per tile, bits a multiple of 0.5).
-  constexpr int RUN = N_TILES * R::WORDS, RUN_CHUNKS = RUN / 4, CHUNKS = GROUP * RUN_CHUNKS;
-  __shared__ __align__(16) uint32_t words[WARPS][STAGES][GROUP * RUN];
-  const int groups = per_warp / GROUP;
+  constexpr int RUN = N_TILES * R::WORDS, RUN_CHUNKS = RUN / 4, CHUNKS = UNROLL * RUN_CHUNKS;
+  __shared__ __align__(16) uint32_t words[WARPS][STAGES][UNROLL * RUN];
+  const int groups = per_warp / UNROLL;
   auto issue = [&](int group) {
     if (group < groups) {
       uint32_t* dst = words[warp][group % STAGES];
-      const uint32_t* src = w_e + int64_t(kt0 + group * GROUP) * sk;
+      const uint32_t* src = w_e + int64_t(kt0 + group * UNROLL) * sk;
 #pragma unroll
       for (int chunk = lane; chunk < CHUNKS; chunk += 32) {
         const int u = chunk / RUN_CHUNKS, within = 4 * (chunk % RUN_CHUNKS);
@@ -205,21 +184,18 @@ __global__ void TS_BOUNDS(SUB) exl3_grouped_kernel(
 #pragma unroll
   for (int group = 0; group < STAGES - 1; ++group) issue(group);
 
-  auto a_fragments = [&](int group, uint32_t af[GROUP][SUB][4]) {
+  auto a_fragments = [&](int group, uint32_t af[UNROLL][4]) {
 #pragma unroll
-    for (int u = 0; u < GROUP; ++u) {
-      const int col = (kt0 + group * GROUP + u) * 8 + c;  // half2 index of (row, 16 (kt + u) + 2c)
-#pragma unroll
-      for (int m = 0; m < SUB; ++m) {
-        af[u][m][0] = has_g[m] ? __ldg(row_g[m] + col) : 0u;
-        af[u][m][1] = has_g8[m] ? __ldg(row_g8[m] + col) : 0u;
-        af[u][m][2] = has_g[m] ? __ldg(row_g[m] + col + 4) : 0u;
-        af[u][m][3] = has_g8[m] ? __ldg(row_g8[m] + col + 4) : 0u;
-      }
+    for (int u = 0; u < UNROLL; ++u) {
+      const int col = (kt0 + group * UNROLL + u) * 8 + c;  // half2 index of (row, 16 (kt + u) + 2c)
+      af[u][0] = has_g ? __ldg(row_g + col) : 0u;
+      af[u][1] = has_g8 ? __ldg(row_g8 + col) : 0u;
+      af[u][2] = has_g ? __ldg(row_g + col + 4) : 0u;
+      af[u][3] = has_g8 ? __ldg(row_g8 + col + 4) : 0u;
     }
   };
-  float acc[SUB][N_TILES][2][4] = {};
-  uint32_t af[GROUP][SUB][4], af_next[GROUP][SUB][4];
+  float acc[N_TILES][2][4] = {};
+  uint32_t af[UNROLL][4], af_next[UNROLL][4];
   a_fragments(0, af);
   for (int group = 0; group < groups; ++group) {
     wait_async<STAGES - 2>();
@@ -228,73 +204,58 @@ __global__ void TS_BOUNDS(SUB) exl3_grouped_kernel(
     if (group + 1 < groups) a_fragments(group + 1, af_next);
     const uint32_t* stage = words[warp][group % STAGES];
 #pragma unroll
-    for (int u = 0; u < GROUP; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
       for (int j = 0; j < N_TILES; ++j) {
         uint32_t b[4];
         decode_tile<CB, BITS2>(stage + u * RUN + j * R::WORDS, first_word, offset, b);
-#pragma unroll
-        for (int m = 0; m < SUB; ++m) {
-          mma(acc[m][j][0], af[u][m], b[0], b[1]);
-          mma(acc[m][j][1], af[u][m], b[2], b[3]);
-        }
+        mma(acc[j][0], af[u], b[0], b[1]);
+        mma(acc[j][1], af[u], b[2], b[3]);
       }
     }
 #pragma unroll
-    for (int u = 0; u < GROUP; ++u)
+    for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-      for (int m = 0; m < SUB; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) af[u][m][i] = af_next[u][m][i];
+      for (int i = 0; i < 4; ++i) af[u][i] = af_next[u][i];
   }
   wait_async<0>();
 
-  // The warps' partials, added in warp order by warp 0, one 16-row tile at a time.
+  // The warps' partials, added in warp order by warp 0.
   __shared__ float part[WARPS - 1][N_TILES * 8][32];
+  if (warp > 0) {
 #pragma unroll
-  for (int m = 0; m < SUB; ++m) {
-    if (m > 0) __syncthreads();  // warp 0 has read the tile before
-    if (warp > 0) {
+    for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
-      for (int j = 0; j < N_TILES; ++j)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) part[warp - 1][(j * 2 + h) * 4 + r][lane] = acc[m][j][h][r];
-    }
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-      for (int j = 0; j < N_TILES; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            float v = acc[m][j][h][r];
-#pragma unroll
-            for (int p = 0; p < WARPS - 1; ++p) v += part[p][(j * 2 + h) * 4 + r][lane];
-            const int row = 16 * m + g + (r >= 2 ? 8 : 0), col = (tile_n0 + j) * 16 + h * 8 + 2 * c + (r & 1);
-            if (dense_rows == 0 || (r >= 2 ? has_g8[m] : has_g[m])) out[(slot0 + row) * n + col] = v;
-          }
-    }
+        for (int r = 0; r < 4; ++r) part[warp - 1][(j * 2 + h) * 4 + r][lane] = acc[j][h][r];
   }
+  __syncthreads();
+  if (warp > 0) return;
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        float v = acc[j][h][r];
+#pragma unroll
+        for (int p = 0; p < WARPS - 1; ++p) v += part[p][(j * 2 + h) * 4 + r][lane];
+        const int row = g + (r >= 2 ? 8 : 0), col = (tile_n0 + j) * 16 + h * 8 + 2 * c + (r & 1);
+        if (dense_rows == 0 || (r >= 2 ? has_g8 : has_g)) out[(slot0 + row) * n + col] = v;
+      }
 }
 
 template <int CB, int BITS2>
 void launch(const torch::Tensor& a, const torch::Tensor& w, torch::Tensor& out, const int* pairs, const int* experts,
-            int64_t blocks, int64_t num_experts, int64_t n, int64_t k, int64_t dense_rows, int64_t sub,
-            const torch::Tensor* w2) {
+            int64_t blocks, int64_t num_experts, int64_t n, int64_t k, int64_t dense_rows, const torch::Tensor* w2) {
   const dim3 grid(blocks, n / (16 * N_TILES), w2 ? 2 : 1);
   const auto words = [](const torch::Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr<int16_t>()); };
   // Strides in 32-bit words (every int16 stride of a trellis is even: 16 x bits words per tile).
-  const auto go = [&](auto kernel) {
-    kernel<<<grid, WARPS * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        reinterpret_cast<const half*>(a.data_ptr<at::Half>()), words(w), out.data_ptr<float>(), pairs, experts,
-        int(num_experts), int(n), int(k), int(dense_rows), w.stride(0) / 2, w.stride(2) / 2, w.stride(1) / 2,
-        w2 ? words(*w2) : nullptr, w2 ? a.size(0) / 2 : 0);
-  };
-  if (sub == 4) return go(exl3_grouped_kernel<CB, BITS2, 4>);
-  go(exl3_grouped_kernel<CB, BITS2, 1>);
+  exl3_grouped_kernel<CB, BITS2><<<grid, WARPS * 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const half*>(a.data_ptr<at::Half>()), words(w), out.data_ptr<float>(), pairs, experts,
+      int(num_experts), int(n), int(k), int(dense_rows), w.stride(0) / 2, w.stride(2) / 2, w.stride(1) / 2,
+      w2 ? words(*w2) : nullptr, w2 ? a.size(0) / 2 : 0);
 }
 
 void check(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& out, int64_t bits2) {
@@ -309,11 +270,11 @@ void check(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& 
 
 void dispatch(const torch::Tensor& a, const torch::Tensor& w, torch::Tensor& out, const int* pairs,
               const int* experts, int64_t blocks, int64_t num_experts, int64_t codebook, int64_t bits2,
-              int64_t dense_rows, int64_t sub = 1, const torch::Tensor* w2 = nullptr) {
+              int64_t dense_rows, const torch::Tensor* w2 = nullptr) {
   const int64_t k = a.size(1), n = out.size(1);
 #define TWINSPARK_EXL3_RATE(CB, B2) \
   if (codebook == CB && bits2 == B2) \
-    return launch<CB, B2>(a, w, out, pairs, experts, blocks, num_experts, n, k, dense_rows, sub, w2);
+    return launch<CB, B2>(a, w, out, pairs, experts, blocks, num_experts, n, k, dense_rows, w2);
   // 2.0 to 4.0 bits per weight, the half rates too, in exllamav3's default codebook (mul1); whole rates in the
   // others. kernels/gpu/exl3_cuda.py keeps the same list and sends other rates to the Triton kernel.
   TWINSPARK_EXL3_RATE(2, 4) TWINSPARK_EXL3_RATE(2, 5) TWINSPARK_EXL3_RATE(2, 6) TWINSPARK_EXL3_RATE(2, 7)
@@ -325,36 +286,29 @@ void dispatch(const torch::Tensor& a, const torch::Tensor& w, torch::Tensor& out
 
 }  // namespace
 
-// a [slots, k] float16; w [experts, k / 16, n / 16, 16 x bits] int16; out [slots, n] float32; block_m slots per
-// block of the grid (16: decode rows; 64: prompt rows, four 16-slot tiles of one expert).
-void check_grid(const torch::Tensor& pair_of_slot, const torch::Tensor& expert_of_block, int64_t block_m) {
-  TORCH_CHECK(block_m == 16 || block_m == 64, "block_m must be 16 or 64, got ", block_m);
-  TORCH_CHECK(pair_of_slot.size(0) >= expert_of_block.size(0) * block_m, block_m, " slots per block");
-}
-
+// a [slots, k] float16; w [experts, k / 16, n / 16, 16 x bits] int16; out [slots, n] float32.
 void exl3_grouped(torch::Tensor a, torch::Tensor w, torch::Tensor out, torch::Tensor pair_of_slot,
-                  torch::Tensor expert_of_block, int64_t num_experts, int64_t codebook, int64_t bits2,
-                  int64_t block_m) {
+                  torch::Tensor expert_of_block, int64_t num_experts, int64_t codebook, int64_t bits2) {
   check(a, w, out, bits2);
-  check_grid(pair_of_slot, expert_of_block, block_m);
+  TORCH_CHECK(pair_of_slot.size(0) >= expert_of_block.size(0) * 16, "16 slots per tile");
   dispatch(a, w, out, pair_of_slot.data_ptr<int>(), expert_of_block.data_ptr<int>(), expert_of_block.size(0),
-           num_experts, codebook, bits2, 0, block_m / 16);
+           num_experts, codebook, bits2, 0);
 }
 
 // The same for two stacks of one layout on one slot grid (the MoE's gate and up): a [2 x slots, k], the first
 // weight's rows then the second's; out [2 x slots, n] alike.
 void exl3_grouped_pair(torch::Tensor a, torch::Tensor w, torch::Tensor w2, torch::Tensor out,
                        torch::Tensor pair_of_slot, torch::Tensor expert_of_block, int64_t num_experts,
-                       int64_t codebook, int64_t bits2, int64_t block_m) {
+                       int64_t codebook, int64_t bits2) {
   check(a, w, out, bits2);
-  check_grid(pair_of_slot, expert_of_block, block_m);
   TORCH_CHECK(w2.sizes() == w.sizes() && w2.strides() == w.strides() && w2.scalar_type() == w.scalar_type(),
               "w2: the layout of w");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(w2.data_ptr()) % 16 == 0, "w2: 16-byte aligned (cp.async)");
-  TORCH_CHECK(a.size(0) % 2 == 0 && a.size(0) / 2 >= expert_of_block.size(0) * block_m,
-              "a: two grids of ", block_m, " slots per block");
+  TORCH_CHECK(a.size(0) % 2 == 0 && a.size(0) / 2 >= expert_of_block.size(0) * 16 &&
+                  pair_of_slot.size(0) >= expert_of_block.size(0) * 16,
+              "a: two grids of 16 slots per tile");
   dispatch(a, w, out, pair_of_slot.data_ptr<int>(), expert_of_block.data_ptr<int>(), expert_of_block.size(0),
-           num_experts, codebook, bits2, 0, block_m / 16, &w2);
+           num_experts, codebook, bits2, 0, &w2);
 }
 
 // a [experts x rows, k] float16: `rows` rows per weight of the stack w; out [experts x rows, n] float32.
@@ -365,7 +319,7 @@ void exl3_dense(torch::Tensor a, torch::Tensor w, torch::Tensor out, int64_t row
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("exl3_grouped", &exl3_grouped, "EXL3 grouped product over a slot grid of 16- or 64-slot blocks");
+  m.def("exl3_grouped", &exl3_grouped, "EXL3 grouped product for decode-class slot tiles");
   m.def("exl3_grouped_pair", &exl3_grouped_pair, "the grouped product of two stacks of one layout in one launch");
   m.def("exl3_dense", &exl3_dense, "EXL3 product of each weight of a stack with its own rows");
 }
