@@ -233,7 +233,9 @@ def _serve(s: RankSettings, loaded: Loaded, num_blocks: int) -> None:
 
         warm_up(executor, step_budget(s.max_num_batched_tokens, s.device))
     describe = _describe(s, loaded, num_blocks, window, tiers)
-    server = serve(RankService(executor, describe, stats_interval_s=s.stats_interval), s.host, s.port, s.internal_token)
+    service = RankService(executor, describe, stats_interval_s=s.stats_interval,
+                          watch_compiles=loaded.device.type == "cuda")
+    server = serve(service, s.host, s.port, s.internal_token)
     log.info("rank %d serving on %s:%d (cache: %d blocks x %d, %d slots)", s.rank, s.host, s.port, num_blocks,
              s.block_size, s.num_slots)
     # A few seconds' grace: a stopping scheduler sends one last plan saving its prefix cache to the disk KV tier.

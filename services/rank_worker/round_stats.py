@@ -13,6 +13,10 @@ which side is short:
   round was still in flight (the overlap working).
 - read-back wait: blocked in `Executor.finish` until the round's results were on the host.
 - plan wait: blocked for the next plan with nothing in flight (the scheduler or the gRPC hop is the short side).
+- kernel compiles: Triton compiles on the request path in the window (compile_watch.py), when there were any.
+- rounds with prompt rows: a prompt chunk's round is rare and long next to decode rounds, so the medians above hide
+  it; these rounds get their own count, GPU time, host launch and read-back wait (median and most), since a slow
+  first token shows there.
 
 Cheap enough to stay on: two events per round, a few list appends, one log line per window with rounds in it.
 """
@@ -43,39 +47,67 @@ class _Window:
     gpu_ms: list[float] = field(default_factory=list)
     gap_ms: list[float] = field(default_factory=list)
     plan_wait_s: float = 0.0
+    prompt: "_Kind" = field(default_factory=lambda: _Kind())  # the rounds with prompt rows, again apart
+
+
+@dataclass
+class _Kind:
+    launch_ms: list[float] = field(default_factory=list)
+    wait_ms: list[float] = field(default_factory=list)
+    gpu_ms: list[float] = field(default_factory=list)
+
+    def summary(self) -> str:
+        gpu = f"GPU {_p50_max(self.gpu_ms)} ms, " if self.gpu_ms else ""
+        return (f"{len(self.launch_ms)} with prompt rows: {gpu}host launch {_p50_max(self.launch_ms)} ms, "
+                f"read-back wait {_p50_max(self.wait_ms)} ms")
 
 
 def _p50(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f}" if xs else "-"
 
 
+def _p50_max(xs: list[float]) -> str:
+    return f"p50 {statistics.median(xs):.2f} / max {max(xs):.2f}" if xs else "-"
+
+
 class RoundStats:
     def __init__(self, rank: int, interval_s: float = DEFAULT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 compiles: Callable[[], tuple[int, float]] | None = None) -> None:
+        """`compiles`: (count, seconds) of the kernel compiles since its last call (CompileWatch.take)."""
         self.rank = rank
+        self._compiles = compiles
         self.interval_s = interval_s
         self._clock = clock
         self._start = clock()
         self._window = _Window()
         self._last_done: torch.cuda.Event | None = None  # the previous read-back round's last event
 
-    def launched(self, round_: int, launch_ms: float, behind: bool) -> None:
-        """A round was queued in `launch_ms` of host time; `behind`: while the previous one was in flight."""
+    def launched(self, round_: int, launch_ms: float, behind: bool, prompt: bool = False) -> None:
+        """A round was queued in `launch_ms` of host time; `behind`: while the previous one was in flight;
+        `prompt`: it has prompt rows."""
         w = self._window
         if w.rounds == 0:
             w.first_round = round_
         w.rounds += 1
         w.behind += behind
         w.launch_ms.append(launch_ms)
+        if prompt:
+            w.prompt.launch_ms.append(launch_ms)
 
-    def finished(self, begin: torch.cuda.Event | None, done: torch.cuda.Event | None, wait_ms: float) -> None:
+    def finished(self, begin: torch.cuda.Event | None, done: torch.cuda.Event | None, wait_ms: float,
+                 prompt: bool = False) -> None:
         """A round was read back after `wait_ms` blocked on it. `begin` / `done`: its timing events (None on the
-        CPU, or for a plan of tier moves only), both passed by now."""
+        CPU, or for a plan of tier moves only), both passed by now; `prompt` as in `launched`."""
         w = self._window
         w.wait_ms.append(wait_ms)
+        if prompt:
+            w.prompt.wait_ms.append(wait_ms)
         if begin is None or done is None:
             return
         w.gpu_ms.append(begin.elapsed_time(done))
+        if prompt:
+            w.prompt.gpu_ms.append(w.gpu_ms[-1])
         if self._last_done is not None:  # rounds are read back in the order they ran on the one stream
             w.gap_ms.append(max(0.0, self._last_done.elapsed_time(begin)))
         self._last_done = done
@@ -88,6 +120,7 @@ class RoundStats:
         """The window's summary (None when no round ran in it), and a new window."""
         w, now = self._window, self._clock()
         span_s, self._start, self._window = now - self._start, now, _Window()
+        built, built_s = self._compiles() if self._compiles is not None else (0, 0.0)
         if w.rounds == 0:
             return None
         gpu = (f"GPU per round p50 {_p50(w.gpu_ms)} ms, GPU gap before a round p50 {_p50(w.gap_ms)} ms "
@@ -95,7 +128,8 @@ class RoundStats:
         return (f"rank {self.rank}: rounds {w.first_round}-{w.first_round + w.rounds - 1} in {span_s:.1f} s "
                 f"({w.rounds / max(span_s, 1e-9):.1f}/s): {gpu}host launch p50 {_p50(w.launch_ms)} ms "
                 f"({w.behind} of {w.rounds} behind the previous round), read-back wait p50 {_p50(w.wait_ms)} ms, "
-                f"plan wait {w.plan_wait_s:.2f} s")
+                f"plan wait {w.plan_wait_s:.2f} s" + (f"; {w.prompt.summary()}" if w.prompt.launch_ms else "")
+                + (f"; {built} kernel compiles ({built_s:.2f} s)" if built else ""))
 
     def maybe_log(self) -> None:
         """Log the window's line once `interval_s` has passed since the last (never with an interval of 0)."""

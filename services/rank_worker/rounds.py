@@ -63,6 +63,11 @@ class Launched:
     layer_hidden: torch.Tensor | None = None  # [T, L * D] the plan's hidden_layers' outputs, plan row order
     begin: torch.cuda.Event | None = None  # timing event before the round's work (round_stats.py); None on the CPU
 
+    @property
+    def has_prompt(self) -> bool:
+        """Whether the round has prompt rows (a prefill chunk), for the rank's round stats."""
+        return self.batch is not None and any(self.batch.is_prompt(s) for s in range(self.batch.num_seqs))
+
     def ready(self) -> bool:
         """Whether reading this round back would not wait."""
         return self.done is None or self.done.query()

@@ -30,6 +30,7 @@ from services.common.tensors import to_proto
 from services.rank_worker.executor import Executor
 from services.rank_worker.plan_checks import PlanError
 from services.rank_worker.plan_queue import END, NOT_YET, PlanQueue
+from services.rank_worker.compile_watch import CompileWatch
 from services.rank_worker.round_profiler import RoundProfiler
 from services.rank_worker.round_stats import DEFAULT_INTERVAL_S, RoundStats
 from services.rank_worker.rounds import Launched
@@ -42,13 +43,19 @@ _tracer = trace.get_tracer("twinspark.rank")
 
 class RankService(rank_pb2_grpc.RankWorkerServicer):
     def __init__(self, executor: Executor, describe: rank_pb2.DescribeReply,
-                 stats_interval_s: float = DEFAULT_INTERVAL_S) -> None:
+                 stats_interval_s: float = DEFAULT_INTERVAL_S, watch_compiles: bool = False) -> None:
+        """`watch_compiles`: log and count Triton compiles from now on (a GPU rank after its warm-up)."""
         self.executor = executor
         self.describe = describe
         self.rank = describe.rank
         self._stream_lock = threading.Lock()
         self.profiler = RoundProfiler.from_env(self.rank)  # TWINSPARK_TORCH_PROFILER_DIR: off by default
-        self.stats = RoundStats(self.rank, stats_interval_s)  # --stats-interval
+        # Kernel compiles from here on are on the request path (the warm-up is over): logged, and counted per window.
+        self.compiles = CompileWatch(self.rank) if watch_compiles else None
+        if self.compiles is not None:
+            self.compiles.install()
+        self.stats = RoundStats(self.rank, stats_interval_s,
+                                compiles=self.compiles.take if self.compiles is not None else None)
 
     def Describe(self, request: rank_pb2.DescribeRequest, context: grpc.ServicerContext) -> rank_pb2.DescribeReply:
         return self.describe
@@ -143,7 +150,7 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                 self.profiler.before(plan.round)
             t0 = time.perf_counter()
             launched = self.executor.launch(plan)
-            self.stats.launched(plan.round, (time.perf_counter() - t0) * 1e3, behind)
+            self.stats.launched(plan.round, (time.perf_counter() - t0) * 1e3, behind, launched.has_prompt)
             if self.profiler is not None:
                 self.profiler.launched(plan.round)
         except BaseException as exc:
@@ -159,7 +166,8 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
         try:
             t0 = time.perf_counter()
             out = self.executor.finish(r.launched)
-            self.stats.finished(r.launched.begin, r.launched.done, (time.perf_counter() - t0) * 1e3)
+            self.stats.finished(r.launched.begin, r.launched.done, (time.perf_counter() - t0) * 1e3,
+                                r.launched.has_prompt)
         except Exception as exc:  # noqa: BLE001 — the round failed on the device: the group must restart
             log.exception("rank %d: round %d failed", self.rank, r.round)
             error = f"round {r.round}: the forward failed: {type(exc).__name__}: {exc}"

@@ -68,3 +68,17 @@ def test_logged_once_the_interval_has_passed(caplog) -> None:
         clock.t = 10.0
         stats.maybe_log()
     assert [r.getMessage().startswith("rank 0: rounds 1-1 in 10.0 s") for r in caplog.records] == [True]
+
+
+def test_rounds_with_prompt_rows_are_summed_apart() -> None:
+    """A 700 ms prompt round among 10 ms decode rounds: the medians stay the decode rounds', and the prompt round
+    shows in its own summary with its most."""
+    stats = RoundStats(0, clock=Clock())
+    spans = [(0.0, 10.0, False), (10.0, 710.0, True), (710.0, 720.0, False), (720.0, 730.0, False)]
+    for r, (begin, done, prompt) in enumerate(spans, start=1):
+        stats.launched(r, 900.0 if prompt else 2.0, behind=r > 1, prompt=prompt)
+        stats.finished(FakeEvent(begin), FakeEvent(done), wait_ms=5.0, prompt=prompt)
+    line = stats.line()
+    assert "GPU per round p50 10.00 ms" in line and "host launch p50 2.00 ms" in line
+    assert line.endswith("; 1 with prompt rows: GPU p50 700.00 / max 700.00 ms, host launch p50 900.00 / max "
+                         "900.00 ms, read-back wait p50 5.00 / max 5.00 ms")

@@ -26,6 +26,7 @@ class _Launched:
         return self.gate.is_set()
 
     overlappable = True
+    has_prompt = False
     begin = done = None  # no timing events on the mock GPU (the round stats then sum host figures only)
 
 
