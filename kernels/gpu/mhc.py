@@ -192,7 +192,8 @@ def pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     return h, post_w, comb
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["T"])
 def _post_kernel(parts_ptr, n_parts, T, res_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr,
                  BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -39,7 +39,8 @@ def _load_rows(data_ptr, scale_ptr, rows, cols, row_ok, width, FP8: tl.constexpr
     return x
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["n_rows"])
 def _pool_kernel(idx_ptr, idx_scale_ptr, pooled_ptr, ape_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, n_rows,
                  DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr):
     """For each row that completes a pool (its position is the pool's last): the pool's compressed key =
@@ -85,7 +86,8 @@ def write_pools(index_store: torch.Tensor, index_scale: torch.Tensor | None, poo
                        DI=di, KP=kpool, BS=bs, FP8=index_scale is not None)
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["first", "n_pools"])
 def _scores_kernel(q_ptr, s_q, w_ptr, s_w, pooled_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, out_ptr, s_out, first,
                    n_pools, n_heads, scale, NH: tl.constexpr, DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
                    BP: tl.constexpr):
@@ -130,7 +132,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, b
     return out
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["n_pools"])
 def _count_kernel(pos_ptr, count_ptr, sel_ptr, n_pools, keep, KP: tl.constexpr, TAKE_ALL: tl.constexpr,
                   BP: tl.constexpr):
     """count[r] = how many pools row r selects: those ending at or before it, at most n_pools and keep. TAKE_ALL

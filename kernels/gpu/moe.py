@@ -144,7 +144,8 @@ def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_p
     tl.store(h_ptr + slots[:, None] * I + rn[None, :], h, mask=has[:, None] & (rn[None, :] < I))
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_ptr, num_experts, I, D, n_pairs,
                  swe, swn, swk, sse, ssn, ssk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -179,7 +180,8 @@ def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_pt
              mask=has[:, None] & (rn[None, :] < D))
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["T", "out_rows", "row0"])
 def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, T, out_rows, row0, PAIRS_PER_ROW: tl.constexpr,
                     BLOCK: tl.constexpr):
     """out[shard, row0 + row] = sum of the row's pair outputs in pair order (routed ascending, shared last); 0 for
@@ -198,7 +200,8 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, T, out_rows, row0, 
     tl.store(out_ptr + (shard * out_rows + row0 + row) * D + cols, acc, mask=mask)
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["n_pairs", "out_rows", "row0"])
 def _combine_rotated_kernel(acc_ptr, svh_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, ids_ptr, out_ptr, num_experts,
                             D, n_pairs, out_rows, row0, scale, PAIRS_PER_ROW: tl.constexpr,
                             ROUNDED_MUL: tl.constexpr):

@@ -67,7 +67,8 @@ def _group_torch(ids: torch.Tensor, num_experts: int, block_m: int, blocks: int)
     return Groups(pair_of_slot[:cap], expert_of_block, blocks)
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["pairs", "cap", "blocks"])
 def _group_kernel(ids_ptr, pair_ptr, expert_ptr, pairs, num_experts, cap, blocks,
                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
     """One program: per-expert counts, padded runs, each pair's slot (stable: ascending pair index within an
@@ -123,7 +124,8 @@ class SlotTables:
     # expert, which no reader asks for)
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["cap", "blocks", "n_pairs"])
 def _slot_tables_kernel(pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr,
                         row_of_pair_ptr, cap, blocks, experts, n_pairs, shards,
                         PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):

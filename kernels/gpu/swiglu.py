@@ -28,7 +28,8 @@ def clamped_swiglu(g, u, limit, act: tl.constexpr):
     return (s * u).to(act)
 
 
-@triton.jit
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["n_rows"])
 def _swiglu_kernel(g_ptr, s_g_shard, s_g, u_ptr, s_u_shard, s_u, h_ptr, n_rows, width, limit,
                    BLOCK: tl.constexpr):
     """One (row, block of BLOCK columns, shard): element by element, so a row's bits never depend on its company."""
