@@ -47,5 +47,5 @@ def reply_replay(req: Request, kv: KVCacheManager, order: Iterator[int]) -> Requ
         prefix.pin(m.snapshot)
         rep.resume = m.snapshot
     rep.snap_points = [(end, False)]
-    log.debug("replaying %s's reply: positions %d..%d for the prefix cache", req.id, m.pos, end)
+    log.info("replaying %s's reply: positions %d..%d for the prefix cache (a background prefill)", req.id, m.pos, end)
     return rep
