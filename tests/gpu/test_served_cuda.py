@@ -2,7 +2,8 @@
 
 Checkpoint: make-tiny's layout at wider dimensions (tests/gpu/test_cuda_parity.py's WIDE: hidden 512, 8 layers),
 random bf16 weights. 12 requests of mixed prompt lengths (greedy and seeded T=0.8) are served one by one (the
-references), then staggered and all at once: the token ids must match 12/12 each way. With two GPUs the same runs
+references), then staggered and all at once: the token ids must match 12/12 each way, and no kernel may compile
+after the rank said healthy. With two GPUs the same runs
 at TP=2 over NCCL and TP=1 = TP=2. The stream test prints the inter-token time of one streamed request next to the
 offline decode step of the same checkpoint (a CUDA-graph replay plus sampling) — the target in docs/design.md §8 is <= 1.2x.
 """
@@ -39,12 +40,22 @@ def _check_exact(url: str, label: str) -> list[list[int]]:
     return result.serial
 
 
+def _request_path_compiles(stack) -> list[str]:
+    """The rank's warnings of Triton compiles after its warm-up (services/rank_worker/compile_watch.py)."""
+    log = stack.state_dir / "logs" / "rank0.log"
+    return [line for line in log.read_text(errors="replace").splitlines() if "on the request path" in line]
+
+
 def test_burst_staggered_serial_identical_tp1_and_tp2(wide_ckpt, tmp_path):
+    """Also: the 12-request mix (prompts of mixed lengths, one by one, staggered, at once) compiles no kernel after
+    the rank said healthy — its warm-up met every specialization this mix needs."""
     stack = _stack(wide_ckpt, tmp_path / "tp1", 1)
     try:
         tp1 = _check_exact(stack.v1, "TP=1 CUDA")
+        compiles = _request_path_compiles(stack)
     finally:
         stack.down()
+    assert not compiles, "kernels compiled on the request path:\n" + "\n".join(compiles)
     if torch.cuda.device_count() < 2:
         pytest.skip("TP=2 needs two GPUs (TP=1 checked above)")
     stack = _stack(wide_ckpt, tmp_path / "tp2", 2)
