@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 from bench import flags
 from bench.serve import level, summarize
 from bench.stack import attach_or_start, write_results
-from bench.whole_model import _bodies, round_stats
+from bench.whole_model import request_bodies, round_stats
 from services.common import shared_flags as shared
 
 STATS_INTERVAL_S = 0.5
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         url = stack.url + "/v1"
         log = stack.state_dir / "logs" / "rank0.log"
         for b in range(args.warm + args.batches):
-            bodies = _bodies(args.concurrency, args.prompt_len, args.output_len, seed=1000 + b)  # no prefix hits
+            # a new seed a batch: no prefix hits
+            bodies = request_bodies(args.concurrency, args.prompt_len, args.output_len, seed=1000 + b)
             seen = log.stat().st_size
             samples, wall = asyncio.run(level(url, bodies, args.concurrency))
             s = summarize(samples, wall, args.prompt_len)
@@ -108,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(data: dict) -> str:
     lines = [f"# served profile — {data['date']}", "",
-             f"- {data['model']}, {data['recipe']}, TP 1, drafter off; ready in {data.get('ready_s', '?')} s; batches of "
-             f"{data['concurrency']} requests sent at once, {data['prompt_len']} random prompt ids, "
+             f"- {data['model']}, {data['recipe']}, TP 1, drafter off; ready in {data.get('ready_s', '?')} s; "
+             f"batches of {data['concurrency']} requests sent at once, {data['prompt_len']} random prompt ids, "
              f"{data['output_len']} tokens out, greedy", f"- profiled rounds {data['profiled_rounds'][0]}.."
              f"{data['profiled_rounds'][1]} (rank0-rounds.txt / .json): {data['profile_head']}", "",
              "| batch | wall s | TTFT median / p99 ms | ITL median ms |", "|---:|---:|---|---:|"]

@@ -60,7 +60,7 @@ def gpu_memory_mib() -> list[dict]:
             for i, u, t in (line.split(", ") for line in q.strip().splitlines())]
 
 
-def _bodies(n: int, prompt_len: int, output_len: int, seed: int) -> list[dict]:
+def request_bodies(n: int, prompt_len: int, output_len: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt": [rng.randrange(5, 1000) for _ in range(prompt_len)], "max_tokens": output_len,
              "ignore_eos": True, "temperature": 0, "stream": True, "draft": False} for _ in range(n)]
@@ -92,7 +92,7 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
         url = stack.url + "/v1"
         levels = []
         for c in args.concurrency:
-            bodies = _bodies(max(2, c), args.prompt_len, args.output_len, seed=c)
+            bodies = request_bodies(max(2, c), args.prompt_len, args.output_len, seed=c)
             warm = warm_up(url, bodies, c)
             log = stack.state_dir / "logs" / "rank0.log"
             seen = log.stat().st_size

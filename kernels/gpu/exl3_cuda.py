@@ -1,7 +1,8 @@
 """The hand-written CUDA EXL3 grouped product (kernels/gpu/cuda/exl3_grouped.cu): when it runs, and its build.
 
-It replaces the Triton grouped kernel for EXL3 experts in the decode row class only (16-slot tiles, float16 rotated
-rows), at the rates it is built for; everything else keeps the Triton kernel. Its schedule is fixed per shape as the
+It replaces the Triton grouped kernel for EXL3 experts (float16 rotated rows, 16-slot tiles, at the rates it is built
+for) for decode and prompt rows alike (kernels/gpu/moe.py `_tile`), and runs the GEMM's decode rows of EXL3
+weights (`dense`); everything else keeps the Triton kernel. Its schedule is fixed per shape as the
 Triton one's is (docs/design.md §5.1), but the two add K in different orders: a row's bits differ between them, so
 the choice is a pure function of the weight and the row class, never of the batch.
 

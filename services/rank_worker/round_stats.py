@@ -38,19 +38,6 @@ DEFAULT_INTERVAL_S = 10.0
 
 
 @dataclass
-class _Window:
-    first_round: int = 0
-    rounds: int = 0
-    behind: int = 0
-    launch_ms: list[float] = field(default_factory=list)
-    wait_ms: list[float] = field(default_factory=list)
-    gpu_ms: list[float] = field(default_factory=list)
-    gap_ms: list[float] = field(default_factory=list)
-    plan_wait_s: float = 0.0
-    prompt: "_Kind" = field(default_factory=lambda: _Kind())  # the rounds with prompt rows, again apart
-
-
-@dataclass
 class _Kind:
     launch_ms: list[float] = field(default_factory=list)
     wait_ms: list[float] = field(default_factory=list)
@@ -60,6 +47,19 @@ class _Kind:
         gpu = f"GPU {_p50_max(self.gpu_ms)} ms, " if self.gpu_ms else ""
         return (f"{len(self.launch_ms)} with prompt rows: {gpu}host launch {_p50_max(self.launch_ms)} ms, "
                 f"read-back wait {_p50_max(self.wait_ms)} ms")
+
+
+@dataclass
+class _Window:
+    first_round: int = 0
+    rounds: int = 0
+    behind: int = 0
+    launch_ms: list[float] = field(default_factory=list)
+    wait_ms: list[float] = field(default_factory=list)
+    gpu_ms: list[float] = field(default_factory=list)
+    gap_ms: list[float] = field(default_factory=list)
+    plan_wait_s: float = 0.0
+    prompt: _Kind = field(default_factory=_Kind)  # the rounds with prompt rows, again apart
 
 
 def _p50(xs: list[float]) -> str:

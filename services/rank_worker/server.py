@@ -27,10 +27,10 @@ from services.common import telemetry
 from services.common.internal_auth import server_interceptors
 from services.common.plan_checksum import plan_checksum
 from services.common.tensors import to_proto
+from services.rank_worker.compile_watch import CompileWatch
 from services.rank_worker.executor import Executor
 from services.rank_worker.plan_checks import PlanError
 from services.rank_worker.plan_queue import END, NOT_YET, PlanQueue
-from services.rank_worker.compile_watch import CompileWatch
 from services.rank_worker.round_profiler import RoundProfiler
 from services.rank_worker.round_stats import DEFAULT_INTERVAL_S, RoundStats
 from services.rank_worker.rounds import Launched

@@ -1,7 +1,7 @@
-// EXL3 grouped product for decode-class rows: out[slot] = a[slot] @ T[expert of the slot's tile] in float32, T the
+// EXL3 grouped product in 16-slot tiles: out[slot] = a[slot] @ T[expert of the slot's tile] in float32, T the
 // decoded trellis tiles (kernels/quant/exl3.py), a the rotated float16 rows (kernels/gpu/hadamard.py). The contract
-// is kernels/gpu/moe.py's `_grouped_kernel` for EXL3 weights at block_m = 16; this file is its hand-written CUDA
-// form, because the Triton one decodes each weight from two gathered words (6-7x slower than exllamav3's kernel).
+// is kernels/gpu/moe.py's `_grouped_kernel` for EXL3 weights at block_m = 16 (decode and prompt rows alike); this
+// file is its hand-written CUDA form, because the Triton one decodes each weight from two gathered words (6-7x slower than exllamav3's kernel).
 //
 // How it is fast (the format is laid out for this: exllamav3's encoder stores each 16x16 tile in tensor-core
 // fragment order, so lane t of a warp owns trellis steps 8t..8t+7, exactly its B-fragment elements of the two
@@ -163,7 +163,7 @@ __global__ void TS_BOUNDS exl3_grouped_kernel(
   if (first < 0) first += R::BITS;
   const int first_word = first >> 5, offset = first & 31;
 
-  // Each warp streams its quarter of K through shared memory, STAGES groups of UNROLL K tiles deep (cp.async: the
+  // Each warp streams its part of K through shared memory, STAGES groups of UNROLL K tiles deep (cp.async: the
   // loads of later groups are in flight while a group is decoded). A K tile's N_TILES output tiles are adjacent in
   // memory: one run of N_TILES * WORDS words, 16-byte aligned (16 x bits int16 per tile, bits a multiple of 0.5).
   constexpr int RUN = N_TILES * R::WORDS, RUN_CHUNKS = RUN / 4, CHUNKS = UNROLL * RUN_CHUNKS;
