@@ -168,12 +168,17 @@ def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> No
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), tile.split_k, b)
     if tile.split_k == 1:
         ws = counts = out  # unused
+        ws_strides = (0, 0, 0)
     else:
-        ws = torch.empty(tile.split_k, b, m, n, dtype=torch.float32, device=x.device)
+        # rows padded to 16 (and N for its strides): the workspace's strides are then multiples of 16 whatever
+        # M is, so Triton builds one kernel for every row count and keeps its aligned partial-sum loads
+        ws = torch.empty(tile.split_k, b, triton.cdiv(m, 16) * 16, triton.cdiv(n, 16) * 16, dtype=torch.float32,
+                         device=x.device)
         counts = _counters(x.device, grid[0] * b)
+        ws_strides = ws.stride()[:3]
     _gemm_kernel[grid](x, w.data, w.scale, out, ws, counts, m, n, k, per_split,
                        x.stride(0), x.stride(1), x.stride(2), *w.strides(),
-                       out.stride(0), out.stride(1), out.stride(2), b * m * n, m * n, n,
+                       out.stride(0), out.stride(1), out.stride(2), *ws_strides,
                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                        SPLIT=tile.split_k, IEEE=x.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n,
                        SB_K=w.block_k, num_warps=tile.warps, num_stages=tile.stages)

@@ -76,7 +76,7 @@ def rotated_out(acc, vec, scale, R: tl.constexpr):
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R", "rows_per_vec"], do_not_specialize_on_alignment=["src_rows_ptr", "vec_rows_ptr"])
 def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, R, C, V, rows_per_vec, ssr, svr,
                    sor, scale, PRE: tl.constexpr, SRC_ROWS: tl.constexpr, VEC_ROWS: tl.constexpr,
                    BLOCK_R: tl.constexpr, ROUNDED_MUL: tl.constexpr):
@@ -107,7 +107,7 @@ def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_p
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=["vec_rows_ptr"])
 def _rotate_out_swiglu_kernel(g_ptr, u_ptr, gvec_ptr, uvec_ptr, nvec_ptr, vec_rows_ptr, h_ptr, act_ptr, R, C, V,
                               limit, out_scale, in_scale, NEXT: tl.constexpr, BLOCK_R: tl.constexpr,
                               ROUNDED_MUL: tl.constexpr):

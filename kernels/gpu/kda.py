@@ -75,7 +75,8 @@ def _store_history(dst, s_row, ch, h0, h1, h2, act: tl.constexpr, mask):
     tl.store(dst + 2 * s_row + ch, h2.to(act), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_braw_shard"],
+            do_not_specialize_on_alignment=["row0_ptr", "len_ptr", "slot_ptr", "fresh_ptr", "pend_ptr"])
 def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_conv_row, chan_off,
                        graw_ptr, s_graw_shard, s_graw, dt_bias_ptr, a_log_ptr, braw_ptr, s_braw_shard, s_braw,
                        state_ptr, s_state_slot, head_off, core_ptr, s_core_shard, s_core, hist_out_ptr, s_hist_seq,
@@ -202,7 +203,7 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
     commit_history(hist_out, conv_state, seqs, chan_off, shards * 3 * c)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["commit_ptr", "slot_ptr"])
 def _commit_history_kernel(hist_ptr, s_hist_seq, s_hist_row, conv_ptr, s_conv_slot, s_conv_row, commit_ptr, slot_ptr,
                            chan_off, width, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """One committing decode step, BLOCK channels: its ROWS history rows from `hist_out` into its slot."""
@@ -261,7 +262,7 @@ def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["first_ptr", "slot_ptr", "fresh_ptr"])
 def _prompt_conv_kernel(x_ptr, s_x_shard, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, chan_off, first_ptr,
                         slot_ptr, fresh_ptr, out_ptr, s_out_shard, s_out, C3, TAPS: tl.constexpr, BLOCK: tl.constexpr):
     """One prompt row, BLOCK channels of one shard: silu(sum_j w_j * input[i - 3 + j]) over taps oldest first,

@@ -40,7 +40,7 @@ def _load_rows(data_ptr, scale_ptr, rows, cols, row_ok, width, FP8: tl.constexpr
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "s_bt"], do_not_specialize_on_alignment=["pos_ptr", "seq_ptr"])
 def _pool_kernel(idx_ptr, idx_scale_ptr, pooled_ptr, ape_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, n_rows,
                  DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr):
     """For each row that completes a pool (its position is the pool's last): the pool's compressed key =
@@ -87,7 +87,8 @@ def write_pools(index_store: torch.Tensor, index_scale: torch.Tensor | None, poo
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
-@triton.jit(do_not_specialize=["first", "n_pools"])
+@triton.jit(do_not_specialize=["first", "n_pools", "s_bt", "s_out"],
+            do_not_specialize_on_alignment=["pos_ptr", "seq_ptr"])
 def _scores_kernel(q_ptr, s_q, w_ptr, s_w, pooled_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, out_ptr, s_out, first,
                    n_pools, n_heads, scale, NH: tl.constexpr, DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
                    BP: tl.constexpr):
@@ -133,7 +134,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, b
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
-@triton.jit(do_not_specialize=["n_pools"])
+@triton.jit(do_not_specialize=["n_pools"], do_not_specialize_on_alignment=["pos_ptr"])
 def _count_kernel(pos_ptr, count_ptr, sel_ptr, n_pools, keep, KP: tl.constexpr, TAKE_ALL: tl.constexpr,
                   BP: tl.constexpr):
     """count[r] = how many pools row r selects: those ending at or before it, at most n_pools and keep. TAKE_ALL
@@ -182,11 +183,12 @@ def select_pools(scores: torch.Tensor | Callable[[int, int], torch.Tensor] | Non
     return torch.sort(best, dim=-1).values.to(torch.int32), count
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt", "s_sel", "split_len", "max_splits"],
+            do_not_specialize_on_alignment=["pos_ptr", "seq_ptr", "sel_ptr", "count_ptr"])
 def _attention_kernel(q_ptr, s_qt, s_qh, lat_ptr, lat_scale_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, sel_ptr, s_sel,
-                      count_ptr, out_ptr, s_ot, s_oh, m_ptr, l_ptr, n_heads, scale, split_len,
+                      count_ptr, out_ptr, s_ot, s_oh, m_ptr, l_ptr, n_heads, scale, split_len, max_splits,
                       R: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                      FP8: tl.constexpr, PARTIAL: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                      FP8: tl.constexpr, PARTIAL: tl.constexpr):
     """One row, HB heads, one split of the row's attended positions.
 
     A row attends to a virtual list: its selected pools' positions in ascending pool order, then its tail (the
@@ -231,7 +233,7 @@ def _attention_kernel(q_ptr, s_qt, s_qh, lat_ptr, lat_scale_ptr, bt_ptr, s_bt, p
             m = m_new
     if PARTIAL:
         if lo < hi:
-            part = (r * n_heads + heads) * MAX_SPLITS + sp
+            part = (r * n_heads + heads) * max_splits + sp
             tl.store(m_ptr + part, m, mask=has_head)
             tl.store(l_ptr + part, l, mask=has_head)
             tl.store(out_ptr + part[:, None] * R + c[None, :], acc, mask=has_head[:, None])
@@ -241,16 +243,16 @@ def _attention_kernel(q_ptr, s_qt, s_qh, lat_ptr, lat_scale_ptr, bt_ptr, s_bt, p
                  mask=has_head[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_len", "max_splits"], do_not_specialize_on_alignment=["pos_ptr", "count_ptr"])
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, count_ptr, out_ptr, s_ot, s_oh, n_heads, split_len,
-                    R: tl.constexpr, KP: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                    max_splits, R: tl.constexpr, KP: tl.constexpr):
     """Merge one row's split partials for one head, in split order (a function of the row's own list length)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + r)
     total = tl.load(count_ptr + r) * KP + pos + 1 - (pos + 1) // KP * KP
     n_splits = tl.cdiv(total, split_len)
-    base = (r * n_heads + h) * MAX_SPLITS
+    base = (r * n_heads + h) * max_splits
     c = tl.arange(0, R)
     big = tl.load(m_ptr + base)
     for sp in range(1, n_splits):
@@ -293,13 +295,13 @@ def sparse_attention(q_lat: torch.Tensor, latent: torch.Tensor, latent_scale: to
         _attention_kernel[(split, triton.cdiv(h, hb), n_splits)](
             q_lat, q_lat.stride(0), q_lat.stride(1), latent, lat_scale, block_tables, block_tables.stride(0),
             positions, row_seq, sel, sel.stride(0), count, part, 0, 0, m, l, h, float(scale), decode_split,
-            PARTIAL=True, MAX_SPLITS=n_splits, num_warps=4, num_stages=2, **common)
+            n_splits, PARTIAL=True, num_warps=4, num_stages=2, **common)
         _combine_kernel[(split, h)](m, l, part, positions, count, out, out.stride(0), out.stride(1), h, decode_split,
-                                    R=r_dim, KP=kpool, MAX_SPLITS=n_splits, num_warps=4)
+                                    n_splits, R=r_dim, KP=kpool, num_warps=4)
     if split < t:
         rows = slice(split, t)
         _attention_kernel[(t - split, triton.cdiv(h, hb), 1)](
             q_lat[rows], q_lat.stride(0), q_lat.stride(1), latent, lat_scale, block_tables, block_tables.stride(0),
             positions[rows], row_seq[rows], sel[rows], sel.stride(0), count[rows], out[rows], out.stride(0),
-            out.stride(1), out, out, h, float(scale), 1 << 30, PARTIAL=False, MAX_SPLITS=1, num_warps=4,
+            out.stride(1), out, out, h, float(scale), 1 << 30, 1, PARTIAL=False, num_warps=4,
             num_stages=2, **common)

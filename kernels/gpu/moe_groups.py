@@ -68,7 +68,7 @@ def _group_torch(ids: torch.Tensor, num_experts: int, block_m: int, blocks: int)
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
-@triton.jit(do_not_specialize=["pairs", "cap", "blocks"])
+@triton.jit(do_not_specialize=["pairs", "cap", "blocks"], do_not_specialize_on_alignment=["ids_ptr"])
 def _group_kernel(ids_ptr, pair_ptr, expert_ptr, pairs, num_experts, cap, blocks,
                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
     """One program: per-expert counts, padded runs, each pair's slot (stable: ascending pair index within an

@@ -35,7 +35,7 @@ def _round_e4m3(v):
     return (rounded.to(tl.int32, bitcast=True) | (bits ^ mag)).to(tl.float32, bitcast=True)  # v's sign, -0 too
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=["pos_ptr", "seq_ptr"])
 def _write_kernel(a_ptr, s_a, b_ptr, s_b, data_ptr, scale_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr,
                   WA: tl.constexpr, W: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     """Row r = columns [0, WA) of a's row r, then [WA, W) from b's, stored at its position's cache row."""

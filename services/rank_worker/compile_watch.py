@@ -60,8 +60,8 @@ class CompileWatch:
             self._count += 1
             self._seconds += seconds
         log.warning("rank %d: Triton compiled %s.%s on the request path in %.0f ms (a specialization the warm-up "
-                    "did not meet): %s", self.rank, getattr(fn, "module", "?"), getattr(fn, "name", "?"),
-                    seconds * 1e3, repr[:400])
+                    "did not meet; against the nearest build it has: %s)", self.rank, getattr(fn, "module", "?"),
+                    getattr(fn, "name", "?"), seconds * 1e3, what_changed(getattr(fn, "jit_function", None), key))
         hook = self._chained[1]
         return hook(key=key, repr=repr, fn=fn, **kwargs) if hook is not None else None
 
@@ -71,6 +71,43 @@ class CompileWatch:
             out = (self._count, self._seconds)
             self._count, self._seconds = 0, 0.0
         return out
+
+
+def what_changed(jit: Any, key: Any) -> str:
+    """Which arguments of a new build differ from the nearest build the kernel already has, by name: what to mark
+    `do_not_specialize` (an integer), `do_not_specialize_on_alignment` (a pointer that may be a slice) or warm up.
+
+    Triton's JIT function keeps, per device, a map from each launch's structured key (one (type, attribute) or
+    ("constexpr", value) per parameter, in signature order, and the launch options) to the string `key` the hooks
+    receive; the entry whose string is `key` is the new build, the others are the builds it has."""
+    caches = getattr(jit, "device_caches", None)
+    if not caches:
+        return "unknown"
+    names = [p.name for p in jit.params]
+    for entry in list(caches.values()):
+        key_cache = entry[1]
+        new = [k for k, v in key_cache.items() if v == key]
+        if not new:
+            continue
+        spec, options = new[0]
+        old = [k for k, v in key_cache.items() if v != key]
+        if not old:
+            return "none (the kernel's first build)"
+
+        def diff(other: tuple) -> list[str]:
+            out = [f"{n} {_spec(a)} -> {_spec(b)}" for n, a, b in zip(names, other[0], spec) if a != b]
+            return out + (["launch options"] if other[1] != options else [])
+
+        return "; ".join(min((diff(o) for o in old), key=len)) or "the same arguments"
+    return "unknown"
+
+
+def _spec(entry: Any) -> str:
+    """('i32', 'D') -> 'i32 D' (divisible by 16 / 16-byte aligned), ('constexpr', 64) -> '=64'."""
+    kind, attr = (tuple(entry) + (None, None))[:2]
+    if kind == "constexpr":
+        return f"={attr}"
+    return f"{kind} {attr or '-'}"
 
 
 def _hashable(key: Any) -> Any:

@@ -9,7 +9,8 @@ The rounds, as the scheduler would plan them at the step budget B (a multiple of
 1. a prompt chunk of B rows at position 0 (greedy, with logprobs);
 2. that prompt's tail: an odd number of rows after it (seeded sampling with top-k / top-p / min-p);
 3. a decode row of that sequence beside a second prompt's first chunk of B - 64 rows (the mixed round);
-4. a decode round of both under a grammar mask, and a verify window (drafts) of the first.
+4. a decode round of both under a grammar mask, and a verify window (drafts) of the first;
+5. a short prompt alone, whose rows take every pool they see (the DSA selection's other kernel build).
 They go through `Executor.execute` as served plans do, so sampling, logprobs, masks and the CUDA graphs' replays run as
 well. They leave nothing behind: nothing is served before they end, the scheduler hands out every slot and block as
 fresh (a sequence starting at position 0 begins from a zero KDA state, and a block is written before it is read),
@@ -119,6 +120,9 @@ def warm_up(executor: Executor, budget: int) -> float:
               [0, 1], temperature=0.0, logprobs_k=2, mask_vocab=cfg.vocab_size),
         _plan([(ids[a_len + 2:a_len + 4], a_len + 2, 0, a_blocks, False)], [0, 1], temperature=0.0,
               verify=[True]),
+        # a short prompt alone: its rows see no more pools than the DSA selection keeps, so it takes them all (the
+        # selection's other build; the rounds above see more pools than that wherever the budget's chunk does)
+        _plan([(ids[:TAIL], 0, 1, b_blocks, True)], [TAIL - 1], temperature=0.0),
     ]
     for plan in rounds:
         executor.execute(plan)
@@ -126,6 +130,6 @@ def warm_up(executor: Executor, budget: int) -> float:
         torch.cuda.synchronize()
     executor.forget_slots()
     took = time.perf_counter() - t0
-    log.info("warm-up: %d rounds (prompt chunks of %d and %d rows, a %d-row tail, decode rows, a verify window) in "
-             "%.1f s", len(rounds), chunk, b_len, TAIL, took)
+    log.info("warm-up: %d rounds (prompt chunks of %d and %d rows, a %d-row tail, decode rows, a verify window, a "
+             "%d-row prompt) in %.1f s", len(rounds), chunk, b_len, TAIL, TAIL, took)
     return took

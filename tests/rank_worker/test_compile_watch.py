@@ -78,3 +78,18 @@ def test_round_stats_line_says_how_many_compiles_its_window_had() -> None:
     _compile(watch, clock, "_attention_kernel", 1.5, ("attention",))
     stats.finished(None, None, 1.0, prompt=True)
     assert stats.line().endswith("; 1 kernel compiles (1.50 s)")
+
+
+def test_a_compile_names_the_arguments_that_differ_from_the_nearest_build() -> None:
+    """Triton's JIT function maps each launch's structured key to the string key its hooks get; the watch finds the
+    new build there and names, against the build nearest to it, the arguments whose specialization changed."""
+    from services.rank_worker.compile_watch import what_changed
+    params = [SimpleNamespace(name=n) for n in ("x_ptr", "s_bt", "MAX_SPLITS")]
+    built = ((("*bf16", "D"), ("i32", "D"), ("constexpr", 2)), "opts")
+    far = ((("*bf16", ""), ("i32", "D"), ("constexpr", 4)), "opts")  # three arguments off: not the nearest
+    new = ((("*bf16", "D"), ("i32", ""), ("constexpr", 3)), "opts")
+    jit = SimpleNamespace(params=params, device_caches={0: ({}, {built: "k1", far: "k2", new: "k3"}, None)})
+    assert what_changed(jit, "k3") == "s_bt i32 D -> i32 -; MAX_SPLITS =2 -> =3"
+    first = SimpleNamespace(params=params, device_caches={0: ({}, {new: "k3"}, None)})
+    assert what_changed(first, "k3") == "none (the kernel's first build)"
+    assert what_changed(SimpleNamespace(), "k3") == "unknown"  # not a JIT function (another hook's caller)
