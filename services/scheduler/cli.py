@@ -33,6 +33,9 @@ class SchedulerSettings(RoleSettings):
     reply_reuse: bool = flag("reply-reuse", "after each reply, prefill prompt + reply up to its last 64-token grid "
                              "point in the background and snapshot it, so the conversation's next turn resumes there "
                              "(default on; needs prefix caching)", default="1", toggle=True)
+    reply_reuse_delay: float = flag("reply-reuse-delay", "seconds with no request running or waiting before a reply "
+                                    "replay starts, so it never delays users' rows (default 0.5)", default="0.5",
+                                    type=float)
     max_snapshots: int | None = flag("max-snapshots", "KDA state snapshot slots for the prefix cache, reserved from "
                                      "the ranks' --num-slots (~142 MB each per rank at full size) (default: the "
                                      "slots left after --max-num-seqs, at most 16)", type=int)
@@ -86,7 +89,7 @@ def serve_scheduler(s: SchedulerSettings) -> int:
         engine=EngineConfig(max_waiting=s.max_waiting, max_num_seqs=s.max_num_seqs,
                             max_num_batched_tokens=s.max_num_batched_tokens,
                             enable_prefix_caching=s.enable_prefix_caching, max_snapshots=s.max_snapshots,
-                            reply_reuse=s.reply_reuse,
+                            reply_reuse=s.reply_reuse, reply_reuse_delay=max(0.0, s.reply_reuse_delay),
                             num_draft_tokens=max(0, s.num_draft_tokens), draft_hidden=s.draft_hidden,
                             draft_layers=layers,
                             kv_events_endpoint=s.kv_events_endpoint),

@@ -68,6 +68,10 @@ class EngineConfig:
     # After a reply, prefill prompt + reply to the last 64-token grid point in the background and snapshot it there,
     # so the conversation's next turn resumes from it (replay.py).
     reply_reuse: bool = True
+    # A replay starts only once no request has run or waited for this many seconds: beside users' rows it would
+    # stretch their rounds, and a request that comes at once (a benchmark's next prompt, an agent's quick turn) would
+    # queue behind it; the next turn's own prefill computes the same tokens anyway (docs/serving.md).
+    reply_reuse_delay: float = 0.5
     num_draft_tokens: int = 4  # K: drafts asked per decoding request and round (with a drafter)
     draft_hidden: bool = False  # ask the ranks for hidden states and pass them to the drafter (MTP drafts)
     # Target layers whose outputs the ranks return for every row and the drafter is sent by position (DFlash drafts)
@@ -175,7 +179,7 @@ class Engine:
                     await self._collect(inflight.popleft())
                 else:
                     self._wake.clear()  # no await since the checks above, so no wake-up is lost
-                    await self._wake.wait()
+                    await self._sleep(sched.replay_wait())
             except asyncio.CancelledError:
                 raise
             except RankError as err:
@@ -191,6 +195,16 @@ class Engine:
                 await self._drain(inflight)
                 sched.kv.forget_snapshots()
                 await asyncio.sleep(0.05)  # never spin hot on a repeating failure
+
+    async def _sleep(self, timeout: float | None) -> None:
+        """Until something wakes the loop, or `timeout` seconds (when a held reply replay may start)."""
+        if timeout is None:
+            await self._wake.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     def _overlap(self) -> bool:
         """Whether the next round may be planned before the previous one's result is in. Its decode rows then say

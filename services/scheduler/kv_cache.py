@@ -9,6 +9,7 @@ the rank group restarts (the ranks' caches are empty then), keeping the exported
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -251,11 +252,15 @@ class KVCacheManager:
     # -- figures --------------------------------------------------------------------------------------------------
     def pool_stats(self, replays: list[Request]) -> generate_pb2.PoolStats:
         """Cached blocks that no request reads count as free (they are evicted as soon as admission needs them),
-        as in vLLM, and so do the blocks only a reply replay holds (it gives way to any request that needs them);
-        slots are the running requests' slots (snapshot slots are the prefix index's)."""
+        as in vLLM, and so do the blocks only reply replays hold, alone or with the prefix index (a replay gives way
+        to any request that needs them, and may be held a while before it runs); slots are the running requests'
+        slots (snapshot slots are the prefix index's)."""
         p = self.pool
-        idle = self.prefix.idle_blocks if self.prefix is not None else 0
-        idle += sum(1 for r in replays if r.reservation is not None for b in r.reservation.blocks if p.refcount(b) == 1)
+        upkeep: Counter[int] = Counter()  # references the prefix index and the replays hold, per block
+        if self.prefix is not None:
+            upkeep.update(c.block for c in self.prefix.blocks.values())
+        upkeep.update(b for r in replays if r.reservation is not None for b in r.reservation.blocks)
+        idle = sum(1 for b, n in upkeep.items() if p.refcount(b) == n)
         return generate_pb2.PoolStats(block_size=p.block_size, total_blocks=p.num_blocks,
                                       free_blocks=p.free_blocks + idle, total_slots=p.num_slots,
                                       free_slots=p.free_slots)

@@ -5,8 +5,10 @@ computes; the next turn resumed from them would differ in the last bits from the
 a background prefill (a "replay") recomputes the tokens from the deepest snapshot on their chain up to the last
 64-token grid point E <= len(tokens) in the request's own blocks and slot, with prompt arithmetic, and snapshots E:
 exactly what a fresh prefill of the next turn computes, so resuming there keeps every exactness promise. A replay
-samples nothing and streams nothing; the scheduler runs one only when nothing waits, and ends it for any request
-that needs its slot or blocks (round_scheduler.py).
+samples nothing and streams nothing. The scheduler creates one only when nothing waits, plans it only once no
+request has run or waited for `--reply-reuse-delay` seconds (so it never stretches users' rounds, and a request
+that comes at once does not queue behind it), and ends it for any request that needs its slot or blocks
+(round_scheduler.py).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,9 +63,10 @@ class ScheduledRound:
 
 class RoundScheduler:
     def __init__(self, info: ModelInfo, cfg: EngineConfig, grammars: GrammarBook | None = None,
-                 tier_listing: list[rank_pb2.TierEntry] | None = None) -> None:
+                 tier_listing: list[rank_pb2.TierEntry] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`grammars`: None without a tokenizer (structured output is refused); `tier_listing`: the disk KV tier
-        entries every rank holds."""
+        entries every rank holds; `clock`: seconds, for when a reply replay may start."""
         self.budget = step_budget(cfg.max_num_batched_tokens, info.device)
         if cfg.max_num_seqs < 1 or self.budget < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -91,6 +93,8 @@ class RoundScheduler:
         self.accepted_total = 0  # of which accepted
         self.windows_total = 0  # verify windows run
         self._order = itertools.count()
+        self._clock = clock
+        self._busy_at = clock()  # when a request last ran or waited (reply replays start after cfg.reply_reuse_delay)
 
     def new_caches(self, tier_listing: list[rank_pb2.TierEntry]) -> None:
         """An empty pool and prefix index: the rank group restarted and its caches are empty."""
@@ -182,7 +186,7 @@ class RoundScheduler:
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> ScheduledRound | None:
         """The next round (`drafts`: request id -> proposed drafts for its decode row); None when there is nothing to
         send: no rows to run and no KV tier moves waiting."""
-        seqs = plan_round(self.running, self.budget, drafts)
+        seqs = plan_round(self._plannable(), self.budget, drafts)
         if not seqs and not self.kv.tier_work:
             return None
         apply_round_masks(seqs, self.info.vocab_size)
@@ -336,6 +340,23 @@ class RoundScheduler:
             self.queue.push_front(req)
 
     # -- reply reuse (replay.py) ----------------------------------------------------------------------------------
+    def _plannable(self) -> list[Request]:
+        """The running requests a round may give rows: every one, less the reply replays not yet begun while the
+        engine has not been idle for cfg.reply_reuse_delay (no request running or waiting)."""
+        now = self._clock()
+        if self.queue.head() is not None or any(not r.replay for r in self.running):
+            self._busy_at = now
+        if now - self._busy_at >= self.cfg.reply_reuse_delay:
+            return self.running
+        return [r for r in self.running if not r.replay or r.last_round]
+
+    def replay_wait(self) -> float | None:
+        """Seconds until a held reply replay may be planned (the loop sleeps at most this long when nothing else
+        runs); None when no replay waits to begin."""
+        if not any(r.replay and not r.last_round for r in self.running):
+            return None
+        return max(0.0, self._busy_at + self.cfg.reply_reuse_delay - self._clock())
+
     def _start_replay(self, req: Request) -> None:
         if not self.cfg.reply_reuse or len(self.queue):
             return  # a replay runs only when nothing waits

@@ -5,6 +5,8 @@ reply."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -86,6 +88,7 @@ def test_two_chats_alternating_under_a_full_pool_resume_from_their_replies(stack
         msgs += [{"role": "assistant", "content": r.choices[0].message.content},
                  {"role": "user", "content": "And now?"}]
         turn1.append(r.usage.prompt_tokens + r.usage.completion_tokens)
+        time.sleep(1.0)  # the user reads the reply: the replay starts once the stack was idle --reply-reuse-delay
     cached = []
     for msgs in chats:  # A, B, then A, B: each turn 2 comes after the other chat went through the full pool
         r = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)

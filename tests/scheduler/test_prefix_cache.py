@@ -40,6 +40,16 @@ def _empty(h: generate_pb2.HealthReply) -> bool:
     return h.pool.free_blocks == h.pool.total_blocks and h.running == 0 and h.waiting == 0
 
 
+async def _settled(c) -> generate_pb2.HealthReply:
+    """Health once the reply replays held for --reply-reuse-delay (0.5 s of idle) have run: up to 5 s."""
+    for _ in range(50):
+        h = await c.health()
+        if _empty(h):
+            break
+        await asyncio.sleep(0.1)
+    return h
+
+
 def _first_start(c, rid: str) -> int:
     return next(start for rl in c.ranks[0].rounds for r, start, _, _ in rl.seqs if r == rid)
 
@@ -86,7 +96,7 @@ def test_same_system_prompt_new_conversation_reuses_it():
             for p, r in zip(prompts, replies):
                 assert r.tokens == _expect(p, 8)
             assert [r.finished.cached_tokens for r in replies] == [0, 0, 128, 128]
-            assert _empty(await c.health()) and not c.standin_errors()
+            assert _empty(await _settled(c)) and not c.standin_errors()
     run(body())
 
 

@@ -117,19 +117,42 @@ def test_a_resent_prompt_resumes_from_the_snapshot_its_first_prefill_took():
 
 
 def test_a_replayed_reply_lets_the_next_turn_resume_past_it():
-    s = _sched(enable_prefix_caching=True, max_snapshots=2, max_num_batched_tokens=200)
+    s = _sched(enable_prefix_caching=True, max_snapshots=2, max_num_batched_tokens=200, reply_reuse_delay=0.0)
     a = s.add(_msg("a", list(range(1, 121)), max_tokens=10))
     while a.state is not State.FINISHED:
         _run(s)
     assert [r.id for r in s.running] == ["a:reply"] and s.num_running == 0  # cache upkeep, not a request
-    # What only the replay holds counts as free: all but the prompt's 4 blocks, which the prefix index shares.
-    assert s.pool_stats().free_blocks == INFO.num_blocks - 4
+    # What only the replay and the prefix index hold counts as free: all of it (the prompt's 4 blocks are both's).
+    assert s.pool_stats().free_blocks == INFO.num_blocks
     replay = _run(s)
     assert _rows(replay) == [("a:reply", 64, 64)] and not s.running  # from the prompt's snapshot to the grid point
     b = s.add(_msg("b", a.tokens + [7] * 5, max_tokens=1))
     assert b.cached_tokens == 128  # past the prompt, into the reply
     step = s.schedule()
     assert from_proto(step.plan.state_copies).tolist() == [[0, 3], [3, 1]]  # the replay's snapshot, then b's resume
+
+
+def test_a_replay_waits_until_no_request_has_run_or_waited_for_the_delay():
+    """A replay is held while users' requests run and for --reply-reuse-delay after: a request that comes at once
+    is planned alone, not behind a replay (the served whole model's TTFT at concurrency 1 paid one each time)."""
+    clock = [100.0]
+    s = RoundScheduler(INFO, EngineConfig(max_num_seqs=2, max_num_batched_tokens=200, enable_prefix_caching=True,
+                                          max_snapshots=2, reply_reuse_delay=0.5), clock=lambda: clock[0])
+    a = s.add(_msg("a", list(range(1, 121)), max_tokens=10))
+    while a.state is not State.FINISHED:
+        _run(s)
+    assert [r.id for r in s.running] == ["a:reply"]
+    assert s.schedule() is None and s.replay_wait() == 0.5  # held: a request ran just now
+    clock[0] += 0.2
+    b = s.add(_msg("b", [1, 2, 3], max_tokens=2))
+    s.admit()
+    assert _rows(_run(s)) == [("b", 0, 3)]  # the newcomer goes alone
+    while b.state is not State.FINISHED:
+        _run(s)
+    assert s.schedule() is None and s.replay_wait() == 0.5  # held again from b's last round
+    clock[0] += 0.5
+    assert s.replay_wait() == 0.0
+    assert _rows(_run(s)) == [("a:reply", 64, 64)]  # idle long enough: the replay runs
 
 
 def test_a_replay_gives_its_slot_to_a_waiting_request():
