@@ -162,7 +162,8 @@ class FusedForward:
             heads = slice(j * h, (j + 1) * h)
             q, k, v = (c.reshape(1, -1, h, dl) for c in conv[j].chunk(3, dim=-1))
             out, final = _chunk_kda(q, k, v, g_raw[j].reshape(1, -1, h, dl), beta_raw[j].reshape(1, -1, h),
-                                    init[:, heads], p.cu_seqlens, attn.a_log[j], attn.dt_bias[j], attn.lower_bound)
+                                    init[:, heads], p.cu_seqlens, p.cu_seqlens_host, attn.a_log[j], attn.dt_bias[j],
+                                    attn.lower_bound)
             state_all[:, heads].index_copy_(0, p.slots, final)
             core[j] = out.reshape(-1, h * dl)
 
@@ -252,18 +253,20 @@ def _per_shard(x: torch.Tensor, p: Projection) -> torch.Tensor:
 
 
 def _chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
-               init: torch.Tensor, cu_seqlens: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-               lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+               init: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: torch.Tensor, a_log: torch.Tensor,
+               dt_bias: torch.Tensor, lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """fla-core's chunked KDA over varlen sequences with GLM's gate, beta and l2 norms inside the kernel
     -> (out [1, T, H, dv] in the input dtype, final states [N, H, dk, dv] fp32). Without fla-core (or off CUDA,
-    where the Triton kernels run in the test interpreter) the torch twin runs sequence by sequence."""
+    where the Triton kernels run in the test interpreter) the torch twin runs sequence by sequence.
+    cu_seqlens_host: the offsets on the host (the same host tensor for every call of a round: fla-core caches
+    what it derives from them by identity)."""
     chunk_kda = _fla_chunk_kda() if q.is_cuda else None
     if chunk_kda is None:
-        return _chunk_kda_twin(q, k, v, g_raw, beta_raw, init, cu_seqlens, a_log, dt_bias, lower_bound)
+        return _chunk_kda_twin(q, k, v, g_raw, beta_raw, init, cu_seqlens_host, a_log, dt_bias, lower_bound)
     return chunk_kda(q, k, v, g_raw, beta_raw, initial_state=init.contiguous(), output_final_state=True,
-                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                     use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None, lower_bound=lower_bound,
-                     A_log=a_log, dt_bias=dt_bias)
+                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host, use_qk_l2norm_in_kernel=True,
+                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
+                     lower_bound=lower_bound, A_log=a_log, dt_bias=dt_bias)
 
 
 @functools.cache

@@ -25,6 +25,9 @@ class PromptSeqs:
     """The prompt chunks of a batch, for the chunked KDA kernel (one varlen call over all of them)."""
     seqs: list[int]  # batch sequence indices
     cu_seqlens: torch.Tensor  # int64 [P+1] row offsets relative to the first prompt row
+    # the same offsets on the host: fla-core derives its chunk indices from them without a device sync (from the
+    # device copy it reads a count back, which would hold the host until every round queued before this one ran)
+    cu_seqlens_host: torch.Tensor
     slots: torch.Tensor  # int64 [P] KDA state slots
     fresh: torch.Tensor  # bool [P] starts at position 0
     # per prompt row (int32 [T_prompt]), for the short conv: its sequence's first prompt row, slot, fresh flag
@@ -87,8 +90,8 @@ def build(batch: Batch, *, kpool: int) -> GpuRows:
         [len(positions)], cu, [batch.slots[s] for s in prompt], [int(batch.starts[s] == 0) for s in prompt],
         row_first, row_slot, row_fresh], dev)
     kda = DecodeSeqs(row0, length, slot, fresh, pend, commit_t.long())
-    prompt_seqs = PromptSeqs(prompt, cu_t.long(), p_slots.long(), p_fresh.bool(), r_first, r_slot,
-                             r_fresh) if prompt else None
+    prompt_seqs = PromptSeqs(prompt, cu_t.long(), torch.tensor(cu, dtype=torch.int64), p_slots.long(),
+                             p_fresh.bool(), r_first, r_slot, r_fresh) if prompt else None
     ends = [st + n for st, n in zip(batch.starts, batch.lengths)]
     return GpuRows(n_rows=len(positions), decode_rows=decode_rows, positions=pos_t, row_seq=seq_t,
                    tables=batch.block_tables.to(torch.int32), n_real=n_real, kda=kda, verify=verify,
