@@ -50,7 +50,7 @@ def launch_key(fn: InterpretedFunction, args: tuple, kwargs: dict) -> tuple[str,
 
 
 class KeyLog:
-    """Every (kernel, key) launched while recording, with the first place each key was met."""
+    """Every (kernel, key) launched while recording."""
 
     def __init__(self) -> None:
         self.keys: dict[str, set[Key]] = defaultdict(set)
@@ -72,12 +72,6 @@ class KeyLog:
                 diffs = [f"{a[0]}: {b[1]} -> {a[1]}" for a, b in zip(key, nearest) if a != b]
                 out.setdefault(name, []).append("; ".join(diffs))
         return out
-
-    def copy(self) -> "KeyLog":
-        other = KeyLog()
-        for name, keys in self.keys.items():
-            other.keys[name] = set(keys)
-        return other
 
 
 @contextlib.contextmanager
