@@ -368,6 +368,48 @@ def mla_rows(bw: float) -> list[dict]:
     return rows
 
 
+MLA_TILES = [dict(HB=hb, num_warps=w, num_stages=st, **({"BN": bn} if bn else {}))
+             for hb, w, st, bn in ((16, 4, 2, 0), (16, 8, 2, 0), (32, 4, 2, 0), (32, 8, 2, 0), (32, 8, 3, 0),
+                                   (32, 8, 2, 64), (64, 4, 2, 0), (64, 8, 2, 0), (64, 8, 1, 0), (64, 8, 2, 16),
+                                   (64, 8, 2, 64))]
+
+
+def mla_sweep() -> list[dict]:
+    """Prompt rows' attention tile (kernels/gpu/mla.PROMPT_TILE) at a whole 8k prompt's rows, 64 heads, latent 512,
+    top-2048 of 4-token pools: the time of each choice and its largest difference from the current one's output
+    (another tile may round differently: a choice changes the served bits, not their invariance)."""
+    from kernels.gpu import mla
+    h, r, bs, kp, ctx = 64, 512, 16, 4, 8192
+    blocks = ctx // bs
+    latent = torch.randn(blocks + 1, bs, r, device="cuda", dtype=BF16)
+    tables = torch.arange(blocks, device="cuda", dtype=torch.int32).view(1, blocks)
+    pos = torch.arange(ctx, device="cuda", dtype=torch.int32)
+    seq = torch.zeros(ctx, device="cuda", dtype=torch.int32)
+    keep = 2048 // kp
+    sel, count = mla.select_pools(torch.randn(ctx, ctx // kp, device="cuda"), pos, kp, keep, ctx // kp)
+    q = torch.randn(ctx, h, r, device="cuda", dtype=BF16)
+    flops = float(torch.minimum(pos.float() + 1, torch.full_like(pos.float(), 2048 + kp)).sum()) * h * r * 4
+    current, rows, first = dict(mla.PROMPT_TILE), [], None
+    try:
+        for tile in [current] + [t for t in MLA_TILES if t != current]:
+            mla.PROMPT_TILE = tile
+            out = torch.empty(ctx, h, r, device="cuda", dtype=BF16)
+            try:
+                ms = bench_ms(lambda: mla.sparse_attention(q, latent, None, tables, pos, seq, sel, count, kp, 0.0625,
+                                                           out, 0, keep * kp + kp), reps=100)
+            except Exception as e:  # a tile past the SM's registers or shared memory does not build
+                log(f"mla tile {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
+                rows.append(dict(kernel="mla sweep", tile=tile, error=str(e)[:300]))
+                continue
+            first = out if first is None else first
+            diff = float((out.float() - first.float()).abs().max())
+            rows.append(dict(kernel="mla sweep", tile=tile, ms=ms, tflops=flops / ms / 1e9, max_diff=diff))
+            log(f"mla tile {tile}: {ms * 1e3:8.1f} us, {flops / ms / 1e9:6.1f} TFLOP/s, max |diff| {diff:.3g}")
+    finally:
+        mla.PROMPT_TILE = current
+    return rows
+
+
 def mhc_rows() -> list[dict]:
     from kernels.gpu import mhc
     rows = []
@@ -436,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
     p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, splitsweep, "
-                   "exl3inv, sweep, exl3pin, exl3builds, moe, moesweep, kda, mla, mhc, invariance, fla (formats / "
+                   "exl3inv, sweep, exl3pin, exl3builds, moe, moesweep, kda, mla, mlasweep, mhc, invariance, fla (formats / "
                    "formatsweep / splitsweep / exl3inv / exl3pin / exl3builds: bench/kernels_formats.py — every "
                    "weight format against exllamav3's EXL3 kernel, decode tiles per format, the decode K split, "
                    "exllamav3's row invariance, and with its kernel choice pinned, tile shapes of the CUDA EXL3 "
@@ -498,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
             data["rows"] += kda_rows(bw)
         if want("mla"):
             data["rows"] += mla_rows(bw)
+        if want("mlasweep"):
+            data["rows"] += mla_sweep()
         if want("mhc"):
             data["rows"] += mhc_rows()
         if want("fla"):

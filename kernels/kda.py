@@ -116,4 +116,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) ->
 def conv_history(x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     """The last K-1 inputs after appending x ([..., T, C]): the conv state to keep for the next step."""
     keep = history.shape[-2]
-    return torch.cat([history.to(x.dtype), x], dim=-2)[..., x.shape[-2] :, :] if keep else history
+    if not keep:
+        return history
+    # only x's last `keep` rows can stay: concatenating a whole prompt chunk first would copy all of it
+    tail = x[..., max(x.shape[-2] - keep, 0) :, :]
+    return torch.cat([history.to(x.dtype), tail], dim=-2)[..., tail.shape[-2] :, :]

@@ -19,6 +19,8 @@ from kernels.gpu import to_device
 from kernels.gpu.seqs import DecodeSeqs
 from model.batch import Batch
 
+CONV_HISTORY = 3  # inputs a KDA slot keeps for its 4-tap short conv (the fused kernels handle 4 taps only)
+
 
 @dataclass
 class PromptSeqs:
@@ -34,6 +36,12 @@ class PromptSeqs:
     row_first: torch.Tensor
     row_slot: torch.Tensor
     row_fresh: torch.Tensor
+    # the conv history each sequence keeps after its chunk, CONV_HISTORY rows a sequence ([P*3]): row m is the
+    # chunk's input hist_row[m] (a prompt row) where hist_new[m], else row hist_old[m] of the P old histories'
+    # rows stacked (zeros for a fresh sequence)
+    hist_row: torch.Tensor
+    hist_old: torch.Tensor
+    hist_new: torch.Tensor
 
 
 @dataclass
@@ -77,21 +85,30 @@ def build(batch: Batch, *, kpool: int) -> GpuRows:
     row_first: list[int] = []
     row_slot: list[int] = []
     row_fresh: list[int] = []
+    hist_row: list[int] = []
+    hist_old: list[int] = []
+    hist_new: list[int] = []
     for s in prompt:
         n = batch.lengths[s]
         row_first.extend([cu[-1]] * n)
         row_slot.extend([batch.slots[s]] * n)
         row_fresh.extend([int(batch.starts[s] == 0)] * n)
+        for m in range(CONV_HISTORY):  # the last CONV_HISTORY inputs of history + chunk, oldest first
+            src = n - CONV_HISTORY + m
+            hist_row.append(cu[-1] + max(src, 0))
+            hist_old.append((len(cu) - 1) * CONV_HISTORY + min(n + m, CONV_HISTORY - 1))
+            hist_new.append(int(src >= 0))
         cu.append(cu[-1] + n)
     (pos_t, seq_t, row0, length, slot, fresh, pend, commit_t, n_real, cu_t, p_slots, p_fresh, r_first, r_slot,
-     r_fresh) = _device([
+     r_fresh, h_row, h_old, h_new) = _device([
         positions, row_seq, [offsets[s] for s in decode], [batch.lengths[s] for s in decode],
         [batch.slots[s] for s in decode], [int(batch.starts[s] == 0) for s in decode], pending, commit,
         [len(positions)], cu, [batch.slots[s] for s in prompt], [int(batch.starts[s] == 0) for s in prompt],
-        row_first, row_slot, row_fresh], dev)
+        row_first, row_slot, row_fresh, hist_row, hist_old, hist_new], dev)
     kda = DecodeSeqs(row0, length, slot, fresh, pend, commit_t.long())
     prompt_seqs = PromptSeqs(prompt, cu_t.long(), torch.tensor(cu, dtype=torch.int64), p_slots.long(),
-                             p_fresh.bool(), r_first, r_slot, r_fresh) if prompt else None
+                             p_fresh.bool(), r_first, r_slot, r_fresh, h_row.long(), h_old.long(),
+                             h_new.bool()) if prompt else None
     ends = [st + n for st, n in zip(batch.starts, batch.lengths)]
     return GpuRows(n_rows=len(positions), decode_rows=decode_rows, positions=pos_t, row_seq=seq_t,
                    tables=batch.block_tables.to(torch.int32), n_real=n_real, kda=kda, verify=verify,

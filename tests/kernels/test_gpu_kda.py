@@ -140,19 +140,45 @@ def prompt_rows(chunks: list[tuple[int, int, bool]]) -> tuple[torch.Tensor, torc
     return tuple(torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in (first, slot, fresh))
 
 
+def rows_of(planes: torch.Tensor) -> torch.Tensor:
+    """prompt_conv's [S, 3, T, C] (q, k, v planes) as [S, T, 3C] rows."""
+    s, _, t, c = planes.shape
+    return planes.permute(0, 2, 1, 3).reshape(s, t, 3 * c)
+
+
+# (slot, rows, fresh): a fresh chunk and a continuing one longer than the kernel's 32-row blocks, one shorter
+# than the conv, a single row
+CHUNKS = [(3, 40, True), (1, 5, False), (4, 2, False), (0, 35, False), (2, 1, False)]
+
+
 def test_prompt_conv_matches_twin() -> None:
-    """Several prompt chunks in one launch: a fresh one, one continuing from its history, one shorter than the conv."""
+    """Several prompt chunks in one launch, their rows across the kernel's row blocks."""
     p = make_params()
     conv, _ = make_cache(seed=500)
-    chunks = [(3, 7, True), (1, 5, False), (4, 2, False)]  # (slot, rows, fresh)
+    chunks = CHUNKS
     x = randn(1, sum(n for _, n, _ in chunks), 3 * C, seed=501)
-    out = kda.prompt_conv(x, p["conv_w"], conv, CHAN_OFF, *prompt_rows(chunks))[0]
+    out = rows_of(kda.prompt_conv(x, p["conv_w"], conv, CHAN_OFF, *prompt_rows(chunks)))[0]
     lo = 0
     mine = slice(CHAN_OFF, CHAN_OFF + 3 * C)
     for s, n, f in chunks:
         hist = torch.zeros(3, 3 * C, dtype=HALF) if f else conv[s, :, mine].cpu()
         want = ref.causal_conv(x[0, lo : lo + n].cpu(), p["conv_w"][0].cpu().float(), hist)
         torch.testing.assert_close(out[lo : lo + n].cpu().float(), want.float(), **HALF_TOL)
+        lo += n
+
+
+def test_prompt_conv_row_alone_equals_among_chunks() -> None:
+    """A sequence's chunk launched alone gives the bits it got among the other chunks, wherever the row blocks
+    cut it (DESIGN §5.1: a row's bits never depend on its company)."""
+    p = make_params(seed=3)
+    conv, _ = make_cache(seed=510)
+    x = randn(1, sum(n for _, n, _ in CHUNKS), 3 * C, seed=511)
+    together = rows_of(kda.prompt_conv(x, p["conv_w"], conv, CHAN_OFF, *prompt_rows(CHUNKS)))[0]
+    lo = 0
+    for chunk in CHUNKS:
+        n = chunk[1]
+        alone = rows_of(kda.prompt_conv(x[:, lo : lo + n], p["conv_w"], conv, CHAN_OFF, *prompt_rows([chunk])))[0]
+        assert torch.equal(alone, together[lo : lo + n]), f"chunk at row {lo}"
         lo += n
 
 

@@ -37,8 +37,12 @@ def test_fast_path_matches_reference(model) -> None:
         [(0, a[:64], 0, True, False), (1, b[:21], 0, True, False)],  # prompt chunks, one ending on the 64 grid
         [(1, b[21:22], 21, False, False), (0, a[64:70], 64, True, False), (2, c[:1], 0, True, False)],
         [(1, b[22:25], 22, False, True), (0, a[70:71], 70, False, False), (2, c[1:9], 1, True, False)],
+        # chunks shorter than the conv's history, continuing (its history keeps old inputs) and fresh, then decodes
+        # that read the histories they left
+        [(2, c[9:11], 9, True, False), (0, a[71:73], 71, True, False), (3, b[:2], 0, True, False)],
+        [(2, c[11:12], 11, False, False), (0, a[73:74], 73, False, False), (3, b[2:3], 2, False, False)],
     ]
-    caches = [fresh_cache(model, CAP, slots=3), None]
+    caches = [fresh_cache(model, CAP, slots=4), None]
     caches[1] = clone_cache(caches[0])
     for seqs in rounds:
         want = step(model, caches[0], seqs, gpu=False)
