@@ -13,7 +13,8 @@ more), so the window skips the warm-up batches and one more batch, and spans two
 Writes served_profile-<time>.md / .json (per-batch TTFT and inter-token time, rank 0's round-stats lines with the
 prompt rounds' own summary and kernel compiles, the profile's head line), served_profile-<time>-rank0.log (the
 rank's log: compile warnings name the kernels) and rank0-rounds.txt / .json beside them (operator tables by GPU
-and CPU time; a Chrome trace for `python -m bench.trace_gaps`).
+and CPU time; a Chrome trace for `python -m bench.trace_gaps`). `--profile-kind python` profiles the same window
+with cProfile: the rank's Python functions by own and cumulative time, when the host sets the rounds' pace.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--warm", type=int, default=3, help="untimed batches first (default 3)")
     ap.add_argument("--batches", type=int, default=6, help="measured batches (default 6; at least 4)")
+    ap.add_argument("--profile-kind", choices=("torch", "python"), default="torch",
+                    help="torch.profiler's operator tables and trace (default), or cProfile's Python functions: where "
+                    "the host's time per round goes (TWINSPARK_PROFILE_KIND)")
     ap.add_argument("--out", type=Path, required=True, help="folder for the results and the rank's profile")
     args = ap.parse_args(argv)
     if args.batches < 4:
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"TWINSPARK_DEVICE": args.device, "TWINSPARK_DRAFTER": "none",
            **({"TWINSPARK_RANDOM_WEIGHTS": args.random_weights} if args.random_weights else {}),
            "TWINSPARK_STATS_INTERVAL": str(STATS_INTERVAL_S), "TWINSPARK_TORCH_PROFILER_DIR": str(prof_dir),
-           "TWINSPARK_PROFILE_ROUNDS": f"{skip}:{count}"}
+           "TWINSPARK_PROFILE_ROUNDS": f"{skip}:{count}", "TWINSPARK_PROFILE_KIND": args.profile_kind}
     data: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": str(args.model),
                   "recipe": args.random_weights, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
                   "output_len": args.output_len, "profiled_rounds": [skip + 1, skip + count], "batches": [],

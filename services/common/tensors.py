@@ -11,12 +11,17 @@ from twinspark.v1.tensor_pb2 import Tensor
 
 _TORCH = {"int32": torch.int32, "int64": torch.int64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _NAMES = {v: k for k, v in _TORCH.items()}
+_NUMPY = {"int32": "<i4", "int64": "<i8", "float32": "<f4"}  # little-endian, as the bytes travel
 
 
 def to_proto(t: torch.Tensor | list[int], dtype: str | None = None) -> Tensor:
     """Pack a tensor (or a list of ints, as int32 unless `dtype` says otherwise)."""
     if not isinstance(t, torch.Tensor):
-        t = torch.tensor(t, dtype=_TORCH[dtype or "int32"])
+        name = dtype or "int32"
+        if name in _NUMPY:  # most of a round's fields are short lists: numpy packs them ~4x faster than via torch
+            arr = np.asarray(t, dtype=_NUMPY[name])
+            return Tensor(dtype=name, shape=list(arr.shape), data=arr.tobytes())
+        t = torch.tensor(t, dtype=_TORCH[name])
     elif dtype is not None:
         t = t.to(_TORCH[dtype])
     t = t.detach().cpu().contiguous()
@@ -45,8 +50,10 @@ def from_proto(msg: Tensor) -> torch.Tensor:
 
 
 def ids(msg: Tensor) -> list[int]:
-    """A 1-d integer tensor as a Python list."""
-    t = from_proto(msg)
-    if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+    """A 1-d integer tensor as a Python list (read with numpy alone: every round's sampled ids come this way)."""
+    if msg.dtype not in ("int32", "int64") or len(msg.shape) != 1:
         raise ValueError(f"expected a 1-d integer tensor, got {msg.dtype}{list(msg.shape)}")
-    return t.tolist()
+    np_dtype = _NUMPY[msg.dtype]
+    if msg.shape[0] < 0 or len(msg.data) != msg.shape[0] * np.dtype(np_dtype).itemsize:
+        raise ValueError(f"{len(msg.data)} bytes do not hold {msg.dtype}{list(msg.shape)}")
+    return np.frombuffer(msg.data, dtype=np_dtype).tolist()
