@@ -7,6 +7,7 @@ included, so their bits can move with the batch; these kernels fix the order: th
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -86,7 +87,7 @@ def mean_rms_norm(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     assert streams.stride(-1) == 1
     out = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
     if t:
-        inv_n = (torch.tensor(1.0) / n).item()  # fp32, as torch computes a Python divisor's reciprocal on CUDA
+        inv_n = float(np.float32(1.0) / np.float32(n))  # fp32, as torch computes a Python divisor's reciprocal on CUDA
         _mean_rms_norm_kernel[(t,)](streams, streams.stride(0), streams.stride(1), inv_n, weight, out, out.stride(0),
                                     d, float(eps), N=n, BLOCK=triton.next_power_of_2(d), num_warps=_rms_warps(d))
     return out
