@@ -169,7 +169,7 @@ def test_prompt_conv_matches_twin() -> None:
 
 def test_prompt_conv_row_alone_equals_among_chunks() -> None:
     """A sequence's chunk launched alone gives the bits it got among the other chunks, wherever the row blocks
-    cut it (DESIGN §5.1: a row's bits never depend on its company)."""
+    cut it (docs/design.md §5.1: a row's bits never depend on its company)."""
     p = make_params(seed=3)
     conv, _ = make_cache(seed=510)
     x = randn(1, sum(n for _, n, _ in CHUNKS), 3 * C, seed=511)
