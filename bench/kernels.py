@@ -376,12 +376,15 @@ MLA_TILES = [dict(HB=hb, num_warps=w, num_stages=st, **({"BN": bn} if bn else {}
 
 def mla_sweep() -> list[dict]:
     """Prompt rows' attention tile (kernels/gpu/mla.PROMPT_TILE) at a whole 8k prompt's rows, 64 heads, latent 512,
-    top-2048 of 4-token pools: the time of each choice and its largest difference from the current one's output
-    (another tile may round differently: a choice changes the served bits, not their invariance)."""
+    top-2048 of 4-token pools, over a bf16 and an fp8 latent cache: the time of each choice and its largest
+    difference from the current one's output (another tile may round differently: a choice changes the served bits,
+    not their invariance)."""
     from kernels.gpu import mla
     h, r, bs, kp, ctx = 64, 512, 16, 4, 8192
     blocks = ctx // bs
     latent = torch.randn(blocks + 1, bs, r, device="cuda", dtype=BF16)
+    caches = {"bf16": (latent, None),
+              "fp8": (latent.to(torch.float8_e4m3fn), torch.ones(blocks + 1, bs, device="cuda"))}
     tables = torch.arange(blocks, device="cuda", dtype=torch.int32).view(1, blocks)
     pos = torch.arange(ctx, device="cuda", dtype=torch.int32)
     seq = torch.zeros(ctx, device="cuda", dtype=torch.int32)
@@ -389,22 +392,25 @@ def mla_sweep() -> list[dict]:
     sel, count = mla.select_pools(torch.randn(ctx, ctx // kp, device="cuda"), pos, kp, keep, ctx // kp)
     q = torch.randn(ctx, h, r, device="cuda", dtype=BF16)
     flops = float(torch.minimum(pos.float() + 1, torch.full_like(pos.float(), 2048 + kp)).sum()) * h * r * 4
-    current, rows, first = dict(mla.PROMPT_TILE), [], None
+    current, rows = dict(mla.PROMPT_TILE), []
     try:
-        for tile in [current] + [t for t in MLA_TILES if t != current]:
-            mla.PROMPT_TILE = tile
-            out = torch.empty(ctx, h, r, device="cuda", dtype=BF16)
-            try:
-                ms = bench_ms(lambda: mla.sparse_attention(q, latent, None, tables, pos, seq, sel, count, kp, 0.0625,
-                                                           out, 0, keep * kp + kp), reps=100)
-            except Exception as e:  # a tile past the SM's registers or shared memory does not build
-                log(f"mla tile {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
-                rows.append(dict(kernel="mla sweep", tile=tile, error=str(e)[:300]))
-                continue
-            first = out if first is None else first
-            diff = float((out.float() - first.float()).abs().max())
-            rows.append(dict(kernel="mla sweep", tile=tile, ms=ms, tflops=flops / ms / 1e9, max_diff=diff))
-            log(f"mla tile {tile}: {ms * 1e3:8.1f} us, {flops / ms / 1e9:6.1f} TFLOP/s, max |diff| {diff:.3g}")
+        for kv, (data, scale) in caches.items():
+            first = None
+            for tile in [current] + [t for t in MLA_TILES if t != current]:
+                mla.PROMPT_TILE = tile
+                out = torch.empty(ctx, h, r, device="cuda", dtype=BF16)
+                try:
+                    ms = bench_ms(lambda: mla.sparse_attention(q, data, scale, tables, pos, seq, sel, count, kp,
+                                                               0.0625, out, 0, keep * kp + kp), reps=100)
+                except Exception as e:  # a tile past the SM's registers or shared memory does not build
+                    log(f"mla tile {kv} {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
+                    rows.append(dict(kernel="mla sweep", kv=kv, tile=tile, error=str(e)[:300]))
+                    continue
+                first = out if first is None else first
+                diff = float((out.float() - first.float()).abs().max())
+                rows.append(dict(kernel="mla sweep", kv=kv, tile=tile, ms=ms, tflops=flops / ms / 1e9,
+                                 max_diff=diff))
+                log(f"mla tile {kv} {tile}: {ms * 1e3:8.1f} us, {flops / ms / 1e9:6.1f} TFLOP/s, max |diff| {diff:.3g}")
     finally:
         mla.PROMPT_TILE = current
     return rows

@@ -44,6 +44,11 @@ class ServeGatewaySettings(RoleSettings):
     max_string_chars: int = _limit("max_string_chars", "characters of one JSON string (400 beyond)")
     max_array_items: int = _limit("max_array_items", "items of one JSON array (400 beyond)")
     max_header_bytes: int = _limit("max_header_bytes", "bytes of all request headers (431 beyond)")
+    # Longer than the idle expiry of HTTP client pools (httpx's, the openai client's: 5 s), so a client drops an idle
+    # connection before the server closes it: at uvicorn's 5 s both ends could act at once, and a request sent on a
+    # connection the server is closing fails with "Server disconnected" (a client without retries sees the error).
+    timeout_keep_alive: int = flag("timeout-keep-alive", "seconds an idle HTTP keep-alive connection stays open "
+                                   "(uvicorn's flag; default %(default)s)", default="30", type=int)
     keepalive_s: float = flag("keepalive-s", "SSE keepalive comment interval while nothing else is sent; also how "
                               "long a stream waits for the scheduler's first answer before sending its 200 (default "
                               "%(default)s)", default="1.0", type=float)
@@ -103,6 +108,7 @@ def serve_gateway(s: ServeGatewaySettings) -> int:
     # uvicorn's access log is replaced by our one line per generation request (id, status, tokens, latency). h11's
     # own bound on a request head sits above ours, so oversized headers get our OpenAI-shaped 431.
     uvicorn.run(app, host=s.host, port=s.port, log_level=s.log_level, access_log=False,
+                timeout_keep_alive=s.timeout_keep_alive,
                 h11_max_incomplete_event_size=limits.max_header_bytes + (16 << 10))
     return 0
 

@@ -126,3 +126,23 @@ def test_twinspark_up_makes_a_token_of_its_own(stack_tp1):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert httpx.get(stack_tp1.url + "/health", timeout=10).status_code == 200  # the gateway has it
     assert "INTERNAL_TOKEN" not in (stack_tp1.state_dir / "up.json").read_text()
+
+
+def test_an_idle_keep_alive_connection_outlives_client_pools(stack: Stack) -> None:
+    """The gateway keeps an idle connection open past the 5 s after which httpx (and the openai client) drop theirs,
+    so a client never sends on a connection the server is closing at that moment (a "Server disconnected" error
+    with no retry; it failed a burst of the e2e thinking tests once)."""
+    import socket
+    import time
+
+    host, port = stack.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(6.5)
+        sock.setblocking(False)
+        try:
+            closed = sock.recv(1, socket.MSG_PEEK) == b""  # b"": the server sent its FIN
+        except BlockingIOError:
+            closed = False  # nothing to read: still open
+        assert not closed, "the gateway closed an idle keep-alive connection within 6.5 s"
