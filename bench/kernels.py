@@ -337,34 +337,53 @@ def kda_rows(bw: float) -> list[dict]:
     return rows
 
 
-def mla_rows(bw: float) -> list[dict]:
+MLA_H, MLA_R, MLA_BS, MLA_KP, MLA_TOPK = 64, 512, 16, 4, 2048  # heads, latent width, block size, pool, top-k
+
+
+def _mla_case(b: int, ctx: int, prompt: bool) -> dict:
+    """Sparse MLA inputs: b sequences of `ctx` cached positions, one decode row each, or (prompt) the rows of one
+    whole `ctx`-token prompt; the selection's pools drawn at random. FLOPs: 2 x 2 x heads x latent per attended
+    (row, position) pair."""
     from kernels.gpu import mla
-    h, r, bs, kp = 64, 512, 16, 4
+    h, r, bs, kp = MLA_H, MLA_R, MLA_BS, MLA_KP
+    t = ctx if prompt else b
+    blocks = -(-ctx // bs)
+    latent = torch.randn(b * blocks + 1, bs, r, device="cuda", dtype=BF16)
+    tables = torch.arange(b * blocks, device="cuda", dtype=torch.int32).view(b, blocks)
+    if prompt:
+        pos = torch.arange(t, device="cuda", dtype=torch.int32)
+        seq = torch.zeros(t, device="cuda", dtype=torch.int32)
+    else:
+        pos = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)
+        seq = torch.arange(b, device="cuda", dtype=torch.int32)
+    n_pools, keep = ctx // kp, MLA_TOPK // kp
+    scores = torch.randn(t, n_pools, device="cuda")
+    sel, count = mla.select_pools(scores if n_pools > keep else None, pos, kp, keep, n_pools)
+    attended = float(torch.minimum(pos.float() + 1, torch.full_like(pos.float(), MLA_TOPK + kp)).sum())
+    return dict(rows=t, latent=latent, tables=tables, pos=pos, seq=seq, sel=sel, count=count,
+                q=torch.randn(t, h, r, device="cuda", dtype=BF16), max_positions=keep * kp + kp,
+                flops=attended * h * r * 2 * 2)
+
+
+def _mla_run(c: dict, latent: torch.Tensor, scale: torch.Tensor | None, decode_rows: int, reps: int = 50
+             ) -> tuple[float, torch.Tensor]:
+    """(ms, output) of sparse_attention over a _mla_case's inputs and the given latent cache."""
+    from kernels.gpu import mla
+    out = torch.empty(c["rows"], MLA_H, MLA_R, device="cuda", dtype=BF16)
+    ms = bench_ms(lambda: mla.sparse_attention(c["q"], latent, scale, c["tables"], c["pos"], c["seq"], c["sel"],
+                                               c["count"], MLA_KP, 0.0625, out, decode_rows, c["max_positions"]),
+                  reps=reps)
+    return ms, out
+
+
+def mla_rows(bw: float) -> list[dict]:
     rows = []
     for b, ctx in ((1, 512), (1, 4096), (64, 512), (1, 8192)):
-        t = b if ctx != 8192 or b != 1 else 8192  # last case: a whole 8k prompt's rows
-        blocks = -(-ctx // bs)
-        latent = torch.randn(b * blocks + 1, bs, r, device="cuda", dtype=BF16)
-        tables = torch.arange(b * blocks, device="cuda", dtype=torch.int32).view(b, blocks)
-        if t == b:
-            pos = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)
-            seq = torch.arange(b, device="cuda", dtype=torch.int32)
-        else:
-            pos = torch.arange(t, device="cuda", dtype=torch.int32)
-            seq = torch.zeros(t, device="cuda", dtype=torch.int32)
-        n_pools = ctx // kp
-        keep = 2048 // kp
-        scores = torch.randn(t, n_pools, device="cuda")
-        sel, count = mla.select_pools(scores if n_pools > keep else None, pos, kp, keep, n_pools)
-        q = torch.randn(t, h, r, device="cuda", dtype=BF16)
-        out = torch.empty(t, h, r, device="cuda", dtype=BF16)
-        decode_rows = t if t == b else 0
-        ms = bench_ms(lambda: mla.sparse_attention(q, latent, None, tables, pos, seq, sel, count, kp, 0.0625, out,
-                                                   decode_rows, keep * kp + kp))
-        attended = float(torch.minimum(pos.float() + 1, torch.full_like(pos.float(), 2048 + kp)).sum())
-        flops = attended * h * r * 2 * 2
-        rows.append(dict(kernel="sparse mla", rows=t, context=ctx, ms=ms, tflops=flops / ms / 1e9))
-        log(f"sparse mla rows={t} ctx={ctx}: {ms * 1e3:8.1f} us, {flops / ms / 1e9:7.1f} TFLOP/s")
+        prompt = ctx == 8192  # last case: a whole 8k prompt's rows
+        c = _mla_case(b, ctx, prompt)
+        ms, _ = _mla_run(c, c["latent"], None, 0 if prompt else b)
+        rows.append(dict(kernel="sparse mla", rows=c["rows"], context=ctx, ms=ms, tflops=c["flops"] / ms / 1e9))
+        log(f"sparse mla rows={c['rows']} ctx={ctx}: {ms * 1e3:8.1f} us, {c['flops'] / ms / 1e9:7.1f} TFLOP/s")
     return rows
 
 
@@ -375,42 +394,30 @@ MLA_TILES = [dict(HB=hb, num_warps=w, num_stages=st, **({"BN": bn} if bn else {}
 
 
 def mla_sweep() -> list[dict]:
-    """Prompt rows' attention tile (kernels/gpu/mla.PROMPT_TILE) at a whole 8k prompt's rows, 64 heads, latent 512,
-    top-2048 of 4-token pools, over a bf16 and an fp8 latent cache: the time of each choice and its largest
-    difference from the current one's output (another tile may round differently: a choice changes the served bits,
-    not their invariance)."""
+    """Prompt rows' attention tile (kernels/gpu/mla.PROMPT_TILE) at a whole 8k prompt's rows (_mla_case), over a
+    bf16 and an fp8 latent cache: the time of each choice and its largest difference from the current one's output
+    (another tile may round differently: a choice changes the served bits, not their invariance)."""
     from kernels.gpu import mla
-    h, r, bs, kp, ctx = 64, 512, 16, 4, 8192
-    blocks = ctx // bs
-    latent = torch.randn(blocks + 1, bs, r, device="cuda", dtype=BF16)
-    caches = {"bf16": (latent, None),
-              "fp8": (latent.to(torch.float8_e4m3fn), torch.ones(blocks + 1, bs, device="cuda"))}
-    tables = torch.arange(blocks, device="cuda", dtype=torch.int32).view(1, blocks)
-    pos = torch.arange(ctx, device="cuda", dtype=torch.int32)
-    seq = torch.zeros(ctx, device="cuda", dtype=torch.int32)
-    keep = 2048 // kp
-    sel, count = mla.select_pools(torch.randn(ctx, ctx // kp, device="cuda"), pos, kp, keep, ctx // kp)
-    q = torch.randn(ctx, h, r, device="cuda", dtype=BF16)
-    flops = float(torch.minimum(pos.float() + 1, torch.full_like(pos.float(), 2048 + kp)).sum()) * h * r * 4
+    c = _mla_case(1, 8192, prompt=True)
+    caches = {"bf16": (c["latent"], None),
+              "fp8": (c["latent"].to(torch.float8_e4m3fn), torch.ones(c["latent"].shape[:2], device="cuda"))}
     current, rows = dict(mla.PROMPT_TILE), []
     try:
         for kv, (data, scale) in caches.items():
             first = None
             for tile in [current] + [t for t in MLA_TILES if t != current]:
                 mla.PROMPT_TILE = tile
-                out = torch.empty(ctx, h, r, device="cuda", dtype=BF16)
                 try:
-                    ms = bench_ms(lambda: mla.sparse_attention(q, data, scale, tables, pos, seq, sel, count, kp,
-                                                               0.0625, out, 0, keep * kp + kp), reps=100)
+                    ms, out = _mla_run(c, data, scale, 0, reps=100)
                 except Exception as e:  # a tile past the SM's registers or shared memory does not build
                     log(f"mla tile {kv} {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
                     rows.append(dict(kernel="mla sweep", kv=kv, tile=tile, error=str(e)[:300]))
                     continue
                 first = out if first is None else first
                 diff = float((out.float() - first.float()).abs().max())
-                rows.append(dict(kernel="mla sweep", kv=kv, tile=tile, ms=ms, tflops=flops / ms / 1e9,
-                                 max_diff=diff))
-                log(f"mla tile {kv} {tile}: {ms * 1e3:8.1f} us, {flops / ms / 1e9:6.1f} TFLOP/s, max |diff| {diff:.3g}")
+                tflops = c["flops"] / ms / 1e9
+                rows.append(dict(kernel="mla sweep", kv=kv, tile=tile, ms=ms, tflops=tflops, max_diff=diff))
+                log(f"mla tile {kv} {tile}: {ms * 1e3:8.1f} us, {tflops:6.1f} TFLOP/s, max |diff| {diff:.3g}")
     finally:
         mla.PROMPT_TILE = current
     return rows

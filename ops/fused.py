@@ -148,8 +148,8 @@ class FusedForward:
         conv = gpu_kda.prompt_conv(mixed, attn.conv_w, conv_all, 0, p.row_first, p.row_slot, p.row_fresh)
         # then each slot's history moves on to its chunk's last inputs, every sequence and shard at once (a loop over
         # the sequences cost ~5 host ops a sequence and layer: ~5,000 for 32 prompts on the whole model)
-        old = conv_all[p.slots].view(-1, s, width)[p.hist_old].to(mixed.dtype)  # [P*3, S, 3C]
-        old = old.masked_fill(p.fresh.view(-1, 1, 1, 1).expand(-1, CONV_HISTORY, 1, 1).reshape(-1, 1, 1), 0)
+        old = conv_all[p.slots].masked_fill(p.fresh.view(-1, 1, 1), 0)  # a fresh sequence's past is zeros
+        old = old.view(-1, s, width)[p.hist_old].to(mixed.dtype)  # [P*3, S, 3C]
         new = torch.where(p.hist_new.view(-1, 1, 1), mixed[:, p.hist_row].transpose(0, 1), old)
         conv_all[p.slots] = new.reshape(-1, CONV_HISTORY, s * width).to(conv_all.dtype)
         init = torch.where(p.fresh.view(-1, 1, 1, 1), 0.0, state_all[p.slots])
