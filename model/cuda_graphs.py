@@ -64,10 +64,9 @@ def start_buckets(max_rows: int) -> list[int]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     packed: torch.Tensor  # int32 device buffer the host-filled inputs are views of (one copy refills them)
-    # Two pinned int32 staging buffers of the same layout, used in turn: the rank queues round n+1 before it has
-    # waited for round n, whose copy out of its buffer may not have run yet (round n-1, which used the other one,
-    # has been waited for by then).
-    hosts: tuple[torch.Tensor, torch.Tensor]
+    # Pinned int32 staging rows of the same layout, used in turn (`DecodeGraphs.staging`): a replay's copy out of
+    # its row may not have run when the host fills the next one.
+    hosts: torch.Tensor
     tokens: torch.Tensor  # int64 [B] (refilled on the device from the batch's device tensor)
     tables: torch.Tensor  # int32 [B, W] (likewise)
     out: ForwardOutput
@@ -79,9 +78,13 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Glm5Model, cache: PagedCache) -> None:
+    def __init__(self, model: Glm5Model, cache: PagedCache, staging: int = 2) -> None:
+        """staging: the replays of one graph whose input copies may be queued and not yet run when the host fills
+        another: 2 for a rank that queues round n+1 before it waits for round n, times the decode steps a round may
+        replay (StepPlan.steps)."""
         self.model = model
         self.cache = cache
+        self.staging = staging
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.max_width = cache.num_blocks  # no sequence addresses more blocks than the cache has
@@ -141,7 +144,7 @@ class DecodeGraphs:
         device to device (the batch holds them on the GPU; reading them back would sync)."""
         b = batch.num_seqs
         pad = bucket - b
-        host = g.hosts[g.replays % 2]
+        host = g.hosts[g.replays % self.staging]
         g.replays += 1
         positions, slots, fresh, n_real = torch.split(host, self._layout(bucket))
         positions.copy_(torch.tensor(batch.starts + [0] * pad, dtype=torch.int32))
@@ -158,7 +161,7 @@ class DecodeGraphs:
         dev = self.model.device
         n = sum(self._layout(bucket))
         packed = torch.zeros(n, dtype=torch.int32, device=dev)
-        hosts = (torch.zeros(n, dtype=torch.int32).pin_memory(), torch.zeros(n, dtype=torch.int32).pin_memory())
+        hosts = torch.zeros(self.staging, n, dtype=torch.int32).pin_memory()
         positions, slots, fresh, n_real = torch.split(packed, self._layout(bucket))
         tokens = torch.zeros(bucket, dtype=torch.int64, device=dev)
         tables = torch.zeros(bucket, width, dtype=torch.int32, device=dev)

@@ -239,8 +239,9 @@ def native_state_dir(s: Settings) -> Path:
 
 def native_env(s: Settings) -> dict[str, str]:
     """Scheduler, rank and gateway settings for `twinspark up`'s children (their flags default from TWINSPARK_*)."""
-    keys = ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "MAX_WAITING", "NUM_DRAFT_TOKENS", "NUM_BLOCKS", "BLOCK_SIZE",
-            "NUM_SLOTS", "KV_CACHE_MEMORY_BYTES", "GPU_MEMORY_UTILIZATION", "DTYPE", "SERVED_MODEL_NAME", "API_KEY",
+    keys = ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "NUM_SCHEDULER_STEPS", "MAX_WAITING", "NUM_DRAFT_TOKENS",
+            "NUM_BLOCKS", "BLOCK_SIZE", "NUM_SLOTS", "KV_CACHE_MEMORY_BYTES", "GPU_MEMORY_UTILIZATION", "DTYPE",
+            "SERVED_MODEL_NAME", "API_KEY",
             "INTERNAL_TOKEN", "PEER_TIMEOUT", "LOG_LEVEL", "REASONING_BUDGET", "REASONING_BUDGET_MESSAGE",
             "REASONING_EFFORT_BUDGETS", "STRICT_REQUEST_FIELDS")
     env = {f"TWINSPARK_{k}": s[k] for k in keys if s[k]}

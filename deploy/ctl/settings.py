@@ -133,6 +133,11 @@ def check(s: Settings) -> None:
     if v.get("MAX_NUM_BATCHED_TOKENS"):  # empty: the scheduler's default for the ranks' device
         _int(s, "MAX_NUM_BATCHED_TOKENS", 1)
     _int(s, "MAX_WAITING", 0)
+    try:
+        flags.scheduler_steps(v["NUM_SCHEDULER_STEPS"])
+    except ValueError:
+        raise SettingsError(f"NUM_SCHEDULER_STEPS={v['NUM_SCHEDULER_STEPS']!r} must be auto or "
+                            f"1..{flags.MAX_SCHEDULER_STEPS}") from None
     _int(s, "NUM_BLOCKS", 0)  # 0 = sized from memory
     _int(s, "KV_CACHE_MEMORY_BYTES", 0)
     try:

@@ -116,6 +116,28 @@ KV_DISK_BYTES = Flag("kv-disk-bytes", "disk KV tier size per rank in bytes (defa
 MAX_NUM_BATCHED_TOKENS = Flag("max-num-batched-tokens", "token budget of one round (vLLM's flag): decode rows first, "
                               "then prompt chunks as large as the rest allows on the 64-token grid (default: 8192 "
                               "when the ranks run on CUDA, 256 on the CPU)", type=positive_int, metavar="N")
+# Decode steps one round may run (StepPlan.steps): the scheduler's flag and the rank's plan check share it.
+MAX_SCHEDULER_STEPS = 32
+
+
+def scheduler_steps(text: str) -> int:
+    """--num-scheduler-steps: "auto" (0, which it also takes) or 1..MAX_SCHEDULER_STEPS."""
+    if text.strip().lower() in ("auto", "0"):
+        return 0
+    v = int(text)
+    if not 1 <= v <= MAX_SCHEDULER_STEPS:
+        raise ValueError(f"must be auto or 1..{MAX_SCHEDULER_STEPS}, got {v}")
+    return v
+
+
+scheduler_steps.__name__ = "step count"  # argparse's "invalid step count value" message
+
+NUM_SCHEDULER_STEPS = Flag("num-scheduler-steps", "decode steps per round (vLLM's flag): a round of plain decode "
+                           "rows runs N forward + draw steps on the ranks, paying the host's per-round work (plan, "
+                           "gRPC, launch) once per N tokens; replies are the same bits at any N. auto = as many as "
+                           "fit in 8 ms of measured decode time, at most 8 (one step when a step is that long "
+                           "already); rounds with prompts, drafts, grammars or penalties run one step "
+                           "(default auto)", default="auto", type=scheduler_steps, metavar="auto|N")
 GATEWAY_PORT = Flag("port", "the gateway's HTTP port (default %(default)s)", default="8888", type=int, env="PORT")
 # `twinspark up`'s and start.sh's draft method (the drafter process's own flag is --method).
 DRAFTER = Flag("drafter", "draft method of the drafter process (copy: n-gram prompt lookup; mtp: the checkpoint's "

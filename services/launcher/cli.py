@@ -197,7 +197,8 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
                        **_drafter_fields(s),
                        enforce_eager=s.enforce_eager, collective=s.collective, kv_tiers=tuple(s.tier_flags()),
                        random_weights=s.random_weights or "", random_block_size=s.random_block_size,
-                       max_num_batched_tokens=s.max_num_batched_tokens, gateway_flags=tuple(s.gateway_flags()),
+                       max_num_batched_tokens=s.max_num_batched_tokens, num_scheduler_steps=s.num_scheduler_steps,
+                       gateway_flags=tuple(s.gateway_flags()),
                        strict_request_fields=s.strict_request_fields, kv_events_endpoint=s.kv_events_endpoint)
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(s.port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.

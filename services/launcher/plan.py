@@ -45,6 +45,7 @@ class LaunchConfig:
     random_weights: str = ""  # ranks draw random weights in this recipe (serve-rank --random-weights); "" = read them
     random_block_size: int = 128
     max_num_batched_tokens: int | None = None  # the scheduler's round budget; None: its device default
+    num_scheduler_steps: int = 0  # decode steps per round; 0: auto
     gateway_flags: tuple[str, ...] = ()  # the gateway's thinking flags (--reasoning-budget, ...) given to `up`
     strict_request_fields: bool = False  # the gateway refuses unknown request fields (OpenAI's 400)
     kv_events_endpoint: str | None = None  # the scheduler publishes its prefix cache's block events here
@@ -86,6 +87,8 @@ def _scheduler_args(c: LaunchConfig, addrs, shared, i: int, host: str, port: int
             "--tokenizer", c.model]
     if c.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+    if c.num_scheduler_steps:
+        argv += ["--num-scheduler-steps", str(c.num_scheduler_steps)]
     if c.kv_events_endpoint:
         argv += ["--kv-events-endpoint", c.kv_events_endpoint]
     if addrs.get("drafter"):

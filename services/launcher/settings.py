@@ -37,6 +37,7 @@ class UpSettings:
                                      "one)", metavar="DIR")
     kv_cache_dtype: str = flag(shared.KV_CACHE_DTYPE)
     max_num_batched_tokens: int | None = flag(shared.MAX_NUM_BATCHED_TOKENS)
+    num_scheduler_steps: int = flag(shared.NUM_SCHEDULER_STEPS)
     kv_host_bytes: int | None = _passed_on(shared.KV_HOST_BYTES)
     kv_disk_dir: str | None = _passed_on(shared.KV_DISK_DIR)
     kv_disk_bytes: int | None = _passed_on(shared.KV_DISK_BYTES)

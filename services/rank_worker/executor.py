@@ -9,6 +9,7 @@ this one runs.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +29,16 @@ from services.rank_worker.plan_checks import ImagePart, Limits, ScoreRows
 from services.rank_worker.rounds import Launched, RowLogprobs, RowScores, StepOutput, to_host
 from twinspark.v1 import rank_pb2
 from twinspark.v1.rank_pb2 import StepPlan
+
+
+class PlannedBatch(NamedTuple):
+    """A checked plan as a batch on the device (`Executor.to_batch`)."""
+    batch: Batch  # its logit rows are the sample rows, then the score rows
+    params: SamplingParams  # per sample row, on the device
+    host_params: SamplingParams  # the same on the host
+    rows: torch.Tensor  # host int64 sample rows
+    scores: ScoreRows | None  # the prompt rows to score
+    steps: int  # decode steps (StepPlan.steps)
 
 
 class Executor:
@@ -53,7 +64,8 @@ class Executor:
         self.graphs = None
         if cuda_graphs and gpu.active(model.embed):
             from model.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(model, cache)
+            # Round n+1 is queued before round n is waited for, each replaying a graph up to MAX_STEPS times.
+            self.graphs = DecodeGraphs(model, cache, staging=2 * checks.MAX_STEPS)
 
     def forget_slots(self) -> None:
         """Drop what is known of every slot's last round (after the warm-up: the scheduler hands slots out fresh)."""
@@ -76,13 +88,11 @@ class Executor:
                                     sampled.index_select(0, to_device(torch.tensor(index), dev)))
         self.slot_end.update(zip(slots, ends))
 
-    def to_batch(self, plan: StepPlan) -> tuple[Batch, SamplingParams, SamplingParams, torch.Tensor,
-                                                 ScoreRows | None]:
-        """The plan, checked, as a batch on the device: (batch, sampling settings on the device, the same on the
-        host, sample rows on the host, the prompt rows to score). The batch's logit rows are the sample rows, then
-        the score rows. Nothing here waits for the device."""
+    def to_batch(self, plan: StepPlan) -> PlannedBatch:
+        """The plan, checked, as a batch on the device. Nothing here waits for the device."""
         seqs = checks.check_sequences(plan, self.limits, self.slot_end)
         scores = checks.score_rows(plan, seqs.prompt, seqs.lengths.tolist(), self.limits.vocab_size)
+        steps = checks.decode_steps(plan, seqs, self.limits)
         dev = self.model.device
         host = seqs.params
         params = SamplingParams(*(to_device(t, dev) for t in (host.temperature, host.top_k, host.top_p, host.min_p,
@@ -95,7 +105,7 @@ class Executor:
                       block_tables=to_device(seqs.tables, dev), slots=seqs.slots.tolist(),
                       logit_rows=seqs.rows if scores is None else torch.cat([seqs.rows, scores.rows]),
                       verify=seqs.verify, prompt=seqs.prompt)
-        return batch, params, host, seqs.rows, scores
+        return PlannedBatch(batch, params, host, seqs.rows, scores, steps)
 
     def embed_images(self, images: list[ImagePart]) -> list[tuple[int, torch.Tensor]] | None:
         """Rank 0 runs the vision tower (or finds its output for an image an earlier chunk encoded); every rank
@@ -169,7 +179,7 @@ class Executor:
             bad = self.run_tier_moves(checks.tier_moves(plan, self.tiers, self.limits))
             empty = torch.zeros(0, dtype=torch.int64)
             return Launched(None, [], empty, empty, None, None, bad, 0.0, time.perf_counter(), None)
-        batch, params, host_params, rows, scores = self.to_batch(plan)
+        batch, params, host_params, rows, scores, steps = self.to_batch(plan)
         copies = checks.state_copies(plan, self.cache.num_slots)  # validated with the rest before anything changes
         moves = checks.tier_moves(plan, self.tiers, self.limits)
         layers = checks.hidden_layers(plan, len(self.model.layers))
@@ -208,16 +218,21 @@ class Executor:
         if rows.numel():
             logits = sample_logits if masks is None else apply_token_bitmask(sample_logits, masks[1], masks[0])
             sampled, logprobs = self._sample(batch, rows, logits, pen, params, host_params, want_k)
+            if steps > 1:
+                sampled, logprobs = self._more_steps(batch, rows, params, host_params, want_k, steps, sampled,
+                                                     logprobs)
             if plan.want_hidden:
                 hidden = to_host(out.hidden[to_device(rows, out.hidden.device)].float())
         sampled = to_host(sampled)
+        if logprobs is not None:
+            logprobs = RowLogprobs(to_host(logprobs.chosen), to_host(logprobs.top_ids), to_host(logprobs.top_logprobs))
         scored = self._score(out.logits[rows.numel():], scores) if scores is not None else None
         done = None
         if out.logits.device.type == "cuda":  # recorded after every copy to the host: when it has passed, all are
             done = torch.cuda.Event(enable_timing=True)
             done.record()
         return Launched(batch, order, rows, sampled, logprobs, hidden, tier_bad, (t1 - t0) * 1e3, t1, done, scored,
-                        layer_hidden, begin)
+                        layer_hidden, begin, steps)
 
     @staticmethod
     def _score(logits: torch.Tensor, scores: ScoreRows) -> RowScores:
@@ -230,8 +245,8 @@ class Executor:
     def _sample(self, batch: Batch, rows: torch.Tensor, logits: torch.Tensor, pen: Penalties | None,
                 params: SamplingParams, host_params: SamplingParams,
                 want_k: torch.Tensor | None) -> tuple[torch.Tensor, RowLogprobs | None]:
-        """Draw each sample row's token (and its logprobs when asked) from the (masked) logits, and remember the
-        slots' next inputs."""
+        """Draw each sample row's token (and its logprobs when asked, on the device) from the (masked) logits, and
+        remember the slots' next inputs."""
         dev = logits.device
         # The token sampled from the row at absolute position p sits at position p + 1: that is its key.
         positions = to_device(batch.host_positions()[rows] + 1, dev)
@@ -243,7 +258,7 @@ class Executor:
         if want_k is not None:
             # From the same fp32 logits and sampling parameters the draw used.
             chosen, top_ids, top_lp = processed_logprobs(logits, params, sampled, int(want_k.max()), filters)
-            logprobs = RowLogprobs(to_host(chosen), to_host(top_ids.to(torch.int32)), to_host(top_lp))
+            logprobs = RowLogprobs(chosen, top_ids.to(torch.int32), top_lp)
         # Decode steps and prompt chunks whose last row is sampled: that sample is the slot's next input.
         index_of = {r: i for i, r in enumerate(rows.tolist())}
         ends = [(slot, start + n, index_of[o + n - 1])
@@ -251,6 +266,31 @@ class Executor:
                 if not batch.is_verify(s) and o + n - 1 in index_of]
         self._remember([e[0] for e in ends], [e[1] for e in ends], sampled, [e[2] for e in ends])
         return sampled, logprobs
+
+    def _more_steps(self, batch: Batch, rows: torch.Tensor, params: SamplingParams, host_params: SamplingParams,
+                    want_k: torch.Tensor | None, steps: int, first: torch.Tensor,
+                    first_logprobs: RowLogprobs | None) -> tuple[torch.Tensor, RowLogprobs | None]:
+        """Steps 1.. of a multi-step plan (StepPlan.steps, checked: one-row decode steps, every row sampled, no
+        mask or penalty). Each step feeds every slot the token it sampled the step before (on the device) one
+        position on, and runs the forward and draw a one-step round of those rows would run, so its samples are
+        that round's bits. Returns the samples (and logprobs) row after row: row r's `steps` samples together."""
+        slots = to_device(torch.tensor(batch.slots), self.next_token.device)
+        samples, logprobs = [first], [first_logprobs]
+        for i in range(1, steps):
+            step = Batch(token_ids=self.next_token.index_select(0, slots), starts=[s + i for s in batch.starts],
+                         lengths=batch.lengths, block_tables=batch.block_tables, slots=batch.slots,
+                         logit_rows=batch.logit_rows, prompt=batch.prompt)
+            sampled, lp = self._sample(step, rows, self.forward(step).logits, None, params, host_params, want_k)
+            samples.append(sampled)
+            logprobs.append(lp)
+
+        def by_row(parts: list[torch.Tensor]) -> torch.Tensor:  # [steps, R, ...] -> [R * steps, ...]
+            return torch.stack(parts, 1).flatten(0, 1)
+
+        if first_logprobs is None:
+            return by_row(samples), None
+        return by_row(samples), RowLogprobs(*(by_row([getattr(lp, f) for lp in logprobs])
+                                              for f in ("chosen", "top_ids", "top_logprobs")))
 
     def finish(self, run: Launched) -> StepOutput:
         """Wait for a launched round and read its results: sampled ids, accepted drafts (verify windows are

@@ -17,6 +17,7 @@ from kernels.sampling import SamplingParams
 from kernels.sampling_rules import (FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P, PRESENCE_PENALTY, PROMPT_LOGPROBS,
                                     REPETITION_PENALTY, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOP_P)
 from model.vision import VisionConfig
+from services.common.shared_flags import MAX_SCHEDULER_STEPS
 from services.common.tensors import from_proto
 from services.rank_worker.kv_tiers import TierStore
 from twinspark.v1 import rank_pb2
@@ -264,6 +265,36 @@ def check_sequences(plan: StepPlan, limits: Limits, slot_end: Mapping[int, int])
     rows, params = _sample_rows(plan, tokens, tables, limits)
     _check_verify_rows(verify, lengths.tolist(), rows)
     return Sequences(tokens, starts, lengths, slots, tables, verify, prompt, pending, pending_slots, rows, params)
+
+
+# A plan's decode steps at most (StepPlan.steps): bounds the work one round queues.
+MAX_STEPS = MAX_SCHEDULER_STEPS
+
+
+def decode_steps(plan: StepPlan, seqs: Sequences, limits: Limits) -> int:
+    """How many decode steps the plan runs (StepPlan.steps; 0 means 1), checked: several only for a round of
+    one-row decode steps that are all sample rows, carrying nothing that reads a step's own samples (masks,
+    penalties) or wants more than the samples (score rows, hidden states, images); each sequence's block table and
+    the model's window must hold its last step's row."""
+    n = plan.steps or 1
+    if n == 1:
+        return 1
+    if n > MAX_STEPS:
+        raise PlanError(f"{n} decode steps: at most {MAX_STEPS} per plan")
+    b = seqs.lengths.numel()
+    if bool((seqs.lengths != 1).any()) or any(seqs.prompt or []) or any(seqs.verify or []):
+        raise PlanError("a multi-step plan holds only one-row decode steps")
+    if seqs.rows.tolist() != list(range(b)):
+        raise PlanError("in a multi-step plan every sequence's row is a sample row, in order")
+    extras = [name for name in ("mask_index", "score_rows") if _given(plan, name)]
+    extras += ["penalties"] if plan.HasField("penalties") and _given(plan.penalties, "rows") else []
+    extras += [name for name in ("want_hidden", "hidden_layers", "images") if getattr(plan, name)]
+    if extras:
+        raise PlanError(f"a multi-step plan cannot carry {', '.join(extras)}")
+    if bool(((seqs.starts + n) > seqs.tables.shape[1] * limits.block_size).any()):
+        raise PlanError(f"a sequence's step {n - 1} runs past the end of its block table")
+    check_positions(seqs.starts, torch.full_like(seqs.starts, n), limits.max_positions)
+    return n
 
 
 # ----------------------------------------------------------------------------------- per sample row extras

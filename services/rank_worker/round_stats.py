@@ -10,7 +10,8 @@ which side is short:
 - GPU gap before a round: from the previous round's last event to this round's first. Above zero means the GPU sat
   idle between rounds, waiting for the host to queue the next one.
 - host launch: checking a plan and queueing its work (`Executor.launch`); behind = launched while the previous
-  round was still in flight (the overlap working).
+  round was still in flight (the overlap working). Rounds of several decode steps (StepPlan.steps) say how many
+  steps a round ran on average: their GPU time and launch cover every step.
 - read-back wait: blocked in `Executor.finish` until the round's results were on the host.
 - plan wait: blocked for the next plan with nothing in flight (the scheduler or the gRPC hop is the short side).
 - kernel compiles: Triton compiles on the request path in the window (compile_watch.py), when there were any.
@@ -53,6 +54,7 @@ class _Kind:
 class _Window:
     first_round: int = 0
     rounds: int = 0
+    steps: int = 0  # decode steps of those rounds (StepPlan.steps; 1 for a one-step round)
     behind: int = 0
     launch_ms: list[float] = field(default_factory=list)
     wait_ms: list[float] = field(default_factory=list)
@@ -83,13 +85,14 @@ class RoundStats:
         self._window = _Window()
         self._last_done: torch.cuda.Event | None = None  # the previous read-back round's last event
 
-    def launched(self, round_: int, launch_ms: float, behind: bool, prompt: bool = False) -> None:
+    def launched(self, round_: int, launch_ms: float, behind: bool, prompt: bool = False, steps: int = 1) -> None:
         """A round was queued in `launch_ms` of host time; `behind`: while the previous one was in flight;
-        `prompt`: it has prompt rows."""
+        `prompt`: it has prompt rows; `steps`: its decode steps."""
         w = self._window
         if w.rounds == 0:
             w.first_round = round_
         w.rounds += 1
+        w.steps += steps
         w.behind += behind
         w.launch_ms.append(launch_ms)
         if prompt:
@@ -125,8 +128,9 @@ class RoundStats:
             return None
         gpu = (f"GPU per round p50 {_p50(w.gpu_ms)} ms, GPU gap before a round p50 {_p50(w.gap_ms)} ms "
                f"({sum(w.gap_ms):.1f} ms in all), ") if w.gpu_ms else ""
+        steps = f", {w.steps / w.rounds:.1f} decode steps per round" if w.steps != w.rounds else ""
         return (f"rank {self.rank}: rounds {w.first_round}-{w.first_round + w.rounds - 1} in {span_s:.1f} s "
-                f"({w.rounds / max(span_s, 1e-9):.1f}/s): {gpu}host launch p50 {_p50(w.launch_ms)} ms "
+                f"({w.rounds / max(span_s, 1e-9):.1f}/s{steps}): {gpu}host launch p50 {_p50(w.launch_ms)} ms "
                 f"({w.behind} of {w.rounds} behind the previous round), read-back wait p50 {_p50(w.wait_ms)} ms, "
                 f"plan wait {w.plan_wait_s:.2f} s" + (f"; {w.prompt.summary()}" if w.prompt.launch_ms else "")
                 + (f"; {built} kernel compiles ({built_s:.2f} s)" if built else ""))

@@ -62,6 +62,7 @@ class Launched:
     scores: RowScores | None = None  # prompt logprobs of the plan's score rows
     layer_hidden: torch.Tensor | None = None  # [T, L * D] the plan's hidden_layers' outputs, plan row order
     begin: torch.cuda.Event | None = None  # timing event before the round's work (round_stats.py); None on the CPU
+    steps: int = 1  # decode steps (StepPlan.steps)
 
     @property
     def has_prompt(self) -> bool:

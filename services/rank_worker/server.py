@@ -150,7 +150,8 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
                 self.profiler.before(plan.round)
             t0 = time.perf_counter()
             launched = self.executor.launch(plan)
-            self.stats.launched(plan.round, (time.perf_counter() - t0) * 1e3, behind, launched.has_prompt)
+            self.stats.launched(plan.round, (time.perf_counter() - t0) * 1e3, behind, launched.has_prompt,
+                                launched.steps)
             if self.profiler is not None:
                 self.profiler.launched(plan.round)
         except BaseException as exc:

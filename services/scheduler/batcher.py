@@ -46,10 +46,26 @@ class PlannedSeq:
     # The tokens each sample row may produce (grammar, forced end of thinking: round_masks.py), None = any; None
     # for the whole sequence when no row is masked.
     masks: list[torch.Tensor | None] | None = None
+    # Decode steps (StepPlan.steps, the same for every sequence of a round): a one-row decode step run `steps`
+    # times, each step's row one position on, fed the token the step before sampled (decode_steps.py).
+    steps: int = 1
 
     @property
     def num_drafts(self) -> int:
         return len(self.token_ids) - 1 if self.verify else 0
+
+    @property
+    def positions(self) -> int:
+        """Cache positions the round writes for this sequence."""
+        return len(self.token_ids) + self.steps - 1
+
+    @property
+    def samples(self) -> int:
+        """Tokens the round samples for this sequence: every row of a verify window, one per step of a sampled
+        sequence's last row."""
+        if self.verify:
+            return len(self.token_ids)
+        return self.steps if self.sample else 0
 
     @property
     def scored(self) -> int:
@@ -189,7 +205,7 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
         lengths.append(len(s.token_ids))
         slots.append(res.slot)
         # Only the blocks that cover positions this round touches (a full window's table would be ~8k ids per row).
-        need = -(-(s.start + len(s.token_ids)) // block_size)
+        need = -(-(s.start + s.positions) // block_size)
         tables.append(res.blocks[:need])
     plan = rank_pb2.StepPlan(
         token_ids=to_proto(token_ids), starts=to_proto(starts), lengths=to_proto(lengths), slots=to_proto(slots),
@@ -202,6 +218,9 @@ def build_step_plan(seqs: list[PlannedSeq], block_size: int,
         plan.state_copies.CopyFrom(to_proto(torch.tensor(state_copies, dtype=torch.int32).view(-1, 2)))
     if any(verify):
         plan.verify.CopyFrom(to_proto(verify))
+    (steps,) = {s.steps for s in seqs}  # one round, one step count
+    if steps > 1:
+        plan.steps = steps
     _set_optional_rows(plan, sample, score)
     plan.images.extend(images)
     return plan

@@ -28,6 +28,7 @@ class SchedulerSettings(RoleSettings):
     max_num_seqs: int = flag("max-num-seqs", "running requests at most (also capped by the ranks' KDA slots) "
                              "(default 16)", default="16", type=shared.positive_int)
     max_num_batched_tokens: int | None = flag(shared.MAX_NUM_BATCHED_TOKENS)
+    num_scheduler_steps: int = flag(shared.NUM_SCHEDULER_STEPS)
     enable_prefix_caching: bool = flag("enable-prefix-caching", "reuse cached prompt prefixes (full blocks + KDA "
                                        "state snapshots) across requests (default on)", default="1", toggle=True)
     reply_reuse: bool = flag("reply-reuse", "after each reply, prefill prompt + reply up to its last 64-token grid "
@@ -88,6 +89,7 @@ def serve_scheduler(s: SchedulerSettings) -> int:
         ranks=addresses, host=s.host, port=s.port,
         engine=EngineConfig(max_waiting=s.max_waiting, max_num_seqs=s.max_num_seqs,
                             max_num_batched_tokens=s.max_num_batched_tokens,
+                            num_scheduler_steps=s.num_scheduler_steps,
                             enable_prefix_caching=s.enable_prefix_caching, max_snapshots=s.max_snapshots,
                             reply_reuse=s.reply_reuse, reply_reuse_delay=max(0.0, s.reply_reuse_delay),
                             num_draft_tokens=max(0, s.num_draft_tokens), draft_hidden=s.draft_hidden,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from opentelemetry.context import Context
 
+from services.scheduler.decode_steps import DecodeSteps
 from services.scheduler.drafts import PROPOSE_ROW_BYTES, DrafterClient
 from services.scheduler.grammar import GrammarBook
 from services.scheduler.model_info import ModelInfo
@@ -61,6 +62,7 @@ class EngineConfig:
     max_waiting: int = 64
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None  # None: the ranks' device's default (services/common/step_budget.py)
+    num_scheduler_steps: int = 0  # decode steps per round of plain decode rows; 0: auto (decode_steps.py)
     enable_prefix_caching: bool = True
     # KDA snapshot slots for the prefix index, reserved from the ranks' slot count (~142 MB each at full size on
     # every rank, see prefix.py). None: the slots left over after max_num_seqs, at most 16.
@@ -87,6 +89,8 @@ class Engine:
         self.cfg = cfg
         self.scheduler = RoundScheduler(info, cfg, grammars, ranks.tier_listing)
         self.drafter = drafter
+        self.steps = DecodeSteps(cfg.num_scheduler_steps)
+        self._last_result: float | None = None  # when the last round's result came in (the steps' measure)
         self.loop_error: str | None = None  # last unexpected loop exception, for Health
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -172,7 +176,8 @@ class Engine:
                 drafts = await self._propose() if self.ranks.failure is None and not inflight else {}
                 if drafts:
                     sched.reap_aborted()  # the Propose call awaited: an abort may have come in meanwhile
-                step = sched.schedule(drafts) if self.ranks.failure is None else None
+                steps = self.steps.want() if self._overlap() else 1  # a multi-step round is pipelined work
+                step = sched.schedule(drafts, steps) if self.ranks.failure is None else None
                 if step is not None:
                     inflight.append(await self._send(step))
                 elif inflight:
@@ -264,6 +269,10 @@ class Engine:
     async def _collect(self, f: _InFlight) -> None:
         try:
             sampled = await self.ranks.collect(f.round)
+            now = time.monotonic()
+            if f.step.decode_only and self._last_result is not None and f.t0 <= self._last_result:
+                self.steps.observe(f.step.steps, now - self._last_result)  # queued all along: the ranks' pace
+            self._last_result = now
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", f.round.plan.round, len(f.step.seqs),
                           sum(len(s.token_ids) for s in f.step.seqs), len(sampled), (time.monotonic() - f.t0) * 1e3)

@@ -275,7 +275,8 @@ class RankSet:
         self._round += 1
         plan.round = self._round
         seal(plan)
-        n_sample = plan.sample_rows.shape[0] if plan.sample_rows.shape else 0
+        # A multi-step plan samples every sample row once per step.
+        n_sample = (plan.sample_rows.shape[0] if plan.sample_rows.shape else 0) * max(1, plan.steps)
         self._in_flight += 1
         try:
             await asyncio.gather(*(self._write(c, plan) for c in self.clients))

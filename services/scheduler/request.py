@@ -179,8 +179,7 @@ class Request:
             return True
         if self.replay:  # a reply replay only prefills (it samples nothing): once its rows are planned it is done
             return False
-        n = len(self.tokens) + self.pending_samples
-        return n - self.prompt_len < self.max_tokens and n < self.max_model_len
+        return self.tokens_left > 0
 
     @property
     def generated(self) -> list[int]:
@@ -203,14 +202,20 @@ class Request:
     def plan_rows(self, seq) -> None:
         """A round with this request's rows (`seq`, a PlannedSeq) was sent to the ranks."""
         if not seq.verify:  # verify windows are never pipelined: nothing to count ahead
-            self.pending_rows += len(seq.token_ids)
-            self.pending_samples += 1 if seq.sample else 0
+            self.pending_rows += seq.positions
+            self.pending_samples += seq.samples
 
     def rows_back(self, seq) -> None:
         """That round's result is in (committed or dropped)."""
         if not seq.verify:
-            self.pending_rows -= len(seq.token_ids)
-            self.pending_samples -= 1 if seq.sample else 0
+            self.pending_rows -= seq.positions
+            self.pending_samples -= seq.samples
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens it may still sample once the samples in flight are counted (max_tokens, the model's window)."""
+        n = len(self.tokens) + self.pending_samples
+        return min(self.max_tokens - (n - self.prompt_len), self.max_model_len - n)
 
     @property
     def image_spans(self) -> list[tuple[int, int, bytes]]:

@@ -60,6 +60,16 @@ class ScheduledRound:
     plan: rank_pb2.StepPlan
     loads: list[Snapshot]
 
+    @property
+    def steps(self) -> int:
+        return max(1, self.plan.steps)
+
+    @property
+    def decode_only(self) -> bool:
+        """Rows of decode steps only (no prompt chunk, no verify window): the rounds whose pace says how long a decode
+        step takes (decode_steps.py)."""
+        return bool(self.seqs) and not any(s.prompt or s.verify for s in self.seqs)
+
 
 class RoundScheduler:
     def __init__(self, info: ModelInfo, cfg: EngineConfig, grammars: GrammarBook | None = None,
@@ -183,13 +193,17 @@ class RoundScheduler:
                    or (r.thinking is not None and r.thinking.needs_samples(r.pending_samples))
                    for r in self.running)
 
-    def schedule(self, drafts: dict[str, list[int]] | None = None) -> ScheduledRound | None:
-        """The next round (`drafts`: request id -> proposed drafts for its decode row); None when there is nothing to
-        send: no rows to run and no KV tier moves waiting."""
-        seqs = plan_round(self._plannable(), self.budget, drafts)
+    def schedule(self, drafts: dict[str, list[int]] | None = None, steps: int = 1) -> ScheduledRound | None:
+        """The next round (`drafts`: request id -> proposed drafts for its decode row; `steps`: decode steps wanted,
+        see `_steps`); None when there is nothing to send: no rows to run and no KV tier moves waiting."""
+        plannable = self._plannable()
+        seqs = plan_round(plannable, self.budget, drafts)
         if not seqs and not self.kv.tier_work:
             return None
         apply_round_masks(seqs, self.info.vocab_size)
+        k = self._steps(seqs, steps, plannable)
+        for s in seqs:
+            s.steps = k
         plan = build_step_plan(seqs, self.kv.pool.block_size, self.kv.state_copies(seqs)) if seqs \
             else rank_pb2.StepPlan()  # tier moves only: a request waits for its load
         moves, loads = self.kv.take_tier_moves()
@@ -201,6 +215,20 @@ class RoundScheduler:
             if s.req.t_scheduled is None:
                 s.req.t_scheduled = now
         return ScheduledRound(self.rounds, seqs, plan, loads)
+
+    @staticmethod
+    def _steps(seqs: list[PlannedSeq], want: int, plannable: list[Request]) -> int:
+        """Decode steps for a round of `seqs` (decode_steps.py): `want` when the round is plain decode rows only —
+        no plannable request has prompt rows waiting (they go first; a reply replay held back is not plannable), no
+        verify window, no grammar or penalties (their rows read the samples or counts before them) — cut so that
+        every step's row stays inside its request's reservation and before its thinking budget (no step's row is
+        forced); else 1."""
+        if want <= 1 or not seqs or any(r.prompt_left for r in plannable):
+            return 1
+        if any(s.prompt or s.verify or not s.sample or s.masks is not None or s.req.grammar is not None
+               or s.req.penalties is not None for s in seqs):
+            return 1
+        return max(1, min(want, *(_free_rows(s.req) for s in seqs)))
 
     @staticmethod
     def sent(step: ScheduledRound) -> None:
@@ -222,7 +250,7 @@ class RoundScheduler:
             if layers is not None:
                 self._keep_draft_rows(s, layers[row : row + len(s.token_ids)], accepted[i] if accepted else 0)
             row += len(s.token_ids)
-            n_samples = len(s.token_ids) if s.verify else (1 if s.sample else 0)
+            n_samples = s.samples
             s.req.rows_back(s)
             self.kv.release_deferred(s.req)
             a = accepted[i] if accepted and i < len(accepted) else 0
@@ -273,8 +301,8 @@ class RoundScheduler:
             self.windows_total += 1
             new = samples[: accepted + 1]  # the accepted drafts (equal to our samples) and the bonus sample
             rows = [1] * len(new)
-        else:
-            new, rows = samples, [len(s.token_ids)]
+        else:  # the last row's sample, then one per further decode step (one row each)
+            new, rows = samples, [len(s.token_ids)] + [1] * (len(samples) - 1)
         out: list[int] = []
         stop = None
         for n_rows, token in zip(rows, new):
@@ -411,6 +439,16 @@ class RoundScheduler:
 
     def pool_stats(self) -> generate_pb2.PoolStats:
         return self.kv.pool_stats([r for r in self.running if r.replay])
+
+
+def _free_rows(req: Request) -> int:
+    """Decode rows `req` may be given now without a sample of its own in between: the tokens it may still take,
+    and while its thinking budget may still force a row, only the rows before the budget."""
+    n = req.tokens_left
+    th = req.thinking
+    if th is not None and not th.ended:
+        n = min(n, th.spec.budget - th.seen - req.pending_samples)
+    return n
 
 
 def _logprobs_of(req: Request, logprobs: RoundLogprobs | None, first: int, n: int) -> TokenLogprobs | None:

@@ -21,6 +21,11 @@ def stack_tp2(tiny_default, tmp_path_factory) -> Stack:
 
 @pytest.fixture(scope="session")
 def stack_tp1(tiny_default, tmp_path_factory) -> Stack:
-    stack = start(tiny_default, tmp_path_factory.mktemp("stack_tp1"), tp=1)
+    # Without drafts, rounds of plain decode rows run four decode steps each (--num-scheduler-steps; auto would
+    # pick one on a CPU), so every test comparing this stack with stack_tp2 (drafts on, one step) checks that steps
+    # never change a reply. Round stats every second let test_exactness.py see the steps in the rank's log.
+    stack = start(tiny_default, tmp_path_factory.mktemp("stack_tp1"), tp=1,
+                  env={"TWINSPARK_DRAFTER": "none", "TWINSPARK_NUM_SCHEDULER_STEPS": "4",
+                       "TWINSPARK_STATS_INTERVAL": "1"})
     yield stack
     stack.down()

@@ -55,6 +55,17 @@ def test_concurrent_staggered_and_burst_equal_serial(stack_tp2, references):
     assert all(same)
 
 
+def test_rounds_of_four_decode_steps_equal_serial_one_step_replies(stack_tp1, references):
+    """stack_tp1 runs plain decode rounds four steps at a time (conftest.py): a burst and a staggered run there give
+    the replies stack_tp2 gave one request and one step at a time."""
+    bodies = _requests()
+    half = N // 2
+    staggered = asyncio.run(_run(stack_tp1.v1, bodies[:half], concurrency=4, stagger_s=0.15))
+    burst = asyncio.run(_run(stack_tp1.v1, bodies[half:], concurrency=4, stagger_s=0.0))
+    assert staggered + burst == references
+    assert "decode steps per round" in (stack_tp1.state_dir / "logs" / "rank0.log").read_text()
+
+
 @pytest.mark.tp
 def test_tp1_tp2_tp4_same_token_ids(stack_tp1, stack_tp2, references, tiny_default, tmp_path):
     for rank in range(2):

@@ -5,7 +5,9 @@ random bf16 weights. 12 requests of mixed prompt lengths (greedy and seeded T=0.
 references), then staggered and all at once: the token ids must match 12/12 each way, and no kernel may compile
 after the rank said healthy. With two GPUs the same runs
 at TP=2 over NCCL and TP=1 = TP=2. The stream test prints the inter-token time of one streamed request next to the
-offline decode step of the same checkpoint (a CUDA-graph replay plus sampling) — the target in docs/design.md §8 is <= 1.2x.
+offline decode step of the same checkpoint (a CUDA-graph replay plus sampling) and holds it to <= 1.15x, tighter
+than docs/design.md §8's 1.2x; the stack's default `--num-scheduler-steps auto` lets its short decode rounds run
+several steps each (docs/architecture.md, "Decode steps per round").
 """
 
 from __future__ import annotations
@@ -114,4 +116,4 @@ def test_stream_inter_token_time_vs_offline_step(wide_ckpt, tmp_path):
     print(f"served inter-token {per_token:.2f} ms per token over {tokens} tokens in {len(stamps)} chunks (chunk gap "
           f"p50 {statistics.median(gaps):.2f} ms, p99 {gaps[int(0.99 * (len(gaps) - 1))]:.2f} ms) vs offline step "
           f"{offline:.2f} ms: {per_token / offline:.2f}x")
-    assert per_token <= 1.2 * offline
+    assert per_token <= 1.15 * offline

@@ -137,6 +137,18 @@ def test_random_weights_reach_every_rank_and_nothing_else():
     assert "--random-weights" not in make_plan(_cfg(1), [5000, 5009, 5001, 5002]).children[0].argv
 
 
+def test_decode_steps_reach_the_scheduler_only():
+    plan = make_plan(_cfg(1, num_scheduler_steps=4), [5000, 5009, 5001, 5002])
+    for child in plan.children:
+        a = list(child.argv)
+        if child.role == "scheduler":
+            assert a[a.index("--num-scheduler-steps") + 1] == "4"
+        else:
+            assert "--num-scheduler-steps" not in a
+    # auto (0), the scheduler's own default, is not spelled out
+    assert all("--num-scheduler-steps" not in c.argv for c in make_plan(_cfg(1), [5000, 5009, 5001, 5002]).children)
+
+
 def test_up_reads_the_dflash_drafters_layers(tiny_dflash, tmp_path):
     from services.launcher.cli import _dflash_drafter
     from services.launcher.settings import UpSettings

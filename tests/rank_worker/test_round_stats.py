@@ -41,7 +41,12 @@ def test_a_window_sums_its_rounds_and_starts_a_new_one() -> None:
     assert "host launch p50 2.00 ms (2 of 3 behind the previous round)" in line
     assert "read-back wait p50 4.00 ms" in line and "plan wait 0.25 s" in line
     assert "GPU" not in line  # CPU rounds carry no timing events
+    assert "decode steps" not in line  # one-step rounds: nothing to say
     assert stats.line() is None  # the window was reset
+    for r, steps in enumerate([4, 8, 1], start=10):  # rounds of several decode steps (StepPlan.steps)
+        stats.launched(r, 1.0, True, steps=steps)
+    clock.t = 4.0
+    assert "(1.5/s, 4.3 decode steps per round)" in stats.line()
 
 
 def test_gpu_per_round_and_the_gap_between_rounds_with_fake_events() -> None:

@@ -27,6 +27,7 @@ class _Launched:
 
     overlappable = True
     has_prompt = False
+    steps = 1
     begin = done = None  # no timing events on the mock GPU (the round stats then sum host figures only)
 
 

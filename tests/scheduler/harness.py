@@ -36,7 +36,9 @@ async def cluster(n_ranks: int = 1, *, rank: dict[str, Any] | None = None, per_r
                   **engine: Any) -> AsyncIterator[Cluster]:
     """`n_ranks` stand-in ranks (shared kwargs `rank`, per-rank overrides `per_rank`) behind a real scheduler; with
     `token`, every server requires it and every client (the test's included) sends it; with `tokenizer` (a
-    checkpoint directory), it serves structured output (the stand-ins sample without the masks)."""
+    checkpoint directory), it serves structured output (the stand-ins sample without the masks). Rounds run one
+    decode step unless `num_scheduler_steps` says otherwise (auto would follow the stand-ins' timing)."""
+    engine.setdefault("num_scheduler_steps", 1)
     ranks = [StandinRank(rank=i, world=n_ranks, token=token, **(rank or {}), **((per_rank or [{}] * n_ranks)[i]))
              for i in range(n_ranks)]
     addrs = [await r.start() for r in ranks]

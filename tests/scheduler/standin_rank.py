@@ -96,6 +96,7 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
     rounds: list[RoundLog] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     copies: list[list[tuple[int, int]]] = field(default_factory=list)  # state copies per round
+    steps: list[int] = field(default_factory=list)  # decode steps of every plan with sequences (StepPlan.steps)
 
     def __post_init__(self) -> None:
         self.store = np.full((self.num_blocks, self.block_size), -1, dtype=np.int64)
@@ -166,6 +167,28 @@ class StandinRank(rank_pb2_grpc.RankWorkerServicer):
 
     # -- the fake forward -----------------------------------------------------------------------------------------
     def _execute(self, plan: rank_pb2.StepPlan) -> list[int]:
+        """A multi-step plan (StepPlan.steps) runs as that many one-step plans, each a pending decode step one
+        position on; its samples come back row after row, as a rank returns them."""
+        self.steps.append(max(1, plan.steps))
+        if plan.steps <= 1:
+            return self._execute_one(plan)
+        lengths = from_proto(plan.lengths).tolist()
+        rows = from_proto(plan.sample_rows).tolist()
+        if set(lengths) != {1} or rows != list(range(len(lengths))) or plan.HasField("mask_index"):
+            raise StandinRefusal(f"round {plan.round}: a multi-step plan of other than plain decode steps")
+        per_step = []
+        for i in range(plan.steps):
+            one = rank_pb2.StepPlan()
+            one.CopyFrom(plan)
+            one.steps = 0
+            one.starts.CopyFrom(to_proto([s + i for s in from_proto(plan.starts).tolist()]))
+            if i:
+                one.token_ids.CopyFrom(to_proto([-1] * len(lengths)))
+                one.ClearField("state_copies")
+            per_step.append(self._execute_one(one))
+        return [per_step[i][r] for r in range(len(rows)) for i in range(plan.steps)]
+
+    def _execute_one(self, plan: rank_pb2.StepPlan) -> list[int]:
         if plan.HasField("penalties"):
             self.penalties.append(plan.penalties)
         tokens = from_proto(plan.token_ids).tolist()
