@@ -1,7 +1,8 @@
 """One long prompt served through HTTP beside a stream that is already decoding: the prompt's TTFT through
 `/v1/completions` on `twinspark up` (random weights, drafts off), and the running stream's inter-token gaps before
 and during that prefill (p50 / p99 / longest) — the step budget's trade-off (`--max-num-batched-tokens`) between a
-long prompt's TTFT and the other streams' inter-token time, seen where users meet it.
+long prompt's TTFT and the other streams' inter-token time, seen where users meet it. Rank 0's round stats over the
+prefill (a line every 2 s) give its longest prompt round, so the stream's longest gap can be read against one step.
 
 The model is bench/long_context.py's (random weights at the release's dimensions, `--layers` layers: 4 = 3 KDA + 1
 MLA/DSA, 1 dense FFN + 3 MoE). With --offline (default on a GPU), long_context.py then prefills the same length on the
@@ -20,6 +21,7 @@ import argparse
 import datetime as dt
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -33,9 +35,13 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import httpx
 
-from bench.stack import attach_or_start
+from bench.stack import attach_or_start, round_stats
 
 LENGTH = 1_040_000
+STATS_INTERVAL_S = 2.0
+# A round-stats line's prompt rounds (services/rank_worker/round_stats.py): GPU time (CUDA only) and host launch, most.
+_PROMPT_ROUNDS = re.compile(r"with prompt rows: (?:GPU p50 [\d.]+ / max ([\d.]+) ms, )?host launch p50 [\d.]+ / max "
+                            r"([\d.]+) ms")
 
 
 class DecodeStream(threading.Thread):
@@ -75,6 +81,14 @@ def gap_stats(arrivals: list[float], start: float, end: float) -> dict:
         return {"chunks": len(times)}
     return {"chunks": len(times), "p50_ms": round(statistics.median(gaps), 2),
             "p99_ms": round(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 2), "max_ms": round(gaps[-1], 2)}
+
+
+def longest_prompt_round(lines: list[str]) -> dict:
+    """The longest prompt round in round-stats lines: its GPU time (None on the CPU) and host launch, in ms."""
+    found = [m.groups() for m in map(_PROMPT_ROUNDS.search, lines) if m]
+    gpu = [float(g) for g, _ in found if g is not None]
+    launch = [float(h) for _, h in found]
+    return {"gpu_max_ms": max(gpu) if gpu else None, "launch_max_ms": max(launch) if launch else None}
 
 
 def long_ttft(url: str, length: int, seed: int) -> dict:
@@ -140,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     offline = args.offline if args.offline is not None else args.device == "cuda"
     model = model_dir(args.layers, args.tiny)
-    env = {"TWINSPARK_DEVICE": args.device, "TWINSPARK_VIRTUAL_SHARDS": str(args.virtual), "TWINSPARK_RANDOM_WEIGHTS": args.weights, "TWINSPARK_DRAFTER": "none",
-           "TWINSPARK_MAX_NUM_BATCHED_TOKENS": str(args.budget)}
+    env = {"TWINSPARK_DEVICE": args.device, "TWINSPARK_VIRTUAL_SHARDS": str(args.virtual),
+           "TWINSPARK_RANDOM_WEIGHTS": args.weights, "TWINSPARK_DRAFTER": "none",
+           "TWINSPARK_MAX_NUM_BATCHED_TOKENS": str(args.budget), "TWINSPARK_STATS_INTERVAL": str(STATS_INTERVAL_S)}
     t0 = time.perf_counter()
     stack = attach_or_start(None, tp=1, model=str(model), env=env)
     result: dict = {"date": dt.datetime.now().isoformat(timespec="seconds"), "args": {k: str(v) for k, v in
@@ -159,15 +174,19 @@ def main(argv: list[str] | None = None) -> int:
         stream.start()
         while len(stream.arrivals) < 200 and stream.is_alive():
             time.sleep(0.05)
+        log = stack.state_dir / "logs" / "rank0.log"
+        seen = log.stat().st_size
         long = long_ttft(url, args.length, seed=2)
-        time.sleep(1.0)
+        time.sleep(STATS_INTERVAL_S + 0.5)  # the stream's rounds go on: the window holding the last chunk is logged
         stream.stop.set()
         stream.join(timeout=30)
         before_start = stream.arrivals[0] if stream.arrivals else long["start"]
         result.update(long={k: v for k, v in long.items() if k not in ("start", "first")},
                       stream_error=stream.error,
                       gaps_before=gap_stats(stream.arrivals, before_start, long["start"]),
-                      gaps_during=gap_stats(stream.arrivals, long["start"], long["first"] or long["start"]))
+                      gaps_during=gap_stats(stream.arrivals, long["start"], long["first"] or long["start"]),
+                      rank_stats=round_stats(log, seen))
+        result["longest_prompt_round"] = longest_prompt_round(result["rank_stats"])
         print(json.dumps(result, indent=1), flush=True)
     finally:
         stack.down()
@@ -197,6 +216,17 @@ def write(result: dict, out: Path) -> None:
              f" / {d.get('max_ms')} | {d.get('chunks')} | {long.get('usage')} |"]
     if result.get("stream_error"):
         lines += ["", f"The decoding stream ended with: {result['stream_error']}"]
+    lr = result.get("longest_prompt_round") or {}
+    if lr.get("launch_max_ms") is not None:
+        step = max(x for x in (lr.get("gpu_max_ms"), lr["launch_max_ms"]) if x is not None)
+        ratio = f"; the stream's longest gap during the prefill is {d['max_ms'] / step:.2f}x that" \
+            if d.get("max_ms") else ""
+        gpu = f"GPU {_f(lr['gpu_max_ms'])} ms, " if lr.get("gpu_max_ms") is not None else ""
+        lines += ["", f"Longest prompt round during the prefill (rank 0's round stats): {gpu}host launch "
+                  f"{_f(lr['launch_max_ms'])} ms{ratio}."]
+    if result.get("rank_stats"):
+        lines += ["", f"Rank 0's round stats from the long prompt's arrival (a line per {STATS_INTERVAL_S:g} s):", "",
+                  *(f"- {x}" for x in result["rank_stats"])]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / stem}.json and .md", flush=True)
 

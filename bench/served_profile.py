@@ -31,8 +31,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 from bench import flags
 from bench.serve import level, summarize
-from bench.stack import attach_or_start, write_results
-from bench.whole_model import request_bodies, round_stats
+from bench.stack import attach_or_start, round_stats, write_results
+from bench.whole_model import request_bodies
 from services.common import shared_flags as shared
 
 STATS_INTERVAL_S = 0.5

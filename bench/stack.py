@@ -55,6 +55,16 @@ def _twinspark() -> str:
     return str(Path(sys.executable).parent / "twinspark")
 
 
+def round_stats(log: Path, start: int) -> list[str]:
+    """Rank 0's round-stats lines (services/rank_worker/round_stats.py) written after byte `start` of its log: where
+    the served step's time went during a timed part of a bench (GPU per round, GPU idle between rounds, host
+    launch, prompt rounds apart)."""
+    with log.open("rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    return [line.split(" INFO ", 1)[-1] for line in text.splitlines() if ": rounds " in line]
+
+
 def attach_or_start(state_dir: str | None, *, tp: int, model: str | None, env: dict[str, str] | None = None) -> Stack:
     """The run recorded in `state_dir`, or (None) a new `twinspark up --detach` in a temporary state dir."""
     if state_dir:

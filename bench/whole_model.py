@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 from bench import exactness, flags
 from bench.serve import level, summarize, warm_up
-from bench.stack import attach_or_start, write_results
+from bench.stack import attach_or_start, round_stats, write_results
 from services.common import shared_flags as shared
 
 LAYERS = 45
@@ -122,15 +122,6 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
         stack.down()
     save(row)
     return row
-
-
-def round_stats(log: Path, start: int) -> list[str]:
-    """Rank 0's round-stats lines (services/rank_worker/round_stats.py) written after byte `start` of its log: where
-    the served step's time went during a timed level (GPU per round, GPU idle between rounds, host launch)."""
-    with log.open("rb") as f:
-        f.seek(start)
-        text = f.read().decode(errors="replace")
-    return [line.split(" INFO ", 1)[-1] for line in text.splitlines() if ": rounds " in line]
 
 
 def markdown(data: dict) -> str:
