@@ -178,8 +178,7 @@ class RoundScheduler:
         for r in self.running:
             if r.prefilling or r.no_draft or r.abort_reason is not None:
                 continue
-            left = min(r.max_tokens - len(r.generated), r.max_model_len - len(r.tokens))
-            k = max(0, min(self.cfg.num_draft_tokens, left - 1))
+            k = max(0, min(self.cfg.num_draft_tokens, r.tokens_left - 1))
             if k > 0:
                 want.append((r, k))
         return want
