@@ -192,6 +192,15 @@ def main(argv: list[str] | None = None) -> int:
                                    "kl_mean": 0.0, "kl_p99": 0.0, "decode_tok_s": ref_rate,
                                    **{"perplexity": compare(windows, ref, ref)["perplexity"]}}]
     print(f"reference: ppl {rows[0]['perplexity']:.4g}, decode {ref_rate:.1f} tok/s", flush=True)
+    data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "base": f"{args.dims} dims, "
+            f"{args.layers} layers" + (f", {args.experts} experts" if args.dims == "release" else ""),
+            "base_bytes": _weight_bytes(base), "windows": len(windows), "positions": positions, "rows": rows,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "load_line": f"Machine load before: {load['loadavg_1_5_15']} ({load['cpus']} CPUs)."}
+    # Saved after every format under one stamp: a run cut short (a lent machine's time limit) keeps what it measured.
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else None
+    write_results(out, "quality_formats", data, markdown(data), stamp=stamp)
     for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
         row: dict[str, Any] = {"format": fmt}
         try:
@@ -207,14 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = f"{type(exc).__name__}: {exc}"
             print(f"{fmt}: {row['error']}", flush=True)
         rows.append(row)
-    data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "base": f"{args.dims} dims, "
-            f"{args.layers} layers" + (f", {args.experts} experts" if args.dims == "release" else ""),
-            "base_bytes": _weight_bytes(base), "windows": len(windows), "positions": positions, "rows": rows,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "load_line": f"Machine load before: {load['loadavg_1_5_15']} ({load['cpus']} CPUs)."}
-    md = markdown(data)
-    print(md)
-    write_results(Path(args.out) if args.out else None, "quality_formats", data, md)
+        write_results(out, "quality_formats", data, markdown(data), stamp=stamp)
+    print(markdown(data))
     return 0 if all("error" not in r for r in rows) and not any(math.isnan(r.get("decode_tok_s", 0)) for r in rows) \
         else 1
 

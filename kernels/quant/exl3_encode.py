@@ -23,7 +23,12 @@ from kernels.quant import exl3
 
 BEAM = 32  # paths kept per tile (error at 3 bpw: beam 16 +20%, beam 64 -10%; time grows with it)
 FILL = 0.9  # the rotated weight's spread / the codebook's: the beam's error is lowest a little under 1 (measured)
-CHUNK = 2048  # tiles searched at once (memory: 256 steps x CHUNK x BEAM back-pointers)
+# Tiles searched at once (memory: 256 steps x chunk x BEAM back-pointers of 3 bytes). Every op of the search is
+# row-wise, so a tile's path does not depend on the chunk it is searched in. On the CPU small chunks stay in cache; on
+# a GPU each of the search's ~5,000 small launches per chunk costs ~10 us whatever its size, so a chunk there must be
+# large for the launches to carry work (2,048 tiles: ~1.8 s per 4096 x 4096 weight on an H200, launch-bound).
+CHUNK = 2048
+GPU_CHUNK = 32768  # ~0.8 GB of back-pointers at beam 32
 
 
 def quantize(w: torch.Tensor, bits: float, codebook_name: str = "mul1", *, generator: torch.Generator | None = None,
@@ -42,7 +47,8 @@ def quantize(w: torch.Tensor, bits: float, codebook_name: str = "mul1", *, gener
     tt = exl3.fwht(mixed / suh.float().unsqueeze(0)) * norm  # T^T [out, in]
     tiles = tt.t().reshape(inp // exl3.TILE, exl3.TILE, out // exl3.TILE, exl3.TILE).permute(0, 2, 1, 3)
     seq = tiles.reshape(-1, exl3.STEPS)[:, exl3.TILE_ORDER.to(w.device)]
-    values = torch.cat([encode(part, bits, codebook_name, beam) for part in seq.split(CHUNK)])
+    chunk = CHUNK if w.device.type == "cpu" else GPU_CHUNK
+    values = torch.cat([encode(part, bits, codebook_name, beam) for part in seq.split(chunk)])
     trellis = exl3.pack_steps(values, bits).view(inp // exl3.TILE, out // exl3.TILE, -1)
     return {"trellis": trellis, "suh": suh, "svh": svh, **exl3.marker(codebook_name)}
 

@@ -1,34 +1,16 @@
-"""Free ports for the internal listeners, and a check that the public port is not taken."""
+"""Free ports for the internal listeners (services/common/ports.py picks them), and a check that the public port is
+not taken."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 
+from services.common.ports import free_ports
+
 from .plan import client_host
 
-
-def free_ports(n: int, host: str = "127.0.0.1", exclude: tuple[int, ...] = ()) -> list[int]:
-    """`n` distinct ports that were free on `host` a moment ago.
-
-    All sockets are held open together while picking, so the ports are distinct; they are closed before the
-    children bind them, so another program could take one in between (then that child fails to bind, exits, and
-    `up` reports it with its log).
-    """
-    socks: list[socket.socket] = []
-    try:
-        ports: list[int] = []
-        while len(ports) < n:
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-            if port not in exclude and port not in ports:
-                ports.append(port)
-        return ports
-    finally:
-        for s in socks:
-            s.close()
+__all__ = ["free_ports", "listening", "port_free"]
 
 
 def port_free(host: str, port: int) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from model.host_exchange import HostExchange, RegionError, create_region
 from model.parallel import Sharding
 from services.common import shared_flags as shared
+from services.common.ports import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,8 @@ DEFAULT_SLOT_BYTES = 64 << 20  # serve-rank's --collective-slot-bytes default (t
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port for a one-host group's rendezvous (outside the ephemeral range: services/common/ports.py)."""
+    return free_ports(1)[0]
 
 
 def backend_for(collective: str, device: str) -> str:

@@ -77,6 +77,17 @@ def test_same_seed_same_words_whatever_the_threads():
     assert not torch.equal(other["suh"], runs[0]["suh"])
 
 
+def test_the_words_do_not_depend_on_the_chunk_the_tiles_are_searched_in(monkeypatch):
+    """The GPU searches 16x more tiles at once than the CPU (exl3_encode.GPU_CHUNK): a tile's path must be the
+    same whichever tiles share its chunk."""
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(9))
+    runs = []
+    for chunk in (128, 5):  # every tile in one chunk; uneven chunks of 5
+        monkeypatch.setattr(enc, "CHUNK", chunk)
+        runs.append(quantize(w, "exl3", bits=3, generator=torch.Generator().manual_seed(10)).tensors)
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+
+
 def test_bad_shapes_and_rates_are_refused():
     with pytest.raises(ValueError, match="multiples of 128"):
         quantize(torch.zeros(64, 128), "exl3")
