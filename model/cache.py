@@ -13,12 +13,26 @@ The scheduler decides which blocks and slots a sequence uses; this class only st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from model.batch import Batch
 from model.config import ModelConfig
 from model.parallel import Sharding
 from model.row_store import RowStore, row_bytes
+
+
+@dataclass
+class PendingStates:
+    """One KDA layer's per-row states of the verify windows of the forward just run, until the layer's commit.
+    Row `rows[i] + r` of `state` / `conv` is the state and conv history after row r of verify sequence `seqs[i]`:
+    the reference keeps each window in its own stretch of rows, the fused path a row per packed row (so a CUDA
+    graph's static buffers serve any mix of windows)."""
+    seqs: list[int]  # batch sequence indices of the verify windows
+    rows: list[int]  # each one's first row in `state` / `conv`
+    state: torch.Tensor  # [N, local heads, dk, dv] fp32
+    conv: torch.Tensor  # [N, K-1, channels]
 
 
 class PagedCache:
@@ -48,8 +62,8 @@ class PagedCache:
                                          dtype=torch.float32, device=device) for i in cfg.kda_layers}
         self.conv_state = {i: torch.zeros(num_slots + 1, cfg.linear_conv_kernel_dim - 1, channels, dtype=dtype,
                                           device=device) for i in cfg.kda_layers}
-        # KDA layer -> per-row states of the verify windows of the forward just run, until the layer's commit.
-        self.pending: dict[int, tuple] = {}
+        # KDA layer -> the verify windows' per-row states of the forward just run, until the layer's commit.
+        self.pending: dict[int, PendingStates] = {}
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy the KDA recurrent + conv state of slot src to slot dst for every KDA layer, pair by pair in order

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from model import projection
-from model.batch import Batch
 from model.cache import PagedCache
 from model.config import ModelConfig
 from model.projection import COLUMNS, ROWS
@@ -63,17 +62,12 @@ class KdaAttention:
         out = fwd.kda_gated_norm(core, gate, self.o_norm, self.eps, self.heads)
         return fwd.shard_linear(out, self.o_w, torch.float32)
 
-    def commit(self, batch: Batch, cache: PagedCache, accepted: dict[int, int]) -> None:
-        """After sampling: each verify sequence s keeps the state of its last accepted row (row accepted[s]; row 0
-        is the last committed token, so accepting a drafts keeps row a). Rows after it are dropped."""
+    def commit(self, cache: PagedCache, slots: torch.Tensor, picks: torch.Tensor) -> None:
+        """After sampling: each verify window's slot (slots[i]) keeps the state and conv history of its pending row
+        picks[i], its last accepted row (`Glm5Model.commit_verify` works them out); rows after it are dropped. One
+        gather and one scatter per cache for every window."""
         pending = cache.pending.pop(self.layer, None)
         if pending is None:
             return
-        verify, pend_state, pend_conv = pending
-        for i, s in enumerate(verify):
-            a = accepted.get(s, 0)
-            if not 0 <= a < batch.lengths[s]:
-                raise ValueError(f"sequence {s}: {a} accepted drafts in a window of {batch.lengths[s]} rows")
-            slot = batch.slots[s]
-            cache.kda_state[self.layer][slot] = pend_state[i, a]
-            cache.conv_state[self.layer][slot] = pend_conv[i, a]
+        cache.kda_state[self.layer].index_copy_(0, slots, pending.state.index_select(0, picks))
+        cache.conv_state[self.layer].index_copy_(0, slots, pending.conv.index_select(0, picks))

@@ -120,10 +120,24 @@ class Glm5Model:
 
     @torch.inference_mode()
     def commit_verify(self, batch: Batch, cache: PagedCache, accepted: dict[int, int]) -> None:
-        """accepted: verify sequence index -> drafts accepted. Must follow every forward with verify windows."""
+        """accepted: verify sequence index -> drafts accepted. Must follow every forward with verify windows: each
+        window's slot keeps the KDA state of its last accepted row (row 0 is the last committed token, so accepting
+        a drafts keeps row a)."""
+        pending = next(iter(cache.pending.values()), None)  # every KDA layer of one forward has the same windows
+        if pending is None:
+            return
+        picks = []
+        for s, row in zip(pending.seqs, pending.rows):
+            a = accepted.get(s, 0)
+            if not 0 <= a < batch.lengths[s]:
+                raise ValueError(f"sequence {s}: {a} accepted drafts in a window of {batch.lengths[s]} rows")
+            picks.append(row + a)
+        dev = pending.state.device
+        slots = torch.tensor([batch.slots[s] for s in pending.seqs], dtype=torch.int64).to(dev)
+        picked = torch.tensor(picks, dtype=torch.int64).to(dev)
         for layer in self.layers:
             if layer.is_kda:
-                layer.attn.commit(batch, cache, accepted)
+                layer.attn.commit(cache, slots, picked)
 
     @torch.inference_mode()
     def forward_mtp(self, batch: Batch, cache: PagedCache, *, fused: bool | None = None) -> ForwardOutput:

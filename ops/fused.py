@@ -28,7 +28,7 @@ from kernels.gpu import norms as gpu_norms
 from kernels.gpu import rows as gpu_rows
 from kernels.gpu import swiglu as gpu_swiglu
 from model.batch import Batch
-from model.cache import PagedCache
+from model.cache import PagedCache, PendingStates
 from model.parallel import Collective
 from model.projection import Projection
 from model.row_store import RowStore
@@ -124,11 +124,12 @@ class FusedForward:
         conv_all, state_all = cache.conv_state[attn.layer], cache.kda_state[attn.layer]
         pend_state = pend_conv = None
         if rows.verify:  # every row's state until `commit` keeps the last accepted one (as the reference)
-            pend_state = torch.empty(len(rows.verify), rows.window, *state_all.shape[1:], dtype=state_all.dtype,
-                                     device=mixed.device)
-            pend_conv = torch.empty(len(rows.verify), rows.window, *conv_all.shape[1:], dtype=conv_all.dtype,
-                                    device=mixed.device)
-            cache.pending[attn.layer] = (rows.verify, pend_state, pend_conv)
+            if rows.pending is not None:
+                pend_state, pend_conv = rows.pending[attn.layer]
+            else:
+                pend_state = torch.empty(d, *state_all.shape[1:], dtype=state_all.dtype, device=mixed.device)
+                pend_conv = torch.empty(d, *conv_all.shape[1:], dtype=conv_all.dtype, device=mixed.device)
+            cache.pending[attn.layer] = PendingStates(rows.verify, rows.verify_rows, pend_state, pend_conv)
         core = torch.empty(s, t, attn.heads * attn.dl, dtype=mixed.dtype, device=mixed.device)
         gpu_kda.decode(rows.kda, mixed=mixed, conv_w=attn.conv_w, conv_state=conv_all, chan_off=0, g_raw=g_raw,
                        dt_bias=attn.dt_bias, a_log=attn.a_log, lower_bound=attn.lower_bound, beta_raw=beta_raw,

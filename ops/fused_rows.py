@@ -53,10 +53,13 @@ class GpuRows:
     tables: torch.Tensor  # int32 [B, W] block tables
     n_real: torch.Tensor  # int32 [1] rows that route through the experts (graph padding rows do not)
     kda: DecodeSeqs  # the decode-class sequences (decode steps and verify windows)
-    verify: list[int]  # sequences that are verify windows, in pending-buffer order
-    window: int  # longest verify window (rows)
+    verify: list[int]  # sequences that are verify windows
+    verify_rows: list[int]  # each one's first packed row: where its rows' states go in the pending buffers
     prompt: PromptSeqs | None
     max_pools: int  # most complete k-pools any row sees (sizes the indexer's score matrix)
+    # KDA layer -> (state, conv) pending buffers of at least `decode_rows` rows that outlive the forward (a rank's
+    # CUDA graphs share one set); None: the forward allocates its own when it has verify windows
+    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _device(values: list[list[int]], device: torch.device) -> list[torch.Tensor]:
@@ -79,7 +82,7 @@ def build(batch: Batch, *, kpool: int) -> GpuRows:
     decode = [s for s in range(batch.num_seqs) if not batch.is_prompt(s)]
     verify = [s for s in decode if batch.is_verify(s)]
     prompt = [s for s in range(batch.num_seqs) if batch.is_prompt(s)]
-    pending = [verify.index(s) if s in verify else -1 for s in decode]
+    pending = [offsets[s] if s in verify else -1 for s in decode]
     commit = [i for i, p in enumerate(pending) if p < 0]
     cu = [0]
     row_first: list[int] = []
@@ -105,12 +108,11 @@ def build(batch: Batch, *, kpool: int) -> GpuRows:
         [batch.slots[s] for s in decode], [int(batch.starts[s] == 0) for s in decode], pending, commit,
         [len(positions)], cu, [batch.slots[s] for s in prompt], [int(batch.starts[s] == 0) for s in prompt],
         row_first, row_slot, row_fresh, hist_row, hist_old, hist_new], dev)
-    kda = DecodeSeqs(row0, length, slot, fresh, pend, commit_t.long())
+    kda = DecodeSeqs(row0, length, slot, fresh, pend, commit_t)
     prompt_seqs = PromptSeqs(prompt, cu_t.long(), torch.tensor(cu, dtype=torch.int64), p_slots.long(),
                              p_fresh.bool(), r_first, r_slot, r_fresh, h_row.long(), h_old.long(),
                              h_new.bool()) if prompt else None
     ends = [st + n for st, n in zip(batch.starts, batch.lengths)]
     return GpuRows(n_rows=len(positions), decode_rows=decode_rows, positions=pos_t, row_seq=seq_t,
                    tables=batch.block_tables.to(torch.int32), n_real=n_real, kda=kda, verify=verify,
-                   window=max((batch.lengths[s] for s in verify), default=0), prompt=prompt_seqs,
-                   max_pools=max(ends) // kpool)
+                   verify_rows=[offsets[s] for s in verify], prompt=prompt_seqs, max_pools=max(ends) // kpool)

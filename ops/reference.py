@@ -20,7 +20,7 @@ from kernels.linear import linear, pad_rows
 from kernels.mla import sparse_latent_attention
 from kernels.norms import gated_rms_norm, layer_norm, rms_norm
 from model.batch import Batch
-from model.cache import PagedCache
+from model.cache import PagedCache, PendingStates
 from model.parallel import Collective
 from model.projection import Projection
 from model.row_store import RowStore
@@ -121,7 +121,8 @@ class ReferenceForward:
                                      device=mixed.device)
             pend_conv = torch.zeros(len(verify), longest, *conv_all.shape[1:], dtype=conv_all.dtype,
                                     device=mixed.device)
-            cache.pending[attn.layer] = (verify, pend_state, pend_conv)
+            cache.pending[attn.layer] = PendingStates(verify, [i * longest for i in range(len(verify))],
+                                                      pend_state.flatten(0, 1), pend_conv.flatten(0, 1))
         cores = []
         for j in range(attn.shards):
             m = mixed[j].contiguous()

@@ -80,8 +80,8 @@ def _store_history(dst, s_row, ch, h0, h1, h2, act: tl.constexpr, mask):
 def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_conv_row, chan_off,
                        graw_ptr, s_graw_shard, s_graw, dt_bias_ptr, a_log_ptr, braw_ptr, s_braw_shard, s_braw,
                        state_ptr, s_state_slot, head_off, core_ptr, s_core_shard, s_core, hist_out_ptr, s_hist_seq,
-                       row0_ptr, len_ptr, slot_ptr, fresh_ptr, pend_ptr, pstate_ptr, s_pstate_seq, s_pstate_row,
-                       pconv_ptr, s_pconv_seq, s_pconv_row, H, C, lower_bound,
+                       row0_ptr, len_ptr, slot_ptr, fresh_ptr, pend_ptr, pstate_ptr, s_pstate_row, pconv_ptr,
+                       s_pconv_row, H, C, lower_bound,
                        HAS_LB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """One (sequence, head of one shard, block of BV value columns). q and k are recomputed by every value block of a
     head (cheap) so blocks never wait on each other; the value block 0 alone writes q/k conv history. The shard only
@@ -143,9 +143,10 @@ def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, 
         tl.store(core_ptr + row * s_core + head * DV + iv, o.to(act))
 
         if pend >= 0:  # verify window: keep every row's state and history for the commit
-            p_state = pstate_ptr + pend * s_pstate_seq + r * s_pstate_row + hd * DK * DV
+            p_row = (pend + r).to(tl.int64)
+            p_state = pstate_ptr + p_row * s_pstate_row + hd * DK * DV
             tl.store(p_state + ik[:, None] * DV + iv[None, :], s)
-            p_conv = pconv_ptr + pend * s_pconv_seq + r * s_pconv_row + chans
+            p_conv = pconv_ptr + p_row * s_pconv_row + chans
             _store_history(p_conv, s_conv_row, qc, q0, q1, q2, act, first_block)
             _store_history(p_conv, s_conv_row, kc, k0, k1, k2, act, first_block)
             _store_history(p_conv, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
@@ -169,8 +170,10 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
     one shard); conv_w [S, 3C, 4] fp32; g_raw [S, T, heads*dk]; dt_bias [S, heads*dk] fp32; a_log [S, heads] fp32;
     beta_raw [S, T, heads]; core [S, T, heads*dv]. The rank's caches: conv_state [slots, 3, channels of the rank]
     (shard s's columns start at chan_off + s x 3C); state [slots, rank heads, dk, dv] fp32 (shard s's heads start at
-    head_off + s x heads). Pending buffers (verify windows): pend_state [windows, L, rank heads, dk, dv] fp32,
-    pend_conv [windows, L, 3, channels of the rank].
+    head_off + s x heads). Pending buffers (verify windows): pend_state [N, rank heads, dk, dv] fp32 and pend_conv
+    [N, 3, channels of the rank], a row each: a verify window's row r leaves its state and history at row
+    `seqs.pending + r` (the fused path passes the window's first packed row, so any mix of windows fits N = the
+    decode-class rows).
     """
     if seqs.count == 0:
         return
@@ -196,8 +199,7 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
         a_log.contiguous(), beta_raw, beta_raw.stride(0), beta_raw.stride(1),
         state, state.stride(0), head_off, core, core.stride(0), core.stride(1), hist_out, hist_out.stride(0),
         seqs.row0, seqs.length, seqs.slot, seqs.fresh, seqs.pending,
-        ps, ps.stride(0), ps.stride(1) if pend_state is not None else 0,
-        pc, pc.stride(0), pc.stride(1) if pend_conv is not None else 0,
+        ps, ps.stride(0), pc, pc.stride(0),
         heads, c, float(lower_bound) if lower_bound is not None else 0.0,
         HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, num_warps=4)
     commit_history(hist_out, conv_state, seqs, chan_off, shards * 3 * c)

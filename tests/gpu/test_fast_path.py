@@ -5,7 +5,8 @@ indexer, KDA 64x128; two layers KM: a KDA layer with a dense FFN, an MLA layer w
   of many lengths): bit-identical logits (docs/design.md §5.1);
 - a prompt prefilled whole = in chunks on the 64-token grid: bit-identical logits, and the decode step after it too
   (so the KDA state and the cache rows are identical);
-- a CUDA-graph replay of a decode round = the eager forward of the same round: bit-identical.
+- a CUDA-graph replay of a decode round = the eager forward of the same round: bit-identical; likewise a round of
+  verify windows and decode steps, and the KDA states its commit keeps.
 """
 
 from __future__ import annotations
@@ -113,3 +114,32 @@ def test_graph_replay_equals_eager(model):
         eager = model.forward(batch, copy.deepcopy(cache)).logits.clone()
         replay = graphs.run(batch).logits.clone()
         assert torch.equal(eager, replay)
+
+
+def test_window_graph_replay_equals_eager(model):
+    """Verify windows of several lengths beside decode steps, replayed by one window graph over three rounds (the
+    windows change places and lengths): the logits equal the eager forward's, and so do the KDA states and conv
+    histories each commit keeps (a different number of drafts accepted per window)."""
+    from model.cuda_graphs import DecodeGraphs
+    cache = _cache(model, 8)
+    prompts = [_ids(90 + 13 * s, seed=40 + s) for s in range(4)]
+    model.forward(_batch([(s, prompts[s], 0, True, False) for s in range(4)]), cache)
+    graphs = DecodeGraphs(model, cache)
+    ends = [len(p) for p in prompts]
+    rounds = [[5, 1, 3, 1], [1, 4, 1, 6], [2, 2, 1, 4]]  # rows per sequence (1: a decode step)
+    for r, lengths in enumerate(rounds):
+        seqs = [(s, _ids(n, seed=100 * r + s), ends[s], False, n > 1) for s, n in enumerate(lengths)]
+        batch = _batch(seqs)
+        assert graphs.fits(batch)
+        accepted = {s: (r + s) % n for s, n in enumerate(lengths) if n > 1}
+        eager_cache = copy.deepcopy(cache)
+        eager = model.forward(batch, eager_cache).logits.clone()
+        model.commit_verify(batch, eager_cache, accepted)
+        replay = graphs.run(batch).logits.clone()
+        model.commit_verify(batch, cache, accepted)
+        assert torch.equal(eager, replay), f"round {r}: logits"
+        for layer in cache.kda_state:
+            assert torch.equal(eager_cache.kda_state[layer], cache.kda_state[layer]), f"round {r}: state {layer}"
+            assert torch.equal(eager_cache.conv_state[layer], cache.conv_state[layer]), f"round {r}: conv {layer}"
+        ends = [e + accepted.get(s, 0) + 1 for s, e in enumerate(ends)]
+    assert len([k for k in graphs.graphs if k[3]]) == 1  # 10, 12 and 9 rows: one graph (16 rows, 8 sequences)

@@ -3,7 +3,8 @@
 Checkpoint: make-tiny's layout at wider dimensions (tests/gpu/test_cuda_parity.py's WIDE: hidden 512, 8 layers),
 random bf16 weights. 12 requests of mixed prompt lengths (greedy and seeded T=0.8) are served one by one (the
 references), then staggered and all at once: the token ids must match 12/12 each way, and no kernel may compile
-after the rank said healthy. With two GPUs the same runs
+after the rank said healthy; with copy drafts (verify rounds replayed from window graphs) they match the undrafted
+ids. With two GPUs the same runs
 at TP=2 over NCCL and TP=1 = TP=2. The stream test prints the inter-token time of one streamed request next to the
 offline decode step of the same checkpoint (a CUDA-graph replay plus sampling) and holds it to <= 1.15x, tighter
 than docs/design.md §8's 1.2x; the stack's default `--num-scheduler-steps auto` lets its short decode rounds run
@@ -29,9 +30,9 @@ def wide_ckpt(tmp_path_factory):
     return write_wide_tiny(tmp_path_factory.mktemp("served") / "wide", seed=3, embed_gain=16.0)
 
 
-def _stack(ckpt, path, tp: int):
+def _stack(ckpt, path, tp: int, drafter: str = "none"):
     from tests.e2e.stack import start
-    return start(ckpt, path, tp=tp, env={"TWINSPARK_DEVICE": "cuda", "TWINSPARK_DRAFTER": "none"})
+    return start(ckpt, path, tp=tp, env={"TWINSPARK_DEVICE": "cuda", "TWINSPARK_DRAFTER": drafter})
 
 
 def _check_exact(url: str, label: str) -> list[list[int]]:
@@ -68,6 +69,27 @@ def test_burst_staggered_serial_identical_tp1_and_tp2(wide_ckpt, tmp_path):
     same = sum(a == b for a, b in zip(tp1, tp2))
     print(f"TP=1 vs TP=2: {same}/{len(tp1)} identical")
     assert same == len(tp1)
+
+
+def test_copy_drafts_through_window_graphs_equal_undrafted(wide_ckpt, tmp_path):
+    """Copy drafts on CUDA: their verify rounds replay window graphs (model/cuda_graphs.py), and the 12-request mix
+    gives the undrafted token ids, one by one, staggered and at once, with drafts accepted."""
+    stack = _stack(wide_ckpt, tmp_path / "plain", 1)
+    try:
+        plain = _check_exact(stack.v1, "TP=1 CUDA, no drafts")
+    finally:
+        stack.down()
+    stack = _stack(wide_ckpt, tmp_path / "copy", 1, drafter="copy")
+    try:
+        drafted = _check_exact(stack.v1, "TP=1 CUDA, copy drafts")
+        m = stack.metrics()
+    finally:
+        stack.down()
+    same = sum(a == b for a, b in zip(plain, drafted))
+    n_drafted = m.get("vllm:spec_decode_num_draft_tokens_total", 0.0)
+    print(f"copy drafts vs none: {same}/{len(plain)} identical, {n_drafted:.0f} draft tokens, "
+          f"{m.get('vllm:spec_decode_num_accepted_tokens_total', 0.0):.0f} accepted")
+    assert same == len(plain) and n_drafted > 0  # every round with drafts fits a window graph (<= 24 rows)
 
 
 def _offline_step_ms(ckpt) -> float:

@@ -75,9 +75,10 @@ def test_decode_and_verify_rows_match_twin() -> None:
     conv, state = make_cache(seed=200)
     conv0, state0 = conv.clone(), state.clone()
     # rows: decode seq in slot 2, fresh decode seq in slot 4, verify window of 3 rows (slot 1), decode in slot 0
-    sq = seqs([(0, 1, 2, 0, -1), (1, 1, 4, 1, -1), (2, 3, 1, 0, 0), (5, 1, 0, 0, -1)])
-    pend_state = torch.zeros(1, 3, HEADS_RANK, DK, DK, device=DEVICE)
-    pend_conv = torch.zeros(1, 3, 3, CH, dtype=HALF, device=DEVICE)
+    # (the window's rows go to its first packed row on in the pending buffers, a row each)
+    sq = seqs([(0, 1, 2, 0, -1), (1, 1, 4, 1, -1), (2, 3, 1, 0, 2), (5, 1, 0, 0, -1)])
+    pend_state = torch.zeros(6, HEADS_RANK, DK, DK, device=DEVICE)
+    pend_conv = torch.zeros(6, 3, CH, dtype=HALF, device=DEVICE)
     out = run_kernel(p, x, conv, state, sq, pend_state, pend_conv)[0]
 
     mine = slice(CHAN_OFF, CHAN_OFF + 3 * C)
@@ -93,8 +94,8 @@ def test_decode_and_verify_rows_match_twin() -> None:
     for r in range(3):
         o, hist, st = twin_step(p, x, 2 + r, hist, st)
         torch.testing.assert_close(out[2 + r].cpu().float(), o.float(), **HALF_TOL)
-        assert torch.equal(pend_conv[0, r, :, mine].cpu(), hist)
-        torch.testing.assert_close(pend_state[0, r, heads].cpu(), st, rtol=1e-4, atol=1e-5)
+        assert torch.equal(pend_conv[2 + r, :, mine].cpu(), hist)
+        torch.testing.assert_close(pend_state[2 + r, heads].cpu(), st, rtol=1e-4, atol=1e-5)
     assert torch.equal(state[1], state0[1]) and torch.equal(conv[1], conv0[1])  # verify leaves the slot alone
     # other shards' columns and heads are never touched
     assert torch.equal(conv[:, :, :CHAN_OFF], conv0[:, :, :CHAN_OFF]) and torch.equal(state[:, 0], state0[:, 0])
@@ -105,10 +106,10 @@ def test_decode_row_alone_equals_row_in_company() -> None:
     conv, state = make_cache(seed=400)
     alone_conv, alone_state = conv.clone(), state.clone()
     alone = run_kernel(p, x, alone_conv, alone_state, seqs([(3, 1, 5, 0, -1)]))[0]
-    crowd = run_kernel(p, x, conv, state, seqs([(0, 1, 0, 0, -1), (1, 2, 1, 0, 0), (3, 1, 5, 0, -1),
-                                                 (4, 2, 2, 0, 1)]),
-                       torch.zeros(2, 2, HEADS_RANK, DK, DK, device=DEVICE),
-                       torch.zeros(2, 2, 3, CH, dtype=HALF, device=DEVICE))[0]
+    crowd = run_kernel(p, x, conv, state, seqs([(0, 1, 0, 0, -1), (1, 2, 1, 0, 1), (3, 1, 5, 0, -1),
+                                                 (4, 2, 2, 0, 4)]),
+                       torch.zeros(6, HEADS_RANK, DK, DK, device=DEVICE),
+                       torch.zeros(6, 3, CH, dtype=HALF, device=DEVICE))[0]
     assert torch.equal(alone[3], crowd[3])
     assert torch.equal(alone_state[5], state[5]) and torch.equal(alone_conv[5], conv[5])
 
@@ -118,12 +119,13 @@ def test_commit_history_equals_torch_indexing() -> None:
     decode steps' slots get their new history in this shard's columns only; verify windows' slots (not in `commit`,
     whatever their hist_out rows hold) and every other column stay as they were."""
     # decode in slot 2, verify window (slot 1), fresh decode in slot 4, verify window (slot 5), decode in slot 0
-    sq = seqs([(0, 1, 2, 0, -1), (1, 3, 1, 0, 0), (4, 1, 4, 1, -1), (5, 2, 5, 0, 1), (7, 1, 0, 0, -1)])
+    sq = seqs([(0, 1, 2, 0, -1), (1, 3, 1, 0, 1), (4, 1, 4, 1, -1), (5, 2, 5, 0, 5), (7, 1, 0, 0, -1)])
     conv = randn(SLOTS, 3, CH, seed=800)
     hist_out = randn(sq.count, 3, CH, seed=801)
     want = conv.clone()
     mine = slice(CHAN_OFF, CHAN_OFF + 3 * C)
-    want[sq.slot.long()[sq.commit], :, mine] = hist_out[sq.commit][:, :, mine]
+    commit = sq.commit.long()
+    want[sq.slot.long()[commit], :, mine] = hist_out[commit][:, :, mine]
     kda.commit_history(hist_out, conv, sq, CHAN_OFF, 3 * C)
     assert torch.equal(conv, want)
     assert torch.equal(conv[2, :, mine], hist_out[0, :, mine])  # the indexing itself moved a decode step's slot on
@@ -199,11 +201,10 @@ def test_decode_shards_in_one_launch_equal_one_launch_per_shard() -> None:
     p, x = make_params(seed=7, shards=S), make_inputs(5, seed=600, shards=S)
     conv = randn(SLOTS, 3, S * 3 * C, seed=601)
     state = randn(SLOTS, S * H, DK, DK, dtype=torch.float32, seed=602, scale=0.2)
-    sq = seqs([(0, 1, 2, 0, -1), (1, 3, 1, 0, 0), (4, 1, 3, 1, -1)])  # decode, verify window of 3, fresh decode
+    sq = seqs([(0, 1, 2, 0, -1), (1, 3, 1, 0, 1), (4, 1, 3, 1, -1)])  # decode, verify window of 3, fresh decode
 
     def pending() -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.zeros(1, 3, S * H, DK, DK, device=DEVICE),
-                torch.zeros(1, 3, 3, S * 3 * C, dtype=HALF, device=DEVICE))
+        return (torch.zeros(5, S * H, DK, DK, device=DEVICE), torch.zeros(5, 3, S * 3 * C, dtype=HALF, device=DEVICE))
 
     fused_cache, per_cache = (conv.clone(), state.clone()), (conv.clone(), state.clone())
     fused_pend, per_pend = pending(), pending()
