@@ -491,11 +491,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
     p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, splitsweep, "
-                   "exl3inv, sweep, exl3pin, exl3builds, moe, moesweep, kda, mla, mlasweep, mhc, invariance, fla (formats / "
-                   "formatsweep / splitsweep / exl3inv / exl3pin / exl3builds: bench/kernels_formats.py — every "
+                   "exl3inv, sweep, exl3pin, exl3builds, exl3shard, moe, moesweep, kda, mla, mlasweep, mhc, invariance, fla "
+                   "(formats / formatsweep / splitsweep / exl3inv / exl3pin / exl3builds / exl3shard: "
+                   "bench/kernels_formats.py — every "
                    "weight format against exllamav3's EXL3 kernel, decode tiles per format, the decode K split, "
                    "exllamav3's row invariance, and with its kernel choice pinned, tile shapes of the CUDA EXL3 "
-                   "product)")
+                   "product, on the layer's shapes and on the MoE's virtual-shard shapes)")
     p.add_argument("--formats", default="", help="comma list of weight formats for the formats and moe sections "
                    "(bf16, fp8, w4a16, exl3:BITS; default: formats: bf16, fp8, w4a16, exl3 at 2.5 / 3.0 / 4.0; moe: "
                    "bf16, w4a16, exl3:3.0)")
@@ -531,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
         if want("exl3builds"):
             from bench.kernels_formats import exl3_builds
             data["rows"] += exl3_builds(log)
+        if want("exl3shard"):
+            from bench.kernels_formats import exl3_shard_builds
+            data["rows"] += exl3_shard_builds(log)
         if want("exl3pin"):
             from bench.kernels_formats import exllamav3_forced
             data["checks"] += exllamav3_forced(log)

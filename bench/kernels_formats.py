@@ -19,6 +19,7 @@ K steps a split keeps), and `exl3inv`, whether exllamav3's kernel keeps a row's 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -297,6 +298,36 @@ def exl3_builds(log: Callable[[str], None]) -> list[dict]:
                     rows.append(dict(kernel="exl3_build", build=dict(build), shape=name, bits=bits, experts=experts,
                                      us=us))
                     log(f"exl3 build {dict(build) or 'shipped'} {name} {bits} x {experts} experts: {us:.1f} us")
+    return rows
+
+
+# The MoE products as a TP-1 decode step launches them: 288 experts' gate|up and down split over 4 virtual shards,
+# so down is K = 512 a shard (its warps hold 4 K tiles each in the shipped build: latency, not bytes, bounds it).
+# Timed per build as a stack of 8 experts x 4 shards, one row each (a batch-1 step's launch).
+SHARD_SHAPES = [("shard gate|up", 2 * 512, 4096), ("shard down", 4096, 512)]
+SHARD_BUILDS = [(), (("TS_WARPS", 4),), (("TS_WARPS", 2),), (("TS_WARPS", 4), ("TS_N_TILES", 4)),
+                (("TS_WARPS", 2), ("TS_N_TILES", 4)), (("TS_WARPS", 2), ("TS_N_TILES", 8))]
+
+
+def exl3_shard_builds(log: Callable[[str], None], bits: float = 2.5) -> list[dict]:
+    """The CUDA EXL3 product alone on the MoE's shard shapes (SHARD_SHAPES), 32 shard-experts of one row in one
+    launch, per tile-shape build (SHARD_BUILDS; the first is the shipped one): whether short-K products want another
+    build (a build is chosen by shape, so the K order stays a function of the shape)."""
+    from kernels.gpu import exl3_cuda
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = {}
+    for name, n, k in SHARD_SHAPES:
+        copies, params, _ = _copies(f"exl3:{bits}", n, k, gen)
+        weights[name] = [_weight_args(f"exl3:{bits}", t, params) for t in copies]
+    rows: list[dict] = []
+    for build in SHARD_BUILDS:
+        t0 = time.perf_counter()
+        ext = exl3_cuda.extension(build)
+        built = time.perf_counter() - t0
+        for name, ws in weights.items():
+            us = _stack_us(ext, ws, 32)
+            rows.append(dict(kernel="exl3_shard_build", build=dict(build), shape=name, bits=bits, stack=32, us=us))
+            log(f"exl3 shard build {dict(build) or 'shipped'} {name} {bits} x 32: {us:.1f} us (built in {built:.0f} s)")
     return rows
 
 

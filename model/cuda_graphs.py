@@ -9,10 +9,11 @@ first rows are inputs like their positions (the kernels already take them as dat
 windows and decode steps of up to its rows; its padding rows belong to padding sequences after the real ones. Each
 window row leaves its KDA state in pending buffers shared by every window graph (the next round waits for the
 commit, so one set is enough), and after a replay they are handed to the cache for the commit as an eager forward
-would leave them. Without it every verify round ran eagerly: on the H200, 4 real-dimension layers took ~11 ms of host
-launches for a window against a 1.4 ms graph step. Every kernel of the fast path is row-invariant (docs/design.md §5.1), so a real row's bits are the same in the
-graph as in the eager forward of the same batch (tests/gpu checks replay == eager bit for bit). All graphs share one
-memory pool. vLLM's name for turning them off is kept: `--enforce-eager`.
+would leave them. Without it every verify round ran eagerly: on the H200, 4 real-dimension layers took ~11 ms of
+host launches for a window against a 1.4 ms graph step. Every kernel of the fast path is row-invariant
+(docs/design.md §5.1), so a real row's bits are the same in the graph as in the eager forward of the same batch
+(tests/gpu checks replay == eager bit for bit). All graphs share one memory pool. vLLM's name for turning them off
+is kept: `--enforce-eager`.
 
 When: a capture costs a few hundred ms on a small model and seconds on the release one, and a round that meets a new
 shape waits for it — on the H200 a cold stream's tokens came 30x slower than the offline step, the stalls being
@@ -133,7 +134,8 @@ class DecodeGraphs:
         self.cache = cache
         self.staging = staging
         self.window_rows = window_rows
-        self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}  # (sequences, rows, width, verify windows)
+        # (sequences, rows, width, verify windows, layers whose outputs it returns) -> graph
+        self.graphs: dict[tuple[int, int, int, bool, tuple[int, ...]], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.max_width = cache.num_blocks  # no sequence addresses more blocks than the cache has
         self.min_width = _pow2(-(-model.cfg.index_topk // cache.block_size))  # see the module docstring
@@ -141,11 +143,18 @@ class DecodeGraphs:
         # of them, as only one round with verify windows is in flight (the next waits for its commit).
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pending_rows = 0
+        # The layers whose outputs replays return besides logits: the first set a round asked for (a drafter's
+        # target layers do not change while it serves); a round asking for another set runs eagerly, so no plan
+        # can make the rank capture graph after graph.
+        self.layers: tuple[int, ...] | None = None
 
-    def fits(self, batch: Batch) -> bool:
+    def fits(self, batch: Batch, layers: tuple[int, ...] = ()) -> bool:
         """A round of one-row decode steps, or of decode steps and verify windows of `window_rows` rows in all (no
-        prompt chunk), within the largest bucket (a window graph keeps one padding sequence)."""
+        prompt chunk), within the largest bucket (a window graph keeps one padding sequence), asking for no layer
+        outputs or for the set the graphs return."""
         if batch.hidden is not None or any(batch.is_prompt(s) for s in range(batch.num_seqs)):
+            return False
+        if layers and self.layers not in (None, layers):
             return False
         if batch.has_verify:
             return sum(batch.lengths) <= self.window_rows and batch.num_seqs < BATCH_BUCKETS[-1]
@@ -165,13 +174,17 @@ class DecodeGraphs:
                  len(buckets), ",".join(map(str, buckets)), self.width(1), time.perf_counter() - t0,
                  torch.cuda.memory_reserved(self.model.device) / 2**30)
 
-    def run(self, batch: Batch) -> ForwardOutput:
+    def run(self, batch: Batch, layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """The batch's forward by a replay (`fits` holds). layers: also these layers' outputs (a drafter that reads
+        the target's hidden states, DFlash2, asks for the same ones every round: its graphs are captured with them)."""
         b, n = batch.num_seqs, sum(batch.lengths)
+        if layers:
+            self.layers = layers
         if batch.has_verify:  # one padding sequence at least, to own the padding rows (and stand in for commits)
             seqs, rows = _bucket(b + 1, BATCH_BUCKETS), _bucket(n, BATCH_BUCKETS)
         else:
             seqs = rows = _bucket(b, BATCH_BUCKETS)
-        g = self._graph(seqs, rows, self.width(batch.block_tables.shape[1]), batch.has_verify)
+        g = self._graph(seqs, rows, self.width(batch.block_tables.shape[1]), batch.has_verify, tuple(layers))
         self._fill(g, batch, seqs, rows)
         g.graph.replay()
         if batch.has_verify:  # the windows' states wait in the shared buffers for the commit, as in an eager forward
@@ -180,16 +193,17 @@ class DecodeGraphs:
             for layer, (state, conv) in self.pending.items():
                 self.cache.pending[layer] = PendingStates(verify, first, state, conv)
         wanted = batch.logit_rows.cpu()
-        if torch.equal(wanted, torch.arange(n)):
-            return ForwardOutput(g.out.logits[:n], g.out.hidden[:n])
-        return ForwardOutput(g.out.logits[wanted.to(g.out.logits.device)], g.out.hidden[:n])
+        logits = g.out.logits[:n] if torch.equal(wanted, torch.arange(n)) else \
+            g.out.logits[wanted.to(g.out.logits.device)]
+        return ForwardOutput(logits, g.out.hidden[:n], None if g.out.layers is None else g.out.layers[:n])
 
-    def _graph(self, seqs: int, rows: int, width: int, window: bool, quiet: bool = False) -> _Graph:
-        key = (seqs, rows, width, window)
+    def _graph(self, seqs: int, rows: int, width: int, window: bool, layers: tuple[int, ...] = (),
+               quiet: bool = False) -> _Graph:
+        key = (seqs, rows, width, window, layers)
         g = self.graphs.get(key)
         if g is None:
             t0 = time.perf_counter()
-            g = self._capture(seqs, rows, width, window)
+            g = self._capture(seqs, rows, width, window, layers)
             self.graphs[key] = g
             if not quiet:  # a capture while serving: what it cost the round that met a new shape (a stall)
                 log.info("captured a CUDA graph for %d %s rows of %d sequences, block tables of %d in %.0f ms (%d "
@@ -227,7 +241,7 @@ class DecodeGraphs:
                      sum(s.nbytes + h.nbytes for s, h in self.pending.values()) / 2**30)
         return self.pending
 
-    def _capture(self, seqs: int, rows: int, width: int, window: bool) -> _Graph:
+    def _capture(self, seqs: int, rows: int, width: int, window: bool, layers: tuple[int, ...]) -> _Graph:
         """The graph of a bucket: `rows` decode-class rows of `seqs` sequences, with verify windows or one-row decode
         steps only (a window graph takes every sequence's kind and length as inputs: one graph serves any mix)."""
         dev = self.model.device
@@ -261,11 +275,11 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model.run(FusedForward(batch, self.cache, gpu_rows))
+                self.model.run(FusedForward(batch, self.cache, gpu_rows), layers)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model.run(FusedForward(batch, self.cache, gpu_rows))
+            out = self.model.run(FusedForward(batch, self.cache, gpu_rows), layers)
         for layer in self.pending:  # what the capture's windows left for a commit that will not come
             self.cache.pending.pop(layer, None)
         return _Graph(graph, packed, hosts, tokens, tables, out, gpu_rows, batch)

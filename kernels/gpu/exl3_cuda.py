@@ -26,6 +26,14 @@ SOURCE = Path(__file__).with_name("cuda") / "exl3_grouped.cu"
 BLOCK_M = 16  # slots per tile: the decode class's grouping (kernels/gpu/moe.py's moe_schedule)
 K_MULTIPLE = 512  # 8 warps x 4 unrolled 16-wide K tiles
 N_MULTIPLE = 32  # two 16-wide output tiles per block
+# Products of K <= SHORT_K (the MoE's down projection: 2,048 split over 4 virtual shards is 512 a shard) take a build
+# of 2 warps on K and 4 output tiles a block: with 8 warps each held 4 K tiles, and the block's setup and warp
+# reduction were most of its time. 32 shard-experts of 4096 x 512 at 2.5 bits, one row each, on an H100: 46.1 us in
+# the shipped build, 28.3 us in this one (bench/results/kernels-20261205-075106-exl3shard.log). The build depends
+# on K alone, so a product's K order is still a function of its shape (docs/design.md §5.1).
+SHORT_K = 1024
+SHORT_K_BUILD = (("TS_WARPS", 2), ("TS_N_TILES", 4))
+SHORT_K_N_MULTIPLE = 64  # four 16-wide output tiles per block
 # (codebook id, 2 x bits) pairs the .cu file instantiates: mul1 at 2.0-4.0 bits with the half rates, the other two
 # codebooks at 2, 3 and 4 bits.
 RATES = frozenset({(2, b) for b in (4, 5, 6, 7, 8)} | {(cb, b) for cb in (0, 1) for b in (4, 6, 8)})
@@ -45,9 +53,15 @@ def covers(a: torch.Tensor, w: WeightArgs, block_m: int) -> bool:
 
 def runs(device: torch.device, dtype: torch.dtype, w: WeightArgs, block_m: int) -> bool:
     """`covers` for rows of `dtype` on `device` that are not made yet."""
+    n_multiple = SHORT_K_N_MULTIPLE if w.k <= SHORT_K else N_MULTIPLE
     return (w.fmt is Fmt.EXL3 and device.type == "cuda" and dtype == torch.float16 and block_m == BLOCK_M
-            and (w.block_n, w.block_k // 8) in RATES and w.k % K_MULTIPLE == 0 and w.n % N_MULTIPLE == 0
+            and (w.block_n, w.block_k // 8) in RATES and w.k % K_MULTIPLE == 0 and w.n % n_multiple == 0
             and enabled())
+
+
+def build_of(k: int) -> tuple[tuple[str, int], ...]:
+    """The tile-shape build a product of inner dimension k runs in (`extension`'s variant)."""
+    return SHORT_K_BUILD if k <= SHORT_K else ()
 
 
 def cache_dir() -> Path:
@@ -76,7 +90,7 @@ def extension(variant: tuple[tuple[str, int], ...] = ()):
 def grouped(a: torch.Tensor, w: WeightArgs, pair_of_slot: torch.Tensor, expert_of_block: torch.Tensor) -> torch.Tensor:
     """out [slots, N] float32 = a [slots, K] @ T[expert of the slot's tile] (see the .cu file); `covers` holds."""
     out = torch.empty(a.shape[0], w.n, dtype=torch.float32, device=a.device)
-    extension().exl3_grouped(a, w.data, out, pair_of_slot, expert_of_block, w.data.shape[0], w.block_n,
+    extension(build_of(w.k)).exl3_grouped(a, w.data, out, pair_of_slot, expert_of_block, w.data.shape[0], w.block_n,
                              w.block_k // 8)
     return out
 
@@ -86,8 +100,8 @@ def grouped_pair(a: torch.Tensor, w: WeightArgs, w2: WeightArgs, pair_of_slot: t
     """`grouped` of two stacks of one layout (the MoE's gate and up) on one slot grid, in one launch: a [2 x slots,
     K] (w's rows, then w2's) -> out [2 x slots, N] float32 alike; each half's bits are those of `grouped` alone."""
     out = torch.empty(a.shape[0], w.n, dtype=torch.float32, device=a.device)
-    extension().exl3_grouped_pair(a, w.data, w2.data, out, pair_of_slot, expert_of_block, w.data.shape[0], w.block_n,
-                                  w.block_k // 8)
+    extension(build_of(w.k)).exl3_grouped_pair(a, w.data, w2.data, out, pair_of_slot, expert_of_block,
+                                               w.data.shape[0], w.block_n, w.block_k // 8)
     return out
 
 
@@ -101,5 +115,5 @@ def dense(a: torch.Tensor, w: WeightArgs) -> torch.Tensor:
     """[B, M, N] float32 = a [B, M, K] @ T[b] for each weight b of the stack (`covers` holds for a's rows)."""
     b, m, k = a.shape
     out = torch.empty(b, m, w.n, dtype=torch.float32, device=a.device)
-    extension().exl3_dense(a.reshape(b * m, k), w.data, out.view(b * m, w.n), m, w.block_n, w.block_k // 8)
+    extension(build_of(k)).exl3_dense(a.reshape(b * m, k), w.data, out.view(b * m, w.n), m, w.block_n, w.block_k // 8)
     return out

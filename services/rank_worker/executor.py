@@ -73,10 +73,10 @@ class Executor:
         self.next_token.zero_()
 
     def forward(self, batch: Batch, layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """One forward of the (class-ordered) batch: a CUDA graph replay for decode rounds when enabled. A round
-        that wants layer outputs runs eagerly: the captured graphs return only logits and the final hidden state."""
-        if not layers and self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch)
+        """One forward of the (class-ordered) batch: a CUDA graph replay for decode rounds (and verify windows) when
+        enabled, with the layer outputs a DFlash2 drafter reads when the round asks for them."""
+        if self.graphs is not None and self.graphs.fits(batch, layers):
+            return self.graphs.run(batch, layers)
         return self.model.forward(batch, self.cache, layers=layers)
 
     def _remember(self, slots: list[int], ends: list[int], sampled: torch.Tensor, index: list[int]) -> None:

@@ -118,8 +118,8 @@ def test_graph_replay_equals_eager(model):
 
 def test_window_graph_replay_equals_eager(model):
     """Verify windows of several lengths beside decode steps, replayed by one window graph over three rounds (the
-    windows change places and lengths): the logits equal the eager forward's, and so do the KDA states and conv
-    histories each commit keeps (a different number of drafts accepted per window)."""
+    windows change places and lengths): the logits and a layer's outputs equal the eager forward's, and so do the KDA
+    states and conv histories each commit keeps (a different number of drafts accepted per window)."""
     from model.cuda_graphs import DecodeGraphs
     cache = _cache(model, 8)
     prompts = [_ids(90 + 13 * s, seed=40 + s) for s in range(4)]
@@ -133,13 +133,18 @@ def test_window_graph_replay_equals_eager(model):
         assert graphs.fits(batch)
         accepted = {s: (r + s) % n for s, n in enumerate(lengths) if n > 1}
         eager_cache = copy.deepcopy(cache)
-        eager = model.forward(batch, eager_cache).logits.clone()
+        eager = model.forward(batch, eager_cache, layers=(0,))  # a DFlash2 drafter's layer outputs too
         model.commit_verify(batch, eager_cache, accepted)
-        replay = graphs.run(batch).logits.clone()
+        assert graphs.fits(batch, (0,))
+        assert graphs.fits(batch, (1,)) == (r == 0)  # once a set of layers has graphs, another set runs eagerly
+        replay = graphs.run(batch, (0,))
         model.commit_verify(batch, cache, accepted)
-        assert torch.equal(eager, replay), f"round {r}: logits"
+        assert torch.equal(eager.logits, replay.logits), f"round {r}: logits"
+        assert torch.equal(eager.layers, replay.layers), f"round {r}: layer 0's outputs"
+        live = slice(0, cache.num_slots)  # the scratch slot after them holds what the graph's padding left
         for layer in cache.kda_state:
-            assert torch.equal(eager_cache.kda_state[layer], cache.kda_state[layer]), f"round {r}: state {layer}"
-            assert torch.equal(eager_cache.conv_state[layer], cache.conv_state[layer]), f"round {r}: conv {layer}"
+            for name in ("kda_state", "conv_state"):
+                want, got = getattr(eager_cache, name)[layer][live], getattr(cache, name)[layer][live]
+                assert torch.equal(want, got), f"round {r}: {name} {layer}"
         ends = [e + accepted.get(s, 0) + 1 for s, e in enumerate(ends)]
     assert len([k for k in graphs.graphs if k[3]]) == 1  # 10, 12 and 9 rows: one graph (16 rows, 8 sequences)

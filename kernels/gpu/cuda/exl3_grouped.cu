@@ -15,6 +15,8 @@
 // - the two products run on tensor cores (float16 in, float32 accumulate).
 // Measured on an H200 (bench/results/kernels-20261203-195245.json): 4096x12288 at 2.5 bits, one row, 28.4 us with
 // the rotations against 24.2 us for exllamav3's kernel; the tile shape was chosen by bench.kernels' exl3builds.
+// Products of K <= 1,024 (the MoE's down projection a virtual shard holds) run a second build, 2 warps on K and 4
+// output tiles a block (kernels/gpu/exl3_cuda.py's SHORT_K_BUILD, chosen by bench.kernels' exl3shard).
 //
 // Exactness (docs/design.md section 5.1): a block is 16 rows (slots) of one weight and 32 outputs; its warps take
 // fixed equal parts of K and their partials are added in warp order. The K order of every output therefore depends
