@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch
 
 from bench import flags, roofline
-from bench.decode_prefill import BLOCK, Setup, _ints, finish, free, is_oom, log, random_tokens, setup
+from bench.decode_prefill import BLOCK, Setup, _ints, count_experts, finish, free, is_oom, log, random_tokens, setup
 from bench.random_weights import build_model
 from model.batch import Batch
 from model.checkpoint.dflash_writer import tiny_dflash_config
@@ -134,15 +134,16 @@ class Results:
         if d["summary"]:
             lines += [f"**{d['summary']}**", ""]
         lines += ["## Target (batch 1)", "",
-                  "| step | rows | mode | median ms | / decode | / eager decode | logit rows |",
-                  "|---|---:|---|---:|---:|---:|---:|"]
+                  "| step | rows | mode | median ms | / decode | / eager decode | logit rows | experts hit / MoE layer |",
+                  "|---|---:|---|---:|---:|---:|---:|---|"]
         for r in t["decode"] + t["verify"]:
             name = f"verify {r['drafts']} drafts" if "drafts" in r else "decode"
             if r.get("status") != "ok":
-                lines.append(f"| {name} | {r['rows']} | {r.get('mode', '')} | {r.get('status')} | | | |")
+                lines.append(f"| {name} | {r['rows']} | {r.get('mode', '')} | {r.get('status')} | | | | |")
                 continue
+            hit = "/".join(map(str, r.get("experts_hit") or []))
             lines.append(f"| {name} | {r['rows']} | {r['mode']} | {r['median_ms']:.3f} | "
-                         f"{_ratio(r.get('ratio'))} | {_ratio(r.get('ratio_eager'))} | {r['logit_rows']} |")
+                         f"{_ratio(r.get('ratio'))} | {_ratio(r.get('ratio_eager'))} | {r['logit_rows']} | {hit} |")
         lines += ["", "## Drafter (batch 1)", "", "| call | rows | median ms |", "|---|---:|---:|"]
         for r in dr["fuse"]:
             lines.append(f"| fuse (new context rows) | {r['rows']} | {_ms(r.get('median_ms')) or r.get('status')} |")
@@ -212,12 +213,25 @@ def bench_target(res: Results, run: Setup, args: argparse.Namespace) -> None:
                      starts=[start], lengths=[rows], block_tables=table, slots=[0], logit_rows=torch.arange(rows),
                      verify=[True] if rows > 1 else None)
 
+    moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
+
+    def experts_hit(b: Batch) -> list[int]:
+        """Distinct routed experts the window's rows pick per MoE layer, from one eager forward of its first batch
+        (untimed, a warm-up call more): what the MoE must read, or decode, against a one-row step's top-k."""
+        hits: list[dict] = []
+        with count_experts(sum(b.lengths), hits):
+            model.forward(b, cache)
+        if b.has_verify:
+            model.commit_verify(b, cache, {0: 0})
+        return [h["real"] for h in hits[-moe_layers:]] if moe_layers else []
+
     def timed(rows: int, eager: bool) -> dict:
         nonlocal pos
         batches = [window(pos + i, rows) for i in range(calls)]  # built before timing
         pos += calls
         graph = graphs is not None and not eager and graphs.fits(batches[0])
         row: dict = {"rows": rows, "mode": "graph" if graph else "eager", "context": batches[0].starts[0]}
+        row["experts_hit"] = experts_hit(batches[0]) if not eager or graphs is None else None
 
         def call(i: int) -> None:
             b = batches[i]
@@ -370,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         "slot on the device), committed with 0 drafts accepted so every call advances the sequence by one position.",
         "decode: the same sequence, one row, logits for it; 'graph' = a DecodeGraphs replay (captured in the warm-up), "
         "'eager' = model.forward.",
+        "experts hit: the distinct routed experts a step's rows pick in each MoE layer (one untimed eager call): "
+        "random drafts route each row to its own top-k at random, so a window's MoE reads (or, for EXL3, decodes) "
+        "about as many experts as that many independent tokens would, where a real model's consecutive tokens "
+        "share some.",
         "drafter: propose_from_context = embed the block, 5 layers over [context, block], lm_head on the 15 rows after "
         "the anchor, candidate selector (greedy, 15 sequential picks); fuse = fc + norm of the new rows.",
     ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import time
 
 import torch
@@ -36,6 +37,18 @@ SHM_DIR = "/dev/shm"
 LINE = 64  # one cache line per rank's flags: ranks spinning on different flags never share a line
 NONCE_BYTES = 16
 SEQ, NBYTES = 0, 8  # offsets of a rank's sequence number and its per-buffer sizes in its line
+
+
+def host_id() -> str:
+    """Ranks with the same id share a host (and so may map each other's memory): the kernel's boot id, which
+    differs between machines, plus the hostname, which differs between containers (mapping another container's
+    memory would need a shared IPC namespace: such ranks count as on other hosts)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 class RegionError(RuntimeError):

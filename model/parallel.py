@@ -10,11 +10,17 @@ operations and give the same bits (docs/design.md §5.3) — and every rank ends
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from model.host_exchange import HostExchange
+if TYPE_CHECKING:  # the CUDA exchange needs Triton, which a CPU install on ARM lacks: imported where it is made
+    from model.device_exchange import DeviceExchange
+    from model.host_exchange import HostExchange
+
+    # The same-host exchanges (ranks of one host): shared memory for CPU ranks, CUDA IPC device buffers for GPU ones.
+    Exchange = HostExchange | DeviceExchange
 
 
 @dataclass(frozen=True)
@@ -45,13 +51,14 @@ class Sharding:
 
 class Collective:
     """All-gather based reductions over the tensor-parallel group (gloo on CPU, NCCL on CUDA), or, with an
-    `exchange`, through the same-host region every rank maps (model/host_exchange.py; `union` stays on the group).
+    `exchange`, through the same-host memory every rank maps (model/host_exchange.py on the CPU,
+    model/device_exchange.py on CUDA; `union` stays on the group).
 
     With one rank no process group is needed and nothing is sent.
     """
 
     def __init__(self, sharding: Sharding, group: dist.ProcessGroup | None = None,
-                 exchange: HostExchange | None = None) -> None:
+                 exchange: Exchange | None = None) -> None:
         self.sharding = sharding
         self.group = group
         self.exchange = exchange

@@ -29,9 +29,8 @@ if TYPE_CHECKING:  # imported where used: `twinspark --help` loads no model code
     from torch.distributed import ProcessGroup
 
     from model.cache import PagedCache
-    from model.host_exchange import HostExchange
     from model.model import Glm5Model
-    from model.parallel import Sharding
+    from model.parallel import Exchange, Sharding
     from model.quantize.select import Recipe
     from model.vision import VisionConfig
     from services.rank_worker.kv_tiers import TierStore
@@ -96,7 +95,7 @@ def serve_rank(s: RankSettings) -> int:
     return 0
 
 
-def _join(s: RankSettings) -> tuple[Sharding, ProcessGroup | None, HostExchange | None, dict[str, str]]:
+def _join(s: RankSettings) -> tuple[Sharding, ProcessGroup | None, Exchange | None, dict[str, str]]:
     """Join the group, check that every rank has the same settings and arm the peer watchdog: (sharding, group,
     the same-host exchange if the collective runs through one, the agreed settings)."""
     from services.common.internal_auth import group_digest
@@ -131,7 +130,7 @@ def _join(s: RankSettings) -> tuple[Sharding, ProcessGroup | None, HostExchange 
 
 
 def _load(s: RankSettings, recipe: Recipe | None, sharding: Sharding, group: ProcessGroup | None,
-          exchange: HostExchange | None, settings: dict[str, str]) -> Loaded:
+          exchange: Exchange | None, settings: dict[str, str]) -> Loaded:
     """This rank's shard: read from the checkpoint, or drawn at random in `recipe`'s formats."""
     from model.model import Glm5Model
     from model.vision import VisionConfig
@@ -160,7 +159,7 @@ def _load(s: RankSettings, recipe: Recipe | None, sharding: Sharding, group: Pro
 
 
 def _random_model(model_dir: str, recipe: Recipe, sharding: Sharding, group: ProcessGroup | None,
-                  exchange: HostExchange | None, dtype: torch.dtype, device: torch.device) -> Glm5Model:
+                  exchange: Exchange | None, dtype: torch.dtype, device: torch.device) -> Glm5Model:
     """The model of `model_dir`'s config over weights drawn on the device (`--random-weights`)."""
     from model.config import ModelConfig
     from model.model import Glm5Model
@@ -181,7 +180,8 @@ def _sized_pool(s: RankSettings, loaded: Loaded) -> int:
     cost = pool_size.pool_cost(model.cfg, model.coll.sharding, block_size=s.block_size, dtype=model.dtype,
                                kv_dtype=KV_CACHE_DTYPES[s.kv_cache_dtype], with_mtp=model.mtp is not None)
     budget = pool_size.budget_bytes(loaded.device, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-                                    gpu_memory_utilization=s.gpu_memory_utilization)
+                                    gpu_memory_utilization=s.gpu_memory_utilization,
+                                    sharers=pool_size.device_sharers(loaded.group, loaded.device))
     if loaded.device.type == "cuda" and s.kv_cache_memory_bytes <= 0:  # room for the step's activations first
         from services.common.step_budget import step_budget
         from services.rank_worker.warmup import activation_peak

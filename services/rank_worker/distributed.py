@@ -2,10 +2,11 @@
 
 - nccl: torch.distributed over NCCL (CUDA; its IB transport is RoCE between Sparks).
 - gloo: torch.distributed over gloo (CPU tensors; loopback sockets even on one host).
-- ipc: the same-host exchange (model/host_exchange.py), CPU only for now: a shared-memory region every rank maps.
-  The group is still joined over gloo, for the once-only handshake (the region's name) and `Collective.union`.
-- auto: on CUDA nccl; on the CPU ipc when every rank can map rank 0's region (so all share this host and its
-  /dev/shm), else gloo.
+- ipc: the same-host exchange, for ranks that share a host: on the CPU a shared-memory region every rank maps
+  (model/host_exchange.py); on CUDA device buffers the ranks map through CUDA IPC handles (model/device_exchange.py),
+  which also lets two ranks share one GPU (NCCL refuses that). The group is joined over gloo, for the once-only
+  handshake and `Collective.union`.
+- auto: ipc when every rank shares this host and can map the others' memory; else NCCL on CUDA, gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from model.host_exchange import HostExchange, RegionError, create_region
+from model.host_exchange import HostExchange, RegionError, create_region, host_id
 from model.parallel import Sharding
 from services.common import shared_flags as shared
 from services.common.ports import free_ports
+
+if TYPE_CHECKING:
+    from model.device_exchange import DeviceExchange
+    from model.parallel import Exchange
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +44,17 @@ def backend_for(collective: str, device: str) -> str:
     cuda = device.startswith("cuda")
     if collective not in COLLECTIVES:
         raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
-    if collective == "ipc" and cuda:
-        raise ValueError("--collective ipc: the CUDA transport of the same-host collective (device buffers mapped "
-                         "through CUDA IPC) is not built yet; on CUDA use nccl (or auto)")
     if collective == "nccl" and not cuda:
         raise ValueError("--collective nccl needs --device cuda (NCCL moves CUDA tensors only); on the CPU use "
                          "ipc, gloo or auto")
-    if collective == "auto":
-        return "nccl" if cuda else "gloo"
-    return "gloo" if collective == "ipc" else collective
+    # auto starts over gloo too: whether the ranks share a host is known only once they have joined (a CUDA group
+    # that cannot use the same-host exchange then moves its tensors to an NCCL group).
+    return "gloo" if collective in ("ipc", "auto") else collective
 
 
 def join_group(rank: int, world: int, *, master_addr: str, master_port: int, device: str, virtual: int = 4,
                timeout_s: float = 60.0, collective: str = "auto", slot_bytes: int = DEFAULT_SLOT_BYTES,
-               ) -> tuple[Sharding, dist.ProcessGroup | None, HostExchange | None]:
+               ) -> tuple[Sharding, dist.ProcessGroup | None, Exchange | None]:
     """Initialise torch.distributed for this rank (no-op for one rank): (its sharding, the group, the same-host
     exchange when the collective runs through one)."""
     sharding = Sharding(rank=rank, world=world, virtual=virtual)
@@ -69,11 +72,41 @@ def join_group(rank: int, world: int, *, master_addr: str, master_port: int, dev
         raise RuntimeError(f"the ranks chose different collectives: {', '.join(map(str, chosen))} (rank order); "
                            "give every rank the same --collective")
     exchange = None
-    if backend == "gloo" and collective != "gloo":
-        exchange = _same_host(rank, world, group, required=collective == "ipc", slot_bytes=slot_bytes,
-                              timeout_s=timeout_s)
-    log.info("collective: %s", "ipc (same-host shared memory)" if exchange else backend)
+    cuda = device.startswith("cuda")
+    if collective in ("ipc", "auto"):
+        required = collective == "ipc"
+        exchange = (_same_host_cuda(rank, world, group, required=required, slot_bytes=slot_bytes) if cuda else
+                    _same_host(rank, world, group, required=required, slot_bytes=slot_bytes, timeout_s=timeout_s))
+    if cuda and exchange is None and collective == "auto":
+        group, backend = dist.new_group(backend="nccl"), "nccl"
+    if exchange is not None:
+        log.info("collective: ipc (%s)", "CUDA IPC device buffers" if cuda else "same-host shared memory")
+    else:
+        log.info("collective: %s", backend)
     return sharding, group, exchange
+
+
+def _same_host_cuda(rank: int, world: int, group: dist.ProcessGroup, *, required: bool,
+                    slot_bytes: int) -> DeviceExchange | None:
+    """The CUDA handshake: when every rank reports this host's id, each maps the others' device regions
+    (`required`: else raise, saying why)."""
+    from model.device_exchange import DeviceExchange, cuda_regions  # needs Triton: CUDA ranks only
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, host_id(), group=group)
+    why = ""
+    if len(set(hosts)) > 1:
+        why = "the ranks are on different hosts (" + ", ".join(f"rank {r}: {h}" for r, h in enumerate(hosts)) + ")"
+    else:
+        try:
+            device = torch.device("cuda", torch.cuda.current_device())
+            return DeviceExchange(cuda_regions(rank, world, group, slot_bytes, device), rank, slot_bytes)
+        except (RuntimeError, ValueError) as exc:  # the same on every rank: cuda_regions gathers the reasons
+            why = str(exc)
+    if required:
+        raise RuntimeError(f"--collective ipc on CUDA needs every rank on this host, mapping the others' memory: "
+                           f"{why}")
+    log.info("same-host CUDA collective not usable (%s): nccl instead", why)
+    return None
 
 
 def _same_host(rank: int, world: int, group: dist.ProcessGroup, *, required: bool, slot_bytes: int,

@@ -6,7 +6,8 @@ The budget (bytes for the pool's blocks and its KDA state slots together, per ra
 - on CUDA: `--gpu-memory-utilization` x the device's memory, less what is in use on it once the weights are loaded
   (by this process and any other), less the peak of a profile run: one prompt chunk at the step budget
   (warmup.activation_peak, as vLLM profiles before it sizes its cache); the rest (1 - utilization) is the room
-  left for CUDA graphs, the GPU indexer's buffers and the allocator's slack;
+  left for CUDA graphs, the GPU indexer's buffers and the allocator's slack; ranks that share a GPU (TP = 2 on a
+  one-GPU machine) split it evenly, measured once every rank has loaded its weights;
 - on the CPU: CPU_KV_CACHE_BYTES, or half the available RAM when that is less (vLLM's CPU backend likewise takes a
   fixed KV space, VLLM_CPU_KVCACHE_SPACE, rather than profiling; a CPU pool is resident from the start).
 Every rank sizes its own and the group takes the smallest, so all ranks address the same blocks.
@@ -49,13 +50,28 @@ def _available_ram() -> int:
     raise RuntimeError("/proc/meminfo has no MemAvailable")
 
 
-def budget_bytes(device: torch.device, *, kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> int:
-    """Bytes this rank's pool (blocks and slots) may take, by the rules in the module docstring."""
+def device_sharers(group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """How many ranks of the group (this one included) run on this very GPU: TP = 2 on a one-GPU machine puts two
+    rank processes on it, and each may take only its share of what is free."""
+    if group is None or device.type != "cuda":
+        return 1
+    from model.host_exchange import host_id
+
+    mine = (host_id(), str(torch.cuda.get_device_properties(device).uuid))
+    everyone: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)  # also a barrier: every rank has loaded its weights
+    return sum(1 for e in everyone if e == mine)
+
+
+def budget_bytes(device: torch.device, *, kv_cache_memory_bytes: int, gpu_memory_utilization: float,
+                 sharers: int = 1) -> int:
+    """Bytes this rank's pool (blocks and slots) may take, by the rules in the module docstring; on a GPU that
+    `sharers` ranks share, each takes that part of what the utilisation leaves beside every rank's weights."""
     if kv_cache_memory_bytes > 0:
         return kv_cache_memory_bytes
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return int(gpu_memory_utilization * total) - (total - free)
+        return (int(gpu_memory_utilization * total) - (total - free)) // sharers
     return min(CPU_KV_CACHE_BYTES, _available_ram() // 2)
 
 
@@ -73,7 +89,10 @@ def agree(blocks: int, group: dist.ProcessGroup | None, device: torch.device) ->
     """The smallest of every rank's block count (each rank sized its own from its own memory)."""
     if group is None:
         return blocks
-    t = torch.tensor([blocks], dtype=torch.int64, device=device)
+    # A group joined over gloo (CUDA ranks on one host, whose tensors go through the same-host exchange) reduces
+    # host tensors; an NCCL group device tensors.
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor([blocks], dtype=torch.int64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
 

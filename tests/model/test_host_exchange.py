@@ -89,10 +89,11 @@ def test_foreign_region_is_refused():
         os.unlink(path)
 
 
-def test_collective_flag_refusals():
-    with pytest.raises(ValueError, match="CUDA transport .* is not built yet"):
-        backend_for("ipc", "cuda")
+def test_collective_flag_refusals_and_backends():
     with pytest.raises(ValueError, match="needs --device cuda"):
         backend_for("nccl", "cpu")
-    assert [backend_for(c, "cpu") for c in ("auto", "ipc", "gloo")] == ["gloo"] * 3
-    assert backend_for("auto", "cuda") == "nccl"
+    with pytest.raises(ValueError, match="must be one of"):
+        backend_for("mpi", "cpu")
+    # auto and ipc join over gloo everywhere (auto on CUDA moves to NCCL only when the ranks cannot share memory)
+    assert [backend_for(c, d) for d in ("cpu", "cuda") for c in ("auto", "ipc", "gloo")] == ["gloo"] * 6
+    assert backend_for("nccl", "cuda") == "nccl"
