@@ -92,8 +92,9 @@ KV_CACHE_DTYPE = Flag("kv-cache-dtype", "storage of the MLA latent + indexer cac
                       default="auto", choices=("auto", "fp8", "fp8_e4m3"))
 TP = Flag("tp", "tensor-parallel ranks", default="1", type=int, metavar="N")
 COLLECTIVE = Flag("collective", "how the tensor-parallel ranks exchange partial sums: nccl (CUDA), gloo (CPU "
-                  "tensors over sockets), ipc (ranks on one host: a shared-memory region every rank maps; CPU only "
-                  "for now), auto (CUDA: nccl; CPU: ipc when every rank can map it, else gloo); the same on every rank",
+                  "tensors over sockets), ipc (ranks on one host: memory every rank maps, shared memory on the CPU, "
+                  "CUDA IPC device buffers on GPUs, also several ranks on one GPU), auto (ipc when every rank is on "
+                  "this host and can map it, else nccl on CUDA, gloo on the CPU); the same on every rank",
                   default="auto", choices=("auto", "nccl", "ipc", "gloo"))
 ENFORCE_EAGER = Flag("enforce-eager", "on a GPU, run decode rounds eagerly instead of replaying CUDA graphs (vLLM's "
                      "flag; the same bits either way, graphs only save launch time)", switch=True)

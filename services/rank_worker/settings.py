@@ -19,10 +19,10 @@ class RankSettings(RoleSettings):
     master_port: int = flag("master-port", "rank 0's port for the collective", default="29500", type=int)
     collective: str = flag(shared.COLLECTIVE)
     collective_slot_bytes: int = flag(
-        "collective-slot-bytes", "--collective ipc: bytes of a rank's slot in the shared region, the largest single "
-        "exchange (a round's fp32 partials or logits columns); the region holds 2 x --world slots in /dev/shm, "
-        "pages taken as they are first written; a larger exchange is refused", default=str(64 << 20), type=int,
-        metavar="BYTES")
+        "collective-slot-bytes", "--collective ipc: bytes of a rank's slot. CPU: the largest single exchange (a "
+        "round's fp32 partials or logits columns; larger is refused), the region holds 2 x --world slots in /dev/shm, "
+        "pages taken as they are first written. CUDA: each rank holds 2 slots of device memory and a larger "
+        "exchange goes in several calls", default=str(64 << 20), type=int, metavar="BYTES")
     peer_port: int | None = flag("peer-port", "rank 0's port for the peer watchdog's heartbeat connections "
                                  "(default --master-port + 1)", type=int)
     peer_timeout: float = flag("peer-timeout", "seconds a peer may stay silent before this rank leaves the group "
