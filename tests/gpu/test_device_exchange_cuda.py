@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.spawned_ranks import run_ranks
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SLOT = 1 << 20
@@ -73,23 +75,8 @@ def _rank(rank: int, world: int, port: int, results: "mp.Queue") -> None:
 
 
 def test_two_ranks_on_one_gpu_equal_gloo_and_replay():
-    from services.rank_worker.distributed import free_port
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = [results.get(timeout=240) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [msg for status, msg in got if status != "ok"]
-    assert not errors, "\n".join(map(str, errors))
+    got = run_ranks(2, _rank)
     mps = os.path.exists("/tmp/nvidia-mps") or bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
-    for _, (rank, us) in sorted(got, key=lambda g: g[1][0]):
+    for rank, us in sorted(got):
         print(f"device exchange, 2 ranks on one GPU (MPS {'on' if mps else 'off'}): rank {rank} "
               f"{us:.1f} us per 32 KB all_gather (graph replays, median of 5 x 200)")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 pytest.importorskip("triton", reason="Triton is not installed")
 
 from model.device_exchange import DeviceExchange, Region, region_bytes  # noqa: E402
-from services.rank_worker.distributed import free_port  # noqa: E402
+from tests.spawned_ranks import run_ranks  # noqa: E402
 
 SLOT = 4096  # small, so the larger tensors below go in several calls
 SHAPES = [((2, 5, 8), torch.float32), ((1, 3, 7), torch.bfloat16), ((3,), torch.int64), ((), torch.float32),
@@ -71,27 +71,9 @@ def _check_rank(rank: int, world: int, port: int, results: "mp.Queue") -> None:
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
-def _run(world: int, target) -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        got = [results.get(timeout=240) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [msg for status, msg in got if status != "ok"]
-    assert not errors, "\n".join(map(str, errors))
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_cpu_standin_device_exchange_equals_gloo(world: int) -> None:
-    _run(world, _check_rank)
+    run_ranks(world, _check_rank)
 
 
 def _lonely_rank(rank: int, world: int, port: int, results: "mp.Queue") -> None:
@@ -108,4 +90,4 @@ def _lonely_rank(rank: int, world: int, port: int, results: "mp.Queue") -> None:
 
 
 def test_cpu_standin_missing_peer_marks_the_exchange_failed() -> None:
-    _run(2, _lonely_rank)
+    run_ranks(2, _lonely_rank)

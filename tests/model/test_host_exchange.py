@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from model.host_exchange import HostExchange, create_region
 from model.parallel import Collective
-from services.rank_worker.distributed import backend_for, free_port, join_group
+from services.rank_worker.distributed import backend_for, join_group
+from tests.spawned_ranks import run_ranks
 
 # (shape, dtype) of successive exchanges: partial stacks, logits columns, odd sizes, a scalar, integer ids.
 SHAPES = [((2, 5, 8), torch.float32), ((1, 3, 7), torch.bfloat16), ((3,), torch.int64), ((), torch.float32),
@@ -51,20 +52,7 @@ def _check_rank(rank: int, world: int, port: int, results: "mp.Queue") -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ipc_equals_gloo(world):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_check_rank, args=(r, world, port, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        got = [results.get(timeout=120) for _ in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert all(status == "ok" for status, _ in got), "\n".join(msg for status, msg in got if status != "ok")
+    run_ranks(world, _check_rank, timeout_s=120)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("twinspark-collective-")], "region left behind"
 
 
