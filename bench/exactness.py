@@ -87,12 +87,20 @@ def check(url_v1: str, bodies: list[dict] | None = None) -> Check:
     return Check(ref, sum(a == b for a, b in zip(staggered, ref)), sum(a == b for a, b in zip(burst, ref)))
 
 
+def same_requests(mine: list[list[int]], theirs: list[list[int]]) -> int:
+    """Requests whose token ids are the same in both runs of the mix (none when the runs are of different mixes)."""
+    return sum(a == b for a, b in zip(mine, theirs)) if len(mine) == len(theirs) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.exactness", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_stack_args(ap)
     ap.add_argument("--label", default="stack", help="what the printed line calls the stack")
     ap.add_argument("--json", type=Path, default=None, help="also write the counts and the serial token ids here")
+    ap.add_argument("--same-as", type=Path, default=None, metavar="JSON",
+                    help="another stack's --json (e.g. TP 1's): also compare the serial token ids with its own, "
+                         "request by request, and fail unless all are equal")
     args = ap.parse_args(argv)
     stack = attach_or_start(args.state_dir, tp=args.tp, model=args.model)
     try:
@@ -104,7 +112,14 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"label": args.label, "staggered_same": result.staggered_same,
                                          "burst_same": result.burst_same, "n": len(result.serial),
                                          "serial_token_ids": result.serial}) + "\n")
-    return 0 if result.exact else 1
+    same = True
+    if args.same_as:
+        other = json.loads(args.same_as.read_text())
+        equal = same_requests(result.serial, other["serial_token_ids"])
+        same = equal == len(result.serial)
+        print(f"{args.label} serial = {other['label']} serial: {equal}/{len(result.serial)} requests, the same "
+              f"token ids", flush=True)
+    return 0 if result.exact and same else 1
 
 
 if __name__ == "__main__":
