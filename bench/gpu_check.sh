@@ -23,7 +23,7 @@
 #                                      # TP 2 on one GPU (issue 21): the CUDA exchange's two-process test, then
 #                                      # `twinspark up --device cuda` on LAYERS real-dim layers (default 4) of
 #                                      # random FORMAT weights (default w4a16), drafts off: bench.exactness at
-#                                      # TP 1, TP 2 (same ids as TP 1) and TP 2 eager (same ids as TP 2's graphs)
+#                                      # TP 2, TP 1 (same ids as TP 2) and TP 2 eager (same ids as TP 2's graphs)
 #   bash bench/gpu_check.sh kernels [SECTIONS]
 #                                      # only bench/kernels.py (default: the MoE in bf16 and W4A16, its tile
 #                                      # sweeps and the invariance checks: what chooses `moe_schedule`)
@@ -76,13 +76,14 @@ if [ "${1:-}" = "tp2one" ]; then
     grep -E "device exchange|passed|failed" "$OUT/device_exchange.log" | tail -4
     python3 -m bench.whole_model --write-dir /tmp/tp2one-config --layers "${2:-4}" > /dev/null
     export TWINSPARK_DEVICE=cuda TWINSPARK_RANDOM_WEIGHTS="${3:-w4a16}" TWINSPARK_DRAFTER=none
-    python3 -m bench.exactness --tp 1 --model /tmp/tp2one-config --label "TP 1" --json "$OUT/exactness-tp1.json" \
-        > "$OUT/exactness-tp1.log" 2>&1
     python3 -m bench.exactness --tp 2 --model /tmp/tp2one-config --label "TP 2" --json "$OUT/exactness-tp2.json" \
-        --same-as "$OUT/exactness-tp1.json" > "$OUT/exactness-tp2.log" 2>&1
+        > "$OUT/exactness-tp2.log" 2>&1
+    tail -n 1 "$OUT/exactness-tp2.log"
+    python3 -m bench.exactness --tp 1 --model /tmp/tp2one-config --label "TP 1" --json "$OUT/exactness-tp1.json" \
+        --same-as "$OUT/exactness-tp2.json" > "$OUT/exactness-tp1.log" 2>&1
     TWINSPARK_ENFORCE_EAGER=1 python3 -m bench.exactness --tp 2 --model /tmp/tp2one-config --label "TP 2 eager" \
         --same-as "$OUT/exactness-tp2.json" > "$OUT/exactness-tp2-eager.log" 2>&1
-    tail -qn 2 "$OUT"/exactness-tp*.log
+    tail -qn 2 "$OUT/exactness-tp1.log" "$OUT/exactness-tp2-eager.log"
     exit 0
 fi
 if [ "${1:-}" = "kernels" ]; then
