@@ -41,10 +41,11 @@ SPIN_LIMIT = 1 << 22  # polls of a peer's flag before the exchange gives up: sec
 
 @triton.jit
 def _exchange_kernel(src, out, n, out_stride, out_offset, slots, flags, counters, failed, spin_limit,
-                     slot_elems, RANK: tl.constexpr, WORLD: tl.constexpr, FIRST_ONLY: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """One call for program p: its share of `n` elements of `src` -> every rank's out[r * out_stride + out_offset
-    + share] (FIRST_ONLY: rank 0's share only, into out[out_offset + share], and only rank 0 writes its slot)."""
+                     slot_elems, RANK: tl.constexpr, WORLD: tl.constexpr, WRITES: tl.constexpr,
+                     READS: tl.constexpr, BLOCK: tl.constexpr):
+    """One call for program p: its share of `n` elements of `src` into this rank's slot (WRITES), then the shares
+    of ranks 0 .. READS - 1 -> out[r * out_stride + out_offset + share] (READS = 1: a broadcast from the first
+    rank, whose peers do not write)."""
     pid = tl.program_id(0)
     call = tl.load(counters + pid) + 1
     buf = call % 2
@@ -52,7 +53,7 @@ def _exchange_kernel(src, out, n, out_stride, out_offset, slots, flags, counters
     lo = pid * per
     hi = tl.minimum(lo + per, n)
     ety = src.dtype.element_ty
-    if (not FIRST_ONLY) or RANK == 0:
+    if WRITES:
         mine = tl.load(slots + RANK).to(tl.pointer_type(ety)) + buf * slot_elems
         for i in range(lo, hi, BLOCK):
             o = i + tl.arange(0, BLOCK)
@@ -61,27 +62,27 @@ def _exchange_kernel(src, out, n, out_stride, out_offset, slots, flags, counters
     # Every thread's stores before the flag: the barrier orders them before the one release that publishes them.
     tl.debug_barrier()
     tl.atomic_xchg(tl.load(flags + RANK).to(tl.pointer_type(tl.int64)) + pid, call, sem="release", scope="sys")
-    gave_up = tl.load(failed) != 0  # once a peer failed to come, no call waits again (the step is lost anyway)
+    waiting = tl.load(failed) == 0  # once a peer failed to come, no call waits again (the step is lost anyway)
     for r in tl.static_range(WORLD):
-        if (r != RANK) & (not gave_up):
-            flag = tl.load(flags + r).to(tl.pointer_type(tl.int64)) + pid
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-            spins = 0
-            while (seen < call) & (spins < spin_limit):
+        if r != RANK:
+            if waiting:
+                flag = tl.load(flags + r).to(tl.pointer_type(tl.int64)) + pid
                 seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                spins += 1
-            if seen < call:
-                tl.atomic_xchg(failed, 1)
+                spins = 0
+                while (seen < call) & (spins < spin_limit):
+                    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                    spins += 1
+                if seen < call:
+                    tl.atomic_xchg(failed, 1)
     tl.debug_barrier()
-    for r in tl.static_range(WORLD):
-        if (not FIRST_ONLY) or r == 0:
-            theirs = tl.load(slots + r).to(tl.pointer_type(ety)) + buf * slot_elems
-            dst = out + (0 if FIRST_ONLY else r * out_stride) + out_offset
-            for i in range(lo, hi, BLOCK):
-                o = i + tl.arange(0, BLOCK)
-                m = o < hi
-                # .cg: from L2, never a line this SM cached in an earlier call of the same buffer
-                tl.store(dst + o, tl.load(theirs + o, mask=m, cache_modifier=".cg"), mask=m)
+    for r in tl.static_range(READS):
+        theirs = tl.load(slots + r).to(tl.pointer_type(ety)) + buf * slot_elems
+        dst = out + r * out_stride + out_offset
+        for i in range(lo, hi, BLOCK):
+            o = i + tl.arange(0, BLOCK)
+            m = o < hi
+            # .cg: from L2, never a line this SM cached in an earlier call of the same buffer
+            tl.store(dst + o, tl.load(theirs + o, mask=m, cache_modifier=".cg"), mask=m)
     tl.store(counters + pid, call)
 
 
@@ -150,8 +151,9 @@ class DeviceExchange:
             size = min(per_call, n - start)
             _exchange_kernel[(PROGRAMS,)](src[start:], out, size, out.stride(0), start, self.slots, self.flags,
                                           self.counters, self.failed_word, self.spin_limit, per_call,
-                                          RANK=self.rank, WORLD=self.world, FIRST_ONLY=first_only, BLOCK=BLOCK,
-                                          num_warps=4)
+                                          RANK=self.rank, WORLD=self.world,
+                                          WRITES=not first_only or self.rank == 0, READS=1 if first_only else self.world,
+                                          BLOCK=BLOCK, num_warps=4)
 
 
 def region_bytes(slot_bytes: int) -> int:
