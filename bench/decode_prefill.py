@@ -258,7 +258,8 @@ def measure_ceilings(res: Results, device: torch.device, args: argparse.Namespac
 
 
 def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
-                 t_start: float) -> None:
+                 t_start: float, stored: dict[str, int] | None = None) -> None:
+    """stored: the weights' bytes per key as drawn (a packed recipe's), for the ideal bytes of a step."""
     batches = sorted(set(args.batches))
     if not batches:
         return
@@ -346,7 +347,8 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
             moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
             last = hits[-moe_layers:] if moe_layers else []
             experts_hit = [h["real"] for h in last]
-            need = roofline.decode_bytes(spec, dtype, contexts, experts_hit, KV_CACHE_DTYPES[args.kv_cache_dtype])
+            need = roofline.decode_bytes(spec, dtype, contexts, experts_hit, KV_CACHE_DTYPES[args.kv_cache_dtype],
+                                         stored)
             bw = res.data["ceilings"]["hbm_copy"]["bytes_per_s"]
             ideal_ms = need["total_bytes"] / bw * 1e3
             row.update(status="ok", context=contexts[0], cuda_graphs=graphs is not None, median_ms=med, times_ms=times, iters=iters,
@@ -554,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     res.data["notes"] += [
         "decode: each sequence's context is prefilled once before timing (setup); every timed step advances "
         "positions by one; the row's context is the cached length at the first timed step.",
-        "decode ideal bytes = weights the step touches (all non-expert weights + lm_head + the distinct routed "
+        "decode ideal bytes = weights the step touches, at the bytes they are held in (packed with "
+        "--random-weights) (all non-expert weights + lm_head + the distinct routed "
         "experts the real rows chose, per MoE layer + one embedding row per sequence) + KDA fp32 state and conv "
         "history read+written + MLA latent / indexer-key rows read; ideal ms = ideal bytes / measured HBM copy "
         "bandwidth; roofline = ideal ms / measured ms.",
@@ -586,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"built in {meta['build_s']:.1f} s ({si(reader.bytes_made, 'B')} drawn)")
     res.write()
 
-    bench_decode(res, model, spec, device, dtype, args, t_start)
+    bench_decode(res, model, spec, device, dtype, args, t_start, reader.stored_bytes)
     bench_prefill(res, model, spec, device, dtype, args, t_start)
     if (args.peer or ("transformers" if device.type == "cuda" else "none")) == "transformers":
         del model

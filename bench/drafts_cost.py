@@ -134,7 +134,8 @@ class Results:
         if d["summary"]:
             lines += [f"**{d['summary']}**", ""]
         lines += ["## Target (batch 1)", "",
-                  "| step | rows | mode | median ms | / decode | / eager decode | logit rows | experts hit / MoE layer |",
+                  "| step | rows | mode | median ms | / decode | / eager decode | logit rows "
+                  "| experts hit / MoE layer |",
                   "|---|---:|---|---:|---:|---:|---:|---|"]
         for r in t["decode"] + t["verify"]:
             name = f"verify {r['drafts']} drafts" if "drafts" in r else "decode"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -108,12 +108,15 @@ class ParamCounts:
     total_bytes: int
 
 
-def param_counts(spec: TinySpec, dtype: torch.dtype) -> ParamCounts:
+def param_counts(spec: TinySpec, dtype: torch.dtype, stored: Mapping[str, int] | None = None) -> ParamCounts:
+    """stored: bytes per key as the model holds them (a packed recipe's, `RandomWeightReader.stored_bytes`); keys
+    not in it count at `dtype` (fp32 where the model keeps fp32)."""
     item = torch.empty((), dtype=dtype).element_size()
     always = always_b = expert = expert_b = head = head_b = total = total_b = 0
     first_expert = None
+    stored = stored or {}
     for t in text_tensors(spec):
-        nb = t.numel * (4 if keeps_fp32(t.key) else item)
+        nb = stored.get(t.key, t.numel * (4 if keeps_fp32(t.key) else item))
         total += t.numel
         total_b += nb
         if t.key == EMBED_KEY:
@@ -136,14 +139,15 @@ def param_counts(spec: TinySpec, dtype: torch.dtype) -> ParamCounts:
 
 
 def decode_bytes(spec: TinySpec, dtype: torch.dtype, contexts: list[int], experts_hit: list[int],
-                 kv_dtype: torch.dtype | None = None) -> dict:
+                 kv_dtype: torch.dtype | None = None, stored: Mapping[str, int] | None = None) -> dict:
     """Bytes one decode step over len(contexts) sequences must move at least.
 
     contexts: per sequence, the cached positions it attends (its start); experts_hit: per MoE layer, the distinct
-    routed experts the batch's real rows chose; kv_dtype: how the latent / indexer rows are stored (None: dtype).
+    routed experts the batch's real rows chose; kv_dtype: how the latent / indexer rows are stored (None: dtype);
+    stored: the weights' bytes per key as the model holds them (`param_counts`).
     """
     item = torch.empty((), dtype=dtype).element_size()
-    pc = param_counts(spec, dtype)
+    pc = param_counts(spec, dtype, stored)
     b = len(contexts)
     weights = pc.always_bytes + pc.expert_bytes * sum(experts_hit) + pc.embed_row_bytes * b
     params = pc.always + pc.expert * sum(experts_hit) + spec.hidden_size * b

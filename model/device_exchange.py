@@ -147,12 +147,12 @@ class DeviceExchange:
         """As many calls as slots of `src` need, each writing its piece at its offset in every row of `out`."""
         per_call = self.slot_bytes // src.element_size()
         n = src.numel()
+        writes, reads = not first_only or self.rank == 0, 1 if first_only else self.world
         for start in range(0, max(n, 1), per_call):
             size = min(per_call, n - start)
             _exchange_kernel[(PROGRAMS,)](src[start:], out, size, out.stride(0), start, self.slots, self.flags,
                                           self.counters, self.failed_word, self.spin_limit, per_call,
-                                          RANK=self.rank, WORLD=self.world,
-                                          WRITES=not first_only or self.rank == 0, READS=1 if first_only else self.world,
+                                          RANK=self.rank, WORLD=self.world, WRITES=writes, READS=reads,
                                           BLOCK=BLOCK, num_warps=4)
 
 
@@ -162,7 +162,8 @@ def region_bytes(slot_bytes: int) -> int:
 
 def check_slot_bytes(slot_bytes: int) -> None:
     if slot_bytes <= 0 or slot_bytes % 4096:
-        raise ValueError(f"the device collective's slot must be a positive multiple of 4,096 bytes, got {slot_bytes}")
+        raise ValueError(f"the device collective's slot must be a positive multiple of 4,096 bytes, got "
+                         f"{slot_bytes}")
 
 
 

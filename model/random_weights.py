@@ -100,6 +100,7 @@ class RandomWeightReader:
         r = self.recipe
         self.exl3_plan = exl3_bits.plan(exl3, r.exl3_bits, r.exl3_codebook) if r is not None and exl3 else None
         self.bytes_made = 0
+        self.stored_bytes: dict[str, int] = {}  # per key, its bytes as drawn (packed or dense): what a step reads
         self.tensors_made = 0
         self.quantized_made = 0
         self._log = log
@@ -133,6 +134,7 @@ class RandomWeightReader:
             size = made.nbytes
             self.quantized_made += 1
         self.bytes_made += size
+        self.stored_bytes[key] = size
         self.tensors_made += 1
         if self._log and self.bytes_made >= self._next_log:
             self._next_log += self._log_every
