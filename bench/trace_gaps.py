@@ -4,7 +4,8 @@ trace (the rank profiler's rank<R>-rounds.json, or any trace torch exports).
 torch's operator tables sum kernel times; they cannot say how long the GPU sat idle between them, which is what a
 served step loses to the host (plan checks, graph launches, reading back, the gRPC hop). This reads the kernel and
 memcpy events of the trace, merges their intervals, and prints:
-- the window, the GPU-busy time and the idle time (both also per CUDA graph launch, i.e. per decode round);
+- the window, the GPU-busy time and the idle time (both also per CUDA graph launch, i.e. per decode round), and
+  the time in the tensor-parallel collective's kernels (the CUDA exchange's or NCCL's) where there are any;
 - the idle gaps bucketed by length (most of a host-bound step is a few long gaps, a launch-bound one many short);
 - the host calls that take the most CPU time (cudaGraphLaunch, synchronizes, copies);
 - the kernels by GPU time with their call counts per round.
@@ -21,6 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+# The tensor-parallel collective's kernels: the same-host CUDA exchange's (model/device_exchange.py) and NCCL's.
+COLLECTIVE_KERNELS = ("_exchange_kernel", "nccl")
 GAP_EDGES_US = (2, 5, 10, 50, 200, 1000)
 
 
@@ -64,7 +67,13 @@ def report(events: list[dict], top: int) -> str:
     lines = [f"window {(t1 - t0) / 1e3:.2f} ms from the first GPU event to the last; GPU busy {busy_us / 1e3:.2f} ms "
              f"({busy_us / (t1 - t0):.1%}), idle {(t1 - t0 - busy_us) / 1e3:.2f} ms",
              f"per CUDA graph launch ({rounds}): busy {busy_us / rounds / 1e3:.3f} ms, idle "
-             f"{(t1 - t0 - busy_us) / rounds / 1e3:.3f} ms", "", "| idle gap | count | total ms |", "|---|---:|---:|"]
+             f"{(t1 - t0 - busy_us) / rounds / 1e3:.3f} ms"]
+    coll = merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu if any(c in e["name"] for c in COLLECTIVE_KERNELS)])
+    if coll:  # issue 21's figure: what a step spends in the collective (its kernels include the wait for peers)
+        coll_us = sum(e - s for s, e in coll)
+        lines.append(f"in collectives: {coll_us / 1e3:.3f} ms = {coll_us / busy_us:.1%} of GPU busy "
+                     f"({coll_us / rounds / 1e3:.3f} ms per CUDA graph launch)")
+    lines += ["", "| idle gap | count | total ms |", "|---|---:|---:|"]
     by_gap: dict[str, list[float]] = defaultdict(list)
     for g in gaps:
         by_gap[gap_bucket(g)].append(g)

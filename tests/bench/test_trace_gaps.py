@@ -38,6 +38,15 @@ def test_report_counts_busy_idle_and_gaps() -> None:
     assert "| `cudaGraphLaunch` | 0.090 | 2 | 1.0 | 45.00 |" in text
 
 
+def test_report_says_what_the_collective_costs() -> None:
+    def x(name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    events = [x("_gemm_kernel", 0, 80), x("_exchange_kernel", 80, 20), x("ncclDevKernel_AllGather", 200, 100)]
+    text = report(events + [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 5}], 5)
+    assert "in collectives: 0.120 ms = 60.0% of GPU busy (0.120 ms per CUDA graph launch)" in text
+    assert "in collectives" not in report(_trace(), top=5)  # none in a TP 1 trace
+
+
 def test_command_writes_the_report(tmp_path: Path) -> None:
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": _trace()}))
