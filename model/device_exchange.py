@@ -19,8 +19,9 @@ reaches call n + 2 (which reuses buffer n % 2) only after every peer published n
 it finished reading call n. A tensor larger than a slot goes in several calls of at most a slot each.
 
 A peer that never publishes (it died) would leave the kernel spinning forever: the wait gives up after
-`spin_limit` polls, marks the exchange failed (`failed()`), and the step's output is garbage the rank must not
-return — the peer watch (services/rank_worker/peer_watch.py) turns a lost peer into 503s.
+`spin_limit` polls, marks the exchange failed (`failed()`) and later calls stop waiting. By then the peer watch
+(services/rank_worker/peer_watch.py) has ended this rank (a lost peer becomes 503s at the gateway), so the garbage
+a step that gave up computes is never answered.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ import triton.language as tl
 PROGRAMS = 64  # G: fixed for every call, so program p's counter and flags always pair with the peers' program p
 BLOCK = 1024  # elements a program moves per step
 FLAG_BYTES = 1024  # PROGRAMS int64 flags, padded to a 1 KiB boundary so the slots start aligned
-SPIN_LIMIT = 1 << 22  # polls of a peer's flag before the exchange gives up: seconds on a GPU, where a peer sharing
-# the GPU without MPS may legitimately take a time slice (milliseconds) to come
+# Polls of a peer's flag before the exchange gives up: tens of seconds on a GPU. Longer than the peer watch's silence
+# limit (3 s by default), which ends this rank first, so no step that gave up is ever answered; and far longer than
+# a peer sharing the GPU without MPS may legitimately take (a time slice, milliseconds).
+SPIN_LIMIT = 1 << 25
 
 
 @triton.jit
