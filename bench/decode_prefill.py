@@ -22,6 +22,7 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,15 @@ def count_experts(real_rows: int, record: list[dict]):
         moe.route = original
         if gpu_moe is not None:
             gpu_moe.route = original_gpu
+
+
+def experts_per_layer(spec, real_rows: int, forward: Callable[[], object]) -> list[dict]:
+    """Per MoE layer, the distinct routed experts one call of `forward` picks (`count_experts`' records)."""
+    hits: list[dict] = []
+    with count_experts(real_rows, hits):
+        forward()
+    moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
+    return hits[-moe_layers:] if moe_layers else []
 
 
 class Results:
@@ -326,11 +336,10 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
                 for s in seqs:
                     pos[s] += steps
 
-            hits: list[dict] = []
             warmup = max(args.warmup, 1)
-            with count_experts(b, hits):  # one eager step counts the experts the router picks
-                model.forward(make(0), cache)
-                advance(1)
+            # one eager step counts the experts the router picks
+            last = experts_per_layer(spec, b, lambda: model.forward(make(0), cache))
+            advance(1)
             t0 = time.perf_counter()
             for _ in range(warmup):  # (captures the CUDA graph of this batch size)
                 step(make(0))
@@ -344,8 +353,6 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
             times = roofline.time_calls(lambda i: step(batches_timed[i]), warmup=0, iters=iters, device=device)
             advance(iters)
             med = roofline.median(times)
-            moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
-            last = hits[-moe_layers:] if moe_layers else []
             experts_hit = [h["real"] for h in last]
             need = roofline.decode_bytes(spec, dtype, contexts, experts_hit, KV_CACHE_DTYPES[args.kv_cache_dtype],
                                          stored)

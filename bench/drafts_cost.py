@@ -34,7 +34,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch
 
 from bench import flags, roofline
-from bench.decode_prefill import BLOCK, Setup, _ints, count_experts, finish, free, is_oom, log, random_tokens, setup
+from bench.decode_prefill import (BLOCK, Setup, _ints, experts_per_layer, finish, free, is_oom, log, random_tokens,
+                                  setup)
 from bench.random_weights import build_model
 from model.batch import Batch
 from model.checkpoint.dflash_writer import tiny_dflash_config
@@ -214,17 +215,13 @@ def bench_target(res: Results, run: Setup, args: argparse.Namespace) -> None:
                      starts=[start], lengths=[rows], block_tables=table, slots=[0], logit_rows=torch.arange(rows),
                      verify=[True] if rows > 1 else None)
 
-    moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
-
     def experts_hit(b: Batch) -> list[int]:
         """Distinct routed experts the window's rows pick per MoE layer, from one eager forward of its first batch
         (untimed, a warm-up call more): what the MoE must read, or decode, against a one-row step's top-k."""
-        hits: list[dict] = []
-        with count_experts(sum(b.lengths), hits):
-            model.forward(b, cache)
+        hits = experts_per_layer(spec, sum(b.lengths), lambda: model.forward(b, cache))
         if b.has_verify:
             model.commit_verify(b, cache, {0: 0})
-        return [h["real"] for h in hits[-moe_layers:]] if moe_layers else []
+        return [h["real"] for h in hits]
 
     def timed(rows: int, eager: bool) -> dict:
         nonlocal pos
