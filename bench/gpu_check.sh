@@ -10,8 +10,10 @@
 #                                      # default) served on random quantized weights (default w4a16+bf16)
 #   bash bench/gpu_check.sh profile [LAYERS] [FORMAT] [TP]
 #                                      # the whole-model bench at batch 1 (default 22 layers, w4a16+fp8, TP 1) with
-#                                      # the rank profiler over rounds 401-440, then bench/trace_gaps.py on rank 0's
-#                                      # trace (its "in collectives" line: issue 21's share, e.g. TP 2 on one GPU)
+#                                      # the rank profiler over rounds 401-440 (PROFILE_ROUNDS=SKIP:COUNT to move
+#                                      # it: a 4-layer run has ~100 rounds, so use 40:30 there), then
+#                                      # bench/trace_gaps.py on rank 0's trace (its "in collectives" line: issue
+#                                      # 21's share, e.g. TP 2 on one GPU)
 #   bash bench/gpu_check.sh long [LENGTHS]
 #                                      # only bench/long_context.py (default 8k, 64k, 256k, 1M tokens)
 #   bash bench/gpu_check.sh coldstart [LAYERS] [FORMATS]
@@ -103,7 +105,7 @@ if [ "${1:-}" = "quality" ]; then
 fi
 if [ "${1:-}" = "profile" ]; then
     python3 -m bench.whole_model --write-dir /tmp/whole-model-config --layers "${2:-22}" > /dev/null
-    TWINSPARK_TORCH_PROFILER_DIR="$OUT/prof" TWINSPARK_PROFILE_ROUNDS=400:40 python3 -m bench.whole_model \
+    TWINSPARK_TORCH_PROFILER_DIR="$OUT/prof" TWINSPARK_PROFILE_ROUNDS="${PROFILE_ROUNDS:-400:40}" python3 -m bench.whole_model \
         --model /tmp/whole-model-config --tp "${4:-1}" --formats "${3:-w4a16+fp8}" --concurrency 1 --out "$OUT" \
         > "$OUT/whole_model.log" 2>&1
     tail -4 "$OUT/whole_model.log"
