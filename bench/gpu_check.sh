@@ -110,7 +110,8 @@ if [ "${1:-}" = "profile" ]; then
         > "$OUT/whole_model.log" 2>&1
     tail -4 "$OUT/whole_model.log"
     python3 -m bench.trace_gaps "$OUT/prof/rank0-rounds.json" --out "$OUT/trace.md" | head -30
-    xz -T4 "$OUT/prof/rank0-rounds.json"  # ~90 MB of JSON; the .xz is ~2 MB
+    # ~90 MB of JSON; the .xz is ~2 MB, moved beside the tables (prof/ holds more files than a lent machine returns)
+    xz -T4 "$OUT/prof/rank0-rounds.json" && mv "$OUT/prof/rank0-rounds.json.xz" "$OUT/"
     exit 0
 fi
 if [ "${1:-}" = "whole" ]; then

@@ -5,7 +5,8 @@ torch's operator tables sum kernel times; they cannot say how long the GPU sat i
 served step loses to the host (plan checks, graph launches, reading back, the gRPC hop). This reads the kernel and
 memcpy events of the trace, merges their intervals, and prints:
 - the window, the GPU-busy time and the idle time (both also per CUDA graph launch, i.e. per decode round), and
-  the time in the tensor-parallel collective's kernels (the CUDA exchange's or NCCL's) where there are any;
+  the time in the tensor-parallel collective's kernels (the CUDA exchange's or NCCL's) where there are any, split
+  into the transfer and the wait for a peer (at a launch's first call: the ranks' launch skew);
 - the idle gaps bucketed by length (most of a host-bound step is a few long gaps, a launch-bound one many short);
 - the host calls that take the most CPU time (cudaGraphLaunch, synchronizes, copies);
 - the kernels by GPU time with their call counts per round.
@@ -54,6 +55,23 @@ def gap_bucket(us: float) -> str:
     return f">= {GAP_EDGES_US[-1]} us"
 
 
+def collective_split(calls: list[dict], busy_us: float) -> str:
+    """A collective kernel's time is the transfer plus the wait for the peers to arrive. The transfer is taken as
+    every call lasting as long as the fastest one; the rest is waiting, told apart by where it falls: at the first
+    collective of a CUDA graph launch (the kernels of one launch share its correlation id; an eager call is its own)
+    it is the skew between the ranks' launches, at the others a peer still computing its share of the step."""
+    floor = min(e["dur"] for e in calls)
+    first: dict[object, dict] = {}
+    for i, e in enumerate(sorted(calls, key=lambda e: e["ts"])):
+        first.setdefault(e.get("args", {}).get("correlation", ("eager", i)), e)
+    skew = sum(e["dur"] - floor for e in first.values())
+    rest = sum(e["dur"] for e in calls) - floor * len(calls) - skew
+    return (f"  transfer (each of {len(calls)} calls as long as the fastest, {floor:.1f} us): "
+            f"{floor * len(calls) / 1e3:.3f} ms = {floor * len(calls) / busy_us:.1%} of GPU busy; waiting for a "
+            f"peer: {skew / 1e3:.3f} ms at the first call of a launch (launch skew), {rest / 1e3:.3f} ms at the "
+            f"others (a peer still computing)")
+
+
 def report(events: list[dict], top: int) -> str:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
@@ -68,11 +86,12 @@ def report(events: list[dict], top: int) -> str:
              f"({busy_us / (t1 - t0):.1%}), idle {(t1 - t0 - busy_us) / 1e3:.2f} ms",
              f"per CUDA graph launch ({rounds}): busy {busy_us / rounds / 1e3:.3f} ms, idle "
              f"{(t1 - t0 - busy_us) / rounds / 1e3:.3f} ms"]
-    coll = merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu if any(c in e["name"] for c in COLLECTIVE_KERNELS)])
-    if coll:  # issue 21's figure: what a step spends in the collective (its kernels include the wait for peers)
-        coll_us = sum(e - s for s, e in coll)
+    calls = [e for e in gpu if any(c in e["name"] for c in COLLECTIVE_KERNELS)]
+    if calls:  # issue 21's figure: what a step spends in the collective (its kernels include the wait for peers)
+        coll_us = sum(e - s for s, e in merged([(e["ts"], e["ts"] + e["dur"]) for e in calls]))
         lines.append(f"in collectives: {coll_us / 1e3:.3f} ms = {coll_us / busy_us:.1%} of GPU busy "
                      f"({coll_us / rounds / 1e3:.3f} ms per CUDA graph launch)")
+        lines.append(collective_split(calls, busy_us))
     lines += ["", "| idle gap | count | total ms |", "|---|---:|---:|"]
     by_gap: dict[str, list[float]] = defaultdict(list)
     for g in gaps:

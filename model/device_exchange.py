@@ -11,12 +11,16 @@ startup over the group; on the CPU stand-in the tests use, files in /dev/shm):
     [flags: G int64, one per program of the exchange kernel] [buffer 0: slot_bytes] [buffer 1: slot_bytes]
 
 and a private counter per program. Call n of program p (n = its counter + 1, kept on the device so that every
-graph replay is a new call): copy its share of my tensor into my buffer n % 2; barrier; publish flags[p] = n
-(release, system scope); wait until every peer's flags[p] >= n (acquire); barrier; read every rank's share from
-its buffer n % 2 in rank order. Every call runs the same G programs and cuts the tensor into G equal shares, so
-program p always pairs with program p of every peer. Two buffers, for the reason host_exchange.py gives: a rank
-reaches call n + 2 (which reuses buffer n % 2) only after every peer published n + 1, which a peer does only after
-it finished reading call n. A tensor larger than a slot goes in several calls of at most a slot each.
+graph replay is a new call): copy its share of my tensor into its part of my buffer n % 2; barrier; publish
+flags[p] = n (release, system scope); wait until every peer's flags[p] >= n (acquire); barrier; read every rank's
+share from its buffer n % 2 in rank order. Program p owns the p-th of G equal parts of each buffer, whatever the
+call's size. A call runs only as many programs as its size needs (each moves at least a BLOCK, so a decode step's
+few kilobytes take a few programs, not G spinning on G SMs while a peer on the same GPU still computes); the
+count is a function of the size alone, the same on every rank, so program p always pairs with program p of every
+peer and its counter counts the same calls everywhere. Two buffers, for the reason host_exchange.py gives: program
+p of a rank reaches its call n + 2 (which reuses its part of buffer n % 2) only after every peer's program p
+published n + 1, which it does only after it finished reading call n. A tensor larger than a slot goes in several
+calls of at most a slot each.
 
 A peer that never publishes (it died) would leave the kernel spinning forever: the wait gives up after
 `spin_limit` polls, marks the exchange failed (`failed()`) and later calls stop waiting. By then the peer watch
@@ -33,8 +37,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-PROGRAMS = 64  # G: fixed for every call, so program p's counter and flags always pair with the peers' program p
-BLOCK = 1024  # elements a program moves per step
+PROGRAMS = 64  # G: the most programs a call runs; program p always owns the p-th of G parts of each buffer
+BLOCK = 1024  # elements a program moves per step, and the least share a program is given
 FLAG_BYTES = 1024  # PROGRAMS int64 flags, padded to a 1 KiB boundary so the slots start aligned
 # Polls of a peer's flag before the exchange gives up: tens of seconds on a GPU. Longer than the peer watch's silence
 # limit (3 s by default), which ends this rank first, so no step that gave up is ever answered; and far longer than
@@ -43,21 +47,21 @@ SPIN_LIMIT = 1 << 25
 
 
 @triton.jit
-def _exchange_kernel(src, out, n, out_stride, out_offset, slots, flags, counters, failed, spin_limit,
-                     slot_elems, RANK: tl.constexpr, WORLD: tl.constexpr, WRITES: tl.constexpr,
+def _exchange_kernel(src, out, n, share, out_stride, out_offset, slots, flags, counters, failed, spin_limit,
+                     slot_elems, part_elems, RANK: tl.constexpr, WORLD: tl.constexpr, WRITES: tl.constexpr,
                      READS: tl.constexpr, BLOCK: tl.constexpr):
-    """One call for program p: its share of `n` elements of `src` into this rank's slot (WRITES), then the shares
-    of ranks 0 .. READS - 1 -> out[r * out_stride + out_offset + share] (READS = 1: a broadcast from the first
-    rank, whose peers do not write)."""
+    """One call for program p: elements [p * share, (p + 1) * share) of the `n` of `src` into part p (`part_elems`
+    long) of this rank's buffer (WRITES), then the same share of ranks 0 .. READS - 1 ->
+    out[r * out_stride + out_offset + share] (READS = 1: a broadcast from the first rank, whose peers do not write)."""
     pid = tl.program_id(0)
     call = tl.load(counters + pid) + 1
     buf = call % 2
-    per = tl.cdiv(tl.cdiv(n, tl.num_programs(0)), BLOCK) * BLOCK
-    lo = pid * per
-    hi = tl.minimum(lo + per, n)
+    lo = pid * share
+    hi = tl.minimum(lo + share, n)
     ety = src.dtype.element_ty
+    part = buf * slot_elems + pid * part_elems - lo  # + o: element o's place in this program's part of the buffer
     if WRITES:
-        mine = tl.load(slots + RANK).to(tl.pointer_type(ety)) + buf * slot_elems
+        mine = tl.load(slots + RANK).to(tl.pointer_type(ety)) + part
         for i in range(lo, hi, BLOCK):
             o = i + tl.arange(0, BLOCK)
             m = o < hi
@@ -79,7 +83,7 @@ def _exchange_kernel(src, out, n, out_stride, out_offset, slots, flags, counters
                     tl.atomic_xchg(failed, 1)
     tl.debug_barrier()
     for r in tl.static_range(READS):
-        theirs = tl.load(slots + r).to(tl.pointer_type(ety)) + buf * slot_elems
+        theirs = tl.load(slots + r).to(tl.pointer_type(ety)) + part
         dst = out + r * out_stride + out_offset
         for i in range(lo, hi, BLOCK):
             o = i + tl.arange(0, BLOCK)
@@ -148,15 +152,26 @@ class DeviceExchange:
 
     def _calls(self, src: torch.Tensor, out: torch.Tensor, *, first_only: bool) -> None:
         """As many calls as slots of `src` need, each writing its piece at its offset in every row of `out`."""
-        per_call = self.slot_bytes // src.element_size()
+        slot_elems = self.slot_bytes // src.element_size()
+        part = slot_elems // PROGRAMS
+        per_call = part * PROGRAMS
         n = src.numel()
         writes, reads = not first_only or self.rank == 0, 1 if first_only else self.world
         for start in range(0, max(n, 1), per_call):
             size = min(per_call, n - start)
-            _exchange_kernel[(PROGRAMS,)](src[start:], out, size, out.stride(0), start, self.slots, self.flags,
-                                          self.counters, self.failed_word, self.spin_limit, per_call,
-                                          RANK=self.rank, WORLD=self.world, WRITES=writes, READS=reads,
+            share, programs = call_shape(size, part)
+            _exchange_kernel[(programs,)](src[start:], out, size, share, out.stride(0), start, self.slots,
+                                          self.flags, self.counters, self.failed_word, self.spin_limit, slot_elems,
+                                          part, RANK=self.rank, WORLD=self.world, WRITES=writes, READS=reads,
                                           BLOCK=BLOCK, num_warps=4)
+
+
+def call_shape(size: int, part: int) -> tuple[int, int]:
+    """(elements per program, programs) of a call moving `size` elements, each program's share fitting its `part`
+    of a buffer (size <= PROGRAMS x part): at least a BLOCK each, so few programs for a small tensor. A function of
+    the size alone, so that every rank runs the same programs."""
+    share = min(part, max(BLOCK, -(-size // PROGRAMS)))
+    return share, max(1, -(-size // share))
 
 
 def region_bytes(slot_bytes: int) -> int:
@@ -167,7 +182,6 @@ def check_slot_bytes(slot_bytes: int) -> None:
     if slot_bytes <= 0 or slot_bytes % 4096:
         raise ValueError(f"the device collective's slot must be a positive multiple of 4,096 bytes, got "
                          f"{slot_bytes}")
-
 
 
 def cuda_regions(rank: int, world: int, group: dist.ProcessGroup, slot_bytes: int,

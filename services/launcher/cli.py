@@ -23,7 +23,7 @@ from typing import Any
 from services.common import shared_flags
 from services.common.flags import add_flags, from_args, to_argv
 
-from . import procs, state
+from . import mps, procs, state
 from .fleet import INSTALL_HINT, fleet_info, fleet_plan, router_command
 from .plan import DEFAULT_COMMAND, WILDCARD_HOSTS, LaunchConfig, internal_ports_needed, make_plan
 from .ports import free_ports, port_free
@@ -206,8 +206,20 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
     # Every role gets the run's internal token in its environment (never in an argv, which up.json and the logs
     # record): a new random one per run unless the caller set TWINSPARK_INTERNAL_TOKEN (start.sh may).
     token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(32)
-    return Supervisor(plan, stop_grace=s.stop_grace, startup_timeout=s.startup_timeout,
-                      max_restarts=s.max_restarts, env={**os.environ, INTERNAL_TOKEN_ENV: token}, out=out).run()
+    env = {**os.environ, INTERNAL_TOKEN_ENV: token}
+    try:
+        daemon = mps.daemon_for(s.mps, s.device, s.tp, Path(s.state_dir), env, log=log)
+        if daemon is not None:
+            daemon.start(env)
+    except (ValueError, RuntimeError) as e:
+        return _err(f"MPS: {e}")
+    try:
+        return Supervisor(plan, stop_grace=s.stop_grace, startup_timeout=s.startup_timeout,
+                          max_restarts=s.max_restarts, env={**env, **(daemon.env if daemon else {})}, out=out).run()
+    finally:
+        if daemon is not None:
+            daemon.stop(env)
+            log("MPS: the private daemon quit")
 
 
 def _drafter_fields(s: UpSettings) -> dict:

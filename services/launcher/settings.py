@@ -43,6 +43,10 @@ class UpSettings:
     kv_disk_bytes: int | None = _passed_on(shared.KV_DISK_BYTES)
     collective: str = flag(shared.COLLECTIVE)
     enforce_eager: bool = flag(shared.ENFORCE_EAGER)
+    mps: str = flag("mps", "NVIDIA MPS for CUDA ranks that share a GPU (--tp above the GPU count; without it they "
+                    "time-slice and every collective waits out a slice): auto = start a private daemon for this "
+                    "stack when they share one, unless CUDA_MPS_PIPE_DIRECTORY names a daemon of yours; on = always "
+                    "on CUDA; off = never", default="auto", choices=("auto", "on", "off"))
     reasoning_budget: int | None = _passed_on(shared.REASONING_BUDGET, "the gateway")
     reasoning_budget_message: str | None = _passed_on(shared.REASONING_BUDGET_MESSAGE, "the gateway")
     reasoning_effort_budgets: str | None = _passed_on(shared.REASONING_EFFORT_BUDGETS, "the gateway")

@@ -47,6 +47,18 @@ def test_report_says_what_the_collective_costs() -> None:
     assert "in collectives" not in report(_trace(), top=5)  # none in a TP 1 trace
 
 
+def test_collective_time_splits_into_transfer_skew_and_wait() -> None:
+    def x(name: str, ts: float, dur: float, corr: int) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+    # two launches (correlation 1 and 2); the fastest call is 10 us; the first call of each launch waits out the
+    # peer's late launch (50 and 30 us more), the others its slower half (5 and 0 us more)
+    events = [x("_exchange_kernel", 0, 60, 1), x("_gemm_kernel", 60, 100, 1), x("_exchange_kernel", 160, 15, 1),
+              x("_exchange_kernel", 1000, 40, 2), x("_gemm_kernel", 1040, 100, 2), x("_exchange_kernel", 1140, 10, 2)]
+    text = report(events, 5)
+    assert ("transfer (each of 4 calls as long as the fastest, 10.0 us): 0.040 ms = 12.3% of GPU busy; waiting for "
+            "a peer: 0.080 ms at the first call of a launch (launch skew), 0.005 ms at the others") in text
+
+
 def test_command_writes_the_report(tmp_path: Path) -> None:
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": _trace()}))

@@ -72,6 +72,8 @@ def main() -> None:
     args = parse(sys.argv[1:])
     name = f"rank{args.rank}" if args.cmd == "serve-rank" else args.cmd.removeprefix("serve-")
     print(f"stand-in {name}: {json.dumps(sys.argv[1:])}", flush=True)
+    if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):  # an MPS client on a GPU (tests/launcher/test_mps.py)
+        print(f"stand-in {name}: CUDA_MPS_PIPE_DIRECTORY={os.environ['CUDA_MPS_PIPE_DIRECTORY']}", flush=True)
     if args.cmd == "serve-rank":
         assert 0 <= args.rank < args.world, "rank out of range"
         assert os.path.isdir(args.model), f"no model dir {args.model}"

@@ -7,6 +7,7 @@ marks the exchange failed instead of hanging. The CUDA mapping itself is checked
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import random
@@ -19,10 +20,11 @@ import torch.distributed as dist
 
 pytest.importorskip("triton", reason="Triton is not installed")
 
-from model.device_exchange import DeviceExchange, Region, region_bytes  # noqa: E402
+from model.device_exchange import BLOCK, PROGRAMS, DeviceExchange, Region, call_shape, region_bytes  # noqa: E402
 from tests.spawned_ranks import run_ranks  # noqa: E402
 
-SLOT = 4096  # small, so the larger tensors below go in several calls
+SLOT = 4096  # small, so the larger tensors below go in several calls, each program's share capped by its part
+WIDE_SLOT = 1 << 20  # one call each, small tensors on few programs of a BLOCK or more
 SHAPES = [((2, 5, 8), torch.float32), ((1, 3, 7), torch.bfloat16), ((3,), torch.int64), ((), torch.float32),
           ((2, 64, 33), torch.float32), ((1, 1, 1), torch.float16), ((5,), torch.uint8)]
 
@@ -32,9 +34,10 @@ def _map(path: str, size: int) -> Region:
     return Region(torch.empty(0, dtype=torch.uint8).set_(storage))
 
 
-def standin_exchange(rank: int, world: int, group, *, spin_limit: int | None = None) -> DeviceExchange:
+def standin_exchange(rank: int, world: int, group, *, spin_limit: int | None = None,
+                     slot: int = SLOT) -> DeviceExchange:
     """Regions as zeroed /dev/shm files that every rank maps (what CUDA IPC handles give on a GPU)."""
-    size = region_bytes(SLOT)
+    size = region_bytes(slot)
     path = f"/dev/shm/twinspark-test-device-exchange-{secrets.token_hex(8)}"
     with open(path, "wb") as f:
         f.truncate(size)
@@ -44,14 +47,14 @@ def standin_exchange(rank: int, world: int, group, *, spin_limit: int | None = N
     dist.barrier(group=group)
     os.unlink(path)
     kw = {} if spin_limit is None else {"spin_limit": spin_limit}
-    return DeviceExchange(regions, rank, SLOT, **kw)
+    return DeviceExchange(regions, rank, slot, **kw)
 
 
-def _check_rank(rank: int, world: int, port: int, results: "mp.Queue") -> None:
+def _check_rank(rank: int, world: int, port: int, results: "mp.Queue", slot: int = SLOT) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        exchange = standin_exchange(rank, world, dist.group.WORLD)
+        exchange = standin_exchange(rank, world, dist.group.WORLD, slot=slot)
         jitter = random.Random(rank)
         for i, (shape, dtype) in enumerate(SHAPES * 2):  # both buffers, each reused several times
             local = (torch.randn(shape) * (rank + 1) + i).to(dtype)
@@ -71,9 +74,22 @@ def _check_rank(rank: int, world: int, port: int, results: "mp.Queue") -> None:
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_cpu_standin_device_exchange_equals_gloo(world: int) -> None:
-    run_ranks(world, _check_rank)
+@pytest.mark.parametrize(("world", "slot"), [(2, SLOT), (3, SLOT), (2, WIDE_SLOT)])
+def test_cpu_standin_device_exchange_equals_gloo(world: int, slot: int) -> None:
+    run_ranks(world, functools.partial(_check_rank, slot=slot))
+
+
+@pytest.mark.parametrize("part", [16, 1024, 4096, 1 << 14])
+def test_call_shape_covers_the_call_once_within_each_program_part(part: int) -> None:
+    for size in [0, 1, 15, 16, 17, BLOCK - 1, BLOCK, BLOCK + 1, 6144, 64 * BLOCK + 1, PROGRAMS * part - 1,
+                 PROGRAMS * part]:
+        if size > PROGRAMS * part:
+            continue
+        share, programs = call_shape(size, part)
+        assert share <= part and 1 <= programs <= PROGRAMS, (size, share, programs)
+        assert share * (programs - 1) < max(size, 1) <= share * programs, (size, share, programs)
+        if size <= BLOCK and part >= BLOCK:
+            assert programs == 1, "a small tensor takes one program, not G"
 
 
 def _lonely_rank(rank: int, world: int, port: int, results: "mp.Queue") -> None:
