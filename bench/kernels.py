@@ -280,8 +280,12 @@ def moe_sweep(bw: float, mm: float, formats: dict) -> list[dict]:
     x = torch.randn(8192, D, device="cuda", dtype=BF16)
     ids, rw = route_rows(x, formats["bf16"], 0)
     flops = 2 * 8192 * (TOPK + 1) * 3 * MOE_I * D
+    # The last three: the prompt tile with other orders (tile_order.py): 1 = column tiles fastest, 1 << 20 = row
+    # tiles fastest (the order before grouped ordering), 32.
     for tile in (moe.MoeTile(64, 128, 64, 4, 3), moe.MoeTile(128, 128, 64, 8, 3), moe.MoeTile(64, 256, 64, 8, 3),
-                 moe.MoeTile(128, 256, 64, 8, 3), moe.MoeTile(128, 128, 64, 4, 4), moe.MoeTile(64, 128, 128, 8, 3)):
+                 moe.MoeTile(128, 256, 64, 8, 3), moe.MoeTile(128, 128, 64, 4, 4), moe.MoeTile(64, 128, 128, 8, 3),
+                 moe.MoeTile(128, 128, 64, 8, 3, 1), moe.MoeTile(128, 128, 64, 8, 3, 1 << 20),
+                 moe.MoeTile(128, 128, 64, 8, 3, 32)):
         out = torch.empty(1, 8192, D, device="cuda")
         try:
             ms = bench_ms(lambda: moe._experts_one_class(x, ids, rw, gate, up, down, 10.0, tile, 1, out, 0), reps=20)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.gpu import exl3_cuda, hadamard
+from kernels.gpu.tile_order import grouped_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
 # Programs the decode schedule aims for per GEMM (about two waves on an H200's 132 SMs). A constant, not the SM
@@ -98,12 +99,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per
     batch = tl.program_id(2)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering: GROUP_M row tiles sweep the N tiles together so their weight tiles stay in L2.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)  # GROUP_M row tiles sweep the N tiles together
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -33,6 +33,7 @@ from kernels.gpu import exl3_cuda, hadamard
 from kernels.gpu.moe_groups import Groups, SlotTables, group_pairs, slot_tables
 from kernels.gpu.swiglu import clamped_swiglu
 from kernels.gpu.gemm import RowClass
+from kernels.gpu.tile_order import grouped_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
 
@@ -43,6 +44,7 @@ class MoeTile:
     block_k: int
     warps: int
     stages: int
+    group_m: int = 8  # row tiles that sweep the column tiles together (tile_order.py): L2 reuse, same bits
 
 
 def moe_schedule(rows: RowClass) -> MoeTile:
@@ -114,9 +116,10 @@ def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, norm_topk_pro
 def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_ptr, expert_ptr, num_experts, I, D,
                     limit, swe, swn, swk, sse, ssn, ssk,
                     PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
+                    GROUP_M: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
     """h[slot] = silu(min(x g^T, limit)) * clamp(x u^T, -limit, limit) for each slot of one expert tile."""
-    blk = tl.program_id(0)
+    num_n = tl.cdiv(I, BLOCK_N)
+    blk, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
     expert = tl.load(expert_ptr + blk)
     if expert >= num_experts:
         return
@@ -124,7 +127,7 @@ def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_p
     pair = tl.load(pair_ptr + slots)
     has = pair >= 0
     token = tl.where(has, pair // PAIRS_PER_ROW, 0)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     e = expert.to(tl.int64)
     act = x_ptr.dtype.element_ty
@@ -148,22 +151,23 @@ def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_p
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_ptr, num_experts, I, D, n_pairs,
                  swe, swn, swk, sse, ssn, ssk,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
     """y[shard, pair] = (h[slot, shard's I columns] @ down[shard, expert]^T) * routing weight, in fp32, stored by
     pair (row-major per row). Shard s reads columns [s*I, (s+1)*I) of h and expert block s*num_experts + e."""
-    blk = tl.program_id(0)
-    shard = tl.program_id(2)
+    num_n = tl.cdiv(D, BLOCK_N)
+    blk, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
+    shard = tl.program_id(1)
     expert = tl.load(expert_ptr + blk)
     if expert >= num_experts:
         return
     slots = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pair_ptr + slots)
     has = pair >= 0
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     e = (shard * num_experts + expert).to(tl.int64)
-    h_width = I * tl.num_programs(2)
+    h_width = I * tl.num_programs(1)
     act = h_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
@@ -231,17 +235,18 @@ def _combine_rotated_kernel(acc_ptr, svh_ptr, vec_ptr, weight_ptr, row_of_pair_p
 @triton.jit
 def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, expert_ptr, num_experts, N, K,
                     swe, swn, swk, sse, ssn, ssk,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                    FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
     """out[slot] = a[slot] @ w[expert of the slot's tile]^T in fp32, a [slots, K] already per slot (0 for empty
     slots; unused tiles are not written)."""
-    blk = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    blk, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
     expert = tl.load(expert_ptr + blk)
     if expert >= num_experts:
         return
     slots = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     has = tl.load(pair_ptr + slots) >= 0
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     e = expert.to(tl.int64)
     act = a_ptr.dtype.element_ty
@@ -263,9 +268,9 @@ def _grouped(a: torch.Tensor, w: WeightArgs, groups: Groups, tile: MoeTile) -> t
     if exl3_cuda.covers(a, w, tile.block_m):
         return exl3_cuda.grouped(a, w, groups.pair_of_slot, groups.expert_of_block)
     out = torch.empty(a.shape[0], w.n, dtype=torch.float32, device=a.device)
-    _grouped_kernel[(groups.blocks, triton.cdiv(w.n, tile.block_n))](
+    _grouped_kernel[(groups.blocks * triton.cdiv(w.n, tile.block_n),)](
         a, w.data, w.scale, out, groups.pair_of_slot, groups.expert_of_block, w.data.shape[0], w.n, w.k,
-        *w.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        *w.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         IEEE=a.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n, SB_K=w.block_k, num_warps=tile.warps,
         num_stages=tile.stages)
     return out
@@ -331,17 +336,18 @@ def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     gs, us = gate.strides(), up.strides()
     if gs != us or gate.fmt != up.fmt:
         raise ValueError("gate and up experts must share one storage layout")
-    _gate_up_kernel[(groups.blocks, triton.cdiv(i_dim, tile.block_n))](
+    _gate_up_kernel[(groups.blocks * triton.cdiv(i_dim, tile.block_n),)](
         x, gate.data, gate.scale, up.data, up.scale, h, groups.pair_of_slot, groups.expert_of_block, n_exp, i_dim, d,
         float(limit), *gs, PAIRS_PER_ROW=pairs_per_row, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, FMT=int(gate.fmt), SB_N=gate.block_n, SB_K=gate.block_k, num_warps=tile.warps,
-        num_stages=tile.stages)
+        BLOCK_K=tile.block_k, GROUP_M=tile.group_m, FMT=int(gate.fmt), SB_N=gate.block_n, SB_K=gate.block_k,
+        num_warps=tile.warps, num_stages=tile.stages)
     n_pairs = t * pairs_per_row
     y = torch.empty(shards, n_pairs, d, dtype=torch.float32, device=x.device)
-    _down_kernel[(groups.blocks, triton.cdiv(d, tile.block_n), shards)](
+    _down_kernel[(groups.blocks * triton.cdiv(d, tile.block_n), shards)](
         h, down.data, down.scale, y, groups.pair_of_slot, groups.expert_of_block, weights, n_exp, i_dim // shards, d,
         n_pairs, *down.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        FMT=int(down.fmt), SB_N=down.block_n, SB_K=down.block_k, num_warps=tile.warps, num_stages=tile.stages)
+        GROUP_M=tile.group_m, FMT=int(down.fmt), SB_N=down.block_n, SB_K=down.block_k, num_warps=tile.warps,
+        num_stages=tile.stages)
     block = 1024
     _combine_kernel[(t, triton.cdiv(d, block), shards)](y, ids, out, n_exp, d, t, out.shape[1], row0,
                                                         PAIRS_PER_ROW=pairs_per_row, BLOCK=block)

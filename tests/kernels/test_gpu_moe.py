@@ -166,3 +166,20 @@ def test_shards_in_one_launch_equal_one_launch_per_shard(weights: dict[str, torc
                                 weights["up"][:, j * w : (j + 1) * w].contiguous(), downs[j].contiguous(), LIMIT,
                                 rows)[0]
             assert torch.equal(fused[j], alone), f"shard {j} of {shards}"
+
+
+def test_tile_order_changes_no_bit(weights: dict[str, torch.Tensor]) -> None:
+    """Grouped ordering (kernels/gpu/tile_order.py) decides which program computes a tile, never the tile's
+    arithmetic: column tiles fastest, row tiles fastest and partial groups give the same bits, and the twin's
+    values. Small tiles, so there are many row tiles (several per expert) and several column tiles."""
+    x = randn(90, D, seed=12)
+    logits = gemm.matmul(x, weights["router"], 0, torch.float32)
+    ids, rw = moe.route(logits, weights["bias"], top_k=K, norm_topk_prob=True, scaling=2.5, n_real=90)
+    gate, up, down = (moe.dense(weights[k]) for k in ("gate", "up", "down"))
+    outs = []
+    for group_m in (1, 2, 3, 1 << 20):
+        out = torch.empty(1, 90, D, dtype=torch.float32, device=x.device)
+        moe._experts_one_class(x, ids, rw, gate, up, down, LIMIT, moe.MoeTile(16, 16, 16, 4, 2, group_m), 1, out, 0)
+        outs.append(out[0])
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    torch.testing.assert_close(outs[0].cpu(), torch_moe(x, weights), **HALF_TOL)

@@ -1,0 +1,25 @@
+"""Which output tile a program computes: grouped ordering for L2 reuse, shared by the GEMM and the grouped MoE
+kernels. It changes which program runs a tile, never a tile's arithmetic, so it keeps every bit.
+
+Programs are dispatched in id order, so the ones running at once are neighbours in id. Row-tile-major order (one
+row tile sweeping every column tile) gives each concurrent program its own weight columns; column-major (one
+column tile over every row tile) its own rows, and a grouped MoE tile's rows belong to one expert, so neighbours
+there would read different experts' weights: measured on an H200 at an 8,192-token prompt, the grouped gate|up and
+down launches ran at ~56% and ~40% of the bf16 peak that way, about what their bytes allow when no tile is shared
+in L2. Grouped ordering lets GROUP_M row tiles sweep the column tiles together: their rows (and, in a GEMM or an
+expert's run of row tiles, their weights) are read from L2 by the whole group.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` over a num_m x num_n grid of tiles."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
