@@ -55,21 +55,26 @@ def gap_bucket(us: float) -> str:
     return f">= {GAP_EDGES_US[-1]} us"
 
 
-def collective_split(calls: list[dict], busy_us: float) -> str:
-    """A collective kernel's time is the transfer plus the wait for the peers to arrive. The transfer is taken as
-    every call lasting as long as the fastest one; the rest is waiting, told apart by where it falls: at the first
-    collective of a CUDA graph launch (the kernels of one launch share its correlation id; an eager call is its own)
-    it is the skew between the ranks' launches, at the others a peer still computing its share of the step."""
+def collective_figures(events: list[dict]) -> dict | None:
+    """The collective's share of a trace's GPU busy time, or None when it ran none (TP 1). A collective kernel's time
+    is the transfer plus the wait for the peers to arrive. The transfer is taken as every call lasting as long as
+    the fastest one; the rest is waiting, told apart by where it falls: at the first collective of a CUDA graph
+    launch (the kernels of one launch share its correlation id; an eager call is its own) it is the skew between
+    the ranks' launches, at the others a peer still computing its share of the step."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    calls = [e for e in gpu if any(c in e["name"] for c in COLLECTIVE_KERNELS)]
+    if not calls:
+        return None
+    busy_us = sum(e - s for s, e in merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu]))
+    coll_us = sum(e - s for s, e in merged([(e["ts"], e["ts"] + e["dur"]) for e in calls]))
     floor = min(e["dur"] for e in calls)
     first: dict[object, dict] = {}
     for i, e in enumerate(sorted(calls, key=lambda e: e["ts"])):
         first.setdefault(e.get("args", {}).get("correlation", ("eager", i)), e)
     skew = sum(e["dur"] - floor for e in first.values())
-    rest = sum(e["dur"] for e in calls) - floor * len(calls) - skew
-    return (f"  transfer (each of {len(calls)} calls as long as the fastest, {floor:.1f} us): "
-            f"{floor * len(calls) / 1e3:.3f} ms = {floor * len(calls) / busy_us:.1%} of GPU busy; waiting for a "
-            f"peer: {skew / 1e3:.3f} ms at the first call of a launch (launch skew), {rest / 1e3:.3f} ms at the "
-            f"others (a peer still computing)")
+    return {"ms": coll_us / 1e3, "share": coll_us / busy_us, "calls": len(calls), "fastest_us": floor,
+            "transfer_ms": floor * len(calls) / 1e3, "transfer_share": floor * len(calls) / busy_us,
+            "skew_ms": skew / 1e3, "wait_ms": (sum(e["dur"] for e in calls) - floor * len(calls) - skew) / 1e3}
 
 
 def report(events: list[dict], top: int) -> str:
@@ -86,12 +91,14 @@ def report(events: list[dict], top: int) -> str:
              f"({busy_us / (t1 - t0):.1%}), idle {(t1 - t0 - busy_us) / 1e3:.2f} ms",
              f"per CUDA graph launch ({rounds}): busy {busy_us / rounds / 1e3:.3f} ms, idle "
              f"{(t1 - t0 - busy_us) / rounds / 1e3:.3f} ms"]
-    calls = [e for e in gpu if any(c in e["name"] for c in COLLECTIVE_KERNELS)]
-    if calls:  # issue 21's figure: what a step spends in the collective (its kernels include the wait for peers)
-        coll_us = sum(e - s for s, e in merged([(e["ts"], e["ts"] + e["dur"]) for e in calls]))
-        lines.append(f"in collectives: {coll_us / 1e3:.3f} ms = {coll_us / busy_us:.1%} of GPU busy "
-                     f"({coll_us / rounds / 1e3:.3f} ms per CUDA graph launch)")
-        lines.append(collective_split(calls, busy_us))
+    c = collective_figures(events)
+    if c:  # issue 21's figure: what a step spends in the collective (its kernels include the wait for peers)
+        lines += [f"in collectives: {c['ms']:.3f} ms = {c['share']:.1%} of GPU busy ({c['ms'] / rounds:.3f} ms per "
+                  f"CUDA graph launch)",
+                  f"  transfer (each of {c['calls']} calls as long as the fastest, {c['fastest_us']:.1f} us): "
+                  f"{c['transfer_ms']:.3f} ms = {c['transfer_share']:.1%} of GPU busy; waiting for a peer: "
+                  f"{c['skew_ms']:.3f} ms at the first call of a launch (launch skew), {c['wait_ms']:.3f} ms at "
+                  f"the others (a peer still computing)"]
     lines += ["", "| idle gap | count | total ms |", "|---|---:|---:|"]
     by_gap: dict[str, list[float]] = defaultdict(list)
     for g in gaps:
@@ -112,11 +119,15 @@ def report(events: list[dict], top: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_events(path: Path) -> list[dict]:
+    """A Chrome trace's events (torch writes {"traceEvents": [...]}; a bare list is accepted too)."""
+    data = json.loads(path.read_text())
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    data = json.loads(args.trace.read_text())
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    text = report(events, args.top)
+    text = report(load_events(args.trace), args.top)
     print(text, end="")
     if args.out is not None:
         args.out.write_text(f"# GPU busy and idle — {args.trace.name}\n\n{text}")

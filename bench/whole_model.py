@@ -11,7 +11,9 @@ writes it and stops, so it can be made on a CPU machine.
     python -m bench.whole_model --write-dir /tmp/glm53-config
     python -m bench.whole_model --model /tmp/glm53-config --tp 2 --formats w4a16+bf16 --out bench/results
 
-Writes whole_model-<time>.json and .md under --out.
+Writes whole_model-<time>.json and .md under --out. With the rank profiler on (TWINSPARK_TORCH_PROFILER_DIR,
+TWINSPARK_PROFILE_ROUNDS=SKIP:COUNT inside a timed level) at TP > 1, a column gives the collectives' share of rank
+0's GPU busy time over the profiled rounds, and of it the transfer (bench/trace_gaps.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -30,6 +33,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import exactness, flags
+from bench.trace_gaps import collective_figures, load_events
 from bench.serve import level, summarize, warm_up
 from bench.stack import attach_or_start, round_stats, write_results
 from services.common import shared_flags as shared
@@ -84,7 +88,7 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
     env = {"TWINSPARK_DEVICE": "cuda", "TWINSPARK_RANDOM_WEIGHTS": fmt, "TWINSPARK_DRAFTER": "none",
            "TWINSPARK_STATS_INTERVAL": str(STATS_INTERVAL_S), **running_limits(max(args.concurrency)),
            **({"TWINSPARK_NUM_BLOCKS": str(args.num_blocks)} if args.num_blocks else {})}
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     stack = attach_or_start(None, tp=args.tp, model=str(args.model), env=env)
     row: dict = {"format": fmt, "ready_s": round(time.perf_counter() - t0, 1)}
     print(f"{fmt}: stack ready in {row['ready_s']} s", flush=True)
@@ -115,6 +119,10 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
         row["exact"] = {"staggered_same": check.staggered_same, "burst_same": check.burst_same,
                         "n": len(check.serial)}
         print(check.line(fmt), flush=True)
+        profiles = os.environ.get("TWINSPARK_TORCH_PROFILER_DIR")
+        if profiles and args.tp > 1:
+            row["collectives"] = profiled_collectives(Path(profiles) / "rank0-rounds.json", started)
+            print(f"{fmt}: collectives in rank 0's profiled rounds: {row['collectives']}", flush=True)
     except Exception as exc:  # a failed format is recorded and the next one still runs
         row["error"] = f"{type(exc).__name__}: {exc}"
         print(f"{fmt}: {row['error']}", flush=True)
@@ -122,6 +130,24 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
         stack.down()
     save(row)
     return row
+
+
+def profiled_collectives(trace: Path, since: float, wait_s: float = 60.0) -> dict | None:
+    """bench.trace_gaps' collective figures of the rank profiler's trace of this stack's rounds (the rank writes it
+    when its profiled window ends: waited for, up to wait_s); None when it never came or holds no collective."""
+    until = time.time() + wait_s
+    while time.time() < until:
+        try:
+            if trace.stat().st_mtime >= since:
+                return collective_figures(load_events(trace))
+        except (OSError, ValueError):  # not there yet, or still being written
+            pass
+        time.sleep(1.0)
+    return None
+
+
+def _collective_cell(c: dict | None) -> str:
+    return f"{c['share']:.1%} (transfer {c['transfer_share']:.1%})" if c else "—"
 
 
 def markdown(data: dict) -> str:
@@ -133,11 +159,12 @@ def markdown(data: dict) -> str:
              f"after an untimed pass of its own (compiles, graph captures: its wall time is the warm-up column)"
              + (f"; `--max-num-seqs {data['max_num_seqs']}`" if data.get("max_num_seqs") else ""), "",
              "| format (experts+rest) | ready s | concurrency | output tok/s | ITL median / p99 ms | decode tok/s "
-             "per request | TTFT median ms | warm-up s | GPU memory used MiB | burst / staggered = serial |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+             "per request | TTFT median ms | warm-up s | GPU memory used MiB | burst / staggered = serial | "
+             "collectives, share of GPU busy (profiled rounds) |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---|---|---:|"]
     for r in data["formats"]:
         if "levels" not in r:
-            lines.append(f"| {r['format']} | {r['ready_s']} | failed: {r.get('error', '?')} | | | | | | | |")
+            lines.append(f"| {r['format']} | {r['ready_s']} | failed: {r.get('error', '?')} | | | | | | | | |")
             continue
         mem = ", ".join(f"{g['used_mib']}/{g['total_mib']}" for g in r.get("gpu_memory", []))
         ex = r.get("exact")
@@ -148,7 +175,7 @@ def markdown(data: dict) -> str:
                          f"{itl.get('median_ms', 0):.2f} / {itl.get('p99_ms', 0):.2f} | "
                          f"{s['decode_tok_s_per_request']:.1f} | {s['ttft'].get('median_ms', 0):.0f} | "
                          f"{s.get('warmup_s', 0):.1f} | {mem} | "
-                         f"{exact} |")
+                         f"{exact} | {_collective_cell(r.get('collectives'))} |")
     stats = [(r["format"], s) for r in data["formats"] for s in r.get("levels", []) if s.get("rank_stats")]
     if stats:
         lines += ["", f"Rank 0's round stats during each timed level (a line per {STATS_INTERVAL_S:g} s window: "
