@@ -215,7 +215,8 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
         return _err(f"MPS: {e}")
     try:
         return Supervisor(plan, stop_grace=s.stop_grace, startup_timeout=s.startup_timeout,
-                          max_restarts=s.max_restarts, env={**env, **(daemon.env if daemon else {})}, out=out).run()
+                          max_restarts=s.max_restarts, env={**env, **(daemon.env if daemon else {})}, out=out,
+                          info={"mps_dir": str(daemon.root)} if daemon else None).run()
     finally:
         if daemon is not None:
             daemon.stop(env)
@@ -326,6 +327,7 @@ def down(s: DownSettings) -> int:
     children = info.get("children", [])
     names = ", ".join(f"{c.get('name')} {c.get('pid')}" for c in children) or "no children"
     forced: list[str] = []
+    hard = True  # the supervisor did not stop by itself (then its private MPS daemon, if any, is still up)
     if procs.alive(sup, sup_start):
         print(f"twinspark down: stopping {info.get('endpoint')} — supervisor pid {sup} ({names})", flush=True)
         os.kill(sup, signal.SIGTERM)
@@ -333,7 +335,8 @@ def down(s: DownSettings) -> int:
         until = time.monotonic() + timeout
         while procs.alive(sup, sup_start) and time.monotonic() < until:
             time.sleep(0.05)
-        if procs.alive(sup, sup_start):
+        hard = procs.alive(sup, sup_start)
+        if hard:
             print(f"twinspark down: the supervisor did not stop within {timeout:g} s: SIGKILL", flush=True)
             os.kill(sup, signal.SIGKILL)
             forced.append(f"supervisor {sup}")
@@ -344,6 +347,9 @@ def down(s: DownSettings) -> int:
     while (left := _survivors(children)) and time.monotonic() < until:
         time.sleep(0.05)
     state.remove_up(sd)
+    if hard and info.get("mps_dir"):  # its supervisor never got to quit it
+        mps.MpsDaemon(Path(info["mps_dir"])).stop(os.environ)
+        print(f"twinspark down: quit the run's MPS daemon ({info['mps_dir']})", flush=True)
     # A routed run's replicas are runs of their own: stop any that outlived the run's supervisor (SIGKILLed).
     for replica in info.get("replicas", []):
         if replica.get("state_dir") and state.read_up(replica["state_dir"]) is not None:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from services.launcher import mps
-from tests.launcher.test_supervisor import ROOT, _env, _up_argv, _wait_up
+from services.launcher import state as state_mod
+from tests.launcher.test_supervisor import LAUNCHER, ROOT, _env, _up_argv, _wait_up
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,3 +86,18 @@ def test_up_runs_a_private_daemon_for_ranks_sharing_a_gpu_fake_mps_control(tmp_p
     assert calls.read_text().splitlines()[-1] == f"quit pipe={pipe}"  # quit when the stack stopped
     err = (tmp_path / "up.err").read_text()
     assert "MPS: 2 ranks share 1 GPU(s): starting a private daemon" in err and "the private daemon quit" in err
+
+
+def test_down_quits_the_daemon_of_a_supervisor_that_died_hard_fake_mps_control(tmp_path: Path) -> None:
+    """A SIGKILLed supervisor never quit its daemon: `down` does, from the directory up.json recorded."""
+    env, calls = _fake_tools(tmp_path)
+    state = tmp_path / "state"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    state_mod.write_up(state, {"supervisor_pid": dead.pid, "supervisor_start": 0, "children": [],
+                               "mps_dir": str(state / "mps")})
+    proc = subprocess.run([*LAUNCHER, "down", "--state-dir", str(state)], cwd=ROOT, env=_env(**env),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert calls.read_text().splitlines() == [f"quit pipe={state / 'mps' / 'pipe'}"]
+    assert "quit the run's MPS daemon" in proc.stdout
