@@ -430,6 +430,7 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
                 if args.profile and device.type == "cuda":
                     res.data.setdefault("profile", {})[f"prefill {n}"] = profile_kernels(
                         lambda: step(0), sequence=res.sibling(f"profile-prefill{n}.tsv"))
+                    profile_host(lambda: step(0), res.sibling(f"profile-prefill{n}-host.txt"))
                 break
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
@@ -504,6 +505,28 @@ def profile_kernels(fn, top: int = 25, sequence: Path | None = None) -> dict:
         sequence.write_text("".join(f"{e.time_range.start - t0:.1f}\t{e.device_time_total:.1f}\t{e.name[:160]}\n"
                                     for e in kernels))
     return out
+
+
+def profile_host(fn: Callable[[], object], out: Path, top: int = 30) -> None:
+    """Where one call of `fn` spends its host time (cProfile, by own and by cumulative time), written to `out`: the
+    Python work before and between launches, and the host syncs (time in .item / .tolist / synchronize is waiting
+    for the GPU). An 8,192-token prefill's GPU sat idle ~5 ms before its first kernel (profile-prefill8192.tsv of
+    decode_prefill-20261205-0224): this says what the host did then."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the GPU work it queued counts as the wait at the end
+    prof.disable()
+    buf = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(top)
+    out.write_text(buf.getvalue())
+    log(f"  host profile: {out.name}")
 
 
 @dataclass
