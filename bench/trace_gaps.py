@@ -55,18 +55,33 @@ def gap_bucket(us: float) -> str:
     return f">= {GAP_EDGES_US[-1]} us"
 
 
-def collective_figures(events: list[dict]) -> dict | None:
-    """The collective's share of a trace's GPU busy time, or None when it ran none (TP 1). A collective kernel's time
-    is the transfer plus the wait for the peers to arrive. The transfer is taken as every call lasting as long as
-    the fastest one; the rest is waiting, told apart by where it falls: at the first collective of a CUDA graph
-    launch (the kernels of one launch share its correlation id; an eager call is its own) it is the skew between
-    the ranks' launches, at the others a peer still computing its share of the step."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+def covered_us(events: list[dict]) -> float:
+    """The time at least one of `events` runs (the union of their intervals)."""
+    return sum(e - s for s, e in merged([(e["ts"], e["ts"] + e["dur"]) for e in events]))
+
+
+def gpu_events(events: list[dict]) -> list[dict]:
+    """The trace's complete GPU events: kernels, copies, memsets."""
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+
+
+def trace_collectives(path: Path) -> dict | None:
+    """`collective_figures` of a trace file."""
+    gpu = gpu_events(load_events(path))
+    return collective_figures(gpu, covered_us(gpu))
+
+
+def collective_figures(gpu: list[dict], busy_us: float) -> dict | None:
+    """The collective's share of GPU busy time `busy_us`, from the GPU events `gpu`, or None when it ran none
+    (TP 1). A collective kernel's time is the transfer plus the wait for the peers to arrive. The transfer is taken
+    as every call lasting as long as the fastest one; the rest is waiting, told apart by where it falls: at the
+    first collective of a CUDA graph launch (the kernels of one launch share its correlation id; an eager call is
+    its own) it is the skew between the ranks' launches, at the others a peer still computing its share of the
+    step."""
     calls = [e for e in gpu if any(c in e["name"] for c in COLLECTIVE_KERNELS)]
     if not calls:
         return None
-    busy_us = sum(e - s for s, e in merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu]))
-    coll_us = sum(e - s for s, e in merged([(e["ts"], e["ts"] + e["dur"]) for e in calls]))
+    coll_us = covered_us(calls)
     floor = min(e["dur"] for e in calls)
     first: dict[object, dict] = {}
     for i, e in enumerate(sorted(calls, key=lambda e: e["ts"])):
@@ -78,7 +93,7 @@ def collective_figures(events: list[dict]) -> dict | None:
 
 
 def report(events: list[dict], top: int) -> str:
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    gpu = gpu_events(events)
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
     if not gpu:
         return "no GPU events in the trace\n"
@@ -91,7 +106,7 @@ def report(events: list[dict], top: int) -> str:
              f"({busy_us / (t1 - t0):.1%}), idle {(t1 - t0 - busy_us) / 1e3:.2f} ms",
              f"per CUDA graph launch ({rounds}): busy {busy_us / rounds / 1e3:.3f} ms, idle "
              f"{(t1 - t0 - busy_us) / rounds / 1e3:.3f} ms"]
-    c = collective_figures(events)
+    c = collective_figures(gpu, busy_us)
     if c:  # issue 21's figure: what a step spends in the collective (its kernels include the wait for peers)
         lines += [f"in collectives: {c['ms']:.3f} ms = {c['share']:.1%} of GPU busy ({c['ms'] / rounds:.3f} ms per "
                   f"CUDA graph launch)",

@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import exactness, flags
-from bench.trace_gaps import collective_figures, load_events
+from bench.trace_gaps import trace_collectives
 from bench.serve import level, summarize, warm_up
 from bench.stack import attach_or_start, round_stats, write_results
 from services.common import shared_flags as shared
@@ -139,7 +139,7 @@ def profiled_collectives(trace: Path, since: float, wait_s: float = 60.0) -> dic
     while time.time() < until:
         try:
             if trace.stat().st_mtime >= since:
-                return collective_figures(load_events(trace))
+                return trace_collectives(trace)
         except (OSError, ValueError):  # not there yet, or still being written
             pass
         time.sleep(1.0)

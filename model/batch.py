@@ -121,7 +121,12 @@ class Batch:
     @property
     def row_seq(self) -> torch.Tensor:
         """Sequence index of every packed row."""
-        return torch.repeat_interleave(torch.arange(self.num_seqs), torch.tensor(self.lengths)).to(self.token_ids.device)
+        return self.host_row_seq().to(self.token_ids.device)
+
+    def host_row_seq(self) -> torch.Tensor:
+        """`row_seq` on the host (int64), from the lists (the size given, so it never reads a device)."""
+        return torch.repeat_interleave(torch.arange(self.num_seqs), torch.tensor(self.lengths),
+                                       output_size=self.token_ids.numel())
 
     @classmethod
     def single(cls, token_ids: list[int], start: int, block_table: list[int], slot: int = 0,

@@ -103,8 +103,7 @@ def build(batch: Batch, *, kpool: int) -> GpuRows:
     rows = batch.token_ids.numel()
     (pos_t, seq_t, row0, length, slot, fresh, pend, commit_t, n_real, cu_d, p_slots_t, p_fresh_t, r_first, r_slot,
      r_fresh, h_row, h_old, h_new) = _device([
-        batch.host_positions(),
-        torch.repeat_interleave(torch.arange(batch.num_seqs), torch.tensor(batch.lengths), output_size=rows),
+        batch.host_positions(), batch.host_row_seq(),
         [offsets[s] for s in decode], [batch.lengths[s] for s in decode],
         [batch.slots[s] for s in decode], [int(batch.starts[s] == 0) for s in decode], pending, commit,
         [rows], cu_t, p_slots, p_fresh,

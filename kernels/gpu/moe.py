@@ -33,7 +33,7 @@ from kernels.gpu import exl3_cuda, hadamard
 from kernels.gpu.moe_groups import Groups, SlotTables, group_pairs, slot_tables
 from kernels.gpu.swiglu import clamped_swiglu
 from kernels.gpu.gemm import RowClass
-from kernels.gpu.tile_order import grouped_tile
+from kernels.gpu.tile_order import launch_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
 
@@ -118,8 +118,7 @@ def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_p
                     PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
     """h[slot] = silu(min(x g^T, limit)) * clamp(x u^T, -limit, limit) for each slot of one expert tile."""
-    num_n = tl.cdiv(I, BLOCK_N)
-    blk, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
+    blk, pid_n = launch_tile(I, BLOCK_N, GROUP_M)
     expert = tl.load(expert_ptr + blk)
     if expert >= num_experts:
         return
@@ -155,8 +154,7 @@ def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_pt
                  FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
     """y[shard, pair] = (h[slot, shard's I columns] @ down[shard, expert]^T) * routing weight, in fp32, stored by
     pair (row-major per row). Shard s reads columns [s*I, (s+1)*I) of h and expert block s*num_experts + e."""
-    num_n = tl.cdiv(D, BLOCK_N)
-    blk, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
+    blk, pid_n = launch_tile(D, BLOCK_N, GROUP_M)
     shard = tl.program_id(1)
     expert = tl.load(expert_ptr + blk)
     if expert >= num_experts:
@@ -239,8 +237,7 @@ def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, expert_ptr, num_expe
                     IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
     """out[slot] = a[slot] @ w[expert of the slot's tile]^T in fp32, a [slots, K] already per slot (0 for empty
     slots; unused tiles are not written)."""
-    num_n = tl.cdiv(N, BLOCK_N)
-    blk, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
+    blk, pid_n = launch_tile(N, BLOCK_N, GROUP_M)
     expert = tl.load(expert_ptr + blk)
     if expert >= num_experts:
         return

@@ -23,3 +23,11 @@ def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def launch_tile(n_cols, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program in a launch of (row tiles x cdiv(n_cols, BLOCK_N)) programs along
+    axis 0, in grouped order."""
+    num_n = tl.cdiv(n_cols, BLOCK_N)
+    return grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
