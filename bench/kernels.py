@@ -427,6 +427,51 @@ def mla_sweep() -> list[dict]:
     return rows
 
 
+# Each fits the H100's 227 KiB of shared memory a block (`python -m bench.ptx_stats` gives the bytes on a CPU).
+EXPANDED_TILES = [dict(BM=bm, BN=bn, num_warps=w, num_stages=st)
+                  for bm, bn, w, st in ((64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2),
+                                        (64, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3))]
+
+
+def expanded_sweep() -> list[dict]:
+    """The expanded form's tile (kernels/gpu/mla_expanded.TILE) on a whole 8k prompt's rows at the release's 64
+    heads of 256 + 256, and the product that expands the context's latent rows for it (which replaces the latent
+    form's two per-head products). FLOPs: 2 x heads x (dn + dv) per (row, position) pair, the count
+    bench.decode_prefill uses for both forms."""
+    from kernels.gpu import gemm, mla_expanded
+    h, dn, dv, t = MLA_H, 256, 256, 8192
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(h, t, dn, device="cuda", dtype=BF16, generator=g)
+    lat = torch.randn(t, MLA_R, device="cuda", dtype=BF16, generator=g)
+    w_kv = (torch.randn(h, dn + dv, MLA_R, device="cuda", generator=g) * MLA_R ** -0.5).to(BF16)
+    expand = lambda: gemm.bmm(lat.unsqueeze(0).expand(h, -1, -1), w_kv, 0)  # noqa: E731
+    kv = expand()
+    ms_kv = bench_ms(expand)
+    kv_flops = 2.0 * h * t * (dn + dv) * MLA_R
+    rows = [dict(kernel="mla expand kv", rows=t, ms=ms_kv, tflops=kv_flops / ms_kv / 1e9)]
+    log(f"mla expanded: context product {ms_kv * 1e3:8.1f} us, {kv_flops / ms_kv / 1e9:6.1f} TFLOP/s")
+    flops = t * (t + 1) / 2 * h * 2 * (dn + dv)
+    out = torch.empty(h, t, dv, device="cuda", dtype=BF16)
+    first = None
+    for tile in [mla_expanded.TILE] + [x for x in EXPANDED_TILES if x != mla_expanded.TILE]:
+        bm = tile["BM"]
+        tiles = torch.tensor([(i, min(bm, t - i), i, 0) for i in range(0, t, bm)][::-1], dtype=torch.int32,
+                             device="cuda")
+        try:
+            ms = bench_ms(lambda: mla_expanded.attend(q, kv, out, tiles, dn ** -0.5, tile=tile), reps=100)
+        except Exception as e:  # a tile past the SM's registers or shared memory does not build
+            log(f"mla expanded tile {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
+            rows.append(dict(kernel="mla expanded sweep", tile=tile, error=str(e)[:300]))
+            continue
+        first = out.clone() if first is None else first
+        diff = float((out.float() - first.float()).abs().max())
+        rows.append(dict(kernel="mla expanded sweep", tile=tile, ms=ms, tflops=flops / ms / 1e9, max_diff=diff,
+                         with_kv_ms=ms + ms_kv))
+        log(f"mla expanded tile {tile}: {ms * 1e3:8.1f} us ({(ms + ms_kv) * 1e3:8.1f} with the context product), "
+            f"{flops / ms / 1e9:6.1f} TFLOP/s, max |diff| {diff:.3g}")
+    return rows
+
+
 def mhc_rows() -> list[dict]:
     from kernels.gpu import mhc
     rows = []
@@ -495,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
     p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, splitsweep, "
-                   "exl3inv, sweep, exl3pin, exl3builds, exl3shard, moe, moesweep, kda, mla, mlasweep, mhc, invariance, fla "
+                   "exl3inv, sweep, exl3pin, exl3builds, exl3shard, moe, moesweep, kda, mla, mlasweep, mlaxsweep "
+                   "(the latent and the expanded form's prompt tiles), mhc, invariance, fla "
                    "(formats / formatsweep / splitsweep / exl3inv / exl3pin / exl3builds / exl3shard: "
                    "bench/kernels_formats.py — every "
                    "weight format against exllamav3's EXL3 kernel, decode tiles per format, the decode K split, "
@@ -563,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
             data["rows"] += mla_rows(bw)
         if want("mlasweep"):
             data["rows"] += mla_sweep()
+        if want("mlaxsweep"):
+            data["rows"] += expanded_sweep()
         if want("mhc"):
             data["rows"] += mhc_rows()
         if want("fla"):

@@ -11,14 +11,25 @@ prints the counts. Why: a decode step's small kernels are latency-bound, and wha
 before any timing — a reduction across a program's warps costs a `bar.sync` and a round trip through shared memory
 (the mHC decode kernel's Sinkhorn iterations were 57 of its 78 barriers). Device time is short; this narrows what
 to time.
+
+It compiles what the runtime would: pointer arguments 16-byte aligned, as torch allocates them (unless named in
+`--unaligned`, for those a kernel marks `do_not_specialize_on_alignment`), and the integers named in `--divisible`
+multiples of 16, as the launcher specialises them. Without those hints Triton can neither vectorise a load nor
+turn a loop's loads into asynchronous copies, and the counts would describe a kernel that never runs. Besides the
+counts above: registers and spilled bytes per thread (ptxas -v), asynchronous copies (cp.async: a loop whose loads
+are pipelined) and warpgroup MMAs (wgmma) in the PTX.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
+import subprocess
 import sys
+import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -45,20 +56,42 @@ def _constexpr(value: str) -> int | float | bool:
 
 
 def stats(kernel, signature: dict[str, str], constexprs: dict[str, int | float | bool], *, num_warps: int = 4,
-          arch: int = 90) -> dict[str, int]:
-    """Compile `kernel` (a @triton.jit function) for sm_<arch>: counts of bar.sync, shfl.sync and PTX lines, and
-    its shared memory bytes."""
+          num_stages: int = 3, arch: int = 90, divisible: Collection[str] = (), unaligned: Collection[str] = ()
+          ) -> dict[str, int]:
+    """Compile `kernel` (a @triton.jit function) for sm_<arch>, its pointers 16-byte aligned but `unaligned`, the
+    `divisible` integers multiples of 16: counts of bar.sync, shfl.sync, PTX lines, cp.async and wgmma, its shared
+    memory bytes, registers and spilled bytes per thread."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
     if not isinstance(kernel, JITFunction):  # Triton's whole library is Python functions in that mode
         raise RuntimeError("kernels made under TRITON_INTERPRET cannot be compiled: run this in a process without it")
     sig = {**signature, **{name: "constexpr" for name in constexprs}}
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    hinted = [n for n, t in signature.items() if (t.startswith("*") and n not in unaligned) or n in divisible]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in hinted}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = compiled.asm["ptx"]
     return {"bar_sync": ptx.count("bar.sync"), "shfl": len(re.findall(r"\bshfl\.sync", ptx)),
-            "ptx_lines": ptx.count("\n"), "shared_bytes": int(compiled.metadata.shared)}
+            "ptx_lines": ptx.count("\n"), "cp_async": len(re.findall(r"\bcp\.async\.(?:ca|cg)", ptx)),
+            "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)), "shared_bytes": int(compiled.metadata.shared),
+            **_registers(ptx, arch)}
+
+
+def _registers(ptx: str, arch: int) -> dict[str, int]:
+    """Registers and spilled bytes per thread, from the ptxas Triton ships (`-v` prints them)."""
+    import triton
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        arch_flag = f"-arch=sm_{arch}a" if arch >= 90 else f"-arch=sm_{arch}"
+        out = subprocess.run([str(ptxas), "-v", arch_flag, f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    return {"registers": int(regs.group(1)) if regs else -1, "spill_bytes": int(spills.group(1)) if spills else 0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,12 +102,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="its runtime arguments' types, NAME=TYPE,... (*fp32, *bf16, i32, fp32, ...)")
     ap.add_argument("--constexprs", type=_pairs, default={}, help="its constexpr arguments, NAME=VALUE,...")
     ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--num-stages", type=int, default=3, help="software pipeline stages (Triton's default: 3)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: Hopper)")
+    ap.add_argument("--divisible", default="", help="integer arguments that are multiples of 16 (strides, sizes), "
+                    "comma-separated: the launcher specialises them so")
+    ap.add_argument("--unaligned", default="", help="pointer arguments not assumed 16-byte aligned "
+                    "(a kernel's do_not_specialize_on_alignment), comma-separated")
     args = ap.parse_args(argv)
     module, _, name = args.kernel.partition(":")
     kernel = getattr(importlib.import_module(module), name)
     got = stats(kernel, args.signature, {k: _constexpr(v) for k, v in args.constexprs.items()},
-                num_warps=args.num_warps, arch=args.arch)
+                num_warps=args.num_warps, num_stages=args.num_stages, arch=args.arch,
+                divisible=set(filter(None, args.divisible.split(","))),
+                unaligned=set(filter(None, args.unaligned.split(","))))
     print(f"{args.kernel} sm_{args.arch}, {args.num_warps} warps: " + ", ".join(f"{k} {v}" for k, v in got.items()))
     return 0
 

@@ -27,3 +27,16 @@ def sparse_latent_attention(q_lat: torch.Tensor, rows: torch.Tensor, valid: torc
     scores = scores.masked_fill(~valid.unsqueeze(0), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hns,nsr->nhr", probs, rows.float())
+
+
+def expanded_attention(q: torch.Tensor, latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same attention in the expanded form, each position's latent row turned into per-head keys and values
+    first: q [n, h, dn] (before W_uk is folded in); latent [L, r]; w_uk [h, dn, r]; w_uv [h, dv, r]; mask [n, L]
+    -> [n, h, dv] fp32, which equals `latent_attention` of q_lat = W_uk^T q followed by W_uv. The GPU runs it for
+    prompt rows that attend to their whole context (kernels/gpu/mla_expanded.py), where it costs half the FLOPs."""
+    keys = torch.einsum("lr,hdr->lhd", latent.float(), w_uk.float())
+    values = torch.einsum("lr,hvr->lhv", latent.float(), w_uv.float())
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale
+    probs = torch.softmax(scores.masked_fill(~mask.unsqueeze(0), float("-inf")), dim=-1)
+    return torch.einsum("hnl,lhv->nhv", probs, values)

@@ -70,7 +70,11 @@ class MlaAttention:
         # kv_b rows per head are [k_nope (dn) | v (dv)]: W_uk [S x h, dn, r] and W_uv [S x h, dv, r], shard-major
         # (the fused path runs every local head as one batch; the reference reads shard j's heads [j h, (j + 1) h)).
         per_head = kv_b.view(self.shards * self.heads, self.dn + self.dv, self.r)
+        self.w_kv = per_head  # both at once: the expanded form's context product (kernels/gpu/mla_expanded.py)
         self.w_uk, self.w_uv = per_head[:, : self.dn], per_head[:, self.dn :]
+        # The first position whose DSA selection can leave a position out (beyond `topk / kpool` complete pools
+        # besides its own tail): rows before it attend to their whole context.
+        self.dense_until = (cfg.index_topk // cfg.index_kpool + 1) * cfg.index_kpool - 1
         self.o_w = projection.load(reader, [p + "o_proj.weight"], ROWS)  # [S, D, heads * dv] (row-parallel)
         self.indexer = Indexer(cfg, reader, prefix) if full_indexer else None
 

@@ -23,6 +23,7 @@ from kernels.gpu import gemm
 from kernels.gpu import kda as gpu_kda
 from kernels.gpu import mhc as gpu_mhc
 from kernels.gpu import mla as gpu_mla
+from kernels.gpu import mla_expanded as gpu_mla_expanded
 from kernels.gpu import moe as gpu_moe
 from kernels.gpu import norms as gpu_norms
 from kernels.gpu import rows as gpu_rows
@@ -32,6 +33,8 @@ from model.cache import PagedCache, PendingStates
 from model.parallel import Collective
 from model.projection import Projection
 from model.row_store import RowStore
+from ops import expanded_rows
+from ops.expanded_rows import ExpandedRows
 from ops.fused_rows import CONV_HISTORY, GpuRows, build
 
 if TYPE_CHECKING:
@@ -51,6 +54,7 @@ class FusedForward:
         self.rows = rows or build(batch, kpool=cache.kpool)
         self.n_rows = self.rows.n_rows
         self.token_ids = batch.token_ids
+        self._expanded: dict[int, ExpandedRows | None] = {}  # MLA's expanded-form rows by `dense_until`
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -201,20 +205,61 @@ class FusedForward:
     def mla_attention(self, attn: "MlaAttention", q: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor]
                       ) -> torch.Tensor:
         """q [S, T, heads * dn] -> [S, T, heads * dv]. The per-head products run as one batch over all local heads,
-        and the attention kernel works on each head alone, so every shard gets the bits of its own launch."""
+        and the attention kernels work on each head alone, so every shard gets the bits of its own launch. Prompt
+        rows whose selection is their whole context take the expanded form (ops/expanded_rows.py), the rest the
+        latent form."""
+        s, t, _ = q.shape
+        h = attn.heads
+        q = q.view(s, t, h, attn.dn).transpose(1, 2).reshape(s * h, t, attn.dn)  # every local head a batch
+        plan = self._expanded_plan(attn.dense_until)
+        if plan is None:
+            out = self._latent_form(attn, q, chosen, slice(None))
+        else:
+            out = torch.empty(s * h, t, attn.dv, dtype=q.dtype, device=q.device)
+            rows = plan.latent_rows
+            if isinstance(rows, torch.Tensor):
+                out.index_copy_(1, rows, self._latent_form(attn, q.index_select(1, rows), chosen, rows))
+            elif rows:
+                out[:, :rows] = self._latent_form(attn, q[:, :rows], chosen, slice(0, rows))
+            self._expanded_form(attn, q, out, plan)
+        return out.view(s, h, t, attn.dv).transpose(1, 2).reshape(s, t, h * attn.dv)
+
+    def _expanded_plan(self, until: int) -> ExpandedRows | None:
+        """The batch's expanded-form rows (the same for every MLA layer of the forward: built once)."""
+        if until not in self._expanded:
+            self._expanded[until] = expanded_rows.plan(self.batch, self.rows.tables, until, self.cache.block_size,
+                                                       gpu_mla_expanded.TILE["BM"])
+        return self._expanded[until]
+
+    def _latent_form(self, attn: "MlaAttention", q: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor],
+                     pick: slice | torch.Tensor) -> torch.Tensor:
+        """Attention of the rows `pick` (the decode-class rows among them first) over their selections' latent rows,
+        with W_uk folded into the query and W_uv into the output: q [S h, n, dn] -> [S h, n, dv]."""
         rows = self.rows
-        d, (s, t, _), h = rows.decode_rows, q.shape, attn.heads
+        d = rows.decode_rows
         latent = self.cache.latent[attn.layer]
-        sel, count = chosen
+        sel, count = chosen[0][pick], chosen[1][pick]
         kpool = self.cache.kpool
         max_positions = min(sel.shape[1], rows.max_pools) * kpool + kpool
-        q = q.view(s, t, h, attn.dn).transpose(1, 2).reshape(s * h, t, attn.dn)  # every local head a batch
-        q_lat = gemm.bmm(q, attn.w_uk.transpose(1, 2), d)  # [S h, T, r]
-        o_lat = torch.empty(t, s * h, attn.r, dtype=q.dtype, device=q.device)
-        gpu_mla.sparse_attention(q_lat.transpose(0, 1), latent.data, latent.scale, rows.tables, rows.positions,
-                                 rows.row_seq, sel, count, kpool, attn.scale, o_lat, d, max_positions)
-        out = gemm.bmm(o_lat.transpose(0, 1), attn.w_uv, d)  # [S h, T, dv]
-        return out.view(s, h, t, attn.dv).transpose(1, 2).reshape(s, t, h * attn.dv)
+        q_lat = gemm.bmm(q, attn.w_uk.transpose(1, 2), d)  # [S h, n, r]
+        o_lat = torch.empty(q.shape[1], q.shape[0], attn.r, dtype=q.dtype, device=q.device)
+        gpu_mla.sparse_attention(q_lat.transpose(0, 1), latent.data, latent.scale, rows.tables, rows.positions[pick],
+                                 rows.row_seq[pick], sel, count, kpool, attn.scale, o_lat, d, max_positions)
+        return gemm.bmm(o_lat.transpose(0, 1), attn.w_uv, d)  # [S h, n, dv]
+
+    def _expanded_form(self, attn: "MlaAttention", q: torch.Tensor, out: torch.Tensor, plan: ExpandedRows) -> None:
+        """The plan's rows into `out` ([S h, T, dv]): per group, its sequences' latent rows read as the latent
+        kernel reads them (fp8 scaled back per row in fp32), expanded to every local head's keys and values by one
+        product (prompt schedule), then causal attention."""
+        latent = self.cache.latent[attn.layer]
+        data = latent.data.view(-1, attn.r)
+        for group in plan.groups:
+            lat = data.index_select(0, group.key_rows)
+            if latent.scale is not None:
+                scale = latent.scale.view(-1).index_select(0, group.key_rows)
+                lat = (lat.float() * scale.unsqueeze(1)).to(q.dtype)
+            kv = gemm.bmm(lat.unsqueeze(0).expand(q.shape[0], -1, -1), attn.w_kv, 0)  # [S h, L, dn + dv]
+            gpu_mla_expanded.attend(q, kv, out, group.tiles, attn.scale)
 
     # ----- MoE -----
 

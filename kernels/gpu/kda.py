@@ -237,17 +237,24 @@ def commit_history(hist_out: torch.Tensor, conv_state: torch.Tensor, seqs: Decod
 
 @triton.jit
 def _gated_norm_kernel(core_ptr, s_core_shard, s_core, gate_ptr, s_gate_shard, s_gate, w_ptr, out_ptr, s_out_shard,
-                       s_out, eps, DV: tl.constexpr):
+                       s_out, eps, heads, DV: tl.constexpr, HB: tl.constexpr):
+    """One (row, shard): its heads HB at a time, each normed over its own DV values (a program per (row, head) moved
+    128 values each: 0.32 ms a KDA layer at 8,192 rows, ~3x the time of its bytes)."""
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    shard = tl.program_id(2).to(tl.int64)
+    shard = tl.program_id(1).to(tl.int64)
     c = tl.arange(0, DV)
-    x = tl.load(core_ptr + shard * s_core_shard + row * s_core + head * DV + c).to(tl.float32)
-    gate = tl.load(gate_ptr + shard * s_gate_shard + row * s_gate + head * DV + c).to(tl.float32)
     w = tl.load(w_ptr + c).to(tl.float32)
-    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DV + eps))
-    tl.store(out_ptr + shard * s_out_shard + row * s_out + head * DV + c,
-             (w * x * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
+    core_ptr += shard * s_core_shard + row * s_core
+    gate_ptr += shard * s_gate_shard + row * s_gate
+    out_ptr += shard * s_out_shard + row * s_out
+    for h0 in range(0, heads, HB):
+        h = h0 + tl.arange(0, HB)
+        ok = (h < heads)[:, None]
+        at = h[:, None] * DV + c[None, :]
+        x = tl.load(core_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DV + eps))[:, None]
+        tl.store(out_ptr + at, (w[None, :] * x * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -258,9 +265,10 @@ def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
     dv = weight.numel()
     out = torch.empty(shards, t, width, dtype=core.dtype, device=core.device)
     if t:
-        _gated_norm_kernel[(t, width // dv, shards)](core, core.stride(0), core.stride(1), gate, gate.stride(0),
-                                                     gate.stride(1), weight, out, out.stride(0), out.stride(1),
-                                                     float(eps), DV=dv, num_warps=2)
+        heads = width // dv
+        _gated_norm_kernel[(t, shards)](core, core.stride(0), core.stride(1), gate, gate.stride(0), gate.stride(1),
+                                        weight, out, out.stride(0), out.stride(1), float(eps), heads, DV=dv,
+                                        HB=min(16, triton.next_power_of_2(heads)), num_warps=4)
     return out
 
 

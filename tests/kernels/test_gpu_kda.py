@@ -227,3 +227,16 @@ def test_prompt_conv_shards_in_one_launch_equal_one_launch_per_shard() -> None:
     fused = kda.prompt_conv(x, p["conv_w"], conv, 0, *rows)
     for j in range(S):
         assert torch.equal(fused[j], kda.prompt_conv(x[j : j + 1], p["conv_w"][j : j + 1], conv, j * 3 * C, *rows)[0])
+
+
+def test_gated_norm_over_more_heads_than_a_program_step() -> None:
+    """20 heads a shard: a program norms 16, then the 4 left (masked); each head against the twin, and a row's
+    bits alone = among others, in every shard of a 2-shard launch."""
+    heads, rows = 20, 5
+    core, gate = randn(2, rows, heads * DK, seed=60), randn(2, rows, heads * DK, seed=61)
+    w = 1 + randn(DK, seed=62, scale=0.1)
+    out = kda.gated_norm(core, gate, w, EPS)
+    for s in range(2):
+        want = gated_rms_norm(core[s].cpu().view(rows, heads, DK), gate[s].cpu().view(rows, heads, DK), w.cpu(), EPS)
+        torch.testing.assert_close(out[s].cpu().float(), want.reshape(rows, -1).float(), **HALF_TOL)
+    assert torch.equal(kda.gated_norm(core[:, 3:4], gate[:, 3:4], w, EPS), out[:, 3:4])

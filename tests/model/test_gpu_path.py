@@ -51,6 +51,22 @@ def test_fast_path_matches_reference(model) -> None:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+def test_fp8_cache_prompt_rows_match_reference(model) -> None:
+    """Prompt rows over an fp8 latent cache: both attention forms (rows below the layer's `dense_until` take the
+    expanded one) read the rows scaled back as the reference does; the second round's prompt continues from rows
+    the first round stored."""
+    a, b = random_ids(40, seed=5), random_ids(40, seed=6)
+    rounds = [[(0, a[:30], 0, True, False), (1, b[:10], 0, True, False)],
+              [(0, a[30:31], 30, False, False), (1, b[10:18], 10, True, False)]]
+    caches = [fresh_cache(model, CAP, slots=2, kv_dtype=torch.float8_e4m3fn), None]
+    caches[1] = clone_cache(caches[0])
+    for seqs in rounds:
+        want = step(model, caches[0], seqs, gpu=False)
+        got = step(model, caches[1], seqs, gpu=True)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_decode_row_alone_equals_row_in_batch(model) -> None:
     ids = [random_ids(40, seed=10 + s) for s in range(4)]
     cache = fresh_cache(model, CAP, slots=4)
