@@ -427,6 +427,42 @@ def mla_sweep() -> list[dict]:
     return rows
 
 
+def dsa_score_rows() -> list[dict]:
+    """The DSA indexer's scores for a prompt chunk of 8,192 rows of one sequence (32 heads x 128, k-pools of 4):
+    against the 2,048 pools of an 8k prompt and against one 16,384-pool tile of a long context, scored one row a
+    program (the decode rows' schedule) and SCORE_ROWS rows a program (the prompt rows'). FLOPs: 2 x heads x dim per
+    (row, pool) pair; the two differ in bits (another schedule), not in value."""
+    from kernels.gpu import mla
+    t, nh, di, kp, bs = 8192, 32, 128, 4, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(t, nh, di, device="cuda", dtype=BF16, generator=g)
+    w = torch.randn(t, nh, device="cuda", generator=g) * nh ** -0.5
+    rows = []
+    for n_pools in (2048, 16384):
+        blocks_n = n_pools * kp // bs
+        pooled = torch.randn(blocks_n, bs // kp, di, device="cuda", dtype=BF16, generator=g)
+        tables = torch.arange(blocks_n, device="cuda", dtype=torch.int32).view(1, -1)
+        start = n_pools * kp - t  # the chunk is the context's last t positions: every pool is visible to most rows
+        pos = torch.arange(start, start + t, device="cuda", dtype=torch.int32)
+        seq = torch.zeros(t, device="cuda", dtype=torch.int32)
+        blocks = mla.score_blocks([start], [t], 0).to("cuda")
+        flops = 2.0 * t * n_pools * nh * di
+        outs = {}
+        schedules = (("row a program", dict(decode_rows=t)), ("rows in blocks", dict(decode_rows=0, blocks=blocks)))
+        for name, kw in schedules:
+            run = lambda kw=kw: mla.index_scores(q, w, pooled, tables, pos, seq, kp, n_pools, **kw)  # noqa: E731
+            outs[name] = run()
+            ms = bench_ms(run)
+            rows.append(dict(kernel="dsa scores", schedule=name, rows=t, pools=n_pools, ms=ms,
+                             tflops=flops / ms / 1e9))
+            log(f"dsa scores {t} rows x {n_pools} pools, {name}: {ms * 1e3:8.1f} us, {flops / ms / 1e9:6.1f} TFLOP/s")
+        a, b = outs.values()
+        finite = torch.isfinite(a)
+        assert torch.equal(finite, torch.isfinite(b))
+        rows[-1]["max_diff_vs_row_a_program"] = float((a[finite] - b[finite]).abs().max())
+    return rows
+
+
 # Each fits the H100's 227 KiB of shared memory a block (`python -m bench.ptx_stats` gives the bytes on a CPU).
 EXPANDED_TILES = [dict(BM=bm, BN=bn, num_warps=w, num_stages=st)
                   for bm, bn, w, st in ((64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2),
@@ -541,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
     p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, splitsweep, "
                    "exl3inv, sweep, exl3pin, exl3builds, exl3shard, moe, moesweep, kda, mla, mlasweep, mlaxsweep "
-                   "(the latent and the expanded form's prompt tiles), mhc, invariance, fla "
+                   "(the latent and the expanded form's prompt tiles), dsa (the indexer's scores), mhc, invariance, "
+                   "fla "
                    "(formats / formatsweep / splitsweep / exl3inv / exl3pin / exl3builds / exl3shard: "
                    "bench/kernels_formats.py — every "
                    "weight format against exllamav3's EXL3 kernel, decode tiles per format, the decode K split, "
@@ -611,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
             data["rows"] += mla_sweep()
         if want("mlaxsweep"):
             data["rows"] += expanded_sweep()
+        if want("dsa"):
+            data["rows"] += dsa_score_rows()
         if want("mhc"):
             data["rows"] += mhc_rows()
         if want("fla"):

@@ -28,6 +28,7 @@ from kernels.gpu import moe as gpu_moe
 from kernels.gpu import norms as gpu_norms
 from kernels.gpu import rows as gpu_rows
 from kernels.gpu import swiglu as gpu_swiglu
+from kernels.gpu import to_device
 from model.batch import Batch
 from model.cache import PagedCache, PendingStates
 from model.parallel import Collective
@@ -55,6 +56,7 @@ class FusedForward:
         self.n_rows = self.rows.n_rows
         self.token_ids = batch.token_ids
         self._expanded: dict[int, ExpandedRows | None] = {}  # MLA's expanded-form rows by `dense_until`
+        self._blocks: torch.Tensor | None = None  # the indexer's prompt-row scoring blocks
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -197,10 +199,22 @@ class FusedForward:
         q = self.linear(q_resid, ix.wq_b).view(q_resid.shape[0], ix.heads, ix.dim)
         w = w_out.float() * (ix.heads ** -0.5)
 
+        blocks = self._score_blocks()
+
         def scores_of(p0: int, p1: int) -> torch.Tensor:  # one tile of pools at a time: memory flat in the context
             return gpu_mla.index_scores(q, w, pooled, rows.tables, rows.positions, rows.row_seq, ix.kpool, p1,
-                                        first=p0)
+                                        first=p0, decode_rows=rows.decode_rows, blocks=blocks)
         return gpu_mla.select_pools(scores_of, rows.positions, ix.kpool, keep, rows.max_pools)
+
+    def _score_blocks(self) -> torch.Tensor | None:
+        """The prompt rows' scoring blocks (kernels/gpu/mla.score_blocks), built once a forward."""
+        if self._blocks is None and self.rows.decode_rows < self.n_rows:
+            b = self.batch
+            prompt = [s for s in range(b.num_seqs) if b.is_prompt(s)]
+            host = gpu_mla.score_blocks([b.starts[s] for s in prompt], [b.lengths[s] for s in prompt],
+                                        self.rows.decode_rows)
+            self._blocks = to_device(host, self.token_ids.device)
+        return self._blocks
 
     def mla_attention(self, attn: "MlaAttention", q: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor]
                       ) -> torch.Tensor:

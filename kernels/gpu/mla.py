@@ -88,49 +88,89 @@ def write_pools(index_store: torch.Tensor, index_scale: torch.Tensor | None, poo
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["first", "n_pools", "s_bt", "s_out"],
-            do_not_specialize_on_alignment=["pos_ptr", "seq_ptr"])
-def _scores_kernel(q_ptr, s_q, w_ptr, s_w, pooled_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, out_ptr, s_out, first,
-                   n_pools, n_heads, scale, NH: tl.constexpr, DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
-                   BP: tl.constexpr):
+            do_not_specialize_on_alignment=["pos_ptr", "seq_ptr", "blocks_ptr"])
+def _scores_kernel(q_ptr, s_q, w_ptr, s_w, pooled_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, blocks_ptr, out_ptr, s_out,
+                   first, n_pools, n_heads, scale, NH: tl.constexpr, DI: tl.constexpr, KP: tl.constexpr,
+                   BS: tl.constexpr, BP: tl.constexpr, BT: tl.constexpr):
     """score[t, p - first] = sum_h w[t, h] * relu(q[t, h] . pooled[p] * scale) for pools first <= p < n_pools
-    visible at t; -inf past them."""
-    r = tl.program_id(0)
+    visible at t; -inf past them. A program scores BT rows of one sequence (blocks_ptr: their row indices, -1 for
+    none; BT == 1: row program_id(0)) against BP pools, so the pools' keys are read once for the BT rows and the
+    product is one [BT x NH, DI] x [DI, BP] tile."""
+    if BT == 1:
+        rows = tl.program_id(0) + tl.arange(0, 1)
+    else:
+        rows = tl.load(blocks_ptr + tl.program_id(0) * BT + tl.arange(0, BT))
+    live = rows >= 0
     pools = first + tl.program_id(1) * BP + tl.arange(0, BP)
-    pos = tl.load(pos_ptr + r)
-    seq = tl.load(seq_ptr + r)
-    visible = pools < (pos + 1) // KP
-    h = tl.arange(0, NH)  # NH: the head count padded to a tensor-core tile (>= 16)
+    pos = tl.load(pos_ptr + rows, mask=live, other=-1)  # -1: an empty slot sees no pool
+    seq = tl.load(seq_ptr + tl.max(rows, axis=0))
+    seen = pools < (tl.max(pos, axis=0) + 1) // KP  # the pools the block's last row sees
     c = tl.arange(0, DI)
-    q = tl.load(q_ptr + r * s_q + h[:, None] * DI + c[None, :], mask=h[:, None] < n_heads, other=0.0)
-    prow = _row_address(bt_ptr, s_bt, seq, tl.where(visible, pools, 0) * KP, BS) // KP
-    keys = tl.load(pooled_ptr + prow[:, None] * DI + c[None, :], mask=visible[:, None], other=0.0)
+    prow = _row_address(bt_ptr, s_bt, seq, tl.where(seen, pools, 0) * KP, BS) // KP
+    keys = tl.load(pooled_ptr + prow[:, None] * DI + c[None, :], mask=seen[:, None], other=0.0)
+    m = tl.arange(0, BT * NH)  # (row slot, head), NH: the head count padded to a tensor-core tile (>= 16)
+    row = tl.reshape(tl.broadcast_to(rows[:, None], (BT, NH)), (BT * NH,))
+    h = m % NH
+    ok = (row >= 0) & (h < n_heads)
+    q = tl.load(q_ptr + row[:, None].to(tl.int64) * s_q + h[:, None] * DI + c[None, :], mask=ok[:, None], other=0.0)
     s = tl.dot(q, tl.trans(keys)) * scale
-    w = tl.load(w_ptr + r * s_w + h, mask=h < n_heads, other=0.0).to(tl.float32)
-    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-    tl.store(out_ptr + r * s_out + pools - first, tl.where(visible, score, float("-inf")), mask=pools < n_pools)
+    w = tl.load(w_ptr + row.to(tl.int64) * s_w + h, mask=ok, other=0.0).to(tl.float32)
+    score = tl.sum(tl.reshape(tl.maximum(s, 0.0) * w[:, None], (BT, NH, BP)), axis=1)
+    visible = pools[None, :] < ((pos + 1) // KP)[:, None]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * s_out + (pools - first)[None, :],
+             tl.where(visible, score, float("-inf")), mask=live[:, None] & (pools < n_pools)[None, :])
+
+
+SCORE_ROWS = 4  # prompt rows a scores program takes (consecutive positions of one sequence, aligned to a multiple)
+
+
+def score_blocks(starts: list[int], lengths: list[int], first_row: int, bt: int = SCORE_ROWS) -> torch.Tensor:
+    """Host table of prompt rows' scoring blocks: int32 [n, bt], block j's slot i = the row of position bt * k + i
+    of one sequence, -1 where the batch has no such row. A row's slot is its position mod bt, whatever chunk or
+    company it comes in. starts, lengths: the prompt sequences' chunks, whose rows follow one another from
+    first_row. (Sizes come from the lists, so nothing reads a tensor back.)"""
+    counts = [(s + n - 1) // bt - s // bt + 1 for s, n in zip(starts, lengths)]
+    table = torch.full((sum(counts), bt), -1, dtype=torch.int32)
+    rows = sum(lengths)
+    if rows == 0:
+        return table
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+    firsts = [sum(counts[:i]) - s // bt for i, s in enumerate(starts)]  # block of position 0, per sequence
+    block = torch.repeat_interleave(torch.tensor(firsts), torch.tensor(lengths), output_size=rows) + pos // bt
+    table[block, pos % bt] = torch.arange(first_row, first_row + rows, dtype=torch.int32)
+    return table
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Tensor,
+                 positions: torch.Tensor, row_seq: torch.Tensor, kpool: int, n_pools: int, first: int = 0,
+                 decode_rows: int | None = None, blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, NH, DI]; weights [T, NH] fp32 (already scaled) -> scores [T, n_pools - first] fp32 of pools
+    first .. n_pools - 1 (-inf = not visible). Rows [0, decode_rows) (default: all) are scored one a program;
+    the prompt rows after them by `blocks` (score_blocks, on the device), SCORE_ROWS a program."""
+    t, nh, di = q.shape
+    out = torch.empty(t, n_pools - first, dtype=torch.float32, device=q.device)
+    if t == 0 or n_pools <= first:
+        return out
+    d = t if decode_rows is None else decode_rows
+    q = q.reshape(t, nh * di)
+    bp = 64
+    common = dict(NH=max(16, triton.next_power_of_2(nh)), DI=di, KP=kpool, BS=pooled.shape[1] * kpool, BP=bp)
+    args = (q, q.stride(0), weights, weights.stride(0), pooled, block_tables, block_tables.stride(0), positions,
+            row_seq)
+    tail = (out, out.stride(0), first, n_pools, nh, di ** -0.5)
+    pool_tiles = triton.cdiv(n_pools - first, bp)
+    if d:
+        _scores_kernel[(d, pool_tiles)](*args, positions, *tail, BT=1, **common)
+    if d < t:
+        if blocks is None or blocks.shape[1] != SCORE_ROWS:
+            raise ValueError("index_scores: prompt rows need their score_blocks table")
+        _scores_kernel[(blocks.shape[0], pool_tiles)](*args, blocks, *tail, BT=SCORE_ROWS, **common)
+    return out
 
 
 # Pools scored and ranked per step of the selection: a row's selection buffers are [keep + POOL_TILE] whatever the
 # context (at 1M tokens a whole row of k-pools is 262,144 scores; sorted whole for a 4,096-row chunk that was ~16 GiB).
 POOL_TILE = 16384
-
-
-def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Tensor,
-                 positions: torch.Tensor, row_seq: torch.Tensor, kpool: int, n_pools: int, first: int = 0
-                 ) -> torch.Tensor:
-    """q [T, NH, DI]; weights [T, NH] fp32 (already scaled) -> scores [T, n_pools - first] fp32 of pools
-    first .. n_pools - 1 (-inf = not visible)."""
-    t, nh, di = q.shape
-    out = torch.empty(t, n_pools - first, dtype=torch.float32, device=q.device)
-    if t == 0 or n_pools <= first:
-        return out
-    q = q.reshape(t, nh * di)
-    bp = 64
-    _scores_kernel[(t, triton.cdiv(n_pools - first, bp))](
-        q, q.stride(0), weights, weights.stride(0), pooled, block_tables, block_tables.stride(0), positions, row_seq,
-        out, out.stride(0), first, n_pools, nh, di ** -0.5, NH=max(16, triton.next_power_of_2(nh)), DI=di, KP=kpool,
-        BS=pooled.shape[1] * kpool, BP=bp)
-    return out
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).

@@ -130,6 +130,52 @@ def test_pools_scored_and_ranked_a_tile_at_a_time_pick_the_same(paged: Paged) ->
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"tile {tile}"
 
 
+PROMPT = [(1, p) for p in range(58, 70)] + [(0, p) for p in range(29, 37)]  # two prompt chunks, unaligned starts
+
+
+def prompt_scores(paged: Paged, queries: list[tuple[int, int]], decode: int, q_idx, w) -> torch.Tensor:
+    """index_scores with the first `decode` queries scored one a program and the rest (prompt rows, sequence by
+    sequence in position order) in blocks."""
+    pos, seq = rows_of(queries)
+    chunks: list[list[int]] = []  # [start, length] of each prompt sequence's run of rows
+    for s, p in queries[decode:]:
+        if chunks and chunks[-1][2] == s and chunks[-1][0] + chunks[-1][1] == p:
+            chunks[-1][1] += 1
+        else:
+            chunks.append([p, 1, s])
+    blocks = mla.score_blocks([c[0] for c in chunks], [c[1] for c in chunks], decode).to(DEVICE)
+    return mla.index_scores(q_idx, w, paged.pooled, paged.tables, pos, seq, KP, max(LENS) // KP, decode_rows=decode,
+                            blocks=blocks)
+
+
+def test_score_blocks_put_a_row_at_its_position_mod_the_block() -> None:
+    table = mla.score_blocks([6, 0], [5, 2], first_row=3, bt=4)  # positions 6..10, then another prompt's 0..1
+    assert table.tolist() == [[-1, -1, 3, 4], [5, 6, 7, -1], [8, 9, -1, -1]]
+
+
+def test_prompt_rows_scored_in_blocks_match_twin_and_rows_alone(paged: Paged) -> None:
+    """Prompt rows scored SCORE_ROWS a program: each row against the twin, and its bits the same whatever block,
+    chunk or company it comes in (alone; in a chunk cut elsewhere; behind a decode row)."""
+    n = len(PROMPT)
+    q_idx, w = randn(n, NH, DI, seed=47), randn(n, NH, dtype=torch.float32, seed=48)
+    scores = prompt_scores(paged, PROMPT, 0, q_idx, w)
+    for i, (s, p) in enumerate(PROMPT):
+        keys, gates = paged.dense_index[s][: p + 1].split(DI, dim=-1)
+        pooled = dsa.pool_keys(keys.cpu().float(), gates.cpu().float(), paged.ape.cpu().float(), KP)
+        want = dsa.index_scores(q_idx[i : i + 1].cpu().float(), w[i : i + 1].cpu(), pooled)
+        torch.testing.assert_close(scores[i, : (p + 1) // KP].cpu(), want[0], **HALF_TOL)
+        assert torch.all(scores[i, (p + 1) // KP :].cpu() == float("-inf"))
+    for i in (0, 5, 11, 12, 19):
+        alone = prompt_scores(paged, [PROMPT[i]], 0, q_idx[i : i + 1], w[i : i + 1])
+        assert torch.equal(alone[0], scores[i]), f"row {i} alone"
+    cut = list(range(3, 9))  # positions 61..66: another chunk of the same prompt
+    part = prompt_scores(paged, [PROMPT[i] for i in cut], 0, q_idx[cut], w[cut])
+    assert torch.equal(part, scores[cut])
+    behind = [(0, 36)] + PROMPT  # a decode row first, scored one a program
+    q2, w2 = torch.cat([randn(1, NH, DI, seed=49), q_idx]), torch.cat([randn(1, NH, dtype=torch.float32), w])
+    assert torch.equal(prompt_scores(paged, behind, 1, q2, w2)[1:], scores)
+
+
 def test_select_takes_everything_when_few_pools(paged: Paged) -> None:
     pos, _ = rows_of([(0, 3), (0, 36)])
     sel, count = mla.select_pools(None, pos, KP, keep=16, n_pools=9)
