@@ -208,10 +208,9 @@ class FusedForward:
 
     def _score_blocks(self) -> torch.Tensor | None:
         """The prompt rows' scoring blocks (kernels/gpu/mla.score_blocks), built once a forward."""
-        if self._blocks is None and self.rows.decode_rows < self.n_rows:
-            b = self.batch
-            prompt = [s for s in range(b.num_seqs) if b.is_prompt(s)]
-            host = gpu_mla.score_blocks([b.starts[s] for s in prompt], [b.lengths[s] for s in prompt],
+        if self._blocks is None and self.rows.prompt is not None:
+            b, seqs = self.batch, self.rows.prompt.seqs
+            host = gpu_mla.score_blocks([b.starts[s] for s in seqs], [b.lengths[s] for s in seqs],
                                         self.rows.decode_rows)
             self._blocks = to_device(host, self.token_ids.device)
         return self._blocks
