@@ -27,6 +27,11 @@
 #                                      # `twinspark up --device cuda` on LAYERS real-dim layers (default 4) of
 #                                      # random FORMAT weights (default w4a16), drafts off: bench.exactness at
 #                                      # TP 2, TP 1 (same ids as TP 2) and TP 2 eager (same ids as TP 2's graphs)
+#   bash bench/gpu_check.sh prefill [TOKENS]
+#                                      # issue 29's prefill line: bench/decode_prefill.py at batch 1 and prompts of
+#                                      # TOKENS (default 2048,8192) on 4 bf16 layers with transformers in the same
+#                                      # run and the kernel and host profiles of each prefill, then bench/kernels.py's
+#                                      # prompt-attention and indexer-score sections (mlaxsweep, dsa)
 #   bash bench/gpu_check.sh kernels [SECTIONS]
 #                                      # only bench/kernels.py (default: the MoE in bf16 and W4A16, its tile
 #                                      # sweeps and the invariance checks: what chooses `moe_schedule`)
@@ -87,6 +92,14 @@ if [ "${1:-}" = "tp2one" ]; then
     TWINSPARK_ENFORCE_EAGER=1 python3 -m bench.exactness --tp 2 --model /tmp/tp2one-config --label "TP 2 eager" \
         --same-as "$OUT/exactness-tp2.json" > "$OUT/exactness-tp2-eager.log" 2>&1
     tail -qn 2 "$OUT/exactness-tp1.log" "$OUT/exactness-tp2-eager.log"
+    exit 0
+fi
+if [ "${1:-}" = "prefill" ]; then
+    python3 -m bench.decode_prefill --batches 1 --prefill "${2:-2048,8192}" --profile --out "$OUT" \
+        > "$OUT/decode_prefill.log" 2>&1
+    grep -E "prefill .*median|peer prefill" "$OUT/decode_prefill.log" | tail -6
+    python3 -m bench.kernels --only mlaxsweep,dsa --out "$OUT" > "$OUT/kernels-prefill.log" 2>&1
+    grep -E "mla expanded|dsa scores" "$OUT/kernels-prefill.log" | tail -14
     exit 0
 fi
 if [ "${1:-}" = "kernels" ]; then

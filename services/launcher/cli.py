@@ -240,8 +240,14 @@ def _supervise_routed(s: UpSettings) -> int:
     # What kv_aware must agree on with the replicas: the ranks' block size and the model name requests carry.
     block_size = int(os.environ.get("TWINSPARK_BLOCK_SIZE") or 16)
     name = os.environ.get("TWINSPARK_SERVED_MODEL_NAME") or Path(s.model or "").name
+    gpus = mps.visible_gpu_ids(os.environ) if s.device == "cuda" else None
     plan = fleet_plan(s, LAUNCHER, router, ports[:s.replicas], ports[-1], ports[s.replicas:s.replicas + events],
-                      model_name=name, block_size=block_size)
+                      model_name=name, block_size=block_size, gpus=gpus)
+    for child in plan.children:
+        if "CUDA_VISIBLE_DEVICES" in child.env:
+            log(f"{child.name}: GPUs {child.env['CUDA_VISIBLE_DEVICES']}")
+    if gpus is not None and len(gpus) < s.replicas:
+        log(f"{s.replicas} replicas on {len(gpus)} GPU(s): some share a GPU, each with its own copy of the weights")
     out = (lambda _banner: None) if s.background else None
     # A replica's supervisor needs its own stop grace and a little more to stop its children before it is
     # SIGKILLed; each makes its own internal token unless TWINSPARK_INTERNAL_TOKEN is set.

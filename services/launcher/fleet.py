@@ -81,13 +81,27 @@ def router_argv(s: UpSettings, command: tuple[str, ...], workers: list[str], met
             *kv, *shlex.split(s.router_args or "")]
 
 
+def gpu_slices(replicas: int, tp: int, gpus: list[str]) -> list[list[str]]:
+    """The GPUs each replica's ranks see (its CUDA_VISIBLE_DEVICES), as vLLM's data parallelism places its ranks:
+    disjoint runs of up to `tp` GPUs while there are enough for every replica (a replica with fewer GPUs than ranks
+    shares them through its own MPS daemon); with fewer GPUs than replicas, replica i takes GPU i mod the count
+    (replicas on one GPU each hold a copy of the weights)."""
+    if not gpus:
+        return [[] for _ in range(replicas)]
+    if len(gpus) < replicas:
+        return [[gpus[i % len(gpus)]] for i in range(replicas)]
+    per = min(tp, len(gpus) // replicas)
+    return [gpus[i * per:(i + 1) * per] for i in range(replicas)]
+
+
 def fleet_plan(s: UpSettings, launcher: tuple[str, ...], router: tuple[str, ...], replica_ports: list[int],
                metrics_port: int, event_ports: list[int] = (), *, model_name: str = "",
-               block_size: int = 16) -> LaunchPlan:
+               block_size: int = 16, gpus: list[str] | None = None) -> LaunchPlan:
     """Replicas (one stage: they load together), then the router. `launcher` runs `twinspark up` (`... up`
     follows); the settings are resolved (model, port, state dir); `event_ports`: each replica's KV event port
-    (kv_aware only; `model_name` and `block_size` are what the router needs to read them). A pure function,
-    like plan.make_plan."""
+    (kv_aware only; `model_name` and `block_size` are what the router needs to read them); `gpus`: the GPUs the run
+    sees, shared out by `gpu_slices` (CUDA replicas; None: every replica sees what the run sees). A pure
+    function, like plan.make_plan."""
     assert s.model is not None and s.state_dir is not None
     if len(replica_ports) != s.replicas:
         raise ValueError(f"need {s.replicas} replica ports, got {len(replica_ports)}")
@@ -95,13 +109,15 @@ def fleet_plan(s: UpSettings, launcher: tuple[str, ...], router: tuple[str, ...]
     if len(event_ports) != (s.replicas if kv_aware else 0):
         raise ValueError(f"need a KV event port per replica with kv_aware only, got {len(event_ports)}")
     logs = Path(s.state_dir) / "logs"
+    slices = gpu_slices(s.replicas, s.tp, gpus) if gpus is not None and s.device == "cuda" else None
     replicas = []
     for i, port in enumerate(replica_ports):
         one = replica_settings(s, i, port, events_endpoint(event_ports[i]) if kv_aware else None)
         url = f"http://{INTERNAL_HOST}:{port}"
+        env = {**CLEARED_ENV, **({"CUDA_VISIBLE_DEVICES": ",".join(slices[i])} if slices else {})}
         replicas.append(ChildSpec(name=f"replica{i}", role="replica", index=i, argv=(*launcher, "up", *to_argv(one)),
                                   host=INTERNAL_HOST, port=port, log=str(logs / f"replica{i}.log"),
-                                  env=CLEARED_ENV, optional=s.replicas + len(s.remote_urls) > 1,
+                                  env=env, optional=s.replicas + len(s.remote_urls) > 1,
                                   health=url + "/health"))
     workers = [f"http://{c.address}" for c in replicas] + s.remote_urls
     sources = [f"http://{c.address}={events_endpoint(e)}" for c, e in zip(replicas, event_ports)]

@@ -23,12 +23,12 @@ PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 MODES = ("auto", "on", "off")
 
 
-def visible_gpus(env: Mapping[str, str]) -> int | None:
-    """GPUs this machine's CUDA processes see: CUDA_VISIBLE_DEVICES' entries when set, else `nvidia-smi -L`'s
-    lines; None when neither says (no driver tools)."""
+def visible_gpu_ids(env: Mapping[str, str]) -> list[str] | None:
+    """The GPUs this machine's CUDA processes see, as CUDA_VISIBLE_DEVICES names them: its entries when set, else
+    `nvidia-smi -L`'s indices; None when neither says (no driver tools)."""
     listed = env.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
-        return len([d for d in listed.split(",") if d.strip()])
+        return [d.strip() for d in listed.split(",") if d.strip()]
     smi = shutil.which("nvidia-smi", path=env.get("PATH"))
     if smi is None:
         return None
@@ -36,7 +36,13 @@ def visible_gpus(env: Mapping[str, str]) -> int | None:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    return [str(i) for i in range(sum(1 for line in out.splitlines() if line.startswith("GPU ")))]
+
+
+def visible_gpus(env: Mapping[str, str]) -> int | None:
+    """How many GPUs `visible_gpu_ids` finds (None: unknown)."""
+    ids = visible_gpu_ids(env)
+    return None if ids is None else len(ids)
 
 
 def wanted(mode: str, device: str, tp: int, gpus: int | None, env: Mapping[str, str]) -> tuple[bool, str]:

@@ -16,7 +16,7 @@ import pytest
 
 from services.common.flags import parse, to_argv
 from services.launcher import cli
-from services.launcher.fleet import fleet_plan, replica_settings
+from services.launcher.fleet import fleet_plan, gpu_slices, replica_settings
 from services.launcher.settings import UpSettings
 
 from .test_supervisor import LAUNCHER, ROLE_CMD, ROOT, _alive, _assert_all_gone, _env, _get
@@ -50,6 +50,26 @@ def test_replicas_then_router_argv():
     assert urls == ["http://127.0.0.1:7001", "http://127.0.0.1:7002", "http://spark3:8888", "http://spark4:8888"]
     assert argv[argv.index("--policy") + 1] == "round_robin" and argv[-2:] == ["--retry-max-retries", "3"]
     assert argv[argv.index("--prometheus-port") + 1] == "7009" and plan.ports["router_metrics"] == 7009
+
+
+def test_gpu_slices_share_the_gpus_out_as_data_parallel_ranks():
+    ids = ["0", "1", "2", "3"]
+    assert gpu_slices(2, 2, ids) == [["0", "1"], ["2", "3"]]  # a TP pair each
+    assert gpu_slices(2, 1, ids) == [["0"], ["1"]]  # one each; the rest stay free
+    assert gpu_slices(4, 2, ids) == [["0"], ["1"], ["2"], ["3"]]  # both ranks of a replica on its one GPU (MPS)
+    assert gpu_slices(3, 4, ["GPU-a", "GPU-b"]) == [["GPU-a"], ["GPU-b"], ["GPU-a"]]  # fewer GPUs than replicas
+    assert gpu_slices(2, 1, []) == [[], []]
+
+
+def test_cuda_replicas_each_see_their_own_gpus():
+    s = _settings("--replicas", "2", "--tp", "2", "--device", "cuda")
+    r0, r1, _ = fleet_plan(s, PY, ("r",), [7001, 7002], 7009, gpus=["0", "1", "2", "3"]).children
+    assert (r0.env["CUDA_VISIBLE_DEVICES"], r1.env["CUDA_VISIBLE_DEVICES"]) == ("0,1", "2,3")
+    assert r1.env["TWINSPARK_REPLICAS"] == ""
+    cpu = fleet_plan(_settings("--replicas", "2"), PY, ("r",), [7001, 7002], 7009, gpus=["0", "1"]).children
+    assert all("CUDA_VISIBLE_DEVICES" not in c.env for c in cpu)
+    unknown = fleet_plan(s, PY, ("r",), [7001, 7002], 7009).children  # no GPU list: what the run sees
+    assert all("CUDA_VISIBLE_DEVICES" not in c.env for c in unknown)
 
 
 def test_kv_aware_gives_each_replica_an_event_port_and_the_router_every_source():
