@@ -394,7 +394,7 @@ def mla_rows(bw: float) -> list[dict]:
 MLA_TILES = [dict(HB=hb, num_warps=w, num_stages=st, **({"BN": bn} if bn else {}))
              for hb, w, st, bn in ((16, 4, 2, 0), (16, 8, 2, 0), (32, 4, 2, 0), (32, 8, 2, 0), (32, 8, 3, 0),
                                    (32, 8, 2, 64), (64, 4, 2, 0), (64, 8, 2, 0), (64, 8, 1, 0), (64, 8, 2, 16),
-                                   (64, 8, 2, 64))]
+                                   (64, 8, 2, 64), (64, 8, 3, 32), (64, 8, 4, 32), (64, 8, 3, 64))]
 
 
 def mla_sweep() -> list[dict]:

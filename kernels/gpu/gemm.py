@@ -31,6 +31,9 @@ from kernels.gpu import exl3_cuda, hadamard
 from kernels.gpu.tile_order import grouped_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
+# Prompt products at most this wide take narrow tiles and split K into up to _NARROW_SPLITS parts (schedule()).
+_NARROW_N = 64
+_NARROW_SPLITS = 8
 # Programs the decode schedule aims for per GEMM (about two waves on an H200's 132 SMs). A constant, not the SM
 # count of the device at hand, so the schedule stays a function of the shapes.
 _DECODE_PROGRAMS = 256
@@ -71,6 +74,13 @@ def schedule(n: int, k: int, rows: RowClass) -> Tile:
     product of its dequantized weight (bit for bit in the interpreter; on a GPU within fp32 rounding, see
     tests/kernels/test_gpu_gemm.py)."""
     if rows is RowClass.PREFILL:
+        if n <= _NARROW_N:
+            # A narrow product (mHC's 24-wide projection of the 16,384-wide streams, once per block): the 128 x
+            # 256 tile made one column tile and T / 128 programs, each walking all of K — at 8,192 rows 64
+            # programs on 132 SMs, 198 us for 268 MB (1.35 TB/s; decode_prefill-20261205-0224-bf16-mlatile).
+            # Narrow tiles and a K split fixed by the shape (never by M) spread the same bytes over the GPU.
+            return Tile(block_m=64, block_n=32, block_k=128,
+                        split_k=decode_split(n, k, 32, 128, programs=_NARROW_SPLITS), warps=4, stages=4)
         return Tile(block_m=128, block_n=256, block_k=64, split_k=1, warps=8, stages=3)
     block_n, block_k = 128, 128
     return Tile(block_m=16, block_n=block_n, block_k=block_k, split_k=decode_split(n, k, block_n, block_k), warps=4,

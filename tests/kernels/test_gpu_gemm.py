@@ -34,6 +34,19 @@ def test_decode_schedule_splits_k_and_sums_in_order() -> None:
     torch.testing.assert_close(out.double(), reference(x, w), rtol=1e-3, atol=0.1)
 
 
+def test_narrow_prompt_products_split_k_by_shape_only() -> None:
+    """mHC's 24-wide projection of the 16,384-wide streams: the prompt schedule's narrow tile splits K (a function
+    of N and K, never of the rows), matches torch, and a row's bits are the same alone or among 130 others."""
+    n, k = 24, 16384
+    tile = gemm.schedule(n, k, gemm.RowClass.PREFILL)
+    assert tile.split_k > 1 and tile.block_n < gemm.schedule(4096, k, gemm.RowClass.PREFILL).block_n
+    crowd, w = randn(131, k, seed=13), randn(n, k, seed=14)
+    out = gemm.matmul(crowd, w, CLASSES["prefill"], out_dtype=torch.float32)
+    torch.testing.assert_close(out.double(), reference(crowd, w), rtol=1e-3, atol=1e-3 * k ** 0.5)
+    for i in (0, 70, 130):
+        assert torch.equal(gemm.matmul(crowd[i : i + 1], w, CLASSES["prefill"], out_dtype=torch.float32)[0], out[i])
+
+
 def test_split_k_leaves_its_counters_zero_and_writes_strided_outputs() -> None:
     """The last split of a tile adds the partials and resets the tile's arrival counter, so the next launch (or a
     CUDA graph's replay) starts from zero; a strided output view (a column run of a wider projection) is written
