@@ -31,7 +31,7 @@
 #                                      # issue 29's prefill line: bench/decode_prefill.py at batch 1 and prompts of
 #                                      # TOKENS (default 2048,8192) on 4 bf16 layers with transformers in the same
 #                                      # run and the kernel and host profiles of each prefill, then bench/kernels.py's
-#                                      # prompt-attention and indexer-score sections (mlaxsweep, dsa)
+#                                      # prompt-attention, indexer-score and mHC sections (mlaxsweep, dsa, mhc)
 #   bash bench/gpu_check.sh kernels [SECTIONS]
 #                                      # only bench/kernels.py (default: the MoE in bf16 and W4A16, its tile
 #                                      # sweeps and the invariance checks: what chooses `moe_schedule`)
@@ -98,8 +98,8 @@ if [ "${1:-}" = "prefill" ]; then
     python3 -m bench.decode_prefill --batches 1 --prefill "${2:-2048,8192}" --profile --out "$OUT" \
         > "$OUT/decode_prefill.log" 2>&1
     grep -E "prefill .*median|peer prefill" "$OUT/decode_prefill.log" | tail -6
-    python3 -m bench.kernels --only mlaxsweep,dsa --out "$OUT" > "$OUT/kernels-prefill.log" 2>&1
-    grep -E "mla expanded|dsa scores" "$OUT/kernels-prefill.log" | tail -14
+    python3 -m bench.kernels --only mlaxsweep,dsa,mhc --out "$OUT" > "$OUT/kernels-prefill.log" 2>&1
+    grep -E "mla expanded|dsa scores|mhc t=" "$OUT/kernels-prefill.log" | tail -17
     exit 0
 fi
 if [ "${1:-}" = "kernels" ]; then

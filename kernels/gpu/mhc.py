@@ -5,13 +5,14 @@
 Sinkhorn iterations, the collapse and the block's input RMSNorm — two launches per row class for what torch runs as
 ~60. The projection is [T, hc*D] x [hc*(2+hc), hc*D]^T: N is 24 for hc=4, K is 16,384 at D=4,096.
 - Decode-class rows: `_proj_kernel` splits K into fixed chunks (a function of hc and D only) and writes each
-  chunk's fp32 partial products; `_pre_decode_kernel` sums them in chunk order and does the rest with the whole row
+  chunk's fp32 partial products; `_pre_row_kernel` sums them in chunk order and does the rest with the whole row
   in registers (one read of the streams, one write of the output). The general GEMM's decode schedule would tile
   N=24 into a 128-wide tile (81% of it padding) with K split only 16 ways (16 programs streaming fn at one row),
-  then a third launch to sum the splits, and `_pre_kernel` reads the row three times with 4 warps: ~17.5 us per
-  block on an H200 at batch 1.
-- Prompt rows: the fixed-schedule GEMM's prompt schedule (compute-bound: big tiles pay off), then `_pre_kernel`,
-  one program per row streaming D in blocks (any D).
+  then a third launch to sum the splits, and a row pass that streamed D in blocks read the row three times with 4
+  warps: ~17.5 us per block on an H200 at batch 1.
+- Prompt rows: the projection by the fixed-schedule GEMM's prompt schedule (its narrow tile: N is 24), then the
+  same register-resident row pass. (A program per row that streamed D in 1,024-wide blocks read the row twice and
+  its output twice: 0.16 ms per block at 8,192 rows on an H200, about twice its bytes' time.)
 `post`: the ordered sum of the row-parallel partials (virtual shard order), then the expand.
 """
 
@@ -48,49 +49,6 @@ def _hc_weights(m_pre, m_post, m_comb, base_ptr, scale_ptr, hc_eps, ITERS: tl.co
     return pre, post, comb
 
 
-@triton.jit
-def _pre_kernel(s_ptr, mixed_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps,
-                rms_eps, ITERS: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One prompt row: RMS of the flattened streams scales the raw projection (`mixed` = streams @ fn^T, from the
-    GEMM), then pre / post / comb with Sinkhorn, then the collapse and the block's RMSNorm."""
-    row = tl.program_id(0).to(tl.int64)
-    act = h_ptr.dtype.element_ty
-    st = tl.arange(0, HC)
-    flat_n = HC * D
-    streams_row = s_ptr + row * flat_n
-    sq = tl.zeros((HC,), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(streams_row + st[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0).to(tl.float32)
-        sq += tl.sum(x * x, axis=1)
-    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / flat_n + norm_eps)
-    n_mix = HC * (2 + HC)
-    m_pre = tl.load(mixed_ptr + row * n_mix + st) * rstd
-    m_post = tl.load(mixed_ptr + row * n_mix + HC + st) * rstd
-    m_comb = tl.load(mixed_ptr + row * n_mix + 2 * HC + st[:, None] * HC + st[None, :]) * rstd
-    pre, post, comb = _hc_weights(m_pre, m_post, m_comb, base_ptr, scale_ptr, hc_eps, ITERS, HC)
-    tl.store(post_ptr + row * HC + st, post)
-    tl.store(comb_ptr + row * HC * HC + st[:, None] * HC + st[None, :], comb)
-
-    # The collapse (rounded to the activation dtype, as the twin), its RMS, then the normalised output.
-    sq2 = tl.zeros((BLOCK_D,), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        dm = d < D
-        x = tl.load(streams_row + st[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
-        col = tl.sum(pre[:, None] * x, axis=0).to(act)
-        tl.store(h_ptr + row * D + d, col, mask=dm)
-        cf = col.to(tl.float32)
-        sq2 += cf * cf
-    rstd2 = 1.0 / tl.sqrt(tl.sum(sq2, axis=0) / D + rms_eps)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        dm = d < D
-        cf = tl.load(h_ptr + row * D + d, mask=dm, other=0.0).to(tl.float32)
-        w = tl.load(nw_ptr + d, mask=dm, other=0.0).to(tl.float32)
-        tl.store(h_ptr + row * D + d, (w * (cf * rstd2).to(act).to(tl.float32)).to(act), mask=dm)
-
-
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel (one arithmetic) for M = 1 and M > 1
 def _proj_kernel(x_ptr, fn_ptr, ws_ptr, M, K, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CHUNK: tl.constexpr, IEEE: tl.constexpr):
@@ -111,11 +69,12 @@ def _proj_kernel(x_ptr, fn_ptr, ws_ptr, M, K, N, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _pre_decode_kernel(s_ptr, ws_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps,
+def _pre_row_kernel(s_ptr, ws_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps,
                        rms_eps, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, ITERS: tl.constexpr,
                        HC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One decode row, its whole [HC, D] streams held in registers: the same math as `_pre_kernel` with the
-    projection summed from `_proj_kernel`'s partials, and one read of the streams instead of three."""
+    """One row, its whole [HC, D] streams held in registers: the projection summed from CHUNKS partials (the decode
+    rows' `_proj_kernel` chunks, or the prompt rows' GEMM output as one), the RMS, the weights, the collapse and the
+    block's RMSNorm, with one read of the streams and one write of the output."""
     row = tl.program_id(0).to(tl.int64)
     act = h_ptr.dtype.element_ty
     st = tl.arange(0, HC)
@@ -157,12 +116,22 @@ def _decode_rows(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     _proj_kernel[(triton.cdiv(m, _ROWS), chunks)](streams, fn, ws, m, k, n_mix, BLOCK_M=_ROWS,
                                                   BLOCK_N=max(16, triton.next_power_of_2(n_mix)), CHUNK=_CHUNK,
                                                   IEEE=streams.dtype == torch.float32, num_warps=4)
+    _row_pass(streams, ws, base, scale, norm_weight, h, post_w, comb, hc_eps, norm_eps, rms_eps, iters=iters)
+
+
+def _row_pass(streams: torch.Tensor, ws: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+              norm_weight: torch.Tensor, h: torch.Tensor, post_w: torch.Tensor, comb: torch.Tensor, hc_eps: float,
+              norm_eps: float, rms_eps: float, *, iters: int) -> None:
+    """`_pre_row_kernel` over every row of `streams`, their projection in `ws` ([M, chunks, hc * (2 + hc)] fp32
+    partials, summed in chunk order)."""
+    m, hc, d = streams.shape
+    chunks = ws.shape[1]
     block_d = triton.next_power_of_2(d)
     # About 32 fp32 stream values per thread (16 warps for hc=4, D=4,096): the row fits in registers.
     warps = min(16, max(4, hc * block_d // 1024))
-    _pre_decode_kernel[(m,)](streams, ws, base, scale, norm_weight, h, post_w, comb, d, hc_eps, norm_eps, rms_eps,
-                             CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), ITERS=iters, HC=hc,
-                             BLOCK_D=block_d, num_warps=warps)
+    _pre_row_kernel[(m,)](streams, ws, base, scale, norm_weight, h, post_w, comb, d, hc_eps, norm_eps, rms_eps,
+                          CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), ITERS=iters, HC=hc,
+                          BLOCK_D=block_d, num_warps=warps)
 
 
 def pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor,
@@ -186,9 +155,8 @@ def pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
         _decode_rows(s, fn.contiguous(), *consts, *outs, *eps_args, iters=iters)
     if split < t:
         s = streams[split:]
-        mixed = gemm.matmul(s.view(t - split, hc * d), fn, 0, torch.float32)
-        _pre_kernel[(t - split,)](s, mixed, *consts, h[split:], post_w[split:], comb[split:], d, *eps_args,
-                                  ITERS=iters, HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4)
+        mixed = gemm.matmul(s.view(t - split, hc * d), fn, 0, torch.float32)  # one "chunk" of partials a row
+        _row_pass(s, mixed.unsqueeze(1), *consts, h[split:], post_w[split:], comb[split:], *eps_args, iters=iters)
     return h, post_w, comb
 
 

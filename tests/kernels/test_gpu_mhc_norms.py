@@ -16,7 +16,7 @@ T, HC, D = 9, 4, 96
 KW = dict(eps=1e-6, norm_eps=1e-5, iters=20)
 GPU_KW = dict(rms_eps=1e-5, decode_rows=1 << 30, **KW)
 # decode_rows: every row decode-class (split-K projection + one program per row), every row a prompt row (the GEMM
-# + _pre_kernel), or both classes in one call.
+# + the same row pass), or both classes in one call.
 CLASSES = {"decode": 1 << 30, "prefill": 0, "mixed": 5}
 
 
