@@ -302,10 +302,14 @@ def _prompt_conv_kernel(x_ptr, s_x_shard, s_x, w_ptr, hist_ptr, s_hist_slot, s_h
     x0 = tl.load(x_ptr + (rb - 3).to(tl.int64) * s_x, mask=cm & (rb >= 3), other=0.0)
     x1 = tl.load(x_ptr + (rb - 2).to(tl.int64) * s_x, mask=cm & (rb >= 2), other=0.0)
     x2 = tl.load(x_ptr + (rb - 1).to(tl.int64) * s_x, mask=cm & (rb >= 1), other=0.0)
+    # Each row's input is loaded one row ahead: the walk is a chain of dependent rows, and with one load in flight
+    # per program it ran at about half the bytes' time (0.36 ms a layer at 8,192 rows on an H200).
+    x_next = tl.load(x_ptr + rb.to(tl.int64) * s_x, mask=cm & (rb < T), other=0.0)
     for k in range(ROWS):
         r = rb + k
         live = r < T
-        x3 = tl.load(x_ptr + r.to(tl.int64) * s_x, mask=cm & live, other=0.0)
+        x3 = x_next
+        x_next = tl.load(x_ptr + (r + 1).to(tl.int64) * s_x, mask=cm & (r + 1 < T) & (k + 1 < ROWS), other=0.0)
         i = r - tl.load(first_ptr + r, mask=live, other=0)  # the row's index in its sequence's chunk
         hist = hist_ptr + tl.load(slot_ptr + r, mask=live, other=0).to(tl.int64) * s_hist_slot
         keep = cm & live & (tl.load(fresh_ptr + r, mask=live, other=1) == 0)  # a fresh sequence's past is zeros
