@@ -1,10 +1,11 @@
 """What a Triton kernel compiles to for a GPU that is not here: barriers, warp shuffles, PTX size, shared memory.
 
-    python -m bench.ptx_stats kernels.gpu.mhc:_pre_decode_kernel --num-warps 16 \\
+    python -m bench.ptx_stats kernels.gpu.mhc:_pre_row_kernel --num-warps 16 \\
         --signature s_ptr=*bf16,ws_ptr=*fp32,base_ptr=*fp32,scale_ptr=*fp32,nw_ptr=*bf16,h_ptr=*bf16,\\
 post_ptr=*fp32,comb_ptr=*fp32,D=i32,hc_eps=fp32,norm_eps=fp32,rms_eps=fp32 \\
         --constexprs CHUNKS=64,CHUNKS_P2=64,ITERS=20,HC=4,BLOCK_D=4096
-    -> kernels.gpu.mhc:_pre_decode_kernel sm_90, 16 warps: bar_sync 78, shfl 158, ptx_lines 2859, shared_bytes 512
+    -> kernels.gpu.mhc:_pre_row_kernel sm_90, 16 warps: bar_sync 80, shfl 116, ptx_lines 2714, cp_async 0, wgmma 0,
+       shared_bytes 8192, registers 90, spill_bytes 0
 
 compiles the kernel with Triton's own compiler and ptxas for sm_90 (default) on any machine, no GPU needed, and
 prints the counts. Why: a decode step's small kernels are latency-bound, and what they wait on shows in the code
@@ -97,7 +98,7 @@ def _registers(ptx: str, arch: int) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ptx_stats", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", help="module:name of a @triton.jit function, e.g. kernels.gpu.mhc:_pre_decode_kernel")
+    ap.add_argument("kernel", help="module:name of a @triton.jit function, e.g. kernels.gpu.mhc:_pre_row_kernel")
     ap.add_argument("--signature", type=_pairs, required=True,
                     help="its runtime arguments' types, NAME=TYPE,... (*fp32, *bf16, i32, fp32, ...)")
     ap.add_argument("--constexprs", type=_pairs, default={}, help="its constexpr arguments, NAME=VALUE,...")

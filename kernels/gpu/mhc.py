@@ -70,8 +70,8 @@ def _proj_kernel(x_ptr, fn_ptr, ws_ptr, M, K, N, BLOCK_M: tl.constexpr, BLOCK_N:
 
 @triton.jit
 def _pre_row_kernel(s_ptr, ws_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps,
-                       rms_eps, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, ITERS: tl.constexpr,
-                       HC: tl.constexpr, BLOCK_D: tl.constexpr):
+                    rms_eps, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     """One row, its whole [HC, D] streams held in registers: the projection summed from CHUNKS partials (the decode
     rows' `_proj_kernel` chunks, or the prompt rows' GEMM output as one), the RMS, the weights, the collapse and the
     block's RMSNorm, with one read of the streams and one write of the output."""
