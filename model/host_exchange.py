@@ -62,11 +62,40 @@ def _layout(world: int, slot_bytes: int) -> tuple[int, int, int]:
     return data, stride, data + 2 * world * stride
 
 
+REGION_PREFIX = "twinspark-collective-"
+
+
+def stale_regions() -> list[str]:
+    """Paths of regions whose creating process is gone: left behind when a rank died between making the region and
+    unlinking it (the name carries the creator's pid)."""
+    stale = []
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
+        pid = name[len(REGION_PREFIX):].split("-")[0] if name.startswith(REGION_PREFIX) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.append(os.path.join(SHM_DIR, name))
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def create_region(world: int, slot_bytes: int) -> tuple[str, bytes]:
-    """Rank 0: a fresh region file (flags zeroed), readable by this user only. Returns (path, nonce); the nonce
-    lets a peer tell this region from anything else at the path."""
+    """Rank 0: a fresh region file (flags zeroed), readable by this user only, after removing the regions of dead
+    creators. Returns (path, nonce); the nonce lets a peer tell this region from anything else at the path."""
+    for path in stale_regions():
+        try:
+            os.unlink(path)
+        except OSError:  # another user's, or gone meanwhile
+            pass
     nonce = secrets.token_bytes(NONCE_BYTES)
-    path = os.path.join(SHM_DIR, f"twinspark-collective-{secrets.token_hex(8)}")
+    path = os.path.join(SHM_DIR, f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError as exc:
@@ -98,6 +127,7 @@ class HostExchange:
         if size != total or not 0 <= rank < self.world:
             raise RegionError(f"{path}: {size} bytes for {self.world} ranks, rank {rank}: not a region this rank fits")
         self.rank = rank
+        self.path = path  # the region's name while it was being mapped (unlinked once every rank has it)
         self.timeout_s = timeout_s
         self.calls = 0
         self.base = self.region.data_ptr()

@@ -119,18 +119,22 @@ def _same_host(rank: int, world: int, group: dist.ProcessGroup, *, required: boo
             made[0] = create_region(world, slot_bytes)
         except RegionError as exc:
             made[0] = str(exc)
-    dist.broadcast_object_list(made, src=0, group=group)
-    exchange, why = None, made[0] if isinstance(made[0], str) else ""
-    if not why:
-        path, nonce = made[0]
-        try:
-            exchange = HostExchange(path, rank, nonce, timeout_s=timeout_s)
-        except RegionError as exc:
-            why = str(exc)
-    reasons: list[str | None] = [None] * world
-    dist.all_gather_object(reasons, why, group=group)  # also the barrier after which no rank opens the file again
-    if rank == 0 and not isinstance(made[0], str):
-        os.unlink(made[0][0])  # mapped everywhere it can be: the name goes, and nothing is left if a rank dies
+    try:
+        dist.broadcast_object_list(made, src=0, group=group)
+        exchange, why = None, made[0] if isinstance(made[0], str) else ""
+        if not why:
+            path, nonce = made[0]
+            try:
+                exchange = HostExchange(path, rank, nonce, timeout_s=timeout_s)
+            except RegionError as exc:
+                why = str(exc)
+        reasons: list[str | None] = [None] * world
+        dist.all_gather_object(reasons, why, group=group)  # also the barrier after which no rank opens the file
+    finally:
+        # Mapped everywhere it can be (or a peer failed): the name goes, and nothing is left if a rank dies later.
+        # A rank 0 killed before this leaves it to the next create_region, which removes regions of dead creators.
+        if rank == 0 and isinstance(made[0], tuple):
+            os.unlink(made[0][0])
     failed = "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w)
     if not failed:
         return exchange

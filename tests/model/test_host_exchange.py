@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from model.host_exchange import HostExchange, create_region
+from model.host_exchange import HostExchange, create_region, stale_regions
 from model.parallel import Collective
 from services.rank_worker.distributed import backend_for, join_group
 from tests.spawned_ranks import run_ranks
@@ -45,15 +45,31 @@ def _check_rank(rank: int, world: int, port: int, results: "mp.Queue") -> None:
                 assert torch.equal(coll.gather_columns(local), columns)
             first = local.clone()
             assert torch.equal(coll.from_first(first), want[0])
-        results.put(("ok", rank))
+        results.put(("ok", exchange.path))
     except BaseException:  # report, never leave the parent waiting
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ipc_equals_gloo(world):
-    run_ranks(world, _check_rank, timeout_s=120)
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("twinspark-collective-")], "region left behind"
+    paths = set(run_ranks(world, _check_rank, timeout_s=120))
+    assert len(paths) == 1 and not os.path.exists(paths.pop()), "region left behind"
+
+
+def test_a_dead_creators_region_is_removed_by_the_next_one():
+    """A rank 0 killed between making the region and unlinking it leaves the file; the next region made on the host
+    removes it (its name carries the dead creator's pid), and leaves a live creator's alone."""
+    dead = mp.get_context("spawn").Process(target=os.getpid)
+    dead.start()
+    dead.join()
+    leftover = os.path.join("/dev/shm", f"twinspark-collective-{dead.pid}-00000000deadbeef")
+    open(leftover, "wb").close()
+    assert leftover in stale_regions()
+    path, _ = create_region(world=2, slot_bytes=1024)
+    try:
+        assert not os.path.exists(leftover) and os.path.exists(path) and path not in stale_regions()
+    finally:
+        os.unlink(path)
 
 
 def test_missing_peer_times_out_naming_it():
