@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -406,24 +407,38 @@ def mla_sweep() -> list[dict]:
     caches = {"bf16": (c["latent"], None),
               "fp8": (c["latent"].to(torch.float8_e4m3fn), torch.ones(c["latent"].shape[:2], device="cuda"))}
     current, rows = dict(mla.PROMPT_TILE), []
+
+    def run(tile: dict, data: torch.Tensor, scale: torch.Tensor | None) -> tuple[float, torch.Tensor]:
+        mla.PROMPT_TILE = tile
+        return _mla_run(c, data, scale, 0, reps=100)
+
     try:
         for kv, (data, scale) in caches.items():
-            first = None
-            for tile in [current] + [t for t in MLA_TILES if t != current]:
-                mla.PROMPT_TILE = tile
-                try:
-                    ms, out = _mla_run(c, data, scale, 0, reps=100)
-                except Exception as e:  # a tile past the SM's registers or shared memory does not build
-                    log(f"mla tile {kv} {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
-                    rows.append(dict(kernel="mla sweep", kv=kv, tile=tile, error=str(e)[:300]))
-                    continue
-                first = out if first is None else first
-                diff = float((out.float() - first.float()).abs().max())
-                tflops = c["flops"] / ms / 1e9
-                rows.append(dict(kernel="mla sweep", kv=kv, tile=tile, ms=ms, tflops=tflops, max_diff=diff))
-                log(f"mla tile {kv} {tile}: {ms * 1e3:8.1f} us, {tflops:6.1f} TFLOP/s, max |diff| {diff:.3g}")
+            rows += time_tiles("mla sweep", [current] + [t for t in MLA_TILES if t != current],
+                               lambda tile: run(tile, data, scale), c["flops"], kv=kv)
     finally:
         mla.PROMPT_TILE = current
+    return rows
+
+
+def time_tiles(kernel: str, tiles: list[dict], run: Callable[[dict], tuple[float, torch.Tensor]], flops: float,
+               **fields) -> list[dict]:
+    """A row per tile: `run(tile)`'s time and its output's largest difference from the first tile's (the current
+    one's: another tile may round differently, which changes the served bits, not their invariance); `fields` go
+    into every row. A tile past the SM's registers or shared memory does not build: its row says why."""
+    rows, first = [], None
+    label = " ".join([kernel, *map(str, fields.values())])
+    for tile in tiles:
+        try:
+            ms, out = run(tile)
+        except Exception as e:  # noqa: BLE001
+            log(f"{label} {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
+            rows.append(dict(kernel=kernel, **fields, tile=tile, error=str(e)[:300]))
+            continue
+        first = out.clone() if first is None else first
+        diff = float((out.float() - first.float()).abs().max())
+        rows.append(dict(kernel=kernel, **fields, tile=tile, ms=ms, tflops=flops / ms / 1e9, max_diff=diff))
+        log(f"{label} {tile}: {ms * 1e3:8.1f} us, {flops / ms / 1e9:6.1f} TFLOP/s, max |diff| {diff:.3g}")
     return rows
 
 
@@ -488,24 +503,20 @@ def expanded_sweep() -> list[dict]:
     log(f"mla expanded: context product {ms_kv * 1e3:8.1f} us, {kv_flops / ms_kv / 1e9:6.1f} TFLOP/s")
     flops = t * (t + 1) / 2 * h * 2 * (dn + dv)
     out = torch.empty(h, t, dv, device="cuda", dtype=BF16)
-    first = None
-    for tile in [mla_expanded.TILE] + [x for x in EXPANDED_TILES if x != mla_expanded.TILE]:
+
+    def run(tile: dict) -> tuple[float, torch.Tensor]:
         bm = tile["BM"]
         tiles = torch.tensor([(i, min(bm, t - i), i, 0) for i in range(0, t, bm)][::-1], dtype=torch.int32,
                              device="cuda")
-        try:
-            ms = bench_ms(lambda: mla_expanded.attend(q, kv, out, tiles, dn ** -0.5, tile=tile), reps=100)
-        except Exception as e:  # a tile past the SM's registers or shared memory does not build
-            log(f"mla expanded tile {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
-            rows.append(dict(kernel="mla expanded sweep", tile=tile, error=str(e)[:300]))
-            continue
-        first = out.clone() if first is None else first
-        diff = float((out.float() - first.float()).abs().max())
-        rows.append(dict(kernel="mla expanded sweep", tile=tile, ms=ms, tflops=flops / ms / 1e9, max_diff=diff,
-                         with_kv_ms=ms + ms_kv))
-        log(f"mla expanded tile {tile}: {ms * 1e3:8.1f} us ({(ms + ms_kv) * 1e3:8.1f} with the context product), "
-            f"{flops / ms / 1e9:6.1f} TFLOP/s, max |diff| {diff:.3g}")
-    return rows
+        return bench_ms(lambda: mla_expanded.attend(q, kv, out, tiles, dn ** -0.5, tile=tile), reps=100), out
+
+    candidates = [mla_expanded.TILE] + [x for x in EXPANDED_TILES if x != mla_expanded.TILE]
+    swept = time_tiles("mla expanded sweep", candidates, run, flops)
+    for r in swept:
+        if "ms" in r:
+            r["with_kv_ms"] = r["ms"] + ms_kv
+    log(f"mla expanded: with the context product, best {min(r.get('with_kv_ms', 1e9) for r in swept) * 1e3:8.1f} us")
+    return rows + swept
 
 
 def mhc_rows() -> list[dict]:

@@ -76,9 +76,9 @@ def _group(seqs: list[tuple[int, int, int, int]], tables: torch.Tensor, block_si
         tiles += [(off + i, min(bm, c - i), start + i, key0) for i in range(0, c, bm)]
         key0 += start + c
     tiles.sort(key=lambda tile: -(tile[2] + tile[1]))
-    n_keys = torch.tensor([start + c for _, _, c, start in seqs])
-    key_seq = torch.repeat_interleave(torch.tensor([s for s, *_ in seqs]), n_keys, output_size=key0)
-    key_pos = torch.cat([torch.arange(n) for n in n_keys.tolist()])
+    n_keys = [start + c for _, _, c, start in seqs]
+    key_seq = torch.repeat_interleave(torch.tensor([s for s, *_ in seqs]), torch.tensor(n_keys), output_size=key0)
+    key_pos = torch.cat([torch.arange(n) for n in n_keys])
     dev = tables.device
     host = torch.cat([torch.tensor(tiles, dtype=torch.int64).view(-1), key_seq, key_pos])
     tiles_d, seq_d, pos_d = torch.split(to_device(host, dev), [4 * len(tiles), key0, key0])
