@@ -5,9 +5,15 @@
 #   bash bench/gpu_check.sh            # tests/gpu + the Triton kernel tests, decode/prefill vs transformers,
 #                                      # per-kernel bench, the served bench on CUDA
 #   bash bench/gpu_check.sh tests      # only the tests
-#   bash bench/gpu_check.sh whole [LAYERS] [TP] [FORMATS]
+#   bash bench/gpu_check.sh whole [LAYERS] [TP] [FORMATS] [CONCURRENCY]
 #                                      # only bench/whole_model.py: the release config (45 layers + MTP by
-#                                      # default) served on random quantized weights (default w4a16+bf16)
+#                                      # default) served on random quantized weights (default w4a16+bf16) at
+#                                      # CONCURRENCY levels (default 1,8); the stack's settings come from the
+#                                      # environment (e.g. TWINSPARK_KV_CACHE_DTYPE=fp8)
+#   bash bench/gpu_check.sh int        # the integer experts on humming-kernels: their GPU tests, the MoE kernel
+#                                      # tests, then bench/kernels.py's intinv, intmoe (int3 / int4 / EXL3 2.5 /
+#                                      # bf16 in one run) and intsweep sections (the CUDA EXL3 product builds
+#                                      # in the background meanwhile)
 #   bash bench/gpu_check.sh profile [LAYERS] [FORMAT] [TP]
 #                                      # the whole-model bench at batch 1 (default 22 layers, w4a16+fp8, TP 1) with
 #                                      # the rank profiler over rounds 401-440 (PROFILE_ROUNDS=SKIP:COUNT to move
@@ -38,8 +44,9 @@
 #   bash bench/gpu_check.sh quality [FORMATS] [EXPERTS]
 #                                      # only bench/quality_formats.py: 4 layers at the release's dims (EXPERTS
 #                                      # routed experts, default 16) written dense in bf16, quantized to each
-#                                      # format (default fp8,w4a16,exl3:2.5,exl3:3.0,exl3:4.0) on the GPU, each
-#                                      # served: KL vs bf16 and top-1 agreement through the API, decode tok/s.
+#                                      # format (default fp8,w4a16,int4,int3,int2,exl3:2.5,exl3:3.0,exl3:4.0) on
+#                                      # the GPU, each served: KL vs bf16 and top-1 agreement through the API,
+#                                      # decode tok/s.
 #                                      # Past the call's time limit, split FORMATS over two calls.
 #
 # What the machine lacks comes along in git-ignored folders named in the call's `carry`:
@@ -107,6 +114,24 @@ if [ "${1:-}" = "kernels" ]; then
     grep -E "best|^.{11}moe (bf16|w4a16)|invariance" "$OUT/kernels.log" | tail -40
     exit 0
 fi
+if [ "${1:-}" = "int" ]; then
+    (python3 -c "from kernels.gpu import exl3_cuda; exl3_cuda.extension()" > "$OUT/exl3_build.log" 2>&1) &
+    build=$!
+    python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_int_moe.py tests/kernels/test_gpu_int_moe.py \
+        > "$OUT/gpu_tests_int.log" 2>&1
+    grep -E "int3 MoE|passed|failed" "$OUT/gpu_tests_int.log" | tail -8
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_moe.py tests/kernels/test_gpu_gemm.py \
+        > "$OUT/gpu_tests_kernels.log" 2>&1
+    tail -1 "$OUT/gpu_tests_kernels.log"
+    python3 -m bench.kernels --only intinv --out "$OUT" > "$OUT/kernels-intinv.log" 2>&1
+    grep invariance "$OUT/kernels-intinv.log"
+    wait $build
+    python3 -m bench.kernels --only intmoe --out "$OUT" > "$OUT/kernels-intmoe.log" 2>&1
+    grep -E "^.{11}(moe |int[34] )" "$OUT/kernels-intmoe.log" | tail -40
+    python3 -m bench.kernels --only intsweep --out "$OUT" > "$OUT/kernels-intsweep.log" 2>&1
+    grep -E "sweep prompt" "$OUT/kernels-intsweep.log" | tail -14
+    exit 0
+fi
 if [ "${1:-}" = "quality" ]; then
     python3 -m bench.quality_formats --device cuda --dims release --layers 4 --experts "${3:-16}" \
         ${2:+--formats "$2"} --work /tmp/quality-formats --out "$OUT" > "$OUT/quality_formats.log" 2>&1
@@ -131,7 +156,7 @@ if [ "${1:-}" = "whole" ]; then
     layers=${2:-45}
     python3 -m bench.whole_model --write-dir /tmp/whole-model-config --layers "$layers" > /dev/null
     python3 -m bench.whole_model --model /tmp/whole-model-config --tp "${3:-2}" --formats "${4:-w4a16+bf16}" \
-        --out "$OUT" > "$OUT/whole_model.log" 2>&1
+        --concurrency "${5:-1,8}" --out "$OUT" > "$OUT/whole_model.log" 2>&1
     tail -12 "$OUT/whole_model.log"
     # The stacks' own logs (rank: graph captures and their cost; scheduler: round times with TWINSPARK_LOG_LEVEL=debug;
     # the rank profiler's tables with TWINSPARK_TORCH_PROFILER_DIR set) say where a slow level's time went.

@@ -211,13 +211,15 @@ def graph_ms(calls: list) -> float:
     return float(do_bench_cudagraph(lambda: calls[next(turn) % len(calls)](), rep=50, return_mode="median"))
 
 
-def moe_rows(bw: float, mm: float, weights, fmt: str = "bf16") -> list[dict]:
-    """The whole MoE (router GEMM, route, grouping, experts, combine): decode-class sizes in a CUDA graph over 8
-    routed batches in turn, the 8,192-token prompt eagerly (its launches are long enough)."""
+def moe_rows(bw: float, mm: float, weights, fmt: str = "bf16", tokens: tuple[int, ...] = (1, 8, 64, 8192),
+             per_expert: float | None = None) -> list[dict]:
+    """The whole MoE (router GEMM, route, grouping, experts, combine): decode-class sizes (up to 256 rows) in a CUDA
+    graph over 8 routed batches in turn, prompts eagerly (their launches are long enough). per_expert: one expert's
+    bytes (default: from the stacks, `expert_bytes`)."""
     rows = []
-    per_expert = expert_bytes(weights)
-    for t in (1, 8, 64, 8192):
-        decode = t <= 64
+    per_expert = per_expert or expert_bytes(weights)
+    for t in tokens:
+        decode = t <= 256
         if decode:
             xs = [torch.randn(t, D, device="cuda", dtype=BF16) for _ in range(8)]
             n_real = torch.tensor([t], dtype=torch.int32, device="cuda")
@@ -587,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
     p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, splitsweep, "
-                   "exl3inv, sweep, exl3pin, exl3builds, exl3shard, moe, moesweep, kda, mla, mlasweep, mlaxsweep "
+                   "exl3inv, sweep, exl3pin, exl3builds, exl3shard, moe, moesweep, intmoe, intsweep, intinv (the "
+                   "integer experts on humming-kernels: bench/kernels_int.py), kda, mla, mlasweep, mlaxsweep "
                    "(the latent and the expanded form's prompt tiles), dsa (the indexer's scores), mhc, invariance, "
                    "fla "
                    "(formats / formatsweep / splitsweep / exl3inv / exl3pin / exl3builds / exl3shard: "
@@ -651,6 +654,15 @@ def main(argv: list[str] | None = None) -> int:
             if want("invariance"):
                 data["checks"] += moe_invariance(formats)
             del weights, formats
+        if want("intmoe"):
+            from bench.kernels_int import moe_formats
+            data["rows"] += moe_formats(bw, mm)
+        if want("intsweep"):
+            from bench.kernels_int import tile_sweep
+            data["rows"] += tile_sweep(bw, mm)
+        if want("intinv"):
+            from bench.kernels_int import invariance
+            data["checks"] += invariance()
         if want("kda"):
             data["rows"] += kda_rows(bw)
         if want("mla"):

@@ -13,7 +13,7 @@ default std 1 a random model is chaotic and amplifies any rounding: fp8 agreed w
 On the CPU: the tiny model at make-tiny's `exllamav3` preset (hidden 128, 512-wide MLPs, whole 128 x 128 EXL3 tiles
 on 4 virtual shards; the default tiny model has no linear EXL3 can hold) in float32. With `--dims release`: the
 release's dimensions (hidden 4096, vocabulary 154,880, 3:1 KDA / MLA, KKKM with one dense FFN layer) in bfloat16,
-with `--experts` routed experts per MoE layer instead of 288, so the dense base and its five quantized copies fit a
+with `--experts` routed experts per MoE layer instead of 288, so the dense base and its quantized copies fit a
 lent machine's disk and the EXL3 encoder finishes in one call (the per-expert arithmetic, the one that matters for
 a format's error, is the release's). The reference is the dense base served the same way; the same windows of
 bench/data/eval_text.txt are scored on each stack. On the CPU, `--exact` also computes the full-vocabulary KL
@@ -39,7 +39,7 @@ from bench.stack import _twinspark, attach_or_start, machine_load, write_results
 from services.evaluate.client import ModelClient
 from services.evaluate.runner import Settings, compare, score_windows, text_windows
 
-FORMATS = "fp8,w4a16,exl3:2.5,exl3:3.0,exl3:4.0"
+FORMATS = "fp8,w4a16,int4,int3,int2,exl3:2.5,exl3:3.0,exl3:4.0"
 TEXT = Path(__file__).parent / "data" / "eval_text.txt"
 
 

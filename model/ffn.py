@@ -6,7 +6,8 @@ shard returns a partial [T, D] that the caller reduces. The router is replicated
 A dense MLP keeps gate|up as one projection and down as another, stacked over the rank's local virtual shards. The
 MoE keeps every shard's experts stacked with the shared expert last ([E+1, I, D] / [E+1, D, I]) so the grouped
 kernels treat it as one more expert (kernels/gpu/moe.py); on CUDA quantized experts stay packed and the kernels
-dequantize them tile by tile, elsewhere every expert is read dense (the reference's input).
+dequantize them tile by tile (integer experts: repacked for humming-kernels, kernels/gpu/int_moe.py), elsewhere
+every expert is read dense (the reference's input).
 """
 
 from __future__ import annotations
@@ -68,10 +69,21 @@ class Moe:
         together = all(not isinstance(sh[0], torch.Tensor) and sh[0].format == ws[0][0].format
                        and dict(sh[0].params) == dict(ws[0][0].params) and sh[0].shape == ws[0][0].shape
                        for ws, sh in zip(routed, shared))
-        stacks = [[wtiles.stack_quantized([w[j] for w in ws + ([sh] if together else [])]) for j in range(self.shards)]
-                  for ws, sh in zip(routed, shared)]
+        stacks = []
+        for ws, sh in zip(routed, shared):
+            stacks.append([wtiles.stack_quantized([w[j] for w in ws + ([sh] if together else [])])
+                           for j in range(self.shards)])
+            ws.clear()  # the per-expert copies: a layer's experts are gigabytes, held once is enough
+        from kernels.gpu import int_moe
         if stacks[0][0].fmt is wtiles.Fmt.EXL3:  # each shard's experts a block of all three stacks (moe.experts)
             self.gate, self.up, self.down = (wtiles.cat(st, dim=0) for st in stacks)
+        elif int_moe.covers(stacks[0][0], stacks[1][0], stacks[2][0], reader.dtype):
+            # Integer experts run on humming-kernels (kernels/gpu/int_moe.py): gate|up joined along N, repacked once
+            # for this GPU; each stored copy is dropped as soon as the next one exists (peak: two copies of gate|up).
+            gate_up = wtiles.cat(stacks[0] + stacks[1], dim=1)
+            down = wtiles.cat(stacks[2], dim=0)
+            stacks.clear()
+            self.gate, self.up, self.down = int_moe.prepare(gate_up, down, self.shards, reader.dtype), None, None
         else:
             self.gate, self.up = (wtiles.cat(st, dim=1) for st in stacks[:2])
             self.down = wtiles.cat(stacks[2], dim=0)

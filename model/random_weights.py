@@ -5,10 +5,11 @@ The key list, shapes and initialisation recipes come from make-tiny (`tiny.weigh
 so the random model and the tiny checkpoints never disagree about which tensors exist. `RandomWeightReader` has the
 `WeightReader` interface the model loads through; it draws each requested tensor on the device with a per-key
 generator and keeps no copy of its own (and none on the CPU). With a quantize `Recipe`, the linears the recipe
-selects are drawn directly in their packed form (random fp8 values / int4 nibbles / trellis words + scales), never
-as a dense copy; the dense views (`full` / `split`) dequantize them, the packed views return them as they are. The
-recipe is planned for the reader's virtual shards (a linear is packed only if each shard is whole tiles), and EXL3
-linears get the rates quantize/bits.py spreads the recipe's target bitrate over (`exl3:3.0+fp8`).
+selects are drawn directly in their packed form (random fp8 values / int4 nibbles / int codes / trellis words +
+scales), never as a dense copy; the dense views (`full` / `split`) dequantize them, the packed views return them as
+they are. The recipe is planned for the reader's virtual shards (a linear is packed only if each shard is whole
+tiles), EXL3 linears get the rates quantize/bits.py spreads the recipe's target bitrate over (`exl3:3.0+fp8`), and
+int linears their format's width (`int3+int4`: 3-bit experts, 4-bit rest).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kernels.quant import QuantizedWeight, random_quantized
 from model.config import MLA, ModelConfig
 from model.parallel import Sharding
 from model.quantize import bits as exl3_bits
-from model.quantize.select import Recipe
+from model.quantize.select import Recipe, codec_format
 from model.checkpoint.spec import TinySpec
 from model.checkpoint.tensor_spec import TensorSpec, key_seed
 from model.checkpoint.vision_weights import PREFIX as VISION_PREFIX
@@ -128,8 +129,9 @@ class RandomWeightReader:
         else:
             r = self.recipe
             g = torch.Generator(device=self.device).manual_seed(key_seed(self.seed, key))
-            bits = self.exl3_plan.bits[key] if fmt == "exl3" else r.exl3_bits
-            made = random_quantized(fmt, *t.shape, std=t.init.a, block=r.block, bits=bits,
+            codec, bits = codec_format(fmt)
+            made = random_quantized(codec, *t.shape, std=t.init.a, block=r.block_for(fmt),
+                                    bits=self.exl3_plan.bits[key] if codec == "exl3" else bits,
                                     codebook=r.exl3_codebook, generator=g, device=self.device)
             size = made.nbytes
             self.quantized_made += 1

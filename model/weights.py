@@ -2,13 +2,14 @@
 quantized.
 
 Only the slices this rank owns are read (safetensors' lazy slicing). A linear `X.weight` may be stored dense or in
-a quantized format (kernels/quant: fp8, w4a16, exl3), recognised per module from its stored tensor names, so a
-checkpoint can mix formats and keep some modules in bf16 (e.g. EXL3 experts + bf16 attention). Two views:
+a quantized format (kernels/quant: fp8, w4a16, int, exl3), recognised per module from its stored tensor names (and,
+where two formats share the names, w4a16's and int's, from their scales' dtype), so a checkpoint can mix formats and
+keep some modules in bf16 (e.g. EXL3 experts + bf16 attention). Two views:
 - `full(key)` / `split(key, dim)`: dense tensors in the runtime dtype; a quantized linear is dequantized at load by
   its torch reference (the CPU path: the model code does not change with the format).
 - `full_packed(key)` / `split_packed(key, dim)`: `QuantizedWeight`s for quantized linears (dense tensors for the
   rest), for kernels that compute on the stored format.
-A quantized shard is cut from the stored tensors on its format's tile grid (fp8 blocks, w4a16 groups, EXL3's
+A quantized shard is cut from the stored tensors on its format's tile grid (fp8 blocks, w4a16 / int groups, EXL3's
 128-wide Hadamard blocks); a split off that grid is refused with an error naming the tile size.
 
 Parameters that the reference model keeps in fp32 (router bias, KDA decay parameters, conv weights, mHC base and
@@ -39,6 +40,15 @@ _FUSED = tuple((f"self_attn.{p}{what}.weight", f"self_attn.{fused}.weight", i)
                for what, fused in (("_proj", "qkv_proj"), ("_conv1d", "conv1d")) for i, p in enumerate("qkv"))
 
 Packed = Union[torch.Tensor, QuantizedWeight]
+# safetensors' names of the dtypes in its headers
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                  "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def header_dtype(header) -> torch.dtype:
+    """A stored tensor's dtype from its safetensors header (`handle.get_slice(key)`: nothing read)."""
+    return _HEADER_DTYPES[header.get_dtype()]
 
 
 @dataclass(frozen=True)
@@ -68,10 +78,10 @@ class WeightReader:
             with safe_open(single, "pt") as f:
                 self.files = {k: single.name for k in f.keys()}
         self.quant_configs = read_quant_configs(self.dir)
-        modules = quantized_modules(self.files)
+        self._handles: dict[str, object] = {}
+        modules = quantized_modules(self.files, lambda k: header_dtype(self._handle(k).get_slice(k)))
         self.quantized = {m: c for m, (c, _) in modules.items()}  # module -> its format
         self._module_keys = {m: names for m, (_, names) in modules.items()}  # module -> {tensor name: stored key}
-        self._handles: dict[str, object] = {}
         # One progress step per logical tensor (a quantized linear's stored tensors count once); no vision tower.
         logical = {k for k in self.files if k.rpartition(".")[0] not in self.quantized} | set(self.quantized)
         self._bar = tqdm(total=sum(1 for k in logical if not k.startswith("model.visual.")),

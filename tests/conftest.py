@@ -53,7 +53,7 @@ def tiny_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
                      layer_pattern="KKKMMKKM", indexer_pattern="FFFFSFFF")
 
 
-# ----- quantized checkpoints (issue 10): the default tiny model quantized, and a random-trellis EXL3 one -----
+# ----- quantized checkpoints (issue 10): the tiny model quantized, and a random-trellis EXL3 one -----
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +73,19 @@ def tiny_w4a16(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
     out = tmp_path_factory.mktemp("tiny_w4a16") / "ckpt"
     quantize_checkpoint(tiny_default, out, Recipe("w4a16", "w4a16", block=QUANT_BLOCK), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_int3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make-tiny --preset int` (experts 128 wide) quantized to int3 in groups of 32: every MLP linear, the experts'
+    down_proj included, and the attention linears whose shards are whole groups of 32."""
+    from model.quantize.convert import quantize_checkpoint
+    from model.quantize.select import Recipe
+
+    dense = make_tiny(tmp_path_factory.mktemp("tiny_int_dense") / "ckpt", preset="int")
+    out = tmp_path_factory.mktemp("tiny_int3") / "ckpt"
+    quantize_checkpoint(dense, out, Recipe("int3", "int3", block=32), progress=False)
     return out
 
 

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.gpu import exl3_cuda, hadamard
+from kernels.gpu import exl3_cuda, hadamard, int_moe
+from kernels.gpu.int_moe import IntExperts
 from kernels.gpu.moe_groups import Groups, SlotTables, group_pairs, slot_tables
 from kernels.gpu.swiglu import clamped_swiglu
 from kernels.gpu.gemm import RowClass
@@ -184,10 +185,12 @@ def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_pt
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["T", "out_rows", "row0"])
-def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, T, out_rows, row0, PAIRS_PER_ROW: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, ids_ptr, rw_ptr, out_ptr, num_experts, D, T, out_rows, row0, PAIRS_PER_ROW: tl.constexpr,
+                    BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, ROUNDED_MUL: tl.constexpr):
     """out[shard, row0 + row] = sum of the row's pair outputs in pair order (routed ascending, shared last); 0 for
-    padding. (out has out_rows rows per shard: this call's T rows are one row class's run of them.)"""
+    padding. (out has out_rows rows per shard: this call's T rows are one row class's run of them.) WEIGHTED: the
+    pair outputs (any dtype) are not yet weighted: each is times its routing weight in fp32, rounded before the add
+    (ROUNDED_MUL; an fma would round once fewer, other bits than the torch twin's product-then-sum)."""
     row = tl.program_id(0)
     shard = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -197,9 +200,27 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, num_experts, D, T, out_rows, row0, 
     for j in tl.static_range(PAIRS_PER_ROW):
         expert = tl.load(ids_ptr + row * PAIRS_PER_ROW + j)
         part = tl.load(y_ptr + (row * PAIRS_PER_ROW + j).to(tl.int64) * D + cols,
-                       mask=mask & (expert < num_experts), other=0.0)
+                       mask=mask & (expert < num_experts), other=0.0).to(tl.float32)
+        if WEIGHTED:
+            w = tl.load(rw_ptr + row * PAIRS_PER_ROW + j, mask=expert < num_experts, other=0.0)
+            part = libdevice.mul_rn(part, w) if ROUNDED_MUL else part * w
         acc += part
     tl.store(out_ptr + (shard * out_rows + row0 + row) * D + cols, acc, mask=mask)
+
+
+def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int, row0: int,
+            weights: torch.Tensor | None = None) -> None:
+    """out[s, row0 + row] (fp32) = the row's pair outputs y[s, row * P + j] added in pair order; y [shards x T x P,
+    D] (or [shards, T x P, D]), times `weights` [T, P] first when given (else y is already weighted)."""
+    t, pairs_per_row = ids.shape
+    d = out.shape[-1]
+    shards = y.numel() // (t * pairs_per_row * d) if t else 0
+    block = 1024
+    if t:
+        _combine_kernel[(t, triton.cdiv(d, block), shards)](
+            y, ids, y if weights is None else weights, out, num_experts, d, t, out.shape[1], row0,
+            PAIRS_PER_ROW=pairs_per_row, BLOCK=block, WEIGHTED=weights is not None,
+            ROUNDED_MUL=not hadamard.INTERPRETED)
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
@@ -345,9 +366,7 @@ def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         n_pairs, *down.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, FMT=int(down.fmt), SB_N=down.block_n, SB_K=down.block_k, num_warps=tile.warps,
         num_stages=tile.stages)
-    block = 1024
-    _combine_kernel[(t, triton.cdiv(d, block), shards)](y, ids, out, n_exp, d, t, out.shape[1], row0,
-                                                        PAIRS_PER_ROW=pairs_per_row, BLOCK=block)
+    combine(y, ids, out, n_exp, row0)
 
 
 def _tile(rows: RowClass, x: torch.Tensor, gate: WeightArgs) -> MoeTile:
@@ -363,9 +382,9 @@ def _tile(rows: RowClass, x: torch.Tensor, gate: WeightArgs) -> MoeTile:
     return moe_schedule(rows)
 
 
-def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | WeightArgs,
-            up: torch.Tensor | WeightArgs, down: torch.Tensor | WeightArgs, limit: float, decode_rows: int,
-            shards: int = 1) -> torch.Tensor:
+def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | WeightArgs | IntExperts,
+            up: torch.Tensor | WeightArgs | None, down: torch.Tensor | WeightArgs | None, limit: float,
+            decode_rows: int, shards: int = 1) -> torch.Tensor:
     """Grouped experts: x [T, D]; ids, weights [T, P] from `route` (P = k + 1 pairs per row, or k); gate, up
     [E+1, I, D]; down [shards * (E+1), D, I / shards] (the shared expert last in each shard's block; dense, or
     quantized stacks as WeightArgs) -> [shards, T, D] fp32: each virtual shard's partial of the routed + shared
@@ -373,8 +392,19 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
     partial reads its own I columns and down block. EXL3 stacks instead hold each shard's experts one block after
     another in all three ([shards * (E+1), ...]; each expert's Hadamard vectors are its own). Every element is
     computed as a one-shard call on that shard's weights would compute it: the tiles are fixed per row class, never
-    by how many shards share the launch. Rows [0, decode_rows) are decode-class and the rest prompt rows; each class is grouped and run with its own
-    fixed schedule."""
+    by how many shards share the launch. Rows [0, decode_rows) are decode-class and the rest prompt rows; each class
+    is grouped and run with its own fixed schedule. Integer experts prepared for humming-kernels come as one
+    `IntExperts` in `gate` (up and down None; kernels/gpu/int_moe.py)."""
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    t = x.shape[0]
+    split = min(max(decode_rows, 0), t)
+    classes = [(rows, part) for rows, part in ((RowClass.DECODE, slice(0, split)), (RowClass.PREFILL, slice(split, t)))
+               if part.stop > part.start]
+    if isinstance(gate, IntExperts):
+        out = torch.empty(gate.shards, t, x.shape[1], dtype=torch.float32, device=x.device)
+        for rows, part in classes:
+            int_moe.experts(x[part], ids[part], weights[part], gate, limit, rows, out, part.start)
+        return out
     gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in (gate, up, down))
     if (gate.fmt is Fmt.EXL3) != (down.fmt is Fmt.EXL3) or (gate.fmt is Fmt.EXL3) != (up.fmt is Fmt.EXL3):
         raise ValueError("EXL3 experts need gate, up and down all in EXL3")
@@ -383,13 +413,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
             raise ValueError(f"{shards} shards: EXL3 stacks need one expert block per shard in gate, up and down")
     elif gate.n % shards or down.data.shape[0] != shards * gate.data.shape[0]:
         raise ValueError(f"{shards} shards: gate/up need I divisible by it and down one expert block per shard")
-    t = x.shape[0]
     out = torch.empty(shards, t, x.shape[1], dtype=torch.float32, device=x.device)
-    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    split = min(max(decode_rows, 0), t)
-    for rows, part in ((RowClass.DECODE, slice(0, split)), (RowClass.PREFILL, slice(split, t))):
-        if part.stop > part.start:
-            one_class = _experts_exl3 if gate.fmt is Fmt.EXL3 else _experts_one_class
-            one_class(x[part], ids[part], weights[part], gate, up, down, limit, _tile(rows, x, gate), shards, out,
-                      part.start)
+    one_class = _experts_exl3 if gate.fmt is Fmt.EXL3 else _experts_one_class
+    for rows, part in classes:
+        one_class(x[part], ids[part], weights[part], gate, up, down, limit, _tile(rows, x, gate), shards, out,
+                  part.start)
     return out

@@ -7,6 +7,12 @@ Formats (storage as kernels/quant describes it; the torch twins are the codecs' 
 - FP8_CHANNEL: e4m3 values with one fp32 scale per output row (`weight_scale`).
 - INT4: symmetric 4-bit values, 8 per int32 along K (lowest nibble first, stored as q + 8), one fp16 scale per
   SB_K inputs of a row (`weight_packed`, `weight_scale`).
+- INT: symmetric SB_N-bit values (2, 3, 4 or 8) as one little-endian bit stream per row along K (stored as
+  q + 2^(SB_N - 1); a 3-bit value may straddle two words), one bf16 scale per SB_K inputs of a row
+  (`weight_packed`, `weight_scale`: kernels/quant/intn.py). 2, 4 and 8 bits decode whole words as INT4 does (an
+  int4 linear reads like W4A16); 3 bits decodes each element from its word(s); any BLOCK_K serves any group. It is
+  the portable path (dense linears, Triton's interpreter, GPUs without humming-kernels): expert stacks run on
+  humming-kernels' decode (kernels/gpu/int_moe.py).
 - EXL3: exllamav3's trellis (kernels/quant/exl3.py): the tile is the rotated weight T [in, out] decoded per element
   from its 16x16 tile's int16 words (SB_N = the codebook, SB_K = words per tile = 16 x bits), in float16 codebook
   values; the kernels rotate the activations around it (kernels/gpu/hadamard.py), so the product is the twin's
@@ -32,6 +38,7 @@ class Fmt(IntEnum):
     FP8_CHANNEL = 2
     INT4 = 3
     EXL3 = 4
+    INT = 5
 
 
 # EXL3 codebook ids (SB_N of an EXL3 tile read)
@@ -44,8 +51,8 @@ class WeightArgs:
     fmt: Fmt
     data: torch.Tensor  # [B, N, K] dense or e4m3, [B, N, K / 8] int32 words, or EXL3 [B, K/16, N/16, words] int16
     scale: torch.Tensor  # [B, ...] scales (any tensor for DENSE and EXL3: never read)
-    block_n: int = 1  # scale block rows (FP8_BLOCK); EXL3: the codebook id
-    block_k: int = 1  # scale block / group columns (FP8_BLOCK, INT4); EXL3: trellis words per 16x16 tile
+    block_n: int = 1  # scale block rows (FP8_BLOCK); EXL3: the codebook id; INT: bits per weight
+    block_k: int = 1  # scale block / group columns (FP8_BLOCK, INT4, INT); EXL3: trellis words per 16x16 tile
     suh: torch.Tensor | None = None  # EXL3 [B, K] float16: input signs and scales
     svh: torch.Tensor | None = None  # EXL3 [B, N] float16: output signs
 
@@ -57,6 +64,8 @@ class WeightArgs:
     def k(self) -> int:
         if self.fmt is Fmt.EXL3:
             return self.data.shape[1] * 16
+        if self.fmt is Fmt.INT:
+            return self.data.shape[2] * 32 // self.block_n
         return self.data.shape[2] * (8 if self.fmt is Fmt.INT4 else 1)
 
     def strides(self) -> tuple[int, int, int, int, int, int]:
@@ -95,6 +104,9 @@ def quantized(fmt_name: str, tensors: dict[str, torch.Tensor], params: dict) -> 
     if fmt_name == "w4a16":
         return WeightArgs(Fmt.INT4, three(tensors["weight_packed"]), three(tensors["weight_scale"]), 1,
                           int(params["group"]))
+    if fmt_name == "int":
+        return WeightArgs(Fmt.INT, three(tensors["weight_packed"]), three(tensors["weight_scale"]),
+                          int(params["bits"]), int(params["group"]))
     if fmt_name == "exl3":
         trellis = tensors["trellis"]
         trellis = (trellis if trellis.dim() == 4 else trellis.unsqueeze(0)).contiguous()
@@ -144,6 +156,39 @@ def exl3_tile(w_ptr, rn, k0, N, K, stn, stk, CB: tl.constexpr, WORDS: tl.constex
 
 
 @triton.jit
+def int_tile(w_ptr, s_ptr, rn, k0, N, K, swn, swk, ssn, ssk, BITS: tl.constexpr, GROUP: tl.constexpr,
+             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of an INT weight's W^T (rows = inputs k0.., columns = outputs rn) in float32,
+    q * scale exactly as kernels/quant/intn.py's dequantize computes it (0 outside W). Widths that divide a word
+    (2, 4, 8 bits) read BLOCK_K * BITS / 32 whole words per column and shift the codes out, as the INT4 tile does;
+    3 bits reads each code's word (and the next, where it straddles two). One scale row per K step when the step
+    lies within a group, else each element's own."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    valid = (kk[:, None] < K) & (rn[None, :] < N)
+    row = w_ptr + rn[None, :] * swn
+    if 32 % BITS == 0:
+        PER: tl.constexpr = 32 // BITS
+        kw = k0 // PER + tl.arange(0, BLOCK_K // PER)
+        words = tl.load(row + kw[:, None] * swk, mask=(rn[None, :] < N) & (kw[:, None] < K // PER), other=0)
+        words = words.to(tl.uint32, bitcast=True)
+        code = tl.reshape((words[:, None, :] >> (tl.arange(0, PER) * BITS).to(tl.uint32)[None, :, None]),
+                          (BLOCK_K, BLOCK_N))
+    else:
+        bit = kk[:, None] * BITS  # the element's first bit in its row's stream
+        code = tl.load(row + (bit // 32) * swk, mask=valid, other=0).to(tl.uint32, bitcast=True)
+        shift = (bit % 32).to(tl.uint32)
+        spill = valid & (bit % 32 + BITS > 32)  # its high bits open the next word
+        hi = tl.load(row + (bit // 32 + 1) * swk, mask=spill, other=0).to(tl.uint32, bitcast=True)
+        code = (code >> shift) | tl.where(spill, hi << (32 - shift), 0)
+    q = (code & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))
+    if GROUP % BLOCK_K == 0:
+        s = tl.load(s_ptr + rn[None, :] * ssn + (k0 // GROUP) * ssk, mask=rn[None, :] < N, other=0.0)
+    else:
+        s = tl.load(s_ptr + rn[None, :] * ssn + (kk[:, None] // GROUP) * ssk, mask=valid, other=0.0)
+    return tl.where(valid, q.to(tl.float32) * s.to(tl.float32), 0.0)
+
+
+@triton.jit
 def weight_tile(w_ptr, s_ptr, rn, k0, N, K, swn, swk, ssn, ssk, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr, act: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] tile of W^T at rows k0.. and columns rn, in the activation dtype (0 outside W).
@@ -152,6 +197,8 @@ def weight_tile(w_ptr, s_ptr, rn, k0, N, K, swn, swk, ssn, ssk, FMT: tl.constexp
     col = rn[None, :] < N
     if FMT == 4:  # EXL3: the trellis tile in the operand dtype (float16 values: exact in float16 and float32)
         tile = exl3_tile(w_ptr, rn, k0, N, K, swn, swk, SB_N, SB_K, BLOCK_K).to(act)
+    elif FMT == 5:  # INT: SB_N-bit codes from each row's bit stream, each element with its own group's scale
+        tile = int_tile(w_ptr, s_ptr, rn, k0, N, K, swn, swk, ssn, ssk, SB_N, SB_K, BLOCK_K, BLOCK_N).to(act)
     elif FMT == 3:  # INT4: BLOCK_K / 8 words per column, unpacked to nibbles along K
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + rn[None, :] * swn + kw[:, None] * swk, mask=col & (kw[:, None] < K // 8), other=0)
@@ -191,7 +238,7 @@ def cat(parts: list[WeightArgs], dim: int) -> WeightArgs:
         return _cat_exl3(parts, dim)
     if any(p.fmt != first.fmt or p.block_n != first.block_n or p.block_k != first.block_k for p in parts):
         raise ValueError("joined weights must share one format and its block sizes")
-    if dim == 1 and any(p.n % first.block_n for p in parts):
+    if dim == 1 and first.fmt is Fmt.FP8_BLOCK and any(p.n % first.block_n for p in parts):
         raise ValueError(f"a part of {[p.n for p in parts]} rows is not whole {first.block_n}-row scale blocks")
     if len(parts) == 1:
         return first

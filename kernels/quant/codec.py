@@ -1,6 +1,6 @@
 """What every weight storage format answers: how a linear is stored, cut for tensor parallelism, and dequantized.
 
-One `Codec` per format (fp8.py, w4a16.py, exl3.py). A linear whose HF weight is `X.weight` of logical shape
+One `Codec` per format (fp8.py, w4a16.py, intn.py, exl3.py). A linear whose HF weight is `X.weight` of logical shape
 [out, in] is stored as tensors `X.<name>` for the names its codec lists; `QuantizedWeight` (weight.py) holds them.
 The loader cuts a tensor-parallel shard out of the stored tensors without dequantizing (`cut`), which is only
 possible on the format's tile grid (`tile`): a cut elsewhere would need bits that belong to the next tile.
@@ -9,7 +9,7 @@ possible on the format's tile grid (`tile`): a cut elsewhere would need bits tha
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,10 +23,14 @@ class Codec(ABC):
     quant_method: str  # `quantization_config.quant_method` of a checkpoint in this format
     required: frozenset[str]  # stored tensor names (after `X.`) that identify the format
     optional: frozenset[str] = frozenset()
+    # Stored dtypes by tensor name that tell this format from another storing the same names (w4a16 and int both
+    # store compressed-tensors' weight_packed + weight_scale, with float16 and bfloat16 scales).
+    dtypes: Mapping[str, torch.dtype] = {}
 
-    def stores(self, names: set[str]) -> bool:
-        """True when a module whose stored tensor names are `names` is stored in this format."""
-        return self.required <= names
+    def stores(self, names: set[str], dtype: Callable[[str], torch.dtype]) -> bool:
+        """True when a module whose stored tensor names are `names` is stored in this format; `dtype(name)` is a
+        stored tensor's dtype, asked only for the names in `dtypes`."""
+        return self.required <= names and all(dtype(n) == d for n, d in self.dtypes.items())
 
     @abstractmethod
     def params(self, qcfg: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ Quantization rounds to nearest (torch's cast to e4m3, ties to even) after dividi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -82,8 +82,9 @@ class Fp8Codec(Codec):
     required = frozenset({"weight"})
     optional = frozenset({"weight_scale_inv", "weight_scale"})
 
-    def stores(self, names: set[str]) -> bool:
-        # "weight_scale" alone is also W4A16's scale name; W4A16 stores "weight_packed" instead of "weight".
+    def stores(self, names: set[str], dtype: Callable[[str], torch.dtype]) -> bool:
+        # "weight_scale" alone is also W4A16's and the int format's scale name; they store "weight_packed"
+        # instead of "weight".
         return "weight" in names and bool(names & self.optional)
 
     def params(self, qcfg: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:

@@ -8,9 +8,10 @@ needs one multiply per group and no zero-point tensor; 4-bit experts lose little
 
 Storage of a linear `X` with dense weight W [out, in] (tensor names as compressed-tensors' "pack-quantized"):
 - `X.weight_packed` int32 [out, in / 8]: word [n, j] holds W[n, 8j + i] in bits 4i..4i+3 (i = 0..7, lowest nibble
-  first) as the unsigned nibble q + 8. The input dim is contiguous, so a kernel reads 8 consecutive K values of one
-  output row with a single 32-bit load, and a [BLOCK_N, BLOCK_K] tile is [BLOCK_N, BLOCK_K / 8] words.
-- `X.weight_scale` float16 [out, in / group].
+  first) as the unsigned nibble q + 8 (bitstream.py's 4-bit stream, the int format's at 4 bits). The input dim is
+  contiguous, so a kernel reads 8 consecutive K values of one output row with a single 32-bit load, and a
+  [BLOCK_N, BLOCK_K] tile is [BLOCK_N, BLOCK_K / 8] words.
+- `X.weight_scale` float16 [out, in / group] (float16 tells it from the int format, whose scales are bfloat16).
 `quantization_config = {"quant_method": "twinspark_w4a16", "bits": 4, "group_size": G, "symmetric": true,
 "pack": "int32: 8 nibbles along in, lowest first, q + 8"}`; `in` must be a multiple of the group size and of 8.
 """
@@ -22,15 +23,16 @@ from typing import Any
 
 import torch
 
+from kernels.quant import bitstream, intn
 from kernels.quant.codec import Codec, Index, Params, axis_index
 
 QUANT_METHOD = "twinspark_w4a16"
 DEFAULT_GROUP = 128
+BITS = 4
 PER_WORD = 8  # nibbles per int32
 QMIN, QMAX = -8, 7
 OFFSET = 8  # stored nibble = q + OFFSET
 SCALE_DTYPE = torch.float16
-UNIFORM_STD = (((QMAX - QMIN + 1) ** 2 - 1) / 12) ** 0.5  # std of q uniform over [-8, 7]
 
 
 def _check_group(inp: int, group: int) -> None:
@@ -41,18 +43,12 @@ def _check_group(inp: int, group: int) -> None:
 
 def pack(q: torch.Tensor) -> torch.Tensor:
     """int values in [-8, 7], [out, in] -> int32 [out, in / 8] (layout in the module note)."""
-    nib = (q.to(torch.int64) + OFFSET).view(q.shape[0], -1, PER_WORD)
-    shifts = torch.arange(0, 4 * PER_WORD, 4, dtype=torch.int64, device=q.device)
-    words = (nib << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
+    return bitstream.pack(q.to(torch.int64) + OFFSET, BITS)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """int32 [out, in / 8] -> int8 values in [-8, 7], [out, in]."""
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 4 * PER_WORD, 4, dtype=torch.int64, device=packed.device)
-    nib = (words.unsqueeze(-1) >> shifts) & 0xF
-    return (nib - OFFSET).to(torch.int8).reshape(packed.shape[0], -1)
+    return (bitstream.unpack(packed, BITS) - OFFSET).to(torch.int8)
 
 
 def quantize(w: torch.Tensor, group: int = DEFAULT_GROUP) -> dict[str, torch.Tensor]:
@@ -68,18 +64,18 @@ def quantize(w: torch.Tensor, group: int = DEFAULT_GROUP) -> dict[str, torch.Ten
 
 def random_linear(out: int, inp: int, *, std: float, group: int = DEFAULT_GROUP,
                   generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """W4A16 tensors of a random [out, in] linear whose dense weight has about `std` per element: random bytes as
-    the packed words (nibbles uniform in [-8, 7], std UNIFORM_STD), every scale std / UNIFORM_STD."""
+    """W4A16 tensors of a random [out, in] linear whose dense weight has about `std` per element: the int format's
+    4-bit draw (nibbles uniform in [-8, 7]) with float16 scales."""
     _check_group(inp, group)
-    packed = torch.randint(0, 256, (out, inp // 2), dtype=torch.uint8, generator=generator, device=device)
-    scale = torch.full((out, inp // group), std / UNIFORM_STD, dtype=SCALE_DTYPE, device=device)
-    return {"weight_packed": packed.view(torch.int32), "weight_scale": scale}
+    return intn.random_linear(out, inp, bits=BITS, std=std, group=group, generator=generator, device=device,
+                              scale_dtype=SCALE_DTYPE)
 
 
 class W4A16Codec(Codec):
     name = "w4a16"
     quant_method = QUANT_METHOD
     required = frozenset({"weight_packed", "weight_scale"})
+    dtypes = {"weight_scale": SCALE_DTYPE}
 
     def params(self, qcfg: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         out, words = shapes["weight_packed"]

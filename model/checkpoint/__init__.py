@@ -21,7 +21,7 @@ from model.quantize import exl3_config
 
 from .config_builder import generation_config, model_config, preprocessor_config, processor_config, round_up
 from .presets import PRESETS
-from .quantized import EXL3_DIMS, FORMATS, exl3_plan, exl3_recipe, make_tensors
+from .quantized import FORMATS, Packing, dims_for, make_tensors
 from .shards import INDEX_NAME, plan_shards, write_shards
 from .spec import TinySpec, default_layer_pattern
 from .tensor_spec import TensorSpec
@@ -48,18 +48,21 @@ class TinyCheckpoint:
     dtype: str
     format: str = "dense"
     preset: str = "default"
+    group: int | None = None  # the int formats' group size
 
 
 def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: int = 8, index_topk: int = 64,
                layer_pattern: str | None = None, indexer_pattern: str | None = None, dtype: str = "bfloat16",
                max_shard_bytes: int | None = None, progress: bool = True, format: str = "dense",
-               exl3_bits: float = 4, exl3_codebook: str = "mul1", preset: str = "default") -> TinyCheckpoint:
+               exl3_bits: float = 4, exl3_codebook: str = "mul1", int_group: int | None = None,
+               preset: str = "default") -> TinyCheckpoint:
     """Write a tiny checkpoint into `out_dir` (created if missing) and describe what was written.
 
-    format: "dense" (every tensor in `dtype`) or "exl3" (wider MLPs stored as random EXL3 trellises at an average of
-    `exl3_bits` bits per weight, each linear's rate by quantize/bits.py, with codebook `exl3_codebook`; see
-    quantized.py). preset: a named set of dimensions (presets.py), e.g. "exllamav3" for the smallest model
-    exllamav3 runs whole."""
+    format: "dense" (every tensor in `dtype`), "exl3" (wider MLPs stored as random EXL3 trellises at an average of
+    `exl3_bits` bits per weight, each linear's rate by quantize/bits.py, with codebook `exl3_codebook`) or an int
+    format, "int2" / "int3" / "int4" / "int8" (wider experts, every linear that fits stored as random codes in
+    groups of `int_group`, None: quantize's choice); see quantized.py. preset: a named set of dimensions
+    (presets.py), e.g. "exllamav3" for the smallest model exllamav3 runs whole."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if format not in FORMATS:
@@ -67,15 +70,14 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     torch_dtype = DTYPES[dtype]
-    recipe = exl3_recipe(exl3_bits, exl3_codebook) if format == "exl3" else None
-    # Validate the options (TinySpec and the bit plan raise ValueError) before touching the output folder.
+    # Validate the options (TinySpec and the packing plan raise ValueError) before touching the output folder.
     spec = TinySpec.tiny(num_hidden_layers=layers, n_routed_experts=experts, index_topk=index_topk,
                     layer_pattern=layer_pattern or "", indexer_pattern=indexer_pattern or "",
-                    **{**(EXL3_DIMS if recipe is not None else {}), **PRESETS[preset]})
+                    **{**dims_for(format), **PRESETS[preset]})
     tok = build_tokenizer()
     spec = dataclasses.replace(spec, vocab_size=round_up(tok.get_vocab_size(), VOCAB_MULTIPLE))
     specs = all_tensors(spec)
-    plan = exl3_plan(specs, recipe) if recipe is not None else None
+    packing = Packing.plan(format, specs, exl3_bits_target=exl3_bits, exl3_codebook=exl3_codebook, group=int_group)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,11 +85,12 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
     for old in [*out.glob("model*.safetensors"), out / INDEX_NAME, out / exl3_config.STORAGE_FILE]:
         if old.exists():
             old.unlink()
-    qcfg = exl3_config.quant_config(plan, exl3_codebook) if plan is not None else None
+    qcfg = packing.quantization_config() if packing is not None else None
     files = write_model_files(out, spec, tok, dtype=dtype, quantization_config=qcfg)
-    if plan is not None:
+    if packing is not None and packing.exl3 is not None:
         shapes = {s.key: s.shape for s in specs}
-        files.append(exl3_config.write_storage(out, qcfg, exl3_config.tensor_storage(plan, shapes, exl3_codebook)))
+        storage = exl3_config.tensor_storage(packing.exl3, shapes, exl3_codebook)
+        files.append(exl3_config.write_storage(out, qcfg, storage))
 
     total = sum(s.nbytes(torch_dtype) for s in specs)
     if max_shard_bytes is None:
@@ -95,7 +98,7 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
         # so there are 2-3 shards and no sliver of a last shard.
         max_shard_bytes = -(-total // SHARDS_TARGET) + max(s.nbytes(torch_dtype) for s in specs)
     shards = plan_shards(specs, torch_dtype, max_shard_bytes)
-    files += write_shards(out, shards, torch_dtype, lambda s: make_tensors(s, seed, torch_dtype, recipe, plan),
+    files += write_shards(out, shards, torch_dtype, lambda s: make_tensors(s, seed, torch_dtype, packing),
                           progress=progress)
 
     return TinyCheckpoint(
@@ -107,6 +110,7 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
         dtype=dtype,
         format=format,
         preset=preset,
+        group=packing.group if packing is not None else None,
     )
 
 
@@ -130,18 +134,19 @@ def write_model_files(out: Path, spec: TinySpec, tok: Tokenizer, *, dtype: str,
 def make_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: int = 8, index_topk: int = 64,
               layer_pattern: str | None = None, indexer_pattern: str | None = None, dtype: str = "bfloat16",
               max_shard_bytes: int | None = None, progress: bool = False, format: str = "dense",
-              exl3_bits: float = 4, exl3_codebook: str = "mul1", preset: str = "default") -> Path:
+              exl3_bits: float = 4, exl3_codebook: str = "mul1", int_group: int | None = None,
+              preset: str = "default") -> Path:
     """Write a tiny GLM-5.3-Flash checkpoint to `out_dir` and return its path.
 
     layer_pattern: one letter per layer, K = KDA linear attention, M = MLA with DSA indexer (default: M iff i % 4 == 3).
     indexer_pattern: one letter per layer, F = full indexer, S = reuse the nearest earlier full layer's selection
     (default: all F). max_shard_bytes: shard cap (default: about a third of the total, so the default checkpoint
-    has 2-3 shards). format / exl3_bits / exl3_codebook / preset: see `write_tiny`.
+    has 2-3 shards). format / exl3_bits / exl3_codebook / int_group / preset: see `write_tiny`.
     """
     return write_tiny(out_dir, seed=seed, layers=layers, experts=experts, index_topk=index_topk,
                       layer_pattern=layer_pattern, indexer_pattern=indexer_pattern, dtype=dtype,
                       max_shard_bytes=max_shard_bytes, progress=progress, format=format, exl3_bits=exl3_bits,
-                      exl3_codebook=exl3_codebook, preset=preset).path
+                      exl3_codebook=exl3_codebook, int_group=int_group, preset=preset).path
 
 
 def _is_text(t: TensorSpec, spec: TinySpec) -> bool:

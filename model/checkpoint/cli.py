@@ -36,22 +36,27 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="storage dtype; the router bias, KDA convs and gate params and mHC base/scale stay float32 "
                         "(default: bfloat16)")
-    p.add_argument("--format", default="dense", metavar="dense|exl3[:BITS]",
+    p.add_argument("--format", default="dense", metavar="dense|exl3[:BITS]|intN[:gGROUP]",
                    help="dense: every tensor in --dtype; exl3[:BITS]: hidden 128 and MLPs 512 wide, every MLP linear "
                         "that is whole 128 x 128 tiles on each of 4 virtual shards (dense MLP, shared and routed "
                         "experts, MTP eh_proj) stored as random EXL3 trellises in exllamav3's names and dtypes at an "
                         "average of BITS bits per weight (1-8, default 4; e.g. exl3:2.5, exl3:3.0): each linear a "
                         "whole or half rate (half rates need mul1), listed in quantization_config.json; attention in "
-                        "--dtype whatever its dims (default: dense)")
+                        "--dtype whatever its dims; int2, int3, int4, int8 [:gGROUP]: the experts 128 wide (the "
+                        "preset int: every MLP linear is then whole groups of 32 on each of 4 virtual shards), every "
+                        "linear `quantize` would pack stored as random codes of that many bits with bfloat16 scales "
+                        "in groups of GROUP (default: the group `quantize` picks for these dims, 32 for int3 and 16 "
+                        "for the others, so attention's o_proj fits too except at int3) (default: dense)")
     p.add_argument("--bits", type=float, default=None, help="exl3: the same as --format exl3:BITS")
     p.add_argument("--codebook", choices=("mul1", "mcg", "3inst"), default="mul1",
                    help="exl3: trellis codebook (exllamav3's default: mul1)")
     p.add_argument("--preset", choices=tuple(PRESETS), default="default",
                    help="named dimensions: default = the CPU test model; exl3 = hidden 128 and MLPs 512 wide (what "
                         "--format exl3 writes; a dense model for `quantize --format exl3:BITS`); exllamav3 = the "
-                        "smallest dims at which "
-                        "exllamav3 runs the whole model (hidden 128, KDA heads of 128, MLA latent 128, a calm "
-                        "init; use with --format exl3 for an EXL3 checkpoint exllamav3 loads) (default: default)")
+                        "smallest dims at which exllamav3 runs the whole model (hidden 128, KDA heads of 128, MLA "
+                        "latent 128, a calm init; use with --format exl3 for an EXL3 checkpoint exllamav3 loads); "
+                        "int = the experts 128 wide (what --format int3 writes; a dense model for `quantize --format "
+                        "int3`) (default: default)")
     p.add_argument("--drafter", choices=("none", "dflash"), default="none",
                    help="dflash: also write a tiny random DFlash2 drafter (z-lab's block diffusion, config.json and "
                         "safetensors in the published names) for this target into OUT/dflash2, with the same seed "
@@ -61,20 +66,22 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `twinspark --help` and other subcommands do not pay for torch/tokenizers imports.
-    from model.quantize.select import EXL3_DEFAULT_BITS, format_and_bits
+    from model.quantize.select import EXL3_DEFAULT_BITS, INT_FORMATS, FormatSpec, format_and_bits
 
-    from . import write_tiny
+    from . import FORMATS, write_tiny
 
     try:
-        fmt, bits = ("dense", args.bits) if args.format == "dense" else format_and_bits(args.format, args.bits)
-        if fmt not in ("dense", "exl3") or (fmt == "dense" and bits is not None):
+        spec = FormatSpec("dense", args.bits) if args.format == "dense" else format_and_bits(args.format, args.bits)
+        fmt, bits = spec.name, spec.exl3_bits
+        if fmt not in FORMATS or (fmt == "dense" and bits is not None):
             raise ValueError(f"--format {args.format}{'' if bits is None else f' --bits {bits:g}'}: make-tiny "
-                             f"writes dense or exl3[:BITS]")
+                             f"writes dense, exl3[:BITS] or {'/'.join(INT_FORMATS)}[:gGROUP]")
         bits = EXL3_DEFAULT_BITS if bits is None else bits
         ckpt = write_tiny(args.out, seed=args.seed, layers=args.layers, experts=args.experts,
                           index_topk=args.index_topk, layer_pattern=args.layer_pattern,
                           indexer_pattern=args.indexer_pattern, dtype=args.dtype, progress=True,
-                          format=fmt, exl3_bits=bits, exl3_codebook=args.codebook, preset=args.preset)
+                          format=fmt, exl3_bits=bits, exl3_codebook=args.codebook, int_group=spec.group,
+                          preset=args.preset)
     except ValueError as e:  # bad pattern / sizes / bitrate: a one-line message, not a traceback
         print(f"make-tiny: {e}", file=sys.stderr)
         return 2
@@ -82,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote tiny GLM-5.3-Flash checkpoint to {ckpt.path.resolve()}")
     print(f"  params: {ckpt.num_params:,} stored ({ckpt.num_text_params:,} text model, rest MTP block + vision tower), "
           f"dtype {ckpt.dtype}, seed {args.seed}"
-          + (f", EXL3 {bits:g} bits ({args.codebook}) MLPs" if ckpt.format == "exl3" else ""))
+          + (f", EXL3 {bits:g} bits ({args.codebook}) MLPs" if ckpt.format == "exl3" else "")
+          + (f", {ckpt.format} linears in groups of {ckpt.group}" if ckpt.group else ""))
     print(f"  layers: {s.layer_pattern} (K=KDA, M=MLA+DSA)  indexer: {s.indexer_pattern}  "
           f"experts: {s.n_routed_experts} top-{s.num_experts_per_tok}  index_topk: {s.index_topk}  vocab: {s.vocab_size}")
     print(f"  preset: {ckpt.preset}  hidden: {s.hidden_size}  KDA heads: {s.linear_num_heads} x {s.linear_head_dim}  "

@@ -9,6 +9,10 @@
   (tests/gpu/test_exl3_exllamav3_model.py). The comment on each size says which of its kernels or loaders sets the
   floor (read in its source; paths are inside the exllamav3 wheel); twinspark itself takes every dimension that
   divides into its 4 virtual shards, so the preset only has to satisfy exllamav3.
+- "int": the default model with routed and shared experts 128 wide (INT_DIMS), the smallest at which every MLP
+  linear, the experts' down_proj included, is whole groups of 32 (the smallest int3 group) on each of 4 virtual
+  shards: what `make-tiny --format int3` (and int2 / int4 / int8) writes, and a dense model for `twinspark quantize
+  --format int3` that packs every expert (the default model's experts are 32 wide, 8 per shard).
 
 exllamav3's requirements that are not sizes: attention stays dense (KDA's q/k/v are stored unfused, which exllamav3
 reads only as fp16; make-tiny's EXL3 layout anyway, see quantized.py), and every MLA layer runs a full indexer (the
@@ -21,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 EXL3_DIMS: dict[str, Any] = dict(hidden_size=128, intermediate_size=512, moe_intermediate_size=512)  # 4 x 128
+INT_DIMS: dict[str, Any] = dict(moe_intermediate_size=128)  # 4 x 32
 
 EXLLAMAV3: dict[str, Any] = dict(
     # modules/linear.py pads every linear to a multiple of 128 (pad_to) and trims only some outputs: KDA's o_proj
@@ -53,4 +58,4 @@ EXLLAMAV3: dict[str, Any] = dict(
     embed_std=16.0,
 )
 
-PRESETS: dict[str, dict[str, Any]] = {"default": {}, "exl3": EXL3_DIMS, "exllamav3": EXLLAMAV3}
+PRESETS: dict[str, dict[str, Any]] = {"default": {}, "exl3": EXL3_DIMS, "exllamav3": EXLLAMAV3, "int": INT_DIMS}

@@ -1,57 +1,104 @@
-"""A tiny checkpoint's EXL3 linears: random trellis words (any word sequence is a valid EXL3 weight), so the CPU
-suite covers the EXL3 path without an encoder run.
+"""A tiny checkpoint's quantized linears, drawn at random in their packed form (any trellis word sequence is a valid
+EXL3 weight, any bit stream valid int codes), so the CPU suite covers the quantized paths without an encoder run.
+Which linears are packed is the quantize recipe's rule (quantize/select.py): every linear that is whole tiles of
+the format on each of 4 virtual shards.
 
-`make-tiny --format exl3` widens the tiny model so its MLPs fit EXL3's 128-wide Hadamard blocks even when cut into
-4 tensor-parallel shards (EXL3_DIMS, also `--preset exl3` for a dense model to quantize). Which MLP linears become
-EXL3 is the quantize recipe's rule (quantize/select.py): every linear that is whole 128 x 128 tiles on each virtual
-shard — the dense MLP, the shared and routed experts and the MTP's eh_proj — and lm_head stays dense (`head_bits`
-16); each one's bits per weight come from the target average by quantize/bits.py's rule, recorded in
-quantization_config.json. Attention stays in the checkpoint dtype whatever its dims (the seed's layout: EXL3
-experts, 16-bit attention), which is also what exllamav3 can load beside twinspark's key names: it reads
-`kv_b_proj.weight` raw (modules/mla_attn.py) and takes KDA's q/k/v as EXL3 only fused into one `qkv_proj`
-(modules/gated_delta_net.py: the separate q/k/v keys are its fp16 fallback).
+EXL3 (`make-tiny --format exl3[:BITS]`): the tiny model widened so its MLPs fit EXL3's 128-wide Hadamard blocks even
+when cut into 4 tensor-parallel shards (EXL3_DIMS, also `--preset exl3` for a dense model to quantize): the dense
+MLP, the shared and routed experts and the MTP's eh_proj are EXL3, lm_head stays dense (`head_bits` 16); each one's
+bits per weight come from the target average by quantize/bits.py's rule, recorded in quantization_config.json.
+Attention stays in the checkpoint dtype whatever its dims (the seed's layout: EXL3 experts, 16-bit attention), which
+is also what exllamav3 can load beside twinspark's key names: it reads `kv_b_proj.weight` raw (modules/mla_attn.py)
+and takes KDA's q/k/v as EXL3 only fused into one `qkv_proj` (modules/gated_delta_net.py: the separate q/k/v keys
+are its fp16 fallback).
+
+int (`make-tiny --format int2|int3|int4|int8[:gGROUP]`): the tiny model with routed experts 128 wide (INT_DIMS), the
+smallest width at which every MLP linear, the experts' down_proj included, is whole groups of 32 on each of 4 virtual
+shards; every linear the recipe packs, attention included, is random codes with bfloat16 scales in groups of GROUP,
+by default the group `twinspark quantize` would choose at these dims (select.auto_block: 32 for int3, 16 for the
+other widths, where KDA's and MLA's o_proj, 16 wide per shard, fit too).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from kernels.quant import exl3
+from kernels.quant import random_quantized
 from model.quantize import bits as exl3_bits
-from model.quantize.select import Recipe
+from model.quantize import exl3_config
+from model.quantize.convert import quant_config
+from model.quantize.select import INT_FORMATS, Recipe, auto_block, codec_format
 
-from .presets import EXL3_DIMS
+from .presets import EXL3_DIMS, INT_DIMS
 from .tensor_spec import TensorSpec, key_seed, materialize
 
-__all__ = ["EXL3_DIMS", "FORMATS", "exl3_plan", "exl3_recipe", "make_tensors"]
+__all__ = ["FORMATS", "Packing", "dims_for", "make_tensors", "materialize"]
 
-FORMATS = ("dense", "exl3")
+FORMATS = ("dense", "exl3", *INT_FORMATS)
 ATTENTION = ".self_attn."  # every attention tensor's key (MLA + indexer, KDA) has it
 
 
-def exl3_recipe(bits: float, codebook: str) -> Recipe:
-    return Recipe(experts="exl3", other="exl3", exl3_bits=bits, exl3_codebook=codebook)
+def dims_for(format: str) -> dict[str, Any]:
+    """The TinySpec overrides a format's tiny checkpoint is written at (a preset's come on top)."""
+    return EXL3_DIMS if format == "exl3" else INT_DIMS if format in INT_FORMATS else {}
 
 
-def _is_exl3(spec: TensorSpec, recipe: Recipe) -> bool:
-    return ATTENTION not in spec.key and recipe.format_for(spec.key, spec.shape) == "exl3"
+@dataclass(frozen=True)
+class Packing:
+    """What make-tiny stores quantized: the recipe (its block: the int group), and EXL3's bits per linear."""
+
+    recipe: Recipe
+    exl3: exl3_bits.BitPlan | None = None
+
+    @classmethod
+    def plan(cls, format: str, specs: list[TensorSpec], *, exl3_bits_target: float, exl3_codebook: str,
+             group: int | None) -> "Packing | None":
+        """None for a dense checkpoint; raises ValueError for a bitrate or group the format does not take."""
+        if format == "dense":
+            return None
+        if format == "exl3":
+            packing = cls(Recipe("exl3", "exl3", exl3_bits=exl3_bits_target, exl3_codebook=exl3_codebook))
+            linears = {s.key: s.numel for s in specs if packing.format_of(s) is not None}
+            return dataclasses.replace(packing, exl3=exl3_bits.plan(linears, exl3_bits_target, exl3_codebook))
+        recipe = Recipe(format, format, group=group)
+        if group is None:
+            recipe = dataclasses.replace(recipe, block=auto_block(recipe, [(s.key, s.shape) for s in specs]))
+        return cls(recipe)
+
+    @property
+    def format(self) -> str:
+        return self.recipe.formats[0]
+
+    @property
+    def group(self) -> int | None:
+        """The int formats' group size (None for EXL3)."""
+        return self.recipe.block_for(self.format) if self.exl3 is None else None
+
+    def format_of(self, spec: TensorSpec) -> str | None:
+        """The format `spec` is stored in (None: dense); EXL3 keeps attention dense (see the module note)."""
+        fmt = self.recipe.format_for(spec.key, spec.shape)
+        return None if fmt == "exl3" and ATTENTION in spec.key else fmt
+
+    def quantization_config(self) -> dict[str, Any]:
+        if self.exl3 is not None:
+            return exl3_config.quant_config(self.exl3, self.recipe.exl3_codebook)
+        return quant_config(self.format, self.group)
 
 
-def exl3_plan(specs: list[TensorSpec], recipe: Recipe) -> exl3_bits.BitPlan:
-    """The bits per weight of every linear make-tiny writes as EXL3."""
-    return exl3_bits.plan({s.key: s.numel for s in specs if _is_exl3(s, recipe)}, recipe.exl3_bits,
-                          recipe.exl3_codebook)
-
-
-def make_tensors(spec: TensorSpec, seed: int, dtype: torch.dtype, recipe: Recipe | None,
-                 plan: exl3_bits.BitPlan | None) -> dict[str, torch.Tensor]:
-    """The stored tensors of one spec: the dense tensor, or an EXL3 MLP linear's trellis / suh / svh / marker drawn
-    with the spec's own seed (so the values do not depend on which other tensors exist) at its planned rate."""
-    if recipe is None or plan is None or not _is_exl3(spec, recipe):
+def make_tensors(spec: TensorSpec, seed: int, dtype: torch.dtype, packing: Packing | None) -> dict[str, torch.Tensor]:
+    """The stored tensors of one spec: the dense tensor, or a packed linear's tensors drawn with the spec's own seed
+    (so the values do not depend on which other tensors exist), EXL3 at its planned rate."""
+    fmt = packing.format_of(spec) if packing is not None else None
+    if fmt is None:
         return {spec.key: materialize(spec, seed, dtype)}
-    out, inp = spec.shape
+    codec, bits = codec_format(fmt)
     g = torch.Generator().manual_seed(key_seed(seed, spec.key))
-    tensors = exl3.random_linear(out, inp, std=spec.init.a, bits=plan.bits[spec.key],
-                                 codebook_name=recipe.exl3_codebook, generator=g)
+    q = random_quantized(codec, *spec.shape, std=spec.init.a, block=packing.recipe.block_for(fmt),
+                         bits=packing.exl3.bits[spec.key] if packing.exl3 is not None else bits,
+                         codebook=packing.recipe.exl3_codebook, generator=g)
     module = spec.key.removesuffix(".weight")
-    return {f"{module}.{name}": t for name, t in tensors.items()}
+    return {f"{module}.{name}": t for name, t in q.tensors.items()}

@@ -1,5 +1,5 @@
-"""`twinspark quantize`: write a quantized copy of a checkpoint (fp8, w4a16, EXL3 at a chosen bitrate), or run
-exllamav3's own EXL3 converter (calibrated, CUDA GPU) with --exllamav3."""
+"""`twinspark quantize`: write a quantized copy of a checkpoint (fp8, w4a16, int2 / int3 / int4 / int8, EXL3 at a
+chosen bitrate), or run exllamav3's own EXL3 converter (calibrated, CUDA GPU) with --exllamav3."""
 
 from __future__ import annotations
 
@@ -18,22 +18,27 @@ EXL3_NEEDS = ("exllamav3's converter is a trellis search with calibration that r
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "quantize", help="write a quantized copy of a checkpoint (fp8, w4a16, exl3[:BITS])",
+        "quantize", help="write a quantized copy of a checkpoint (fp8, w4a16, int2/int3/int4/int8, exl3[:BITS])",
         description="Quantize a checkpoint shard by shard (one output shard in memory at a time): the same shard "
                     "files and key names, each quantized linear stored as its format's tensors, quantization_config "
                     "in config.json, the index rewritten, tokenizer files copied. Kept dense: embeddings, lm_head, "
                     "the MoE router, KDA gate projections, the indexer's key head and weights, the vision tower, and "
                     "every linear that is not whole blocks / groups / 128-wide EXL3 tiles on each virtual shard the "
                     "loader cuts it into, so the output loads in `generate`, `up` and `serve-rank` at every TP size "
-                    "that divides --virtual-shards (the plan is printed first). EXL3 is encoded here, on --device, "
-                    "by twinspark's beam search without calibration; --exllamav3 runs exllamav3's own converter.",
+                    "that divides --virtual-shards (the plan is printed first). The int formats round to nearest "
+                    "here; a second int run quantizes what the first left (e.g. int3 --experts-only, then int4) in "
+                    "the first run's group size. EXL3 is encoded here, on --device, by twinspark's beam search "
+                    "without calibration; --exllamav3 runs exllamav3's own converter.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, metavar="IN", help="input checkpoint directory (bf16 / fp32, or one "
                    "already quantized in another format: its quantized modules are copied as they are)")
     p.add_argument("--out", required=True, metavar="OUT", help="output directory (created if missing)")
     p.add_argument("--format", required=True, metavar="FORMAT",
                    help="fp8: e4m3 weights with block (or per-channel) float32 scales; w4a16: symmetric int4 in "
-                        "groups along the input dim with float16 scales; exl3[:BITS]: exllamav3's trellis format at "
+                        "groups along the input dim with float16 scales; int2, int3, int4, int8 [:gGROUP]: "
+                        "symmetric integers of that many bits in groups along the input dim with signed bfloat16 "
+                        "scales, packed as a bit stream (GROUP: the same as --block-size; e.g. int3:g64); "
+                        "exl3[:BITS]: exllamav3's trellis format at "
                         "an average of BITS bits per weight, any number from 1 to 8 "
                         f"(default {EXL3_DEFAULT_BITS:g}; e.g. exl3:2.0, exl3:2.5, exl3:3.0): each linear gets a "
                         "whole or half rate (half rates need the mul1 codebook) so the average lands on BITS, "
@@ -43,9 +48,11 @@ def register(subparsers: Any) -> None:
                    help="quantize only the routed experts (what the fused MoE kernel reads); other linears stay as "
                         "they are")
     p.add_argument("--block-size", type=int, default=None, metavar="N",
-                   help="fp8: N x N weight blocks per scale; w4a16: N input channels per scale (a multiple of 8). "
-                        "Default: chosen from the shard plan, the largest of 128/64/32/16/8 that leaves no linear "
-                        "dense that 8 would pack (128 at GLM-5.3-Flash's dims, 8 for the tiny test model)")
+                   help="fp8: N x N weight blocks per scale; w4a16: N input channels per scale (a multiple of 8); "
+                        "int: N input channels per scale, N x bits a multiple of 32 (int3: 32, 64, 128). Default: "
+                        "chosen from the shard plan, the largest of 128/64/32/16/8 (those the format takes) that "
+                        "leaves no linear dense that the smallest would pack (128 at GLM-5.3-Flash's dims; for the "
+                        "tiny test model 8, int3 32, int2 16); a second int run takes the first run's")
     p.add_argument("--per-channel", action="store_true", help="fp8: one scale per output channel instead of blocks")
     p.add_argument("--virtual-shards", type=int, default=VIRTUAL_SHARDS, metavar="V",
                    help="the virtual shards the output is planned for (serve-rank's --virtual-shards): every packed "
@@ -73,9 +80,10 @@ def run(args: argparse.Namespace) -> int:
     if not (src / "config.json").is_file():
         return _fail(f"--model {args.model}: no config.json there")
     try:
-        fmt, bits = format_and_bits(args.format, args.bits)
+        spec = format_and_bits(args.format, args.bits)
     except ValueError as e:
         return _fail(f"--format {e}")
+    fmt, bits = spec.name, spec.exl3_bits
     if fmt == "bf16":
         return _fail("--format bf16 quantizes nothing (bf16 is a recipe's 'keep dense')")
     if args.exllamav3:
@@ -87,18 +95,24 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--block-size {args.block_size}: must be positive (and a multiple of 8 for w4a16)")
     if args.per_channel and fmt != "fp8":
         return _fail("--per-channel is an fp8 option")
+    if spec.group and args.block_size and spec.group != args.block_size:
+        return _fail(f"--format {args.format} and --block-size {args.block_size} disagree (give one)")
+    block = spec.group or args.block_size  # an int format's :gGROUP is its --block-size
     if args.virtual_shards < 1:
         return _fail(f"--virtual-shards {args.virtual_shards}: must be positive")
 
     from model.quantize.convert import quantize_checkpoint
     from model.quantize.select import Recipe
 
-    recipe = Recipe(experts=fmt, other=None if args.experts_only else fmt,
-                    block=None if args.per_channel else args.block_size or 128,
-                    exl3_bits=EXL3_DEFAULT_BITS if bits is None else bits, exl3_codebook=args.codebook,
-                    virtual=args.virtual_shards)
     try:
-        s = quantize_checkpoint(src, args.out, recipe, device=args.device, choose_block=args.block_size is None,
+        recipe = Recipe(experts=fmt, other=None if args.experts_only else fmt,
+                        block=None if args.per_channel else block or 128,
+                        exl3_bits=EXL3_DEFAULT_BITS if bits is None else bits, exl3_codebook=args.codebook,
+                        virtual=args.virtual_shards)
+    except ValueError as e:  # an int group that is not whole words
+        return _fail(f"--block-size / --format {e}")
+    try:
+        s = quantize_checkpoint(src, args.out, recipe, device=args.device, choose_block=block is None,
                                 log=lambda line: print(line, flush=True))
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))

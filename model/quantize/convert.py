@@ -1,15 +1,17 @@
 """Write a quantized copy of a checkpoint, one safetensors shard at a time (memory: one output shard).
 
 Same shard files and key names as the input; a quantized linear `X.weight` becomes its format's tensors
-(`X.weight` + `X.weight_scale_inv` for fp8, `X.weight_packed` + `X.weight_scale` for w4a16, `X.trellis` / `X.suh` /
-`X.svh` / marker for EXL3), everything else is copied byte for byte, modules already quantized included (so fp8 on
-top of a `--experts-only` w4a16 checkpoint gives W4A16 experts + FP8 attention). config.json gets the
-`quantization_config` (an earlier one is kept nested), the index is rewritten, and the other files (tokenizer, chat
-template, generation config) are copied; an EXL3 output also gets exllamav3's quantization_config.json.
+(`X.weight` + `X.weight_scale_inv` for fp8, `X.weight_packed` + `X.weight_scale` for w4a16 and int, `X.trellis` /
+`X.suh` / `X.svh` / marker for EXL3), everything else is copied byte for byte, modules already quantized included (so
+fp8 on top of a `--experts-only` w4a16 checkpoint gives W4A16 experts + FP8 attention, and int4 on top of
+`--experts-only` int3 gives int3 experts + int4 for the rest: the int formats may run twice on one checkpoint, with
+the group size of the first run). config.json gets the `quantization_config` (an earlier one is kept nested), the
+index is rewritten, and the other files (tokenizer, chat template, generation config) are copied; an EXL3 output
+also gets exllamav3's quantization_config.json.
 
 Everything is planned from the shard headers before a tensor is read: which linears the recipe packs (each one
-whole tiles on every virtual shard, select.py), the fp8 block / w4a16 group when it is chosen from that shard plan
-(`auto_block`), and EXL3's bits per linear for the target average (bits.py).
+whole tiles on every virtual shard, select.py), the fp8 block / w4a16 or int group when it is chosen from that
+shard plan (`auto_block`), and EXL3's bits per linear for the target average (bits.py).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from tqdm import tqdm
 
 from kernels.quant import CODECS, quantize, quantized_modules
 from kernels.quant import fp8 as fp8_format
+from kernels.quant import intn
 from kernels.quant import w4a16 as w4a16_format
-from model.quant_config import nest
+from model.quant_config import by_method, nest
 from model.quantize import bits as exl3_bits
 from model.quantize import exl3_config
-from model.quantize.select import Recipe, auto_block, tile_shape
+from model.quantize.select import BLOCKS, INT_CODEC, Recipe, auto_block, codec_format, tile_shape
+from model.weights import header_dtype
 
 INDEX = "model.safetensors.index.json"
 
@@ -50,7 +54,8 @@ class Summary:
 
 
 def quant_config(fmt: str, block: int | None) -> dict[str, Any]:
-    """The `quantization_config` a checkpoint in `fmt` carries (see kernels/quant/{fp8,w4a16}.py)."""
+    """The `quantization_config` a checkpoint in `fmt` carries (see kernels/quant/{fp8,w4a16,intn}.py); block: the
+    recipe's `block_for(fmt)`."""
     if fmt == "fp8":
         cfg: dict[str, Any] = {"quant_method": fp8_format.CODEC.quant_method, "fmt": "e4m3",
                                "activation_scheme": "dynamic"}
@@ -58,6 +63,8 @@ def quant_config(fmt: str, block: int | None) -> dict[str, Any]:
     if fmt == "w4a16":
         return {"quant_method": w4a16_format.QUANT_METHOD, "bits": 4, "group_size": block or w4a16_format.DEFAULT_GROUP,
                 "symmetric": True, "pack": "int32: 8 nibbles along in, lowest first, q + 8"}
+    if codec_format(fmt)[0] == INT_CODEC:
+        return intn.quant_config(block or intn.DEFAULT_GROUP)
     raise ValueError(f"no quantization_config of its own for {fmt!r} (EXL3's: exl3_config.py)")
 
 
@@ -92,22 +99,26 @@ class Plan:
         tps = ", ".join(str(t) for t in range(1, r.virtual + 1) if r.virtual % t == 0)
         out = [f"planned for {r.virtual} virtual shards: every packed linear is whole tiles on each, so the output "
                f"loads at TP {tps}"]
-        if block_chosen and {"fp8", "w4a16"} & set(self.targets.values()):
-            out.append(f"block size {r.block}, from that plan: the largest of 128/64/32/16/8 that leaves no linear "
-                       f"dense that 8 would pack")
+        if block_chosen and {"fp8", "w4a16", INT_CODEC} & {codec_format(f)[0] for f in self.targets.values()}:
+            tried = r.blocks_to_try(BLOCKS)
+            out.append(f"block size {r.block}, from that plan: the largest of {'/'.join(map(str, tried))} that "
+                       f"leaves no linear dense that {tried[-1]} would pack")
         if self.exl3 is not None:
             out.append(f"EXL3 at {r.exl3_bits:g} bits per weight ({r.exl3_codebook}): {self.exl3.summary()}")
         return out
 
 
 def plan_checkpoint(files: dict[str, list[str]], src: Path, recipe: Recipe, *, choose_block: bool) -> Plan:
-    """The run's plan over `files` (shard -> keys). choose_block: pick the fp8 block / w4a16 group with
+    """The run's plan over `files` (shard -> keys). choose_block: pick the fp8 block / w4a16 or int group with
     `auto_block` instead of recipe.block."""
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
     for name, keys in files.items():
         with safe_open(src / name, "pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
-    done = set(quantized_modules(shapes))  # modules quantized in the input: copied as they are
+            for k in keys:
+                header = f.get_slice(k)
+                shapes[k], dtypes[k] = tuple(header.get_shape()), header_dtype(header)
+    done = set(quantized_modules(shapes, dtypes.__getitem__))  # modules quantized in the input: copied as they are
     free = [(k, s) for k, s in shapes.items() if k.rpartition(".")[0] not in done]
     if choose_block and recipe.block is not None:
         recipe = dataclasses.replace(recipe, block=auto_block(recipe, free))
@@ -121,7 +132,7 @@ def plan_checkpoint(files: dict[str, list[str]], src: Path, recipe: Recipe, *, c
 
 
 def _nothing_fits(recipe: Recipe) -> str:
-    tiles = " / ".join(f"{f} {'x'.join(map(str, tile_shape(f, recipe.block)))}" for f in recipe.formats)
+    tiles = " / ".join(f"{f} {'x'.join(map(str, tile_shape(f, recipe.block_for(f))))}" for f in recipe.formats)
     hint = (" (the default make-tiny model is 64 wide; `make-tiny --preset exl3` writes one whose MLPs are 128 and "
             "512 wide)" if "exl3" in recipe.formats else "")
     return (f"no linear fits {'+'.join(recipe.formats)}: a linear is packed only when it is whole tiles ({tiles}) "
@@ -134,11 +145,22 @@ def _generator(key: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _first_runs_group(src: Path, recipe: Recipe, fmt: str, group: int, choose_block: bool) -> Recipe:
+    """`recipe` with the group size of the int linears `src` already has (a checkpoint has one), e.g. int4 for the
+    rest of an `--experts-only` int3 checkpoint; a different group asked for is refused."""
+    if not choose_block and recipe.block_for(fmt) != group:
+        raise ValueError(f"{src} stores its int linears in groups of {group}, and a checkpoint has one group size: "
+                         f"quantize with --block-size {group} (or --format {fmt}:g{group}), or give neither and its "
+                         f"group is used")
+    return dataclasses.replace(recipe, group=group)
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, device: str = "cpu",
                         progress: bool = True, choose_block: bool = False,
                         log: Callable[[str], None] | None = None) -> Summary:
-    """choose_block: the fp8 block / w4a16 group from the shard plan (select.auto_block) instead of recipe.block.
-    log: gets the plan's lines before any tensor is quantized."""
+    """choose_block: the fp8 block / w4a16 or int group from the shard plan (select.auto_block) instead of
+    recipe.block (an input that has int linears already sets the int group). log: gets the plan's lines before any
+    tensor is quantized."""
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise ValueError("--out must differ from --model (the input is read while the output is written)")
@@ -147,13 +169,19 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, dev
     fmt = recipe.formats[0]
     config = json.loads((src / "config.json").read_text())
     old = config.get("quantization_config")
-    if old and old.get("quant_method") == CODECS[fmt].quant_method:
-        raise ValueError(f"{src} is already {fmt}; quantize its dense original instead")
+    codec, int_bits = codec_format(fmt)
+    earlier = by_method(old).get(CODECS[codec].quant_method)
+    if earlier is not None:
+        if codec != INT_CODEC:
+            raise ValueError(f"{src} is already {fmt}; quantize its dense original instead")
+        recipe, choose_block = _first_runs_group(src, recipe, fmt, int(earlier["group_size"]), choose_block), False
     files = _source_files(src)
     plan = plan_checkpoint(files, src, recipe, choose_block=choose_block)
     recipe = plan.recipe
     for line in plan.lines(choose_block) if log else ():
         log(line)
+    if earlier is not None and log:
+        log(f"groups of {recipe.group}: the group size of the int linears {src} already has (one per checkpoint)")
     dst.mkdir(parents=True, exist_ok=True)
     for stale in [*dst.glob("*.safetensors"), dst / INDEX, dst / exl3_config.STORAGE_FILE]:
         stale.unlink(missing_ok=True)
@@ -174,8 +202,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, dev
                         out[key] = t
                         summary.kept += key.rpartition(".")[0] not in plan.done
                     else:
-                        q = quantize(t.to(device), target, block=recipe.block, codebook=recipe.exl3_codebook,
-                                     bits=plan.exl3.bits[key] if target == "exl3" else 4, generator=_generator(key))
+                        q = quantize(t.to(device), codec, block=recipe.block_for(fmt), codebook=recipe.exl3_codebook,
+                                     bits=plan.exl3.bits[key] if codec == "exl3" else int_bits,
+                                     generator=_generator(key))
                         module = key.removesuffix(".weight")
                         out.update({f"{module}.{n}": v.cpu().contiguous() for n, v in q.tensors.items()})
                         summary.quantized[target] += 1
@@ -193,7 +222,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, dev
         qcfg = exl3_config.quant_config(plan.exl3, recipe.exl3_codebook)
         exl3_config.write_storage(dst, qcfg, exl3_config.tensor_storage(plan.exl3, plan.shapes, recipe.exl3_codebook))
     else:
-        qcfg = quant_config(fmt, recipe.block)
+        qcfg = quant_config(fmt, recipe.block_for(fmt))
     config["quantization_config"] = nest(qcfg, old)
     (dst / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     for p in src.iterdir():  # tokenizer, chat template, generation config, ...

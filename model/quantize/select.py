@@ -4,9 +4,15 @@
 Kept dense whatever the recipe, as the released FP8 / EXL3 checkpoints do: embeddings and lm_head, the MoE router,
 KDA's low-rank gate projections (f_a/f_b/g_a/g_b) and beta projection, the DSA indexer's key head and per-head
 weights, the vision tower, and every tensor that is not a 2-D `.weight` (norms, convs, biases, mHC parameters).
-A linear also stays dense unless it is whole tiles of the format (fp8 blocks, w4a16 groups, EXL3's 128) on every
-virtual shard the loader cuts it into (`fits`), so a quantized checkpoint loads at every TP size that divides the
-virtual shard count.
+A linear also stays dense unless it is whole tiles of the format (fp8 blocks, w4a16 / int groups, EXL3's 128) on
+every virtual shard the loader cuts it into (`fits`), so a quantized checkpoint loads at every TP size that divides
+the virtual shard count.
+
+A recipe names formats as the user types them: fp8, w4a16, exl3 (EXL3 at a target bitrate, exl3:BITS), and the int
+formats by their width, int2 / int3 / int4 / int8 (one group size per recipe: int3:g64, else the recipe's block);
+`codec_format` turns such a name into the codec that stores it (kernels/quant: "int3" is the "int" codec at 3 bits).
+This module imports no torch (the CLI's --help reads it), so it names the int widths itself; intn.BITS is the
+codec's list and a test holds the two equal.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-FORMATS = ("fp8", "w4a16", "exl3")
+INT_FORMATS = ("int2", "int3", "int4", "int8")
+INT_CODEC = "int"  # the codec (kernels/quant/intn.py) of every int format
+FORMATS = ("fp8", "w4a16", "exl3", *INT_FORMATS)
 DENSE = "bf16"  # a recipe's name for "leave these modules dense"
 ROUTED_EXPERTS = ".mlp.experts."
 # (KDA's beta projection by its full name: "b_proj." alone also matched MLA's q_b_proj and kv_b_proj, which kept
@@ -26,9 +34,12 @@ EXL3_TILE = 128
 EXL3_DEFAULT_BITS = 4.0
 EXL3_BITS_RANGE = (1.0, 8.0)  # exllamav3's: 1..8 bits per weight
 VIRTUAL_SHARDS = 4  # the rank worker's default (--virtual-shards)
-RECIPE_HELP = ("FORMAT for every eligible linear, or EXPERTS+OTHER, from fp8, w4a16, exl3[:BITS], bf16 (e.g. fp8, "
-               "w4a16+fp8, exl3:3.0+fp8, exl3:2.5+bf16); BITS is EXL3's average bits per weight, 1-8 (half steps "
-               "too; default 4): each linear gets a whole or half rate so the average lands on it")
+BLOCKS = (128, 64, 32, 16, 8)  # the fp8 blocks / w4a16 and int groups `auto_block` chooses from
+RECIPE_HELP = ("FORMAT for every eligible linear, or EXPERTS+OTHER, from fp8, w4a16, exl3[:BITS], int2, int3, int4, "
+               "int8 (each with an optional :gGROUP), bf16 (e.g. fp8, w4a16+fp8, exl3:3.0+fp8, exl3:2.5+bf16, "
+               "int3+int4, int3:g64+fp8); BITS is EXL3's average bits per weight, 1-8 (half steps too; default 4): "
+               "each linear gets a whole or half rate so the average lands on it; GROUP is the int formats' group "
+               "size, one per recipe (default: the block size), a multiple of 32 at 3 bits")
 
 # How the model cuts each linear over the virtual shards (the reader.split / reader.full calls of model/ffn.py,
 # kda_attention.py, mla_attention.py and mtp.py), by the linear's name: the dims a shard boundary falls in.
@@ -37,22 +48,47 @@ _COLUMN_PARALLEL = {"gate_proj", "up_proj", "q_proj", "k_proj", "v_proj", "q_b_p
 _REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa", "eh_proj", "wq_b"}  # read whole on every rank
 
 
-def parse_format(spec: str) -> tuple[str, float | None]:
-    """"fp8", "w4a16", "bf16", "exl3" or "exl3:BITS" -> (format, EXL3 target bits or None)."""
-    name, sep, bits = spec.partition(":")
+@dataclass(frozen=True)
+class FormatSpec:
+    """One format as typed: its name (a FORMATS entry or bf16) and its option, EXL3's target bits per weight
+    (exl3:3.0) or an int format's group size (int3:g64)."""
+
+    name: str
+    exl3_bits: float | None = None
+    group: int | None = None
+
+
+def parse_format(spec: str) -> FormatSpec:
+    """"fp8", "w4a16", "bf16", "exl3[:BITS]" or "int2|int3|int4|int8[:gGROUP]"."""
+    name, sep, option = spec.partition(":")
     if name not in (*FORMATS, DENSE):
         raise ValueError(f"{spec!r}: expected a format from {', '.join((*FORMATS, DENSE))} (exl3 optionally with "
-                         f":BITS, e.g. exl3:3.0), or EXPERTS+OTHER of two of them")
+                         f":BITS, e.g. exl3:3.0; an int format with :gGROUP, e.g. int3:g64), or EXPERTS+OTHER of two "
+                         f"of them")
     if not sep:
-        return name, None
+        return FormatSpec(name)
+    if name in INT_FORMATS:
+        if not (option.startswith("g") and option[1:].isdigit() and int(option[1:]) > 0):
+            raise ValueError(f"{spec!r}: an int format takes its group size as :gGROUP (e.g. {name}:g64, "
+                             f"{name}:g128)")
+        return FormatSpec(name, group=int(option[1:]))
     if name != "exl3":
-        raise ValueError(f"{spec!r}: only exl3 takes a bitrate (exl3:BITS)")
+        raise ValueError(f"{spec!r}: only exl3 takes a bitrate (exl3:BITS), and only the int formats a group size "
+                         f"(int3:g64)")
     try:
-        value = float(bits)
+        value = float(option)
     except ValueError:
         value = math.nan
     check_exl3_bits(value, f"{spec!r}: ")
-    return name, value
+    return FormatSpec(name, exl3_bits=value)
+
+
+def codec_format(fmt: str) -> tuple[str, int | None]:
+    """A recipe's format name -> (the codec that stores it, the int bits): "int3" -> ("int", 3), "fp8" -> ("fp8",
+    None)."""
+    if fmt in INT_FORMATS:
+        return INT_CODEC, int(fmt.removeprefix("int"))
+    return fmt, None
 
 
 def check_exl3_bits(bits: float, what: str = "") -> None:
@@ -63,14 +99,15 @@ def check_exl3_bits(bits: float, what: str = "") -> None:
                          f"exl3:2.5, exl3:3.0, exl3:4.0)")
 
 
-def format_and_bits(spec: str, bits: float | None) -> tuple[str, float | None]:
-    """A CLI's --format (FORMAT or exl3:BITS) with its older --bits flag folded in (the same as exl3:BITS)."""
-    fmt, rate = parse_format(spec)
+def format_and_bits(spec: str, bits: float | None) -> FormatSpec:
+    """A CLI's --format (FORMAT, exl3:BITS or intN:gGROUP) with its older --bits flag folded in (the same as
+    exl3:BITS)."""
+    fmt = parse_format(spec)
     if bits is None:
-        return fmt, rate
-    if fmt != "exl3":
+        return fmt
+    if fmt.name != "exl3":
         raise ValueError(f"--bits is EXL3's bits per weight; --format is {spec}")
-    if rate is not None and rate != bits:
+    if fmt.exl3_bits is not None and fmt.exl3_bits != bits:
         raise ValueError(f"--format {spec} and --bits {bits:g} disagree (give one)")
     return parse_format(f"exl3:{bits}")
 
@@ -91,9 +128,10 @@ def cut_dims(key: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Recipe:
     """experts: the routed experts' format; other: every other eligible linear's format (None = keep dense).
-    block: fp8's square block edge (None = one scale per output channel) and w4a16's group size. exl3_bits: EXL3's
-    target average bits per weight (model/quantize/bits.py spreads it over the linears). virtual: the virtual shards
-    the checkpoint is planned for (a linear is quantized only if each shard is whole tiles)."""
+    block: fp8's square block edge (None = one scale per output channel), w4a16's group size, and the int formats'
+    unless `group` is set (a recipe's int3:g64). exl3_bits: EXL3's target average bits per weight
+    (model/quantize/bits.py spreads it over the linears). virtual: the virtual shards the checkpoint is planned for
+    (a linear is quantized only if each shard is whole tiles)."""
 
     experts: str | None
     other: str | None
@@ -101,20 +139,35 @@ class Recipe:
     exl3_bits: float = EXL3_DEFAULT_BITS
     exl3_codebook: str = "mul1"
     virtual: int = VIRTUAL_SHARDS
+    group: int | None = None
+
+    def __post_init__(self) -> None:
+        ints = [f for f in self.formats if codec_format(f)[0] == INT_CODEC]
+        if ints:
+            from kernels.quant import intn  # only here: the CLI's --help imports this module, and intn imports torch
+
+            for fmt in ints:
+                intn.check_group(codec_format(fmt)[1], self.block_for(fmt) or intn.DEFAULT_GROUP)
 
     @classmethod
     def parse(cls, spec: str, **kw) -> "Recipe":
-        """"FMT" (every eligible linear) or "EXPERTS+OTHER" (e.g. "w4a16+fp8", "exl3:3.0+bf16")."""
+        """"FMT" (every eligible linear) or "EXPERTS+OTHER" (e.g. "w4a16+fp8", "exl3:3.0+bf16", "int3:g64+int4")."""
         parts = spec.split("+")
         if len(parts) > 2:
             raise ValueError(f"{spec!r}: expected {RECIPE_HELP}")
         parsed = [parse_format(p) for p in parts]
-        rates = {bits for _, bits in parsed if bits is not None}
+        rates = {f.exl3_bits for f in parsed if f.exl3_bits is not None}
         if len(rates) > 1:
             raise ValueError(f"{spec!r}: one EXL3 bitrate per recipe (got {', '.join(f'{r:g}' for r in rates)})")
         if rates:
             kw["exl3_bits"] = rates.pop()
-        experts, other = parsed[0][0], parsed[-1][0]
+        groups = sorted({f.group for f in parsed if f.group is not None})
+        if len(groups) > 1:
+            raise ValueError(f"{spec!r}: one int group size per recipe (got {' and '.join(f'g{g}' for g in groups)}): "
+                             f"a checkpoint stores all its int linears in groups of one size")
+        if groups:
+            kw["group"] = groups[0]
+        experts, other = parsed[0].name, parsed[-1].name
         return cls(None if experts == DENSE else experts, None if other == DENSE else other, **kw)
 
     @property
@@ -128,16 +181,31 @@ class Recipe:
         if any(k in key for k in _KEEP_DENSE):
             return None
         fmt = self.experts if ROUTED_EXPERTS in key else self.other
-        if fmt is None or not fits(fmt, (shape[0], shape[1]), self.block, self.virtual, cut_dims(key)):
+        if fmt is None or not fits(fmt, (shape[0], shape[1]), self.block_for(fmt), self.virtual, cut_dims(key)):
             return None
         return fmt
+
+    def block_for(self, fmt: str) -> int | None:
+        """The block / group size `fmt`'s codec takes (None: fp8's per-channel scales, else the codec's default)."""
+        return (self.group or self.block) if codec_format(fmt)[0] == INT_CODEC else self.block
+
+    def blocks_to_try(self, candidates: tuple[int, ...]) -> tuple[int, ...]:
+        """The candidates every int format of the recipe takes as its group (an int3 group must be 32, 64, ...)."""
+        def takes(block: int) -> bool:
+            try:
+                dataclasses.replace(self, block=block)
+            except ValueError:
+                return False
+            return True
+
+        return tuple(b for b in candidates if takes(b))
 
 
 def tile_shape(fmt: str, block: int | None) -> tuple[int, int]:
     """The [out, in] tile a format stores a linear in (a cut must fall on its grid)."""
     if fmt == "fp8":
         return (block, block) if block else (1, 1)
-    if fmt == "w4a16":
+    if codec_format(fmt)[0] in ("w4a16", INT_CODEC):  # groups along the input dim
         return 1, block or 128
     return EXL3_TILE, EXL3_TILE
 
@@ -153,14 +221,16 @@ def fits(fmt: str, shape: tuple[int, int], block: int | None, virtual: int = 1,
 
 
 def auto_block(recipe: Recipe, tensors: list[tuple[str, tuple[int, ...]]],
-               candidates: tuple[int, ...] = (128, 64, 32, 16, 8)) -> int:
-    """The fp8 block / w4a16 group for a checkpoint of `tensors` ((key, shape) pairs): the largest candidate at
-    which every linear the recipe quantizes at the smallest candidate is still quantized, so a larger block never
-    leaves dense a linear that a smaller one would pack. For the tiny test model (64 wide, 4 virtual shards) that
-    is 8; for GLM-5.3-Flash 128."""
+               candidates: tuple[int, ...] = BLOCKS) -> int:
+    """The fp8 block / w4a16 or int group for a checkpoint of `tensors` ((key, shape) pairs): of the candidates the
+    recipe's int formats take (`Recipe.blocks_to_try`), the largest at which every linear the recipe quantizes at the
+    smallest one is still quantized, so a larger block never leaves dense a linear that a smaller one would pack. For
+    the tiny test model (64 wide, 4 virtual shards) that is 8 (int3: 32, its smallest group); for GLM-5.3-Flash
+    128."""
     def packed(block: int) -> set[str]:
         r = dataclasses.replace(recipe, block=block)
         return {k for k, shape in tensors if r.format_for(k, shape) is not None}
 
-    want = packed(candidates[-1])
-    return next(b for b in candidates if packed(b) >= want)
+    tried = recipe.blocks_to_try(candidates)
+    want = packed(tried[-1])
+    return next(b for b in tried if packed(b) >= want)

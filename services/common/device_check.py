@@ -2,9 +2,9 @@
 traceback from a child process.
 
 The CPU path needs nothing beyond the base install. The GPU path needs a CUDA build of torch that sees a GPU and
-Triton (CUDA builds of torch bring it: every fused kernel in kernels/gpu is a Triton kernel). fla-core (the `gpu`
-extra) is optional: without it prompt chunks run KDA through the torch twin, which is slow but exact, so its absence
-is a warning, not a refusal.
+Triton (CUDA builds of torch bring it: every fused kernel in kernels/gpu is a Triton kernel). fla-core and
+humming-kernels (the `gpu` extra) are optional: without them prompt chunks run KDA through the torch twin and integer
+experts the portable Triton decode, slow but exact, so their absence is a warning, not a refusal.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ def device_problem(device: str) -> str | None:
 
 def device_warnings(device: str) -> list[str]:
     """What still runs without a piece, but slower (said once at startup)."""
-    if not device.startswith("cuda") or importlib.util.find_spec("fla") is not None:
+    if not device.startswith("cuda"):
         return []
-    return ["fla-core is not installed: prompt chunks run KDA through the torch twin (exact, but slow); "
-            "pip install -e '.[gpu]' installs it"]
+    missing = []
+    if importlib.util.find_spec("fla") is None:
+        missing.append("fla-core is not installed: prompt chunks run KDA through the torch twin (exact, but slow); "
+                       "pip install -e '.[gpu]' installs it")
+    if importlib.util.find_spec("humming") is None:
+        missing.append("humming-kernels is not installed: integer experts (int2/3/4/8) run the portable Triton "
+                       "decode (exact, several times slower); pip install -e '.[gpu]' installs it")
+    return missing

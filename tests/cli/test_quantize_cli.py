@@ -1,5 +1,5 @@
-"""Quantized checkpoints as a user makes them: make-tiny, quantize (fp8, w4a16, exl3:BITS) or make-tiny --format
-exl3, then generate (the default flags end to end: test_quantized_defaults.py)."""
+"""Quantized checkpoints as a user makes them: make-tiny, quantize (fp8, w4a16, int2 / int3 / int4, exl3:BITS) or
+make-tiny --format exl3 / int3, then generate (the default flags end to end: test_quantized_defaults.py)."""
 
 from __future__ import annotations
 
@@ -32,15 +32,46 @@ def tiny_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("fmt, flags", [("fp8", ["--per-channel", "--experts-only"]), ("w4a16", ["--block-size", "8"])])
+METHOD = {"fp8": "fp8", "w4a16": "twinspark_w4a16", "int3": "twinspark_int", "int2": "twinspark_int"}
+
+
+@pytest.mark.parametrize("fmt, flags", [("fp8", ["--per-channel", "--experts-only"]), ("w4a16", ["--block-size", "8"]),
+                                        ("int3:g64", ["--experts-only"]), ("int2", ["--block-size", "16"])])
 def test_quantize_then_generate(tiny_dir, tmp_path, fmt, flags):
     out = tmp_path / fmt
     proc = _run("quantize", "--model", str(tiny_dir), "--out", str(out), "--format", fmt, *flags)
     assert proc.returncode == 0, proc.stderr
-    assert f"linears to {fmt}" in proc.stdout and "quantizing to" in proc.stderr  # the summary and the progress bar
+    name = fmt.partition(":")[0]
+    assert f"linears to {name}" in proc.stdout and "quantizing to" in proc.stderr  # the summary and the progress bar
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == {"fp8": "fp8", "w4a16": "twinspark_w4a16"}[fmt]
+    assert config["quantization_config"]["quant_method"] == METHOD[name]
     assert (out / "tokenizer.json").exists() and (out / "model.safetensors.index.json").exists()
+    assert len(_generate(out)) == 6
+
+
+def test_int_runs_twice_in_one_group_size(tiny_dir, tmp_path):
+    experts = tmp_path / "int3"
+    assert _run("quantize", "--model", str(tiny_dir), "--out", str(experts), "--format", "int3",
+                "--experts-only").returncode == 0
+    group = json.loads((experts / "config.json").read_text())["quantization_config"]["group_size"]
+    both = tmp_path / "int3+int4"
+    proc = _run("quantize", "--model", str(experts), "--out", str(both), "--format", "int4")
+    assert proc.returncode == 0, proc.stderr
+    assert f"groups of {group}: the group size of the int linears" in proc.stdout and "modules already" in proc.stdout
+    config = json.loads((both / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["group_size"]) == ("twinspark_int", group) and len(_generate(both)) == 6
+    other = 32 if group != 32 else 64
+    bad = _run("quantize", "--model", str(experts), "--out", str(tmp_path / "x"), "--format", f"int4:g{other}")
+    assert bad.returncode == 2 and f"stores its int linears in groups of {group}" in bad.stderr
+    assert f"--block-size {group}" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_make_tiny_int3_then_generate(tmp_path):
+    out = tmp_path / "int3"
+    proc = _run("make-tiny", "--out", str(out), "--format", "int3", "--layers", "2", "--experts", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "int3 linears in groups of 32" in proc.stdout
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 32
     assert len(_generate(out)) == 6
 
 
@@ -83,7 +114,11 @@ def test_bad_options(tiny_dir, tmp_path):
              (["--format", "fp8", "--exllamav3"], "--exllamav3 runs exllamav3's converter"),
              (["--format", "exl3", "--exllamav3", "--experts-only"], "no --experts-only"),
              (["--format", "exl3:3.0"], "no linear fits exl3"),  # the default tiny model is 64 wide
-             (["--format", "fp8", "--virtual-shards", "0"], "must be positive")]
+             (["--format", "fp8", "--virtual-shards", "0"], "must be positive"),
+             (["--format", "int3", "--block-size", "16"], "the group size times the bits must be a multiple of 32"),
+             (["--format", "int3:g64", "--block-size", "32"], "disagree"),
+             (["--format", "int3:64"], "group size as :gGROUP"),
+             (["--format", "int3", "--bits", "3"], "--bits is EXL3's bits per weight")]
     for flags, message in cases:
         proc = _run("quantize", "--model", str(tiny_dir), "--out", str(tmp_path / "x"), *flags)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
@@ -103,7 +138,8 @@ def test_exllamav3s_converter_without_a_cuda_gpu_says_what_it_needs(tiny_dir, tm
     assert not (tmp_path / "e").exists()
 
 
-@pytest.mark.parametrize("cmd", [["quantize"], ["make-tiny"], ["serve-rank"]])
-def test_help_gives_the_bitrate_syntax(cmd):
+@pytest.mark.parametrize("cmd", [["quantize"], ["make-tiny"], ["serve-rank"], ["up"]])
+def test_help_gives_the_bitrate_and_group_syntax(cmd):
     proc = _run(*cmd, "--help")
-    assert proc.returncode == 0 and "exl3:3.0" in proc.stdout.replace("\n", " "), proc.stdout
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and "exl3:3.0" in text and "int3" in text and ":gGROUP" in text, proc.stdout

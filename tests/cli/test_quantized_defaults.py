@@ -1,8 +1,10 @@
 """The quantized defaults fit together, as a user types the commands: make-tiny, then `quantize --format fp8 |
-w4a16 | exl3:3.0` with no other flag, then `generate` with default flags — the same token ids at TP 1, 2 and 4.
+w4a16 | int4 | int3 | int2 | exl3:3.0` with no other flag, then `generate` with default flags — the same token ids
+at TP 1, 2 and 4.
 
 quantize plans for the rank worker's 4 virtual shards: every packed linear is whole tiles on each shard, with the
-fp8 block / w4a16 group chosen from that plan (8 for the 64-wide tiny model) and said in the output. EXL3's tile is
+fp8 block / w4a16 or int group chosen from that plan (8 for the 64-wide tiny model; int3 and int2 only try groups
+that are whole 32-bit words, and take 32 and 16) and said in the output. EXL3's tile is
 128 x 128, wider than anything in the default tiny model, so its run starts from `make-tiny --preset exl3` (MLPs 512
 wide), the dense twin of what `make-tiny --format exl3` writes.
 """
@@ -38,6 +40,9 @@ def made(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("fmt, src, plan_line", [
     ("fp8", "tiny", "block size 8, from that plan"),
     ("w4a16", "tiny", "block size 8, from that plan"),
+    ("int4", "tiny", "block size 8, from that plan"),
+    ("int3", "tiny", "block size 32, from that plan: the largest of 128/64/32 that leaves no linear dense that 32"),
+    ("int2", "tiny", "block size 16, from that plan: the largest of 128/64/32/16 "),
     ("exl3:3.0", "wide", "EXL3 at 3 bits per weight (mul1): 22 linears at 3: 3.00 bits per weight on average")])
 def test_quantize_then_generate_with_default_flags_at_tp_1_2_4(made, tmp_path, fmt, src, plan_line):
     out = tmp_path / "q"
@@ -46,7 +51,7 @@ def test_quantize_then_generate_with_default_flags_at_tp_1_2_4(made, tmp_path, f
     assert "planned for 4 virtual shards" in proc.stdout and "loads at TP 1, 2, 4" in proc.stdout
     assert plan_line in proc.stdout
     method = json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"]
-    assert method == {"fp8": "fp8", "w4a16": "twinspark_w4a16", "exl3:3.0": "exl3"}[fmt]
+    assert method == {"fp8": "fp8", "w4a16": "twinspark_w4a16", "exl3:3.0": "exl3"}.get(fmt, "twinspark_int")
     ids = []
     for tp in ("1", "2", "4"):
         gen = _run("generate", "--model", str(out), "--prompt", "hello", "--json", "--tp", tp)

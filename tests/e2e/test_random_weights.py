@@ -43,7 +43,7 @@ def test_serves_random_quantized_weights_and_burst_equals_serial(stack):
 
 
 def test_up_refuses_a_bad_recipe_or_the_mtp_drafter(tiny_default, tmp_path):
-    for flags, message in ((["--random-weights", "int8"], "or EXPERTS+OTHER of two of them"),
+    for flags, message in ((["--random-weights", "int5"], "or EXPERTS+OTHER of two of them"),
                            (["--random-weights", "exl3", "--drafter", "mtp"], "--drafter copy or none")):
         proc = subprocess.run([TWINSPARK, "up", "--model", str(tiny_default), "--state-dir", str(tmp_path), *flags],
                               capture_output=True, text=True, timeout=60)

@@ -64,11 +64,13 @@ def test_split_k_leaves_its_counters_zero_and_writes_strided_outputs() -> None:
 
 
 def _weight(fmt: str, n: int, k: int, seed: int):
-    """A [N, K] weight as the kernels read it: dense, fp8 (128-blocks) or int4 (group 128)."""
+    """A [N, K] weight as the kernels read it: dense, fp8 (128-blocks), int4 (group 128) or int3 (group 128)."""
     from kernels.gpu import wtiles
     if fmt == "dense":
         return randn(n, k, seed=seed)
     w = randn(n, k, seed=seed, scale=0.05).float().cpu()
+    if fmt == "int3":
+        return _int3(w)[0]
     if fmt == "fp8":
         q, s = _fp8_block(w)
         return wtiles.quantized("fp8", {"weight": q.to(DEVICE), "weight_scale_inv": s.to(DEVICE)},
@@ -77,7 +79,7 @@ def _weight(fmt: str, n: int, k: int, seed: int):
     return wtiles.quantized("w4a16", {"weight_packed": words.to(DEVICE), "weight_scale": s4.to(DEVICE)}, {"group": 128})
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8", "w4a16"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "w4a16", "int3"])
 @pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
 def test_row_alone_equals_row_in_company(rows: int, fmt: str) -> None:
     k, n = 1024, 256
@@ -148,6 +150,17 @@ def _int4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32), s, q
 
 
+def _int3(w: torch.Tensor, group: int = 128) -> tuple:
+    """A [N, K] weight in the int format at 3 bits (kernels/quant/intn.py) as kernel WeightArgs, and the twin's
+    dequantized weight in the activation dtype."""
+    from kernels.gpu import wtiles
+    from kernels.quant import intn
+    t = intn.quantize(w, 3, group)
+    params = {"bits": 3, "group": group}
+    deq = intn.CODEC.dequantize(t, tuple(w.shape), params).to(HALF).to(DEVICE)
+    return wtiles.quantized("int", {n: v.to(DEVICE) for n, v in t.items()}, params), deq
+
+
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     """Bit for bit off the GPU (the interpreter), within fp32 rounding on it (see the test below)."""
     if DEVICE == "cuda":
@@ -158,7 +171,7 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
 def test_quantized_weights_equal_their_dequantized_twin(rows: int) -> None:
-    """fp8 (block and channel scales) and int4 weights: the same schedule over the dequantized tiles, so the product
+    """fp8 (block and channel scales), int4 and int3 weights: the same schedule over the dequantized tiles, so the product
     equals the dense GEMM of the twin's dequantized weight — bit for bit in Triton's interpreter; on a GPU within
     fp32 rounding, since the compiler may lower a dot whose weight tile was built in registers to other tensor-core
     instructions than one whose tile was loaded (seen on the H200 with the 16-row decode tile). Row invariance,
@@ -182,4 +195,6 @@ def test_quantized_weights_equal_their_dequantized_twin(rows: int) -> None:
                             {"group": 128})
     deq4 = (q4.float() * s4.float().repeat_interleave(128, 1)).to(HALF).to(DEVICE)
     _same(gemm.matmul(x, int4, rows, torch.float32), gemm.matmul(x, deq4, rows, torch.float32))
+    int3, deq3 = _int3(w)
+    _same(gemm.matmul(x, int3, rows, torch.float32), gemm.matmul(x, deq3, rows, torch.float32))
 

@@ -34,7 +34,7 @@ def write_dequantized(src: Path, dst: Path) -> Path:
     tensors = read_tensors(src)
     qcfgs = read_quant_configs(src)
     out: dict[str, torch.Tensor] = {}
-    for module, (codec, names) in quantized_modules(list(tensors)).items():
+    for module, (codec, names) in quantized_modules(tensors, lambda k: tensors[k].dtype).items():
         stored = {n: tensors.pop(k) for n, k in names.items()}
         q = QuantizedWeight.from_tensors(codec.name, stored, qcfgs.get(codec.quant_method))
         out[f"{module}.weight"] = q.dequantize(torch.float32)

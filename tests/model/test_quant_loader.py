@@ -31,7 +31,7 @@ def _reader(path: Path, rank: int = 0, world: int = 1) -> WeightReader:
 
 
 @pytest.mark.parametrize("ckpt, fmt, dtype", [("tiny_fp8", "fp8", torch.float8_e4m3fn),
-                                              ("tiny_w4a16", "w4a16", torch.int32)])
+                                              ("tiny_w4a16", "w4a16", torch.int32), ("tiny_int3", "int", torch.int32)])
 def test_packed_and_dense_views_agree(ckpt, fmt, dtype, request):
     reader = _reader(request.getfixturevalue(ckpt))
     for key, dim in ((EXPERT, 1), (ATTN, 0)):
@@ -69,7 +69,7 @@ def test_unknown_quant_method_is_refused(tiny_default, tmp_path):
     cfg = json.loads((tmp_path / "gptq" / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (tmp_path / "gptq" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="'gptq' is not supported.*exl3, fp8, twinspark_w4a16"):
+    with pytest.raises(ValueError, match="'gptq' is not supported.*exl3, fp8, twinspark_int, twinspark_w4a16"):
         _reader(tmp_path / "gptq")
 
 

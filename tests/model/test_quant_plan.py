@@ -1,15 +1,19 @@
-"""The quantize plan (model/quantize/select.py, bits.py): the recipe syntax with EXL3 bitrates, which linears fit
-the virtual shards, the fp8 block / w4a16 group chosen from the shard plan, and EXL3's bits per linear."""
+"""The quantize plan (model/quantize/select.py, bits.py): the recipe syntax with EXL3 bitrates and int group sizes,
+which linears fit the virtual shards, the fp8 block / w4a16 or int group chosen from the shard plan, and EXL3's bits
+per linear."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench.random_weights import bench_spec
+from kernels.quant import intn
 from model.checkpoint.spec import TinySpec
 from model.checkpoint.weights import all_tensors
 from model.quantize.bits import plan, rates
-from model.quantize.select import Recipe, auto_block, cut_dims, fits, format_and_bits, parse_format
+from model.quantize.select import (FORMATS, INT_FORMATS, FormatSpec, Recipe, auto_block, codec_format, cut_dims, fits,
+                                   format_and_bits, parse_format)
+from services.common import shared_flags
 
 L = "model.language_model.layers."
 
@@ -19,15 +23,41 @@ def test_recipes_take_an_exl3_bitrate_wherever_a_format_goes():
     assert (r.experts, r.other, r.exl3_bits) == ("exl3", "fp8", 3.0)
     assert Recipe.parse("w4a16+exl3:2.5").exl3_bits == 2.5
     assert Recipe.parse("exl3").exl3_bits == 4.0 and Recipe.parse("exl3:2+bf16").other is None
-    assert parse_format("exl3:2.5") == ("exl3", 2.5) and parse_format("fp8") == ("fp8", None)
-    assert format_and_bits("exl3", 3.0) == ("exl3", 3.0) == format_and_bits("exl3:3", 3.0)
+    assert parse_format("exl3:2.5") == FormatSpec("exl3", exl3_bits=2.5) and parse_format("fp8") == FormatSpec("fp8")
+    assert format_and_bits("exl3", 3.0) == FormatSpec("exl3", exl3_bits=3.0) == format_and_bits("exl3:3", 3.0)
+
+
+@pytest.mark.parametrize("spec, experts, other, group", [
+    ("int3+fp8", "int3", "fp8", None), ("int3+int4", "int3", "int4", None), ("int3:g64+fp8", "int3", "fp8", 64),
+    ("int4", "int4", "int4", None), ("exl3:2.5+int4", "exl3", "int4", None), ("int3+bf16", "int3", None, None),
+    ("int8:g32", "int8", "int8", 32), ("int2+int4:g128", "int2", "int4", 128)])
+def test_recipes_take_the_int_formats_with_one_group(spec, experts, other, group):
+    r = Recipe.parse(spec)
+    assert (r.experts, r.other, r.group) == (experts, other, group)
+    assert r.block_for("int3") == (group or r.block) and r.block_for("fp8") == r.block
+
+
+def test_an_int_format_name_is_the_int_codec_at_its_bits():
+    assert [codec_format(f) for f in INT_FORMATS] == [("int", b) for b in intn.BITS]  # select names intn's widths
+    assert codec_format("fp8") == ("fp8", None) and codec_format("exl3") == ("exl3", None)
+    assert parse_format("int3:g64") == FormatSpec("int3", group=64)
+
+
+def test_the_random_weights_flag_names_every_format():
+    assert all(f in shared_flags.RANDOM_WEIGHTS.help for f in FORMATS)
 
 
 @pytest.mark.parametrize("spec, message", [("exl3:9", "from 1 to 8"), ("exl3:abc", "from 1 to 8"),
                                            ("exl3:", "from 1 to 8"), ("exl3:nan", "from 1 to 8"),
                                            ("fp8:3", "only exl3 takes a bitrate"),
                                            ("exl3:2+exl3:3", "one EXL3 bitrate per recipe"),
-                                           ("int8", "fp8, w4a16, exl3, bf16"), ("fp8+fp8+fp8", r"or EXPERTS\+OTHER")])
+                                           ("int5", "fp8, w4a16, exl3, int2, int3, int4, int8, bf16"),
+                                           ("fp8+fp8+fp8", r"or EXPERTS\+OTHER"),
+                                           ("int3:g64+int4:g128", "one int group size per recipe"),
+                                           ("int3:64", r"group size as :gGROUP"), ("int3:g", r"group size as :gGROUP"),
+                                           ("fp8:g64", "only the int formats a group size"),
+                                           ("int3:g16", "multiple of 32"), ("int3:g48+fp8", "multiple of 32"),
+                                           ("int4:g12", "group size times the bits must be a multiple of 32")])
 def test_bad_recipes_say_why(spec, message):
     with pytest.raises(ValueError, match=message):
         Recipe.parse(spec)
@@ -64,7 +94,18 @@ def _tensors(spec: TinySpec) -> list[tuple[str, tuple[int, ...]]]:
     return [(t.key, t.shape) for t in all_tensors(spec)]
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "w4a16"])
+@pytest.mark.parametrize("fmt, smallest, packed", [("int3", 32, 181), ("int2", 16, 190)])
+def test_an_int_group_is_whole_words(fmt, smallest, packed):
+    tiny = _tensors(TinySpec.tiny(vocab_size=1088))
+    block = auto_block(Recipe(fmt, fmt), tiny)  # only whole-word groups are tried: 8 x 3 bits is no word
+    assert block == smallest
+    assert sum(Recipe(fmt, fmt, block=block).format_for(k, s) is not None for k, s in tiny) == packed
+    assert fits(fmt, (64, 64), 32, 4, (0,)) and not fits(fmt, (64, 64), 32, 4, (1,))  # groups along the input dim
+    with pytest.raises(ValueError, match=f"{fmt}: groups of 8 do not fill whole int32 words"):
+        Recipe(fmt, fmt, block=8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "w4a16", "int4"])
 def test_the_block_comes_from_the_shard_plan(fmt):
     tiny = _tensors(TinySpec.tiny(vocab_size=1088))
     assert auto_block(Recipe(fmt, fmt), tiny) == 8  # 32 expert channels / 4 shards

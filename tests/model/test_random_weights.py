@@ -19,7 +19,7 @@ from tests.model.quant_helpers import QUANT_BLOCK
 TEXT = "model.language_model."
 EXPERT = TEXT + "layers.1.mlp.experts.2.gate_proj.weight"
 ATTN = TEXT + "layers.0.self_attn.o_proj.weight"
-PACKED_DTYPE = {"fp8": torch.float8_e4m3fn, "w4a16": torch.int32, "exl3": torch.int16}
+PACKED_DTYPE = {"fp8": torch.float8_e4m3fn, "w4a16": torch.int32, "int": torch.int32, "exl3": torch.int16}
 
 
 def _reader(ckpt, spec: str, rank: int = 0, world: int = 1) -> RandomWeightReader:
@@ -42,8 +42,9 @@ def test_tensors_are_the_checkpoints(ckpt, request):
     assert all(drawn[k] == shapes[k] for k in drawn if k in shapes)
 
 
+# (int3 groups are whole words, 32 at the least: a recipe's :g32 overrides the block of 8 the fp8 linears take)
 @pytest.mark.parametrize("spec, expert_fmt, attn_fmt", [("w4a16+fp8", "w4a16", "fp8"), ("fp8", "fp8", "fp8"),
-                                                        ("w4a16+bf16", "w4a16", None)])
+                                                        ("w4a16+bf16", "w4a16", None), ("int3:g32+fp8", "int", "fp8")])
 def test_quantized_linears_are_drawn_packed(tiny_default, spec, expert_fmt, attn_fmt):
     reader = _reader(tiny_default, spec)
     for key, dim, fmt in ((EXPERT, 0, expert_fmt), (ATTN, 1, attn_fmt)):
@@ -67,7 +68,8 @@ def test_each_rank_cuts_its_shards_from_the_same_draw(tiny_exl3):
         assert all(torch.equal(mine.tensors[n], ref.tensors[n]) for n in ref.tensors)
 
 
-@pytest.mark.parametrize("ckpt, spec", [("tiny_default", "w4a16+fp8"), ("tiny_exl3", "exl3+bf16")])
+@pytest.mark.parametrize("ckpt, spec", [("tiny_default", "w4a16+fp8"), ("tiny_exl3", "exl3+bf16"),
+                                        ("tiny_default", "int3:g32+fp8")])
 def test_model_runs_on_random_quantized_weights(ckpt, spec, request):
     path = request.getfixturevalue(ckpt)
     cfg = ModelConfig.from_pretrained(path)
@@ -80,8 +82,16 @@ def test_model_runs_on_random_quantized_weights(ckpt, spec, request):
 
 
 def test_bad_recipe_names_the_choices():
-    with pytest.raises(ValueError, match="fp8, w4a16, exl3, bf16"):
-        Recipe.parse("int8")
+    with pytest.raises(ValueError, match="fp8, w4a16, exl3, int2, int3, int4, int8, bf16"):
+        Recipe.parse("int5")
+
+
+def test_int_linears_are_drawn_at_their_widths_in_the_recipes_group(tiny_default):
+    reader = _reader(tiny_default, "int3:g32+int4")
+    expert, attn = reader.full_packed(EXPERT), reader.full_packed(TEXT + "layers.0.self_attn.q_proj.weight")
+    assert (expert.format, expert.params) == ("int", {"bits": 3, "group": 32})
+    assert (attn.format, attn.params) == ("int", {"bits": 4, "group": 32})
+    assert expert.tensors["weight_packed"].shape == (32, 64 * 3 // 32)  # the packed words, never a dense copy
 
 
 def test_an_exl3_bitrate_recipe_draws_each_linear_at_its_planned_rate(tiny_exl3):
