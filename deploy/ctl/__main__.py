@@ -60,8 +60,8 @@ def _run(step: plan.Step, s: Settings, compose_env: dict[str, str]) -> None:
 
 
 def execute(steps: list[plan.Step], s: Settings, compose_env: dict[str, str], dry_run: bool) -> None:
-    """Checks first, all of them (every problem is reported at once); then the rest in order, stopping at the
-    first failure."""
+    """Checks first, all of them (every problem is reported at once) unless a fatal one fails; then the rest in
+    order, stopping at the first failure."""
     n = len(steps)
     problems: list[str] = []
     for i, step in enumerate(steps, 1):
@@ -73,6 +73,8 @@ def execute(steps: list[plan.Step], s: Settings, compose_env: dict[str, str], dr
             for p in found:
                 print(f"  PROBLEM: {p}", flush=True)
             problems += found
+            if found and step.fatal:
+                break
             continue
         if problems:
             raise RuntimeError("checks failed:\n  " + "\n  ".join(problems))
@@ -86,6 +88,20 @@ def execute(steps: list[plan.Step], s: Settings, compose_env: dict[str, str], dr
         raise RuntimeError("checks failed:\n  " + "\n  ".join(problems))
 
 
+def tracing_off_reason(s: Settings, engine: engines.Engine | None) -> str | None:
+    """Why this run goes without tracing although OTEL_EXPORTER_OTLP_ENDPOINT is set, or None: natively, nothing
+    listens there (this mode starts no Jaeger); with containers, the head's Jaeger image is neither here nor to be
+    pulled (a machine without an image registry). Tracing is optional: the stack starts without it."""
+    endpoint = s["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    if not endpoint:
+        return None
+    if engine is None:
+        return None if checks.collector_reachable(endpoint) else \
+            f"nothing listens at OTEL_EXPORTER_OTLP_ENDPOINT={endpoint} (native mode starts no Jaeger)"
+    why = engines.image_problem(engine, s["JAEGER_IMAGE"])
+    return None if why is None else f"the Jaeger image {s['JAEGER_IMAGE']} cannot be had ({why})"
+
+
 def start(s: Settings, dry_run: bool) -> None:
     launcher, why = resolve_launcher(s)
     engine = engine_of(launcher, s)
@@ -95,10 +111,9 @@ def start(s: Settings, dry_run: bool) -> None:
           f"{', env file ' + str(s.env_file) if s.env_file else ''}")
     if engine is not None:
         print(f"  {engine.name}: {engine.describe()}")
-    if launcher == "native" and s["OTEL_EXPORTER_OTLP_ENDPOINT"] and not dry_run \
-            and not checks.collector_reachable(s["OTEL_EXPORTER_OTLP_ENDPOINT"]):
-        print(f"  nothing listens at OTEL_EXPORTER_OTLP_ENDPOINT={s['OTEL_EXPORTER_OTLP_ENDPOINT']} (native mode "
-              "starts no Jaeger): tracing off for this run")
+    untraced = None if dry_run else tracing_off_reason(s, engine)
+    if untraced is not None:
+        print(f"  {untraced}: tracing off for this run")
         s.values["OTEL_EXPORTER_OTLP_ENDPOINT"] = ""
     steps = plan.start_containers(s, engine) if engine is not None else plan.start_native(s)
     compose_env = plan.compose_env(s, engine)

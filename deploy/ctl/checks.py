@@ -116,14 +116,23 @@ def collector_reachable(endpoint: str) -> bool:
         return False
 
 
+# What `twinspark up` / `down` import before anything runs, and what each role imports: an interpreter that finds
+# this checkout's `services` but not torch (or the generated stubs of an install) passes `import services.cli` and
+# fails later with a traceback.
+_IMPORTS = ("import services.cli, twinspark.v1.generate_pb2; services.cli.build_parser(); "
+            "import services.gateway.app, services.scheduler.server, services.rank_worker.server")
+INSTALL = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && .venv/bin/pip install -e ."
+
+
 def python_problems(python: str) -> list[str]:
-    """The native launcher's Python must import twinspark (this checkout, installed with pip install -e .)."""
+    """The native launcher's Python must import twinspark and its dependencies (pip install -e . of this checkout);
+    the problem names the missing module and the install command."""
     try:
-        r = subprocess.run([python, "-c", "import services.cli"], capture_output=True, text=True, timeout=60)
-    except OSError as e:
+        r = subprocess.run([python, "-c", _IMPORTS], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
         return [f"head: cannot run {python}: {e}"]
     if r.returncode != 0:
         why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit code {r.returncode}"
-        return [f"head: {python} cannot import twinspark ({why}); "
-                "install it: python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . (or set PYTHON)"]
+        return [f"head: {python} cannot run twinspark ({why}); install it in this checkout: {INSTALL} "
+                "(on a GPU machine a CUDA build of torch instead: README.md), or set PYTHON to a Python that has it"]
     return []

@@ -70,6 +70,23 @@ def why_not(engine: Engine) -> str | None:
     return None
 
 
+PULL_TIMEOUT_S = 900  # a big image over a slow link: compose would wait as long for the same pull
+
+
+def image_problem(engine: Engine, image: str) -> str | None:
+    """None when `image` is on this machine or the engine can pull it (it is then here for compose); else why not,
+    in the engine's last words (no image registry: `short-name ... did not resolve`, a refused connection, ...)."""
+    if _ok([engine.name, "image", "inspect", image], engine.env):
+        return None
+    try:
+        r = subprocess.run([engine.name, "pull", image], capture_output=True, text=True, timeout=PULL_TIMEOUT_S,
+                           env={**os.environ, **engine.env})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    lines = (r.stderr or r.stdout).strip().splitlines()
+    return None if r.returncode == 0 else lines[-1] if lines else f"exit code {r.returncode}"
+
+
 def problems(engine: Engine) -> list[str]:
     why = why_not(engine)
     return [] if why is None else [f"head: {engine.name}: {why}; or use another LAUNCHER"]

@@ -55,6 +55,7 @@ class Step:
     cwd: str = ""  # remote working directory (a worker's checkout)
     check: Callable[[], list[str]] | None = None  # a check: returns the problems it found
     action: Callable[[], None] | None = None  # a probe of the running stack (raises on failure)
+    fatal: bool = False  # a check whose problem ends the run at once: nothing after it could work
 
     def show(self) -> str:
         if self.argv is None:
@@ -127,7 +128,7 @@ def _checks(s: Settings, engine: Engine | None) -> list[Step]:
     python, ports = native_python(s), _head_ports(s, engine is not None)
     steps = [Step(f"check {engine.name}, its compose command and the engine on head",
                   check=lambda: engines.problems(engine)) if engine is not None else
-             Step(f"check that {python} can run twinspark", check=lambda: checks.python_problems(python)),
+             python_check(python),
              Step(f"check ports on head: {', '.join(map(str, ports.values()))}",
                   check=lambda: checks.ports_problems(head, ports))]
     for m in s.workers:
@@ -142,6 +143,11 @@ def _checks(s: Settings, engine: Engine | None) -> list[Step]:
         steps.append(Step(f"check memory on {m.name} for ranks {list(m.ranks)}",
                           check=lambda m=m: checks.memory_problems(s, m)))
     return steps
+
+
+def python_check(python: str) -> Step:
+    return Step(f"check that {python} can run twinspark (imports it and its dependencies)",
+                check=lambda: checks.python_problems(python), fatal=True)
 
 
 def _finish(s: Settings) -> list[Step]:
@@ -220,7 +226,9 @@ def start_containers(s: Settings, engine: Engine) -> list[Step]:
     for m, r in _rank_units(s):
         steps.append(Step(f"start rank {r} on {m.name}", machine=m, cwd=s["WORKER_DIR"] if m.ssh else "",
                           env=_rank_env(s, m, r), argv=_compose(s, engine, rank_project(r), WORKER, m, "up", "-d")))
-    steps.append(Step("start the head: gateway, scheduler, rank 0, drafter, Jaeger", machine=s.machines[0],
+    roles = ["gateway", "scheduler", "rank 0"] + (["drafter"] if s["DRAFTER"] != "none" else []) + \
+        (["Jaeger"] if s["OTEL_EXPORTER_OTLP_ENDPOINT"] else [])
+    steps.append(Step(f"start the head: {', '.join(roles)}", machine=s.machines[0],
                       argv=_compose(s, engine, HEAD_PROJECT, HEAD, s.machines[0], "up", "-d")))
     return steps + _finish(s)
 
@@ -298,6 +306,7 @@ def stop_native(s: Settings, stamp: str) -> list[Step]:
     state = native_state_dir(s)
     kept = s.state_dir / "logs" / stamp
     return [
+        python_check(native_python(s)),
         Step(f"warn if requests are running ({endpoint(s)}/metrics)", action=lambda: _warn_running(endpoint(s))),
         Step("stop every role with `twinspark down`", machine=s.machines[0],
              argv=[native_python(s), "-m", "services.cli", "down", "--state-dir", str(state)]),

@@ -1,7 +1,7 @@
 """Integer group-quantized experts (kernels/quant/intn.py: 2, 3, 4 or 8 bits, a bf16 scale per group) on
 humming-kernels' indexed MoE GEMM, vLLM's JIT low-bit kernels: a few integer instructions decode several weights
-in registers and feed the tensor cores, so 3-bit experts read at 70-75% of the copy rate at 8-32 rows where the
-EXL3 trellis decode reaches ~17% (docs/quantization.md, "Integer formats on the GPU").
+in registers and feed the tensor cores, where the EXL3 trellis decode is bound by integer work (the figures:
+docs/quantization.md, "Integer formats on the GPU").
 
 Why humming and not our own Triton tile: Triton's per-element decode of a bit stream (wtiles.int_tile, the portable
 path) costs several integer operations per weight; humming's decode works on whole registers of packed codes.
@@ -9,9 +9,9 @@ path) costs several integer operations per weight; humming's decode works on who
 Exactness (docs/design.md §5.1): humming's batch-invariant mode keeps one warp-K tile per block and no stream-K, so
 an output element is one chain of tensor-core steps over K in ascending order, whatever the tile's rows or
 columns; its tile configuration is pinned here per row class (`tile`), never chosen by the row count. Configs that
-differ only in their block rows and columns give the same bits (measured on an H100 at GLM-5.3-Flash's expert
-shapes, wgmma and mma.sync configs alike: bench/results/int_moe_probe-20261206-h100.json), which
-tests/gpu/test_int_moe.py keeps checking, with a row alone = among 2..2,048 rows.
+differ only in their block rows and columns give the same bits (at GLM-5.3-Flash's expert shapes, wgmma and
+mma.sync configs alike: docs/quantization.md), which tests/gpu/test_int_moe.py keeps checking, with a row alone =
+among 2..2,048 rows.
 
 One MoE step for one row class, five launches after the grouping (kernels/gpu/moe_groups.py):
 1. `tables`: humming's row tables (vLLM's moe_align layout) from the grouping: gate|up's, and down's — the gate|up
@@ -65,10 +65,11 @@ class Tile:
 
 
 def tile(rows: RowClass, capability: tuple[int, int]) -> Tile:
-    """The pinned config. Decode rows: 8-row blocks of 256 columns, 8 stages, two blocks an SM — the best of 34
-    batch-invariant configs at 8 and 32 rows for 3-bit gate|up and down on an H100 (70-75% of the copy rate; the
-    library's own invariant choice, one block an SM and 4 stages, 36-56%). Prompt rows: 64-row blocks. Hopper runs
-    wgmma; other GPUs (GB10 has no wgmma) the warp-level mma with 128-column blocks."""
+    """The pinned config. Decode rows: 8-row blocks of 256 columns, 8 stages, two blocks an SM — the best of the
+    batch-invariant configs bench.kernels' intsweep tried at 8 and 32 rows for 3-bit gate|up and down (more
+    stages and two resident blocks keep more weight bytes in flight than the library's own invariant choice;
+    docs/quantization.md has the figures). Prompt rows: 64-row blocks. Hopper runs wgmma; other GPUs (GB10 has no
+    wgmma) the warp-level mma with 128-column blocks."""
     prompt = rows is RowClass.PREFILL
     if capability[0] == 9:
         return Tile(64, 256, 32, 4, 1, "wgmma") if prompt else Tile(8, 256, 32, 8, 2, "wgmma")

@@ -4,9 +4,11 @@ A request becomes a chat request (system, user / assistant turns, `tool_use` -> 
 `tool_result` -> tool messages, `thinking` blocks -> the turn's reasoning; `tools[].input_schema` -> function tools;
 `tool_choice` auto / any / tool / none -> auto / required / named / none; `thinking.type: enabled` turns the
 template's thinking on — off otherwise, as Anthropic's default is — and its `budget_tokens` is the thinking budget
-the scheduler enforces (below max_tokens, as Anthropic requires); `stop_sequences` -> stop strings) and runs through
-the same preparation, scheduler call and reply parser as chat. The reply comes back as content blocks (`thinking`,
-`text`, `tool_use`), `stop_reason` end_turn / max_tokens / stop_sequence / tool_use, and, streamed, as Anthropic's
+the scheduler enforces (below max_tokens, as Anthropic requires); `output_config.format` (json_schema: what the
+SDK's `messages.parse(output_format=...)` sends) -> response_format, the reply's text block constrained to the
+schema, thinking on or off; `output_config.effort` -> reasoning_effort's budget; `stop_sequences` -> stop strings)
+and runs through the same preparation, scheduler call and reply parser as chat. The reply comes back as content
+blocks (`thinking`, `text`, `tool_use`), `stop_reason` end_turn / max_tokens / stop_sequence / tool_use, and, streamed, as Anthropic's
 events: message_start, content_block_start / _delta / _stop, message_delta, message_stop (pings while waiting).
 Errors have Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
 """
@@ -112,6 +114,19 @@ class Thinking(_Model):
     budget_tokens: int | None = Field(None, ge=0, lt=1 << 31)
 
 
+class OutputFormat(_Model):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    format: OutputFormat | None = None
+    # The thinking budget of chat's reasoning_effort level (when thinking is on and budget_tokens is not given).
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class CountTokensRequest(_Model):
     model: Identifier
     messages: list[Message] = Field(min_length=1)
@@ -119,6 +134,7 @@ class CountTokensRequest(_Model):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -136,7 +152,10 @@ class MessagesRequest(CountTokensRequest):
 RENAMES: Renames = [(r"^stop\b.*", "stop_sequences"),
                     (r"^tools(\[\d+\])\.function\.parameters", r"tools\1.input_schema"),
                     (r"^tools(\[\d+\])\.function", r"tools\1"), (r"^messages\b.*", "messages"),
-                    (r"^tool_choice\b.*", "tool_choice"), (r"^thinking_token_budget$", "thinking.budget_tokens")]
+                    (r"^tool_choice\b.*", "tool_choice"), (r"^thinking_token_budget$", "thinking.budget_tokens"),
+                    # a path into the schema keeps its way down; the field itself is output_config.format
+                    (r"^response_format\.json_schema\.schema(?=[.\[])", "output_config.format.schema"),
+                    (r"^response_format\b.*", "output_config.format"), (r"^reasoning_effort$", "output_config.effort")]
 
 
 def _text(content: str | list[TextBlock] | None) -> str:
@@ -195,6 +214,12 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
                 {"type": "function", "function": {"name": choice.name}}
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
+    output = req.output_config
+    if output is not None and output.format is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                          "schema": output.format.schema_}}
+    if output is not None and output.effort is not None:
+        body["reasoning_effort"] = output.effort
     if isinstance(req, MessagesRequest):
         body.update({k: v for k, v in (("max_tokens", req.max_tokens), ("stream", req.stream),
                                        ("temperature", req.temperature), ("top_p", req.top_p),

@@ -20,6 +20,11 @@ Tool calls follow GLM's format, `<tool_call>NAME<arg_key>K</arg_key><arg_value>V
 the arguments typed by the tool's JSON schema: a string argument is raw text (no `<`; `enum`, `pattern`,
 `minLength` / `maxLength` honoured), any other value is JSON for its schema. Required properties come first, in the
 schema's order, then the optional ones, each at most once — so the parsed arguments validate against the schema.
+An argument's schema is read through its `$ref`s (json_schema.py: the reply parser reads it the same way), and a JSON
+value's grammar carries the definitions it reaches, as the tool's schema held them in its `$defs`.
+
+Every JSON schema is checked first (json_schema.check): what the library cannot compile is a 400 naming the keyword
+and where it is.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 from llguidance import LLMatcher
 
+from . import json_schema
 from .errors import bad_request
 from .schemas import ChatCompletionRequest, ChatTool, CompletionRequest, NamedToolChoice
 
@@ -96,6 +102,11 @@ class GrammarBuilder:
 
     def json_schema(self, schema: dict[str, Any] | str, whitespace_pattern: str | None = None,
                     param: str = "response_format") -> dict[str, Any]:
+        try:
+            parsed = json.loads(schema) if isinstance(schema, str) else schema
+        except ValueError:
+            parsed = None  # not JSON: the library's message below says so
+        json_schema.check(parsed, "the JSON schema", param)
         options = dict(_JSON_OPTIONS)
         if whitespace_pattern is not None:
             options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
@@ -122,16 +133,19 @@ class GrammarBuilder:
         except Exception as exc:  # noqa: BLE001 — the converter raises plain Exceptions on bad input
             raise bad_request(f"invalid grammar: {exc}", param=param, code="invalid_grammar") from None
 
-    def tool_calls(self, tools: list[ChatTool], one: bool) -> dict[str, Any]:
-        """One call (`one`) or one or more calls of the given tools, in GLM's format."""
+    def tool_calls(self, tools: list[tuple[ChatTool, str]], one: bool) -> dict[str, Any]:
+        """One call (`one`) or one or more calls of the given tools, in GLM's format; each tool with the field
+        path of its parameters (errors name it)."""
         lines = [f"start: call{'' if one else '+'}", "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
-        for i, tool in enumerate(tools):
-            lines += self._tool_rules(i, tool)
+        for i, (tool, param) in enumerate(tools):
+            lines += self._tool_rules(i, tool, param)
         lines.append("FREE_STR: /[^<]*/")
         return {"lark_grammar": "\n".join(lines)}
 
-    def _tool_rules(self, i: int, tool: ChatTool) -> list[str]:
+    def _tool_rules(self, i: int, tool: ChatTool, param: str) -> list[str]:
         params = tool.function.parameters or {}
+        what = f"the parameters of tool {tool.function.name!r}"
+        json_schema.check(params, what, param)
         props: dict[str, Any] = params.get("properties") or {}
         required = [k for k in params.get("required") or [] if k in props]
         optional = [k for k in props if k not in required]
@@ -140,8 +154,9 @@ class GrammarBuilder:
         parts: list[str] = []
         for j, key in enumerate(required + optional):
             rule = f"arg_{i}_{j}"
+            value = self._value(props[key], params, f"{rule}_v", rules, (what, param, ("properties", key)))
             rules.append(f"{rule}: {t('<arg_key>')} {json.dumps(key)} {t('</arg_key>')} {t('<arg_value>')} "
-                         f"{self._value(props[key], f'{rule}_v', rules)} {t('</arg_value>')}")
+                         f"{value} {t('</arg_value>')}")
             parts.append(rule if key in required else f"{rule}?")
         if not props and params.get("additionalProperties", True) is not False:
             rules.append(f"arg_{i}_any: {t('<arg_key>')} /[^<]+/ {t('</arg_key>')} {t('<arg_value>')} FREE_STR "
@@ -151,11 +166,19 @@ class GrammarBuilder:
         return [head] + rules
 
     @staticmethod
-    def _value(schema: Any, name: str, rules: list[str]) -> str:
-        """The grammar of one argument value: raw text for strings, JSON for everything else."""
-        if not isinstance(schema, dict):
+    def _value(prop: Any, root: dict[str, Any], name: str, rules: list[str],
+               where: tuple[str, str, json_schema.Path]) -> str:
+        """The grammar of one argument value (`prop`, in the tool's schema `root`; `where`: the schema's name, its
+        field and the argument's path in it, for errors): raw text for strings, JSON for everything else."""
+        if not isinstance(prop, dict):
             return "FREE_STR"
-        if schema.get("type") == "string" and "const" not in schema:
+        schema = json_schema.resolve(prop, root)
+        if schema is None:  # check() found every reference's target: this is a chain of them going round
+            json_schema.refuse(*where, "$ref", f"references lead on past {json_schema.MAX_DEPTH} hops (a cycle)")
+        if raw_text(schema):
+            for bound in ("minLength", "maxLength"):  # schemas.py checks them in `properties`, not behind a $ref
+                if bound in schema and (type(schema[bound]) is not int or schema[bound] < 0):
+                    json_schema.refuse(*where, bound, "must be a non-negative integer")
             if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
                 rules.append(f"{name}: " + " | ".join(json.dumps(v) for v in schema["enum"]))
                 return name
@@ -168,8 +191,17 @@ class GrammarBuilder:
                 rules.append(f"{name.upper()}: /[^<]{{{lo},{'' if hi is None else int(hi)}}}/")
                 return name.upper()
             return "FREE_STR"
-        rules.append(f"{name}: %json {json.dumps(schema)}")
+        doc = json_schema.self_contained(prop, root, *where)
+        # Compact JSON, as a response format's (`json_schema`'s defaults): the schema's own x-guidance wins.
+        doc["x-guidance"] = {**_JSON_OPTIONS, **(doc.get("x-guidance") or {})}
+        rules.append(f"{name}: %json {json.dumps(doc)}")
         return name
+
+
+def raw_text(schema: dict[str, Any] | None) -> bool:
+    """A tool argument written as raw text (a string without `const`), not as JSON: `schema` is the argument's,
+    resolved (json_schema.resolve)."""
+    return isinstance(schema, dict) and schema.get("type") == "string" and "const" not in schema
 
 
 def opens_thinking(prompt_text: str) -> bool:
@@ -227,7 +259,8 @@ def tool_body(b: GrammarBuilder, req: ChatCompletionRequest) -> tuple[dict[str, 
     """The forced tool call(s) of `tool_choice` required / named; None for auto / none / no tools."""
     choice, tools = req.tool_choice, req.tools or []
     if isinstance(choice, NamedToolChoice):
-        named = [t for t in tools if t.function.name == choice.function.name]
+        named = [(t, f"tools[{i}].function.parameters") for i, t in enumerate(tools)
+                 if t.function.name == choice.function.name]
         if not named:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools",
                               param="tool_choice")
@@ -235,7 +268,8 @@ def tool_body(b: GrammarBuilder, req: ChatCompletionRequest) -> tuple[dict[str, 
     if choice == "required":
         if not tools:
             raise bad_request("tool_choice 'required' needs tools", param="tool_choice")
-        return b.tool_calls(tools, one=req.parallel_tool_calls is False), "tool_choice"
+        return b.tool_calls([(t, f"tools[{i}].function.parameters") for i, t in enumerate(tools)],
+                            one=req.parallel_tool_calls is False), "tool_choice"
     return None
 
 

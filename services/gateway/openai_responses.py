@@ -173,6 +173,8 @@ _ITEMS: dict[str, type[_Item]] = {"message": MessageItem, "function_call": Funct
                                   "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 # Chat's field paths as this API names them (the chat request is validated again after translation).
 RENAMES: Renames = [(r"^messages\b.*", "input"), (r"^tools(\[\d+\])\.function", r"tools\1"),
+                    # a path into the schema keeps its way down; the field itself is text.format
+                    (r"^response_format\.json_schema\.schema(?=[.\[])", "text.format.schema"),
                     (r"^response_format\b.*", "text.format"), (r"^max_tokens$", "max_output_tokens"),
                     (r"^reasoning_effort$", "reasoning.effort"), (r"^tool_choice\b.*", "tool_choice")]
 

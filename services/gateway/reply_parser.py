@@ -7,8 +7,9 @@ reply always adds up to the non-streamed one).
   of thinking, and a forced tool call may open straight from the reasoning).
 - Tool calls (only when the request has tools and tool_choice is not "none"): GLM's
   `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>` blocks become tool calls whose
-  arguments are a JSON object, each value typed by the tool's JSON schema (a string parameter keeps the raw text;
-  other values are read as JSON, and kept as text when they are not). Text outside the blocks is content.
+  arguments are a JSON object, each value typed by the tool's JSON schema, read through its `$ref`s as the grammar
+  reads it (a string parameter keeps the raw text; other values are read as JSON, and kept as text when they are
+  not). Text outside the blocks is content.
   A call is emitted once its `</tool_call>` arrives, name and arguments together (vLLM streams GLM calls whole
   too); an unfinished block at the end of the reply is given back as content.
 Tags may arrive split across deltas: a tail that could still begin a tag is held back until it cannot.
@@ -22,7 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .constraints import THINK_CLOSE, THINK_OPEN
+from .constraints import THINK_CLOSE, THINK_OPEN, raw_text
+from .json_schema import resolve
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -80,9 +82,9 @@ def typed_arguments(pairs: list[tuple[str, str]], schema: dict[str, Any] | None)
     props = (schema or {}).get("properties") or {}
     out: dict[str, Any] = {}
     for key, raw in pairs:
-        prop = props.get(key) if isinstance(props, dict) else None
-        kind = prop.get("type") if isinstance(prop, dict) else None
-        if kind == "string" or (isinstance(kind, list) and "string" in kind and not _is_json(raw)):
+        prop = resolve(props.get(key), schema) if isinstance(props, dict) else None
+        kind = prop.get("type") if prop is not None else None
+        if raw_text(prop) or (isinstance(kind, list) and "string" in kind and not _is_json(raw)):
             out[key] = raw
             continue
         try:

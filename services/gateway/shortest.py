@@ -14,7 +14,8 @@ import json
 import math
 from typing import Any
 
-from .constraints import TOOL_TAGS, source
+from .constraints import TOOL_TAGS, raw_text, source
+from .json_schema import lookup, resolve
 from .schemas import ChatCompletionRequest, ChatTool, CompletionRequest, NamedToolChoice
 
 _MAX_DEPTH = 16  # a recursive schema's shortest value never needs deeper nesting than its required chain
@@ -22,19 +23,6 @@ _MAX_DEPTH = 16  # a recursive schema's shortest value never needs deeper nestin
 
 def _dump(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))  # the grammar's compact JSON
-
-
-def _resolve(ref: str, root: dict[str, Any]) -> Any:
-    """A local `$ref` ("#/$defs/x"), or None when it is not one."""
-    if not ref.startswith("#"):
-        return None
-    node: Any = root
-    for part in filter(None, ref[1:].split("/")):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def shortest_json(schema: Any, root: dict[str, Any] | None = None, depth: int = 0) -> str:
@@ -47,7 +35,7 @@ def shortest_json(schema: Any, root: dict[str, Any] | None = None, depth: int = 
     if isinstance(schema.get("enum"), list) and schema["enum"]:
         return min((_dump(v) for v in schema["enum"]), key=len)
     if isinstance(schema.get("$ref"), str):
-        return shortest_json(_resolve(schema["$ref"], root), root, depth + 1)
+        return shortest_json(lookup(root, schema["$ref"]), root, depth + 1)
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list) and schema[key]:
             return min((shortest_json(s, root, depth + 1) for s in schema[key]), key=len)
@@ -107,8 +95,8 @@ def shortest_tool_call(tool: ChatTool) -> str:
     props = params.get("properties") or {}
     out = call_open + tool.function.name
     for key in [k for k in params.get("required") or [] if k in props]:
-        prop = props[key]
-        if isinstance(prop, dict) and prop.get("type") == "string" and "const" not in prop:
+        prop = resolve(props[key], params)
+        if raw_text(prop):
             enum = prop.get("enum")
             value = min(enum, key=len) if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum) \
                 else "a" * _min_length(prop)

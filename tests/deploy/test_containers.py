@@ -1,7 +1,9 @@
-"""The compose stack for real, under podman: ./start.sh builds the CPU image (on a local Debian base made from
-Debian's packages: no image registry), brings up deploy/compose/head.yml (and worker.yml for rank 1 at TP 2) with
-host networking on loopback, and its replies, through the gateway, are `twinspark up`'s token for token on the same
-checkpoint; ./stop.sh leaves no container. Skipped where podman cannot run.
+"""The compose stack for real, under podman: docs/deploy.md's registry-less commands, as written (its block tagged
+`<!-- ci: registry-less -->`; the test's own settings — ports, state, model, TP — come from the environment, which
+overrides deploy/.env), build the CPU image (on a local Debian base made from Debian's packages: no image registry),
+bring up deploy/compose/head.yml (and worker.yml for rank 1 at TP 2) with host networking on loopback — without
+Jaeger where its image cannot be pulled — and its replies, through the gateway, are `twinspark up`'s token for token
+on the same checkpoint; ./stop.sh leaves no container. Skipped where podman cannot run.
 
 The image is built once per machine: the layer cache keeps every later build (the second start here, the next CI
 run) to seconds. Each start prints how long each step took (`done in ... s`); the test prints those lines.
@@ -10,6 +12,7 @@ run) to seconds. Each start prints how long each step took (`done in ... s`); th
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import subprocess
 import sys
@@ -28,10 +31,23 @@ REPO = Path(__file__).resolve().parents[2]
 BASE_IMAGE = "local/debian:bookworm"
 PODMAN = engines.podman(sys.executable)
 _why = engines.why_not(PODMAN)
-pytestmark = pytest.mark.skipif(_why is not None, reason=f"podman cannot run here: {_why} (see .ci/run)")
+if _why is None and engines.why_not(engines.DOCKER) is None:
+    _why = "docker answers here, so the docs' registry-less commands (LAUNCHER=auto) would take docker"
+pytestmark = pytest.mark.skipif(_why is not None,
+                                reason=f"the registry-less podman path cannot run here: {_why} (see .ci/run)")
 
 BODIES = mixed_completions(6, 25, longest_prompt=60, max_tokens=(6, 16), seed_base=700)  # 3 greedy, 3 seeded
 CHAT = {"messages": [{"role": "user", "content": "Reply with OK."}], "max_tokens": 12, "temperature": 0}
+
+
+def docs_commands() -> tuple[str, str]:
+    """docs/deploy.md's registry-less start and stop lines, read as .ci/run reads the README's blocks."""
+    spec = importlib.util.spec_from_file_location("readme_block", REPO / ".ci" / "readme_block.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    lines = module.block((REPO / "docs" / "deploy.md").read_text(), "registry-less").splitlines()
+    return next(c for c in lines if "./start.sh" in c), next(c for c in lines if c.startswith("./stop.sh"))
 
 
 def podman(*args: str) -> subprocess.CompletedProcess:
@@ -75,32 +91,35 @@ def containers() -> list[str]:
 
 
 def run_compose_stack(tp: int, model: Path, state: Path, base_image: str) -> list[list[int]]:
-    """./start.sh with podman and TP `tp` on this machine, the replies, ./stop.sh; checks that nothing is left."""
+    """docs/deploy.md's ./start.sh (podman: no docker answers here) at TP `tp` on this machine, the replies, its
+    ./stop.sh; checks that nothing is left."""
+    assert base_image in docs_commands()[0]
     port = free_port()
-    env = {"LAUNCHER": "podman", "BASE_IMAGE": base_image, "WHEELS": "host", "STATE_DIR": str(state),
-           "MODEL": str(model), "TP": str(tp), "HOST": "127.0.0.1", "PORT": str(port), "HEALTH_TIMEOUT": "300",
-           "OTEL_EXPORTER_OTLP_ENDPOINT": "", "PYTHON": sys.executable,
+    env = {"STATE_DIR": str(state), "MODEL": str(model), "TP": str(tp), "HOST": "127.0.0.1", "PORT": str(port),
+           "HEALTH_TIMEOUT": "300", "PYTHON": sys.executable,
            **{k: str(free_port()) for k in ("SCHEDULER_PORT", "DRAFTER_PORT", "MASTER_PORT", "PEER_PORT")},
            "RANK_PORT": str(free_port())}
     base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR") or k.startswith("PIP_")}
 
-    def run(script: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(REPO / script)], capture_output=True, text=True, timeout=900,
+    def run(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=900,
                               env={**base, "PYTHON3": sys.executable, **env})
 
     assert not containers(), f"containers left from before: {containers()}"
+    start, stop = docs_commands()
     t0 = time.monotonic()
-    up = run("start.sh")
+    up = run(start)
     try:
         assert up.returncode == 0, up.stdout[-6000:] + up.stderr[-3000:]
-        steps = [line for line in up.stdout.splitlines() if line.startswith(("[", "  done in", "twinspark start"))]
+        steps = [line for line in up.stdout.splitlines()
+                 if line.startswith(("[", "  done in", "twinspark start")) or "tracing off" in line]
         print(f"TP {tp}: ./start.sh took {time.monotonic() - t0:.0f} s\n" + "\n".join(steps))
         assert "podman launcher" in up.stdout and "reply: " in up.stdout  # start.sh's own smoke test passed
         worker = [n for n in containers() if n.startswith("twinspark-rank1")]  # worker.yml's project, rank 1
         assert len(worker) == (tp == 2), containers()
         return replies(f"http://127.0.0.1:{port}")
     finally:
-        down = run("stop.sh")
+        down = run(stop)
         assert down.returncode == 0, down.stdout + down.stderr
         assert not containers(), f"./stop.sh left containers: {containers()}"
         kept = [p for p in (state / "logs").iterdir() if p.is_dir()]

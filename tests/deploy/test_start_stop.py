@@ -4,6 +4,7 @@ single-machine run (native launcher: no docker engine here) with its smoke test,
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -150,3 +151,46 @@ def test_start_smoke_and_stop_on_this_machine(tmp_path, tiny_default):
         raise AssertionError("the gateway still answers after ./stop.sh")
     except httpx.TransportError:
         pass
+
+
+def test_a_fresh_clone_without_an_install_stops_at_its_first_step(tmp_path):
+    """This checkout's files without its venv, run by a python3 that has none of the project's dependencies:
+    start.sh and stop.sh stop at their first step, naming the missing module and the install command; no traceback."""
+    clone = tmp_path / "clone"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, clone / name)
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    env = {"PATH": f"{bare / 'bin'}:{os.environ['PATH']}", "HOME": str(tmp_path), "STATE_DIR": str(tmp_path / "state")}
+    for script in ("start.sh", "stop.sh"):
+        r = subprocess.run([str(clone / script)], capture_output=True, text=True, timeout=60, env=env)
+        out = r.stdout + r.stderr
+        assert r.returncode == 1 and "Traceback" not in out, out
+        assert steps(r.stdout)[-1].startswith("[1/") and "No module named" in out, out
+        assert "pip install torch==2.13.0 && .venv/bin/pip install -e ." in out
+
+
+def test_containers_start_without_jaeger_when_its_image_cannot_be_had(tmp_path):
+    """LAUNCHER=podman where no image registry answers (a stand-in podman: `image inspect` finds nothing, `pull`
+    fails as podman does on a short name, anything else succeeds and does nothing): start.sh says in one line that
+    tracing is off and starts the head without the jaeger profile and its ports (then no /health answers here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "podman").write_text('#!/bin/sh\ncase "$1" in\n  image) exit 125 ;;\n'
+                                    '  pull) echo "Error: short-name \\"$2\\" did not resolve to an alias" >&2;'
+                                    ' exit 125 ;;\nesac\n')
+    (bin_dir / "podman-compose").write_text("#!/bin/sh\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    r = sh("start.sh", env={"LAUNCHER": "podman", "STATE_DIR": str(tmp_path), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                            "PORT": str(free_port()), "HEALTH_TIMEOUT": "1"})
+    assert r.returncode == 1 and "/health" in r.stderr, r.stdout + r.stderr
+    off = [line for line in r.stdout.splitlines() if "tracing off" in line]
+    assert off == ["  the Jaeger image jaegertracing/jaeger:2.11.0 cannot be had (Error: short-name "
+                   '"jaegertracing/jaeger:2.11.0" did not resolve to an alias): tracing off for this run'], r.stdout
+    head = next(line for line in r.stdout.splitlines() if "podman-compose -p twinspark -f" in line)
+    assert "--profile drafter" in head and "--profile jaeger" not in head and "16686" not in r.stdout

@@ -7,6 +7,11 @@ import pytest
 from tests.e2e.stack import Stack, start
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # A selection beside the tiers (these tests are `stack` too): `-m agents` runs the client-library tier.
+    config.addinivalue_line("markers", "agents: the client libraries agents use (the `agents` extra) on a real stack")
+
+
 @pytest.fixture(scope="session")
 def stack_tp2(tiny_default, tmp_path_factory) -> Stack:
     # A small queue and few running sequences so the queue-full tests can fill it; a small per-round budget so a
