@@ -18,6 +18,7 @@ import torch
 
 from bench.kernels import (BF16, D, E, MOE_I, TOPK, bench_ms, experts_touched, graph_ms, log, moe_exl3, moe_rows,
                            moe_setup, route_rows)
+from kernels.gpu import arch as gpu_arch
 
 SHARDS = 4  # TP 1's virtual shards
 PAIRS = TOPK + 1
@@ -77,7 +78,7 @@ def int_product_rows(bw: float, bits: int, ie, router: tuple, tile=None, label: 
     per = product_bytes(bits)
     for t in ROWS:
         cls = RowClass.DECODE
-        use = tile or int_moe.tile(cls, torch.cuda.get_device_capability())
+        use = tile or int_moe.tile(cls, gpu_arch.row(torch.device("cuda")))
         sets = _routed(t, router)
         hit = sum(experts_touched(ids) for _, ids, _ in sets) / len(sets)
         calls = [_product_calls(ie, use, x, ids) for x, ids, _ in sets]
@@ -136,7 +137,7 @@ def tile_sweep(bw: float, mm: float) -> list[dict]:
     prompt = [int_moe.Tile(bm, bn, 32, st, ctas, mma) for bm, bn, st, ctas, mma in (
         (64, 256, 4, 1, "wgmma"), (128, 256, 4, 1, "wgmma"), (64, 256, 6, 1, "wgmma"), (32, 256, 4, 2, "wgmma"),
         (128, 128, 4, 1, "wgmma"), (64, 128, 4, 2, "mma"))]
-    pinned = int_moe.tile(RowClass.PREFILL, torch.cuda.get_device_capability())
+    pinned = int_moe.tile(RowClass.PREFILL, gpu_arch.row(torch.device("cuda")))
     for t in (2048, 8192):
         x, ids, rw = _routed(t, router, sets=1)[0]
         flops = 2 * t * PAIRS * 3 * MOE_I * D

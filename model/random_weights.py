@@ -58,10 +58,16 @@ def keeps_fp32(key: str) -> bool:
     return any(m in key for m in _KEEP_FP32)
 
 
+def generator(device: torch.device, seed: int) -> torch.Generator:
+    """A seeded generator for draws on `device`. The meta device has none of its own (and draws nothing: shapes
+    only, bench/kernel_census.py lays the model out on it), so it takes a CPU one, which meta draws accept."""
+    return torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(seed)
+
+
 def draw(t: TensorSpec, *, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`tiny.tensor_spec.materialize`'s recipes, drawn on `device` (values differ from the CPU draw; only the
     distribution matters here)."""
-    g = torch.Generator(device=device).manual_seed(key_seed(seed, t.key))
+    g = generator(torch.device(device), key_seed(seed, t.key))
     init = t.init
     kw = dict(generator=g, device=device, dtype=torch.float32)
     if init.kind == "normal":
@@ -128,7 +134,7 @@ class RandomWeightReader:
             size = made.numel() * made.element_size()
         else:
             r = self.recipe
-            g = torch.Generator(device=self.device).manual_seed(key_seed(self.seed, key))
+            g = generator(self.device, key_seed(self.seed, key))
             codec, bits = codec_format(fmt)
             made = random_quantized(codec, *t.shape, std=t.init.a, block=r.block_for(fmt),
                                     bits=self.exl3_plan.bits[key] if codec == "exl3" else bits,

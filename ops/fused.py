@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import kda
-from kernels.gpu import gemm
+from kernels.gpu import arch as gpu_arch, gemm
 from kernels.gpu import kda as gpu_kda
 from kernels.gpu import mhc as gpu_mhc
 from kernels.gpu import mla as gpu_mla
@@ -243,8 +243,8 @@ class FusedForward:
     def _expanded_plan(self, until: int) -> ExpandedRows | None:
         """The batch's expanded-form rows (the same for every MLA layer of the forward: built once)."""
         if until not in self._expanded:
-            self._expanded[until] = expanded_rows.plan(self.batch, self.rows.tables, until, self.cache.block_size,
-                                                       gpu_mla_expanded.TILE["BM"])
+            bm = gpu_mla_expanded.tile_for(gpu_arch.row(self.rows.positions.device))["BM"]
+            self._expanded[until] = expanded_rows.plan(self.batch, self.rows.tables, until, self.cache.block_size, bm)
         return self._expanded[until]
 
     def _latent_form(self, attn: "MlaAttention", q: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor],

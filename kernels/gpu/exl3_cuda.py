@@ -84,7 +84,12 @@ def extension(variant: tuple[tuple[str, int], ...] = ()):
     from torch.utils.cpp_extension import load
     name = "twinspark_exl3_grouped" + "".join(f"_{k.lower()}{v}" for k, v in variant)
     return load(name=name, sources=[str(SOURCE)], build_directory=str(_build_dir(name)),
-                extra_cuda_cflags=["-O3", "-lineinfo", *(f"-D{k}={v}" for k, v in variant)], verbose=False)
+                extra_cuda_cflags=cuda_flags(variant), verbose=False)
+
+
+def cuda_flags(variant: tuple[tuple[str, int], ...] = ()) -> list[str]:
+    """nvcc's flags for a build (tests/kernels/test_exl3_cuda_build.py compiles the same for each architecture)."""
+    return ["-O3", "-lineinfo", *(f"-D{k}={v}" for k, v in variant)]
 
 
 def grouped(a: torch.Tensor, w: WeightArgs, pair_of_slot: torch.Tensor, expert_of_block: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import exl3_cuda, hadamard
+from kernels.gpu import arch as gpu_arch, exl3_cuda, hadamard
 from kernels.gpu.tile_order import grouped_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -42,6 +42,10 @@ _DECODE_PROGRAMS = 256
 # shared expert's down 10.3 -> 7.9 us, the large ones the same; 2 wins a little more on the smallest and loses on
 # q_a at 8 rows; a 512-program target loses on every shape it changes).
 _DECODE_MIN_STEPS = 4
+# Pipeline stages of the decode tile per architecture (kernels/gpu/arch.py). Hopper: 4, three 36 KiB steps of K in
+# flight (108 KiB of shared memory). GB10 has 99 KiB a block, so 3 (72 KiB; bench.kernel_census). Stages pipeline
+# the loads, never the arithmetic: the tile, the split and so the bits are Hopper's. Not timed on a GB10 yet.
+_DECODE_STAGES = {gpu_arch.HOPPER: 4, gpu_arch.GB10: 3}
 
 
 class RowClass(Enum):
@@ -60,8 +64,16 @@ class Tile:
     group_m: int = 8  # row-tile swizzle for L2 reuse; changes which program runs a tile, never its arithmetic
 
 
-def schedule(n: int, k: int, rows: RowClass) -> Tile:
-    """The tile schedule for a weight of N outputs and K inputs (pure function of the shape and the row class).
+# Prompt rows' tile per architecture. Hopper: 128 x 256 (warpgroup MMAs) reaches 70-78% of the bf16 peak. GB10 has
+# warp-level MMAs only, which keep that tile's fp32 accumulator in registers: 255 a thread and 56-100 bytes spilled
+# (bench.kernel_census); 128 x 128 takes 172-190 and spills none. Not timed on a GB10 yet.
+_PROMPT_TILES = {gpu_arch.HOPPER: Tile(block_m=128, block_n=256, block_k=64, split_k=1, warps=8, stages=3),
+                 gpu_arch.GB10: Tile(block_m=128, block_n=128, block_k=64, split_k=1, warps=8, stages=3)}
+
+
+def schedule(n: int, k: int, rows: RowClass, arch: int = gpu_arch.HOPPER) -> Tile:
+    """The tile schedule for a weight of N outputs and K inputs (pure function of the shape, the row class and the
+    architecture's table row, kernels/gpu/arch.py).
 
     Chosen by bench/kernels.py's sweeps on an H200 (bench/results/kernels-20261130-235732.*,
     kernels-20261202-*): prompt rows reach 70-78% of the bf16 peak with 128x256 tiles; decode rows are
@@ -81,10 +93,10 @@ def schedule(n: int, k: int, rows: RowClass) -> Tile:
             # Narrow tiles and a K split fixed by the shape (never by M) spread the same bytes over the GPU.
             return Tile(block_m=64, block_n=32, block_k=128,
                         split_k=decode_split(n, k, 32, 128, programs=_NARROW_SPLITS), warps=4, stages=4)
-        return Tile(block_m=128, block_n=256, block_k=64, split_k=1, warps=8, stages=3)
+        return _PROMPT_TILES[arch]
     block_n, block_k = 128, 128
     return Tile(block_m=16, block_n=block_n, block_k=block_k, split_k=decode_split(n, k, block_n, block_k), warps=4,
-                stages=4)
+                stages=_DECODE_STAGES[arch])
 
 
 def decode_split(n: int, k: int, block_n: int, block_k: int, programs: int = _DECODE_PROGRAMS,
@@ -219,14 +231,15 @@ def _by_class(x: torch.Tensor, w: WeightArgs, decode_rows: int, out_dtype: torch
     if out is None:
         out = torch.empty(b, m, n, dtype=out_dtype, device=x.device)
     split = min(max(decode_rows, 0), m)
+    arch = gpu_arch.row(x.device)
     if split:
-        tile = schedule(n, k, RowClass.DECODE)
+        tile = schedule(n, k, RowClass.DECODE, arch)
         if exl3_cuda.covers(x, w, tile.block_m):
             out[:, :split] = exl3_cuda.dense(x[:, :split].contiguous(), w)
         else:
             _launch(x[:, :split], w, out[:, :split], tile)
     if split < m:
-        _launch(x[:, split:], w, out[:, split:], schedule(n, k, RowClass.PREFILL))
+        _launch(x[:, split:], w, out[:, split:], schedule(n, k, RowClass.PREFILL, arch))
     return out
 
 

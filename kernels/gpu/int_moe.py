@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import arch as gpu_arch
 from kernels.gpu.gemm import RowClass
 from kernels.gpu.moe_groups import Groups, group_pairs
 from kernels.gpu.swiglu import swiglu
@@ -64,14 +65,14 @@ class Tile:
                 "use_stream_k": False, "use_warp_spec": False, "use_tma": False, "use_batch_invariant": True}
 
 
-def tile(rows: RowClass, capability: tuple[int, int]) -> Tile:
-    """The pinned config. Decode rows: 8-row blocks of 256 columns, 8 stages, two blocks an SM — the best of the
-    batch-invariant configs bench.kernels' intsweep tried at 8 and 32 rows for 3-bit gate|up and down (more
-    stages and two resident blocks keep more weight bytes in flight than the library's own invariant choice;
-    docs/quantization.md has the figures). Prompt rows: 64-row blocks. Hopper runs wgmma; other GPUs (GB10 has no
-    wgmma) the warp-level mma with 128-column blocks."""
+def tile(rows: RowClass, arch: int) -> Tile:
+    """The pinned config. Decode rows: 8-row blocks of 256 columns, 8 stages, two blocks an SM — the best of 34
+    batch-invariant configs swept at 8 and 32 rows for 3-bit gate|up and down (more stages and two resident blocks
+    keep more weight bytes in flight than the library's own invariant choice; docs/quantization.md has the
+    figures; bench.kernels' intsweep sweeps again). Prompt rows: 64-row blocks (not swept yet). `arch` is the GPU's table row
+    (kernels/gpu/arch.py): Hopper runs wgmma; GB10 (no wgmma) the warp-level mma with 128-column blocks, untimed."""
     prompt = rows is RowClass.PREFILL
-    if capability[0] == 9:
+    if arch == gpu_arch.HOPPER:
         return Tile(64, 256, 32, 4, 1, "wgmma") if prompt else Tile(8, 256, 32, 8, 2, "wgmma")
     return Tile(64, 128, 32, 3, 1, "mma") if prompt else Tile(16, 128, 32, 4, 2, "mma")
 
@@ -236,7 +237,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ie: IntEx
     shard's fp32 partial). pinned: another tile than the class's (bench.kernels' sweeps only)."""
     from kernels.gpu.moe import combine
 
-    t = pinned or tile(rows, torch.cuda.get_device_capability(x.device))
+    t = pinned or tile(rows, gpu_arch.row(x.device))
     n_exp = ie.gate_up.experts
     pairs_per_row = ids.shape[1]
     n_pairs = ids.numel()

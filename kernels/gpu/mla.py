@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import arch as gpu_arch
+
 
 @triton.jit
 def _row_address(bt_ptr, s_bt, seq, pos, BS: tl.constexpr):
@@ -315,6 +317,16 @@ DECODE_SPLIT = 256  # attended positions per program for decode-class rows (a co
 # a program, the more often they are read. `python -m bench.kernels --only mlasweep` times the choices at 8k: on
 # an H200, 64 heads x 64 positions with 8 warps took 10.5 ms against 20.5 for 16 heads x 32 with 4 warps.
 PROMPT_TILE: dict[str, int] = dict(HB=64, BN=64, num_warps=8, num_stages=2)
+# GB10's row (kernels/gpu/arch.py): Hopper's tile needs 136 KiB of shared memory with bf16 latent rows and 192 KiB
+# with fp8 (GB10 has 99 KiB a block); 32 heads x 32 positions needs 96 KiB at fp8 and spills, 16 x 32 with 4 warps
+# (the decode rows' shape) 49 / 80 KiB and no spills (bench.kernel_census). Other bits than Hopper's (BN is the
+# online softmax's step); not timed on a GB10 yet.
+PROMPT_TILE_GB10: dict[str, int] = dict(HB=16, BN=32, num_warps=4, num_stages=2)
+
+
+def prompt_tile(arch: int) -> dict[str, int]:
+    """Prompt rows' tile on the architecture's table row (read at call time: bench.kernels sweeps PROMPT_TILE)."""
+    return PROMPT_TILE if arch == gpu_arch.HOPPER else PROMPT_TILE_GB10
 
 
 def sparse_attention(q_lat: torch.Tensor, latent: torch.Tensor, latent_scale: torch.Tensor | None,
@@ -348,7 +360,7 @@ def sparse_attention(q_lat: torch.Tensor, latent: torch.Tensor, latent_scale: to
                                     n_splits, R=r_dim, KP=kpool, num_warps=4)
     if split < t:
         rows = slice(split, t)
-        tile = dict(PROMPT_TILE)
+        tile = dict(prompt_tile(gpu_arch.row(q_lat.device)))
         hb_p, bn_p = tile.pop("HB"), max(tile.pop("BN", bn), kpool)
         _attention_kernel[(t - split, triton.cdiv(h, hb_p), 1)](
             q_lat[rows], q_lat.stride(0), q_lat.stride(1), latent, lat_scale, block_tables, block_tables.stride(0),

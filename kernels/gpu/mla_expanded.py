@@ -21,9 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import arch as gpu_arch
+
 # Rows per program (the M side of the tensor-core tiles), keys per step, warps, pipeline stages.
 # `python -m bench.kernels --only mlaxsweep` times the choices on an 8k prompt.
 TILE: dict[str, int] = dict(BM=64, BN=64, num_warps=8, num_stages=2)
+# GB10's row (kernels/gpu/arch.py): two stages need 104 KiB of shared memory, one 72 KiB (GB10 has 99 KiB a block;
+# bench.kernel_census). One stage keeps Hopper's tile, so its bits: only the loads are no longer pipelined. BM is
+# the host's tile plan (ops/expanded_rows.py), the same in every row. Not timed on a GB10 yet.
+TILE_GB10: dict[str, int] = dict(BM=64, BN=64, num_warps=8, num_stages=1)
+
+
+def tile_for(arch: int) -> dict[str, int]:
+    """The tile on the architecture's table row (read at call time: bench.kernels sweeps TILE)."""
+    return TILE if arch == gpu_arch.HOPPER else TILE_GB10
 
 
 # The tile table may sit anywhere in a shared host-to-device buffer: its alignment is not specialised on (one build).
@@ -75,7 +86,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, tiles: torch.Te
     """q [H, T, dn] (unit last stride); kv [H, L, dn + dv] (each head's keys then values, unit last stride: the
     decompressed context of the tiles' sequences); out [H, T, dv]; tiles int32 [n, 4] rows of (first row,
     rows <= BM, first row's position, kv row of the sequence's position 0) -> out's tiled rows, every head."""
-    cfg = dict(tile or TILE)
+    cfg = dict(tile or tile_for(gpu_arch.row(q.device)))
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     heads, _, dn = q.shape
     dv = out.shape[-1]

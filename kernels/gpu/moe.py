@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.gpu import exl3_cuda, hadamard, int_moe
+from kernels.gpu import arch as gpu_arch, exl3_cuda, hadamard, int_moe
 from kernels.gpu.int_moe import IntExperts
 from kernels.gpu.moe_groups import Groups, SlotTables, group_pairs, slot_tables
 from kernels.gpu.swiglu import clamped_swiglu
@@ -48,12 +48,18 @@ class MoeTile:
     group_m: int = 8  # row tiles that sweep the column tiles together (tile_order.py): L2 reuse, same bits
 
 
-def moe_schedule(rows: RowClass) -> MoeTile:
-    """Grouped-GEMM tiles per row class (pure function of the class; the shapes come from the weights). The prompt
-    tile won bench/kernels.py's sweep at 8,192 tokens on an H200 (10.2 ms vs 12.0 ms for 64x128x64, 4 warps)."""
+# Pipeline stages of the decode tile per architecture (kernels/gpu/arch.py): Hopper 4 (108 KiB of shared memory);
+# GB10 has 99 KiB a block, so 3 (72 KiB; bench.kernel_census), as the GEMM's decode tile takes. Stages pipeline the
+# loads, not the arithmetic: the bits are Hopper's. Not timed on a GB10 yet.
+_DECODE_STAGES = {gpu_arch.HOPPER: 4, gpu_arch.GB10: 3}
+
+
+def moe_schedule(rows: RowClass, arch: int = gpu_arch.HOPPER) -> MoeTile:
+    """Grouped-GEMM tiles per row class and architecture row (pure function of both; the shapes come from the
+    weights). The prompt tile won bench/kernels.py's sweep at 8,192 tokens (docs/benchmarks.md)."""
     if rows is RowClass.PREFILL:
         return MoeTile(block_m=128, block_n=128, block_k=64, warps=8, stages=3)
-    return MoeTile(block_m=16, block_n=64, block_k=128, warps=4, stages=4)
+    return MoeTile(block_m=16, block_n=64, block_k=128, warps=4, stages=_DECODE_STAGES[arch])
 
 
 @triton.jit
@@ -377,9 +383,10 @@ def _tile(rows: RowClass, x: torch.Tensor, gate: WeightArgs) -> MoeTile:
     of 4 layers: 72.3 against 106.6 ms, decode_prefill-20261204-103755). 64-slot blocks that share each decoded
     fragment among four tiles measured slower (85.3 ms, decode_prefill-20261204-133852: too few blocks to fill the
     GPU at ~64 rows an expert). It is still a pure function of the class and the weight (docs/design.md §5.1)."""
+    arch = gpu_arch.row(x.device)
     if gate.fmt is Fmt.EXL3 and exl3_cuda.runs(x.device, hadamard.operand_dtype(x.dtype), gate, exl3_cuda.BLOCK_M):
-        return moe_schedule(RowClass.DECODE)
-    return moe_schedule(rows)
+        return moe_schedule(RowClass.DECODE, arch)
+    return moe_schedule(rows, arch)
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | WeightArgs | IntExperts,

@@ -161,8 +161,9 @@ def int_tile(w_ptr, s_ptr, rn, k0, N, K, swn, swk, ssn, ssk, BITS: tl.constexpr,
     """The [BLOCK_K, BLOCK_N] tile of an INT weight's W^T (rows = inputs k0.., columns = outputs rn) in float32,
     q * scale exactly as kernels/quant/intn.py's dequantize computes it (0 outside W). Widths that divide a word
     (2, 4, 8 bits) read BLOCK_K * BITS / 32 whole words per column and shift the codes out, as the INT4 tile does;
-    3 bits reads each code's word (and the next, where it straddles two). One scale row per K step when the step
-    lies within a group, else each element's own."""
+    3 bits reads the same words, 3 for every 32 codes, and takes each code from its word (and the next, where it
+    straddles two); BLOCK_K a multiple of 32 then. One scale row per K step when the step lies within a group, else
+    each element's own."""
     kk = k0 + tl.arange(0, BLOCK_K)
     valid = (kk[:, None] < K) & (rn[None, :] < N)
     row = w_ptr + rn[None, :] * swn
@@ -174,12 +175,25 @@ def int_tile(w_ptr, s_ptr, rn, k0, N, K, swn, swk, ssn, ssk, BITS: tl.constexpr,
         code = tl.reshape((words[:, None, :] >> (tl.arange(0, PER) * BITS).to(tl.uint32)[None, :, None]),
                           (BLOCK_K, BLOCK_N))
     else:
-        bit = kk[:, None] * BITS  # the element's first bit in its row's stream
-        code = tl.load(row + (bit // 32) * swk, mask=valid, other=0).to(tl.uint32, bitcast=True)
-        shift = (bit % 32).to(tl.uint32)
-        spill = valid & (bit % 32 + BITS > 32)  # its high bits open the next word
-        hi = tl.load(row + (bit // 32 + 1) * swk, mask=spill, other=0).to(tl.uint32, bitcast=True)
-        code = (code >> shift) | tl.where(spill, hi << (32 - shift), 0)
+        # 32 codes fill BITS whole words (a period): load each word of the tile's periods once, as [periods,
+        # BLOCK_N], and pick every code's word(s) and shift by its place in the period (a select per word, in
+        # registers: a load per code built [BLOCK_K, BLOCK_N] pointer tensors that took Triton 176-428 KiB of
+        # shared memory).
+        PERIODS: tl.constexpr = BLOCK_K // 32
+        p = tl.arange(0, PERIODS)
+        first = tl.arange(0, 32) * BITS  # each code's first bit in its period
+        word = (first // 32)[None, :, None]
+        shift = (first % 32).to(tl.uint32)[None, :, None]
+        lo = tl.zeros((PERIODS, 32, BLOCK_N), dtype=tl.uint32)
+        hi = tl.zeros((PERIODS, 32, BLOCK_N), dtype=tl.uint32)
+        inside = (rn[None, :] < N) & ((k0 + p * 32)[:, None] < K)
+        for j in tl.static_range(BITS):
+            w = tl.load(row + ((k0 // 32 + p) * BITS + j)[:, None] * swk, mask=inside, other=0)
+            w = w.to(tl.uint32, bitcast=True)[:, None, :]
+            lo = tl.where(word == j, w, lo)
+            hi = tl.where(word + 1 == j, w, hi)  # the next word, where a code straddles two
+        spill = (first % 32 + BITS > 32)[None, :, None]
+        code = tl.reshape((lo >> shift) | tl.where(spill, hi << (32 - shift), 0), (BLOCK_K, BLOCK_N))
     q = (code & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))
     if GROUP % BLOCK_K == 0:
         s = tl.load(s_ptr + rn[None, :] * ssn + (k0 // GROUP) * ssk, mask=rn[None, :] < N, other=0.0)

@@ -150,6 +150,9 @@ def _load(s: RankSettings, recipe: Recipe | None, sharding: Sharding, group: Pro
         model = Glm5Model.load(s.model, sharding=sharding, group=group, exchange=exchange, dtype=dtype, device=device,
                                progress=True, load_vision=vision is not None and s.rank == 0)
     if device.type == "cuda":
+        from kernels.gpu import arch as gpu_arch
+
+        gpu_arch.log_facts(device)  # read once: the tile tables' row and the pool sizing's unified memory use them
         # Loading leaves freed staging memory in torch's caching allocator (per-shard tensors stacked into one,
         # dequantized copies): hand it back, or the pool sizing counts it as in use and the pool comes out that
         # much smaller (vLLM does the same after its load).
@@ -179,9 +182,11 @@ def _sized_pool(s: RankSettings, loaded: Loaded) -> int:
     model = loaded.model
     cost = pool_size.pool_cost(model.cfg, model.coll.sharding, block_size=s.block_size, dtype=model.dtype,
                                kv_dtype=KV_CACHE_DTYPES[s.kv_cache_dtype], with_mtp=model.mtp is not None)
-    budget = pool_size.budget_bytes(loaded.device, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-                                    gpu_memory_utilization=s.gpu_memory_utilization,
-                                    sharers=pool_size.device_sharers(loaded.group, loaded.device))
+    sized = pool_size.budget_bytes(loaded.device, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+                                   gpu_memory_utilization=s.gpu_memory_utilization,
+                                   sharers=pool_size.device_sharers(loaded.group, loaded.device))
+    log.info("kv pool budget %.2f GiB: %s", sized.bytes / 2**30, sized.rule)
+    budget = sized.bytes
     if loaded.device.type == "cuda" and s.kv_cache_memory_bytes <= 0:  # room for the step's activations first
         from services.common.step_budget import step_budget
         from services.rank_worker.warmup import activation_peak

@@ -42,7 +42,8 @@ class RankSettings(RoleSettings):
     gpu_memory_utilization: float = flag(
         "gpu-memory-utilization", "on CUDA with --num-blocks 0 and no --kv-cache-memory-bytes: the share of the GPU's "
         "memory this rank may fill; the pool gets it less what is in use once the weights are loaded (vLLM's flag; "
-        "default 0.9)", default="0.9", type=float)
+        "default 0.9). On an integrated GPU (DGX Spark), whose memory is the system's: the share of the total this "
+        "rank may fill, weights included, never more than the system has available", default="0.9", type=float)
     block_size: int = flag("block-size", "positions per KV block", default="16", type=int)
     num_slots: int = flag("num-slots", "KDA state slots", default="32", type=int)
     kv_host_bytes: int = flag(shared.KV_HOST_BYTES)

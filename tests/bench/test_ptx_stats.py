@@ -1,4 +1,4 @@
-"""bench/ptx_stats.py compiles a Triton kernel for sm_90 on a machine without a GPU and counts what it waits on:
+"""bench/ptx_stats.py compiles a Triton kernel for sm_90 (or GB10's sm_121) on a machine without a GPU and counts what it waits on:
 a reduction across a program's warps shows as barriers, an elementwise kernel has none. (In a process of its own:
 the suite runs Triton in interpreter mode, whose kernels cannot be compiled.)"""
 
@@ -40,13 +40,13 @@ def _matmul(a_ptr, b_ptr, c_ptr, K, BLOCK: tl.constexpr):
 
 
 def _counts(kernel: str, warps: int, *extra: str, signature: str = "x_ptr=*fp32,y_ptr=*fp32",
-            constexprs: str = "BLOCK=1024") -> dict[str, int]:
+            constexprs: str = "BLOCK=1024", arch: int = 90) -> dict[str, int]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "bench.ptx_stats", f"tests.bench.test_ptx_stats:{kernel}",
-                          "--signature", signature, "--constexprs", constexprs, "--num-warps", str(warps), *extra],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                          "--signature", signature, "--constexprs", constexprs, "--num-warps", str(warps),
+                          "--arch", str(arch), *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert f"sm_90, {warps} warps:" in out.stdout
+    assert f"sm_{arch}, {warps} warps:" in out.stdout
     return {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", out.stdout.split(":", 2)[-1])}
 
 
@@ -65,3 +65,11 @@ def test_a_pipelined_loop_needs_the_alignment_the_runtime_gives() -> None:
     assert 0 < runtime["registers"] <= 255
     unaligned = _counts("_matmul", 4, "--divisible", "K", "--unaligned", "a_ptr,b_ptr", **sig)
     assert unaligned["cp_async"] == 0
+
+
+def test_gb10_builds_with_the_blackwell_ptxas_and_has_no_warpgroup_mma() -> None:
+    """sm_121 (GB10): Triton's CUDA 12.8 ptxas has no sm_12x, its ptxas-blackwell (12.9) has. GB10 has warp-level
+    MMAs only: the same loop pipelines its loads and multiplies without wgmma."""
+    sig = dict(signature="a_ptr=*bf16,b_ptr=*bf16,c_ptr=*fp32,K=i32", constexprs="BLOCK=64")
+    gb10 = _counts("_matmul", 4, "--divisible", "K", arch=121, **sig)
+    assert gb10["cp_async"] > 0 and gb10["wgmma"] == 0 and 0 < gb10["registers"] <= 255

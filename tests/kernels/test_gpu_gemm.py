@@ -7,7 +7,7 @@ import torch
 
 from tests.kernels.gpu_support import DEVICE, HALF, randn
 
-from kernels.gpu import gemm  # noqa: E402  (after the importorskip in gpu_support)
+from kernels.gpu import arch as gpu_arch, gemm  # noqa: E402  (after the importorskip in gpu_support)
 
 # decode_rows values that make every row decode-class, or every row a prompt row
 CLASSES = {"decode": 1 << 30, "prefill": 0}
@@ -79,18 +79,21 @@ def _weight(fmt: str, n: int, k: int, seed: int):
     return wtiles.quantized("w4a16", {"weight_packed": words.to(DEVICE), "weight_scale": s4.to(DEVICE)}, {"group": 128})
 
 
+@pytest.mark.parametrize("arch", gpu_arch.ROWS, ids=lambda a: f"sm_{a}")
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "w4a16", "int3"])
 @pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
-def test_row_alone_equals_row_in_company(rows: int, fmt: str) -> None:
+def test_row_alone_equals_row_in_company(rows: int, fmt: str, arch: int) -> None:
+    """On each architecture's table row (kernels/gpu/arch.py: GB10's prompt tile is 128 wide, Hopper's 256)."""
     k, n = 1024, 256
     w = _weight(fmt, n, k, seed=5)
     crowd = randn(150, k, seed=6)
-    alone = gemm.matmul(crowd[77:78], w, rows, out_dtype=torch.float32)
-    for m in (2, 17, 78, 150):
-        together = gemm.matmul(crowd[:m] if m > 77 else torch.cat([crowd[77:78], crowd[:m - 1]]), w, rows,
-                               out_dtype=torch.float32)
-        row = together[77] if m > 77 else together[0]
-        assert torch.equal(row, alone[0]), f"{fmt}: row changed beside {m - 1} others"
+    with gpu_arch.assume(arch):
+        alone = gemm.matmul(crowd[77:78], w, rows, out_dtype=torch.float32)
+        for m in (2, 17, 78, 150):
+            together = gemm.matmul(crowd[:m] if m > 77 else torch.cat([crowd[77:78], crowd[:m - 1]]), w, rows,
+                                   out_dtype=torch.float32)
+            row = together[77] if m > 77 else together[0]
+            assert torch.equal(row, alone[0]), f"{fmt}: row changed beside {m - 1} others"
 
 
 def test_split_rows_use_each_class_schedule() -> None:

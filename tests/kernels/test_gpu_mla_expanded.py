@@ -4,11 +4,12 @@ same whatever tile, chunk, launch or heads it shares."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.kernels.gpu_support import DEVICE, HALF, HALF_TOL, randn
 
-from kernels.gpu import mla_expanded  # noqa: E402
+from kernels.gpu import arch as gpu_arch, mla_expanded  # noqa: E402
 from kernels.mla import expanded_attention, latent_attention  # noqa: E402
 
 H, DN, DV, R = 3, 16, 32, 64
@@ -106,11 +107,13 @@ def test_heads_in_one_launch_equal_one_launch_each() -> None:
         assert torch.equal(fused[h : h + 1], run(q, kv, everything, heads=slice(h, h + 1))), f"head {h}"
 
 
-def test_production_tile_row_invariance_at_release_widths() -> None:
-    """The tile the model runs (mla_expanded.TILE) at the release's 256 + 256 per head: each row of a 150-row prompt
-    gets the same bits from tiles that start at position 0 and from tiles that start at 37 (a chunk cut there)."""
+@pytest.mark.parametrize("arch", gpu_arch.ROWS, ids=lambda a: f"sm_{a}")
+def test_production_tile_row_invariance_at_release_widths(arch: int) -> None:
+    """The tile the model runs on each architecture (mla_expanded.tile_for) at the release's 256 + 256 per head:
+    each row of a 150-row prompt gets the same bits from tiles that start at position 0 and from tiles that start
+    at 37 (a chunk cut there)."""
     dn = dv = 256
-    n, bm = 150, mla_expanded.TILE["BM"]
+    n, bm = 150, mla_expanded.tile_for(arch)["BM"]
     q = randn(1, n, dn, seed=6)
     kv = randn(1, n, dn + dv, seed=7, scale=0.5)
 
@@ -121,4 +124,5 @@ def test_production_tile_row_invariance_at_release_widths() -> None:
         mla_expanded.attend(q, kv, out, torch.tensor(tiles, dtype=torch.int32, device=DEVICE), dn ** -0.5)
         return out
 
-    assert torch.equal(attend(0), attend(37))
+    with gpu_arch.assume(arch):
+        assert torch.equal(attend(0), attend(37))

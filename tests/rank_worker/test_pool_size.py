@@ -3,6 +3,7 @@ buys, and two rank processes that size their pools from different budgets agreei
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import grpc
@@ -55,9 +56,39 @@ def test_blocks_for_a_budget() -> None:
 
 def test_budget_rules() -> None:
     cpu = torch.device("cpu")
-    assert pool_size.budget_bytes(cpu, kv_cache_memory_bytes=12345, gpu_memory_utilization=0.9) == 12345
-    assert 0 < pool_size.budget_bytes(cpu, kv_cache_memory_bytes=0, gpu_memory_utilization=0.9) \
+    assert pool_size.budget_bytes(cpu, kv_cache_memory_bytes=12345, gpu_memory_utilization=0.9).bytes == 12345
+    assert 0 < pool_size.budget_bytes(cpu, kv_cache_memory_bytes=0, gpu_memory_utilization=0.9).bytes \
         <= pool_size.CPU_KV_CACHE_BYTES
+
+
+GIB = 2 ** 30
+# A DGX Spark once a rank's ~85 GiB of weights are loaded, as its device reports it (faked: no GPU here): 128 GiB
+# that the CPU and the GPU share, cudaMemGetInfo's free the system's (the OS, the other roles and this rank's
+# weights taken), 30 GiB available to the system with the reclaimable page cache.
+SPARK = pool_size.MemoryReport(total=128 * GIB, free=20 * GIB, own=85 * GIB, unified=True, available=30 * GIB)
+
+
+def test_unified_memory_budget_is_a_share_of_the_total_with_a_faked_device_report() -> None:
+    """vLLM's meaning on an integrated GPU: 0.9 x the total less what this rank holds, whatever the others use;
+    the free-memory rule of a discrete GPU would have taken 0.9 x 128 - 108 GiB of it."""
+    got = pool_size.gpu_budget(SPARK, 0.75)
+    assert got.bytes == int(0.75 * 128 * GIB) - 85 * GIB  # 11 GiB
+    assert "unified memory" in got.rule and "85.0 GiB this rank holds" in got.rule
+    discrete = dataclasses.replace(SPARK, unified=False)
+    assert pool_size.gpu_budget(discrete, 0.75).bytes == int(0.75 * 128 * GIB) - 108 * GIB
+
+
+def test_unified_memory_budget_refuses_what_the_system_cannot_give_with_a_faked_device_report() -> None:
+    """0.95 of the total would leave a 36.6 GiB pool with 30 GiB available: the rank stops and says what to set,
+    rather than take the memory the OS and the other processes run in."""
+    with pytest.raises(ValueError, match="lower --gpu-memory-utilization or set --kv-cache-memory-bytes"):
+        pool_size.gpu_budget(SPARK, 0.95)
+
+
+def test_unified_memory_ranks_sharing_the_gpu_split_the_total_with_a_faked_device_report() -> None:
+    two = dataclasses.replace(SPARK, own=40 * GIB)
+    got = pool_size.gpu_budget(two, 0.9, sharers=2)
+    assert got.bytes == int(0.9 * 128 * GIB) // 2 - 40 * GIB and "split over the 2 ranks" in got.rule
 
 
 def test_ranks_agree_on_the_smaller_pool(tiny_default, tmp_path) -> None:

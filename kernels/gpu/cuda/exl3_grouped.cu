@@ -26,8 +26,10 @@
 
 #include <cuda_fp16.h>
 #include <stdint.h>
+#ifndef TWINSPARK_DEVICE_ONLY  // the kernels alone: a build check for another GPU without torch's headers
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace {
 
@@ -56,6 +58,19 @@ constexpr int WARPS = TS_WARPS;      // K parts per block, one per warp
 constexpr int N_TILES = TS_N_TILES;  // 16-wide output tiles per block
 constexpr int UNROLL = TS_UNROLL;    // K tiles per pipeline group
 constexpr int STAGES = TS_STAGES;    // pipeline groups in flight per warp
+
+// Groups a warp keeps in flight at a rate: STAGES, or fewer where the copies and the warps' partials would pass the
+// 48 KiB of static shared memory ptxas allows a block (sm_90 and sm_121 alike: at 8 warps, 3.0 bits and up needed
+// 50-62 KiB with 6 groups; tests/kernels/test_exl3_cuda_build.py). The depth of the copies only: the K order, so
+// the bits, are the same at any depth.
+template <int BITS2>
+__host__ __device__ constexpr int pipe_stages() {
+  constexpr int part = (WARPS - 1) * N_TILES * 8 * 32 * 4;     // the partials' bytes (`part` below)
+  constexpr int per_stage = WARPS * UNROLL * N_TILES * 16 * BITS2;  // one group of every warp's words, bytes
+  constexpr int fit = (48 * 1024 - part) / per_stage;
+  static_assert(fit >= 2, "the pipeline needs two groups in flight");
+  return fit < STAGES ? fit : STAGES;
+}
 
 template <int BITS2>  // bits per weight x 2 (half rates: odd steps carry one more bit)
 struct Rate {
@@ -165,15 +180,16 @@ __global__ void TS_BOUNDS exl3_grouped_kernel(
   if (first < 0) first += R::BITS;
   const int first_word = first >> 5, offset = first & 31;
 
-  // Each warp streams its part of K through shared memory, STAGES groups of UNROLL K tiles deep (cp.async: the
+  // Each warp streams its part of K through shared memory, PIPE groups of UNROLL K tiles deep (cp.async: the
   // loads of later groups are in flight while a group is decoded). A K tile's N_TILES output tiles are adjacent in
   // memory: one run of N_TILES * WORDS words, 16-byte aligned (16 x bits int16 per tile, bits a multiple of 0.5).
   constexpr int RUN = N_TILES * R::WORDS, RUN_CHUNKS = RUN / 4, CHUNKS = UNROLL * RUN_CHUNKS;
-  __shared__ __align__(16) uint32_t words[WARPS][STAGES][UNROLL * RUN];
+  constexpr int PIPE = pipe_stages<BITS2>();
+  __shared__ __align__(16) uint32_t words[WARPS][PIPE][UNROLL * RUN];
   const int groups = per_warp / UNROLL;
   auto issue = [&](int group) {
     if (group < groups) {
-      uint32_t* dst = words[warp][group % STAGES];
+      uint32_t* dst = words[warp][group % PIPE];
       const uint32_t* src = w_e + int64_t(kt0 + group * UNROLL) * sk;
 #pragma unroll
       for (int chunk = lane; chunk < CHUNKS; chunk += 32) {
@@ -184,7 +200,7 @@ __global__ void TS_BOUNDS exl3_grouped_kernel(
     commit_async();  // an empty group when past the end: the wait below counts groups
   };
 #pragma unroll
-  for (int group = 0; group < STAGES - 1; ++group) issue(group);
+  for (int group = 0; group < PIPE - 1; ++group) issue(group);
 
   auto a_fragments = [&](int group, uint32_t af[UNROLL][4]) {
 #pragma unroll
@@ -200,11 +216,11 @@ __global__ void TS_BOUNDS exl3_grouped_kernel(
   uint32_t af[UNROLL][4], af_next[UNROLL][4];
   a_fragments(0, af);
   for (int group = 0; group < groups; ++group) {
-    wait_async<STAGES - 2>();
+    wait_async<PIPE - 2>();
     __syncwarp();  // every lane's copies of this group have landed, and the group before is read by all
-    issue(group + STAGES - 1);
+    issue(group + PIPE - 1);
     if (group + 1 < groups) a_fragments(group + 1, af_next);
-    const uint32_t* stage = words[warp][group % STAGES];
+    const uint32_t* stage = words[warp][group % PIPE];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
@@ -248,6 +264,19 @@ __global__ void TS_BOUNDS exl3_grouped_kernel(
       }
 }
 
+// The (codebook, 2 x bits) instantiations: 2.0 to 4.0 bits per weight, the half rates too, in exllamav3's default
+// codebook (mul1); whole rates in the others. kernels/gpu/exl3_cuda.py keeps the same list (RATES) and sends other
+// rates to the Triton kernel.
+#define TWINSPARK_EXL3_RATES(X) \
+  X(2, 4) X(2, 5) X(2, 6) X(2, 7) X(2, 8) X(0, 4) X(0, 6) X(0, 8) X(1, 4) X(1, 6) X(1, 8)
+
+#ifdef TWINSPARK_DEVICE_ONLY
+// Every instantiation, for tests/kernels/test_exl3_cuda_build.py's per-architecture build (no torch, no host code).
+#define TWINSPARK_EXL3_KERNEL(CB, B2) reinterpret_cast<const void*>(&exl3_grouped_kernel<CB, B2>),
+const void* const every_kernel[] = {TWINSPARK_EXL3_RATES(TWINSPARK_EXL3_KERNEL)};
+#undef TWINSPARK_EXL3_KERNEL
+}  // namespace
+#else
 template <int CB, int BITS2>
 void launch(const torch::Tensor& a, const torch::Tensor& w, torch::Tensor& out, const int* pairs, const int* experts,
             int64_t blocks, int64_t num_experts, int64_t n, int64_t k, int64_t dense_rows, const torch::Tensor* w2) {
@@ -277,11 +306,7 @@ void dispatch(const torch::Tensor& a, const torch::Tensor& w, torch::Tensor& out
 #define TWINSPARK_EXL3_RATE(CB, B2) \
   if (codebook == CB && bits2 == B2) \
     return launch<CB, B2>(a, w, out, pairs, experts, blocks, num_experts, n, k, dense_rows, w2);
-  // 2.0 to 4.0 bits per weight, the half rates too, in exllamav3's default codebook (mul1); whole rates in the
-  // others. kernels/gpu/exl3_cuda.py keeps the same list and sends other rates to the Triton kernel.
-  TWINSPARK_EXL3_RATE(2, 4) TWINSPARK_EXL3_RATE(2, 5) TWINSPARK_EXL3_RATE(2, 6) TWINSPARK_EXL3_RATE(2, 7)
-  TWINSPARK_EXL3_RATE(2, 8) TWINSPARK_EXL3_RATE(0, 4) TWINSPARK_EXL3_RATE(0, 6) TWINSPARK_EXL3_RATE(0, 8)
-  TWINSPARK_EXL3_RATE(1, 4) TWINSPARK_EXL3_RATE(1, 6) TWINSPARK_EXL3_RATE(1, 8)
+  TWINSPARK_EXL3_RATES(TWINSPARK_EXL3_RATE)
 #undef TWINSPARK_EXL3_RATE
   TORCH_CHECK(false, "no EXL3 CUDA kernel for codebook ", codebook, " at ", bits2 / 2.0, " bits");
 }
@@ -325,3 +350,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exl3_grouped_pair", &exl3_grouped_pair, "the grouped product of two stacks of one layout in one launch");
   m.def("exl3_dense", &exl3_dense, "EXL3 product of each weight of a stack with its own rows");
 }
+#endif  // TWINSPARK_DEVICE_ONLY
