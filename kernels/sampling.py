@@ -128,10 +128,14 @@ def _row_state(seed: Tensor, position: Tensor) -> Tensor:
     return h
 
 
+def _pair_hash(row_state: Tensor, tokens: Tensor) -> Tensor:
+    """Absorb the token block and finalise, elementwise over broadcast row states and tokens: int64 in [0, 2**32)."""
+    return _fmix32(_absorb(row_state, _scramble(tokens)) ^ _KEY_BYTES)
+
+
 def _token_hash(row_state: Tensor, tokens: Tensor) -> Tensor:
-    """Absorb the token block and finalise: int64 [R, len(tokens)] in [0, 2**32)."""
-    h = _absorb(row_state[:, None], _scramble(tokens)[None, :])
-    return _fmix32(h ^ _KEY_BYTES)
+    """Every row's hash of every token: int64 [R, len(tokens)] in [0, 2**32)."""
+    return _pair_hash(row_state[:, None], tokens[None, :])
 
 
 def keyed_hash32(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
@@ -275,9 +279,14 @@ def gumbel_noise(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
     cols = max(1, _NOISE_BLOCK.get(device.type, 1 << 24) // max(1, seed.shape[0]))
     for start in range(0, vocab, cols):
         tokens = torch.arange(start, min(start + cols, vocab), dtype=torch.int64, device=device)
-        u = (_token_hash(state, tokens).to(torch.float64) + 0.5) * (1.0 / 2**32)
-        out[:, start : start + cols] = -_log64(-_log64(u))
+        out[:, start : start + cols] = _gumbel(_token_hash(state, tokens))
     return out
+
+
+def _gumbel(h: Tensor) -> Tensor:
+    """The noise of hashes h (gumbel_noise's formula)."""
+    u = (h.to(torch.float64) + 0.5) * (1.0 / 2**32)
+    return (-_log64(-_log64(u))).to(torch.float32)
 
 
 def _keep_top_k(x: Tensor, k: Tensor, kmax: int) -> Tensor:
@@ -415,9 +424,25 @@ def sample(logits: Tensor, positions: Tensor, params: SamplingParams, filters: F
         return greedy_ids
     sampled = params.temperature > 0
     z = filter_logits(logits, params, filters)
-    noise = gumbel_noise(params.seed, positions, logits.shape[-1])
-    sampled_ids = (z + noise).argmax(dim=-1)
-    return torch.where(sampled, sampled_ids, greedy_ids)
+    return torch.where(sampled, noisy_argmax(z, params.seed, positions), greedy_ids)
+
+
+# On the CPU, rows whose filters (a grammar's mask, top-k) leave at most this share of the vocabulary get noise only
+# where a token can still win: the noise is ~90 float64 ops a token, most of a constrained CPU step's time.
+_SPARSE_SHARE = 1 / 16
+
+
+def noisy_argmax(z: Tensor, seed: Tensor, position: Tensor) -> Tensor:
+    """argmax(z + keyed Gumbel noise) per row (ties -> lowest id), z the filtered logits (-inf: filtered out). The
+    same ids whether the noise is drawn for the whole vocabulary or only for the finite entries: a filtered token
+    is -inf either way, and a finite one gets the same noise value (elementwise, keyed by its id)."""
+    finite = torch.isfinite(z)
+    if z.device.type != "cpu" or int(finite.sum()) > _SPARSE_SHARE * z.numel():  # on a GPU: no host sync
+        return (z + gumbel_noise(seed, position, z.shape[-1])).argmax(dim=-1)
+    rows, ids = finite.nonzero(as_tuple=True)
+    scores = torch.full_like(z, float("-inf"))
+    scores[rows, ids] = z[rows, ids] + _gumbel(_pair_hash(_row_state(seed, position)[rows], ids))
+    return scores.argmax(dim=-1)
 
 
 def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -4,8 +4,10 @@ in a child process, under the limits the scheduler's matchers run with (services
 Why a child process: the library can take the process down or hold it for long on hostile grammars — a chain of
 ~1,000 `$ref`s or Lark rules overflows its stack (SIGSEGV), 100,000 choices trip an internal assertion (a panic)
 after 16 s, an object of 10,000 optional properties compiles for 10 s. Here a crash is a 400 for that request and a
-fresh worker for the next; a compile past `DEADLINE_S` is killed and refused. The worker compiles on a thread with
-half the usual 8 MiB stack, so what passes here compiles in the scheduler's main thread with room to spare.
+fresh worker for the next; a check past `DEADLINE_S` of CPU time is refused, and one that has not answered after
+`WALL_S` is killed and refused. A grammar's verdict is kept (`VERDICTS`): a client sends one schema many times. The
+worker compiles on a thread with half the usual 8 MiB stack, so what passes here compiles in the scheduler's main
+thread with room to spare.
 
 Why a walk: some limits bite only while generating. An object of 3,000 optional properties compiles, then its first
 token builds a parser row of 12,007 items (the limit is 2,000); `{"$ref": "#"}` compiles to a grammar that allows
@@ -29,12 +31,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
 from .errors import bad_request, unavailable
 
-DEADLINE_S = 0.4  # compile + walk. The scheduler compiles it again on its loop, holding every stream that long
+DEADLINE_S = 0.4  # compile + walk, CPU time: the scheduler compiles it again on its loop, holding every stream
+# Wall time the gateway waits for a verdict: the worker's CPU-time limit above is the grammar's, whatever the machine's
+# load (a loaded 2-core machine stretched a 0.2 s check of a common pydantic schema past 0.4 s of wall time); this
+# bound only kills what never answers (a 10 s compile), still within the second a refusal may take.
+WALL_S = 0.7
+VERDICTS = 256  # grammars whose verdict (passed, or the library's error) is kept: clients send one schema many times
 WALKS = 4
 WALK_TOKENS = 48
 START_TIMEOUT_S = 60.0  # a fresh worker loads the tokenizer's vocabulary first
@@ -52,6 +60,9 @@ class GrammarChecker:
                                  "ids": ids}) + "\n"
         self._proc: subprocess.Popen[bytes] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
+        # Verdicts that depend on the grammar alone (passed, or the library's own error), most recent last; a
+        # crash or a timeout may be the machine's doing and is checked again next time.
+        self._verdicts: OrderedDict[str, str | None] = OrderedDict()
 
     async def check(self, grammar: str, param: str) -> None:
         """Raise a 400 `invalid_grammar` naming `param` when the library cannot run `grammar`."""
@@ -65,20 +76,28 @@ class GrammarChecker:
 
     def verdict(self, grammar: str) -> str | None:
         """None when the grammar passed; else why not."""
+        if grammar in self._verdicts:
+            self._verdicts.move_to_end(grammar)
+            return self._verdicts[grammar]
         proc = self._worker()
         assert proc.stdin is not None and proc.stdout is not None
         try:
             proc.stdin.write(json.dumps({"grammar": grammar}).encode() + b"\n")
             proc.stdin.flush()
-            line = _read_line(proc.stdout, DEADLINE_S)
+            line = _read_line(proc.stdout, WALL_S)
         except OSError:
             line = b""
         if line:
-            return json.loads(line)["error"]
+            answer = json.loads(line)
+            if answer["keep"]:
+                self._verdicts[grammar] = answer["error"]
+                if len(self._verdicts) > VERDICTS:
+                    self._verdicts.popitem(last=False)
+            return answer["error"]
         self._drop()
         self.start()  # the next check finds a worker ready
         if line is None:
-            return f"the grammar is too complex: it did not compile and run its first tokens within {DEADLINE_S} s"
+            return _too_complex()
         return _CRASHED
 
     def close(self) -> None:
@@ -185,11 +204,21 @@ def _message(error: str) -> str:
     return text
 
 
-def _run(tokenizer, grammar: str, eos_ids: list[int], ids: dict[str, int], result: dict[str, str | None]) -> None:
+def _too_complex() -> str:
+    return f"the grammar is too complex: it did not compile and run its first tokens within {DEADLINE_S} s"
+
+
+def _run(tokenizer, grammar: str, eos_ids: list[int], ids: dict[str, int], result: dict) -> None:
+    """result: "error" (None = passed) and "keep" (whether the verdict is the grammar's alone: not a CPU-time one,
+    which a borderline grammar may get or not)."""
+    started = time.thread_time()  # this thread's CPU time: the library compiles and walks on it
     try:
         result["error"] = probe(tokenizer, grammar, eos_ids, ids)
+        result["keep"] = True
     except BaseException as exc:  # noqa: BLE001 — the library's panics are BaseExceptions
         result["error"] = f"the structured-output library failed on this grammar: {exc}"
+    if time.thread_time() - started > DEADLINE_S:
+        result["error"], result["keep"] = _too_complex(), False
 
 
 def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
@@ -201,7 +230,7 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     stdout.flush()
     threading.stack_size(_STACK_BYTES)
     for line in stdin:
-        result: dict[str, str | None] = {"error": _CRASHED}
+        result: dict = {"error": _CRASHED, "keep": False}
         compile_thread = threading.Thread(target=_run, args=(tokenizer, json.loads(line)["grammar"],
                                                             init["eos_ids"], init["ids"], result))
         compile_thread.start()

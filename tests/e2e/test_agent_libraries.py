@@ -51,30 +51,47 @@ class Color(str, enum.Enum):
 
 
 class Point(BaseModel):
+    """Bounded coordinates: an unbounded integer lets the random model write digits until max_tokens, and one such
+    reply holds a whole batch of requests that long."""
+
     model_config = ConfigDict(extra="forbid")
 
-    x: int
-    y: int
+    x: int = Field(ge=-99, le=99)
+    y: int = Field(ge=-99, le=99)
+
+
+class Corner(BaseModel):
+    """A nested model with no numeric or length bounds: Anthropic's SDK moves those out of the schema it sends
+    (into descriptions), so what it validates must not hold them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    side: Literal["top", "bottom"]
+    outer: bool
 
 
 class Shape(BaseModel):
-    """A shape. Anthropic's SDK moves numeric and length bounds out of the schema it sends (into descriptions), so
-    what it validates must not hold them: this model has none."""
+    """A shape as Anthropic's helpers send it (no bounds)."""
 
     model_config = ConfigDict(extra="forbid")
 
     color: Color
-    origin: Point
+    corner: Corner
     kind: Literal["circle", "square"]
     shade: Optional[Color] = None
 
 
-class BoundedShape(Shape):
+class BoundedShape(BaseModel):
     """With bounds, as OpenAI's, langchain's and pydantic-ai's schemas carry them to the server."""
 
+    model_config = ConfigDict(extra="forbid")
+
+    color: Color
+    origin: Point = Field(description="where it is")
+    kind: Literal["circle", "square"]
+    shade: Optional[Color] = None
     label: Optional[str] = Field(None, max_length=8)
     tags: list[Literal["a", "b", "c"]] = Field(max_length=3)
-    origin: Point = Field(description="where it is")
 
 
 @pytest.fixture(scope="module")

@@ -110,3 +110,21 @@ def test_a_forced_tool_call_grammar_is_checked_too(tiny_default: Path) -> None:
         ctx.grammar_check.close()
     assert err.value.status == 400 and err.value.code == "invalid_grammar" and err.value.param == "tool_choice"
     assert "look-around" in err.value.message
+
+
+def test_a_grammars_verdict_is_kept(tiny_default: Path) -> None:
+    """A client sends one schema with every request: its verdict is kept, so the second check asks no worker (the
+    first one's worker is gone and none is started)."""
+    from llguidance import LLMatcher
+
+    ckpt = CheckpointInfo.load(tiny_default)
+    ctx = ModelContext(checkpoint=ckpt, tokenizer=TextTokenizer(tiny_default),
+                       template=ChatTemplate.load(tiny_default, ckpt.tokenizer_config), max_model_len=4096)
+    checker = ctx.grammar_check
+    grammar = LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    try:
+        assert checker.verdict(grammar) is None
+        checker._drop()  # the worker that checked it
+        assert checker.verdict(grammar) is None and checker._proc is None
+    finally:
+        checker.close()

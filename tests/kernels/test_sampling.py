@@ -452,3 +452,17 @@ def test_prompt_logprobs_are_the_raw_log_softmax_bit_for_bit(monkeypatch):
         assert torch.equal(alone[0], chosen[r : r + 1]) and torch.equal(alone[3], top_lp[r : r + 1])
     none = S.prompt_logprobs(logits[:0], nxt[:0], 2)
     assert none[0].shape == (0,) and none[2].shape == (0, 2)
+
+
+def test_noise_drawn_for_the_finite_tokens_only_picks_what_the_whole_draw_picks() -> None:
+    """On the CPU a row left with few tokens (a grammar's mask, top-k) gets noise only where a token can win: the
+    same ids as the noise over the whole vocabulary, rows with one token and with none left included."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 5000, generator=g)
+    z[torch.rand(6, 5000, generator=g) > 0.02] = float("-inf")
+    z[3] = float("-inf")
+    z[4, 1:] = float("-inf")
+    seed, position = torch.arange(6) * 7 + 1, torch.arange(6) + 100
+    whole = (z + S.gumbel_noise(seed, position, 5000)).argmax(dim=-1)
+    assert int(torch.isfinite(z).sum()) < S._SPARSE_SHARE * z.numel()  # the sparse path runs
+    assert torch.equal(S.noisy_argmax(z, seed, position), whole)
