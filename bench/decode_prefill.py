@@ -17,49 +17,28 @@ Random-token prompts, greedy logits (no sampling, no drafts). CUDA events, warm-
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
 from bench import flags, roofline
-from bench.random_weights import build_model, bench_spec, spec_dims
-from model.quantize.select import Recipe
-from kernels import moe
-
-try:
-    from kernels.gpu import moe as gpu_moe
-except ImportError:  # no Triton: the CPU path only
-    gpu_moe = None
+from bench.model_run import (BLOCK, Setup, add_flags, add_step_flags, experts_per_layer, finish, free, is_oom,
+                             random_tokens, setup, si)
+from bench.output import RunFiles
+from bench.random_weights import build_model
+from bench.timing import log, median, sync, time_calls
 from model.batch import Batch
+from model.quantize.select import Recipe
 from model.row_store import KV_CACHE_DTYPES
-from model.checkpoint.spec import TinySpec
-from services.common import shared_flags as shared
-
-BLOCK = 16
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.decode_prefill", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    flags.add(p, flags.LAYERS)
-    flags.add(p, flags.LAYER_PATTERN)
-    p.add_argument("--batches", type=_ints, default=[1, 8, 64], help="decode batch sizes (default 1,8,64)")
-    p.add_argument("--prefill", type=_ints, default=[2048, 8192], help="prefill lengths (default 2048,8192)")
+    p = flags.parser("bench.decode_prefill", __doc__)
+    p.add_argument("--batches", type=flags.ints, default=[1, 8, 64], help="decode batch sizes (default 1,8,64)")
+    p.add_argument("--prefill", type=flags.ints, default=[2048, 8192], help="prefill lengths (default 2048,8192)")
     p.add_argument("--context", type=int, default=512, help="tokens in the cache per decode sequence (default 512)")
     p.add_argument("--iters", type=int, default=5, help="timed iterations per config (default 5)")
     p.add_argument("--slow-iters", type=int, default=3,
@@ -72,8 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ceiling-iters", type=int, default=20, help="timed iterations of each ceiling (default 20)")
     p.add_argument("--copy-gib", type=float, default=4.0, help="bytes per copy in the bandwidth test (default 4 GiB)")
     p.add_argument("--matmul-n", type=int, default=8192, help="matmul size for the FLOP-rate test (default 8192)")
-    for spec in (flags.DTYPE, flags.DEVICE, flags.KV_CACHE_DTYPE, flags.VIRTUAL):
-        flags.add(p, spec)
     p.add_argument("--peer", choices=("transformers", "none"), default=None,
                    help="also time transformers' Glm5Next on the same shapes in this run (default on a GPU: "
                         "transformers; none: skip)")
@@ -82,86 +59,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after timing, run one eager forward of each decode batch and prefill length under "
                         "torch.profiler and record the kernel launches per step, their GPU time and the names that take the most (the "
                         "results' 'profile' section; every launch in order in <name>-profile-*.tsv)")
-    flags.add(p, shared.RANDOM_WEIGHTS, "draw the linears a quantize recipe selects packed (e.g. w4a16+bf16; see "
-              "serve-rank --help); the roofline figures still count weights at --dtype's size", metavar="RECIPE")
-    flags.add(p, shared.ENFORCE_EAGER, "time decode steps eagerly (default on a GPU: replay CUDA graphs, as "
-              "serve-rank does)")
-    flags.add(p, flags.SEED)
-    flags.add(p, flags.TINY, "make-tiny dimensions on the CPU, small ceilings: a smoke test of this script")
-    flags.add(p, flags.OUT)
-    p.add_argument("--name", default=None, help="file stem (default decode_prefill-<date>)")
+    add_step_flags(p)
+    add_flags(p, "decode_prefill", "make-tiny dimensions on the CPU, small ceilings: a smoke test of this script")
     return p.parse_args(argv)
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
-def free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-@contextmanager
-def count_experts(real_rows: int, record: list[dict]):
-    """Record, per MoE call, the distinct routed experts chosen by the batch's real rows (and by all rows: the CPU
-    path pads batch-wide tensors to 64 rows and routes the padding too; the GPU path never routes padding). Patches
-    both routers; the GPU one lists the shared expert (index E) last and padding pairs as E + 1."""
-    original, original_gpu = moe.route, gpu_moe.route if gpu_moe is not None else None
-
-    def route(x, *args, **kwargs):
-        ids, w = original(x, *args, **kwargs)
-        record.append({"real": int(torch.unique(ids[:real_rows]).numel()), "all_rows": int(torch.unique(ids).numel())})
-        return ids, w
-
-    def route_gpu(logits, *args, **kwargs):
-        ids, w = original_gpu(logits, *args, **kwargs)
-        routed = ids[:, :-1]
-        n = int(torch.unique(routed[:real_rows]).numel())
-        record.append({"real": n, "all_rows": int(torch.unique(routed[routed < logits.shape[1]]).numel())})
-        return ids, w
-
-    moe.route = route
-    if gpu_moe is not None:
-        gpu_moe.route = route_gpu
-    try:
-        yield record
-    finally:
-        moe.route = original
-        if gpu_moe is not None:
-            gpu_moe.route = original_gpu
-
-
-def experts_per_layer(spec, real_rows: int, forward: Callable[[], object]) -> list[dict]:
-    """Per MoE layer, the distinct routed experts one call of `forward` picks (`count_experts`' records)."""
-    hits: list[dict] = []
-    with count_experts(real_rows, hits):
-        forward()
-    moe_layers = sum(1 for m in spec.mlp_layer_types if m == "sparse")
-    return hits[-moe_layers:] if moe_layers else []
-
-
-class Results:
+class Results(RunFiles):
     """Everything measured so far; written out after every config so a timeout still leaves what was done."""
 
-    def __init__(self, args: argparse.Namespace, meta: dict, out_dir: Path, stem: str) -> None:
+    def __init__(self, args: argparse.Namespace, run: Setup) -> None:
+        super().__init__(run.out_dir, run.stem, {"meta": run.meta, "ceilings": {}, "decode": [], "prefill": [],
+                                                 "notes": []})
         self.args = args
-        self.data = {"meta": meta, "ceilings": {}, "decode": [], "prefill": [], "notes": []}
-        self.json_path = out_dir / f"{stem}.json"
-        self.md_path = out_dir / f"{stem}.md"
-        out_dir.mkdir(parents=True, exist_ok=True)
 
     def sibling(self, suffix: str) -> Path:
         """A further file of this run's results: `<stem>-<suffix>` beside the JSON."""
         return self.json_path.with_name(f"{self.json_path.stem}-{suffix}")
-
-    def write(self) -> None:
-        self.json_path.write_text(json.dumps(self.data, indent=2) + "\n")
-        self.md_path.write_text(self.markdown())
 
     def markdown(self) -> str:
         d, m = self.data, self.data["meta"]
@@ -241,18 +154,6 @@ def _peer_cell(peer: dict | None, ours_ms: float) -> str:
     return f"{peer['median_ms']:.2f} | {peer['median_ms'] / ours_ms:.1f}x"
 
 
-def si(x: float, unit: str = "", digits: int = 3) -> str:
-    """1.23 G / 45.6 M / 789 k style numbers, so tiny and real runs both print readably."""
-    for div, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.{digits}g} {prefix}{unit}"
-    return f"{x:.{digits}g} {unit}".rstrip()
-
-
-def random_tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=gen).tolist()
-
-
 def measure_ceilings(res: Results, device: torch.device, args: argparse.Namespace) -> None:
     nbytes = int((64 << 20) if args.tiny else args.copy_gib * (1 << 30))
     n = 256 if args.tiny else args.matmul_n
@@ -293,7 +194,7 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
                           lengths=[args.context] * len(seqs), block_tables=tables[seqs], slots=seqs,
                           logit_rows=torch.tensor([(i + 1) * args.context - 1 for i in range(len(seqs))]))
             model.forward(batch, cache)
-            roofline.sync(device)
+            sync(device)
             log(f"  prefilled sequences {seqs[0]}..{seqs[-1]} ({time.perf_counter() - t0:.1f} s)")
     except Exception as e:  # noqa: BLE001 - OOM in the setup: record it for every batch size
         if not is_oom(e):
@@ -344,15 +245,15 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
             for _ in range(warmup):  # (captures the CUDA graph of this batch size)
                 step(make(0))
                 advance(1)
-            roofline.sync(device)
+            sync(device)
             warm_s = (time.perf_counter() - t0) / warmup
             iters = args.iters if warm_s <= args.slow_s else min(args.iters, args.slow_iters)
             contexts = [pos[s] for s in seqs]
             batches_timed = [make(i) for i in range(iters)]  # built before timing, positions already advanced
             log(f"decode batch {b}: warm-up {warm_s:.2f} s/step; timing {iters} steps")
-            times = roofline.time_calls(lambda i: step(batches_timed[i]), warmup=0, iters=iters, device=device)
+            times = time_calls(lambda i: step(batches_timed[i]), warmup=0, iters=iters, device=device)
             advance(iters)
-            med = roofline.median(times)
+            med = median(times)
             experts_hit = [h["real"] for h in last]
             need = roofline.decode_bytes(spec, dtype, contexts, experts_hit, KV_CACHE_DTYPES[args.kv_cache_dtype],
                                          stored)
@@ -412,12 +313,12 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
                 t0 = time.perf_counter()
                 for i in range(args.warmup):
                     step(i)
-                roofline.sync(device)
+                sync(device)
                 warm_s = (time.perf_counter() - t0) / max(args.warmup, 1)
                 iters = args.iters if warm_s <= args.slow_s else min(args.iters, args.slow_iters)
                 log(f"prefill {n}: warm-up {warm_s:.2f} s; timing {iters}")
-                times = roofline.time_calls(step, warmup=0, iters=iters, device=device)
-                med = roofline.median(times)
+                times = time_calls(step, warmup=0, iters=iters, device=device)
+                med = median(times)
                 fl = roofline.prefill_flops(spec, dtype, n)
                 ideal_ms = fl["total_flops"] / res.data["ceilings"]["matmul"]["flops_per_s"] * 1e3
                 row.update(status="ok", chunk=chunk, median_ms=med, times_ms=times, iters=iters,
@@ -529,50 +430,9 @@ def profile_host(fn: Callable[[], object], out: Path, top: int = 30) -> None:
     log(f"  host profile: {out.name}")
 
 
-@dataclass
-class Setup:
-    device: torch.device
-    dtype: torch.dtype
-    spec: TinySpec
-    meta: dict  # what every bench's results say about the run
-
-
-def setup(args: argparse.Namespace, now: dt.datetime) -> Setup | None:
-    """The bench model's device, dtype and spec (--device, --dtype, --tiny, --layers, --layer-pattern, --seed) and
-    the run's common facts; None (after saying why) for real dimensions on the CPU."""
-    device = torch.device(args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda"))
-    if device.type == "cpu" and not args.tiny:
-        print("refusing to build real-dimension weights on the CPU (tens of GB); use --tiny or a GPU",
-              file=sys.stderr)
-        return None
-    dtype = DTYPES[args.dtype or ("float32" if args.tiny else "bfloat16")]
-    torch.manual_seed(args.seed)
-    spec = bench_spec(layers=args.layers, layer_pattern=args.layer_pattern, tiny=args.tiny)
-    meta = {
-        "date": now.isoformat(timespec="seconds"),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "tiny": args.tiny,
-        "dtype": str(dtype).removeprefix("torch."),
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "layers": spec.num_hidden_layers,
-        "layer_pattern": spec.layer_pattern,
-        "virtual": args.virtual,
-        "seed": args.seed,
-        "dims": spec_dims(spec),
-        "args": dict(vars(args)),
-    }
-    return Setup(device, dtype, spec, meta)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    t_start = time.perf_counter()
-    now = dt.datetime.now()
-    run = setup(args, now)
+    run = setup(args, "decode_prefill")
     if run is None:
         return 2
     device, dtype, spec, meta = run.device, run.dtype, run.spec, run.meta
@@ -580,9 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(mlp_pattern="".join("D" if m == "dense" else "E" for m in spec.mlp_layer_types),
                 text_params=pc.total, text_bytes=pc.total_bytes,
                 timer="CUDA events" if device.type == "cuda" else "perf_counter")
-    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
-    stem = args.name or f"decode_prefill-{now.strftime('%Y%m%d-%H%M%S')}"
-    res = Results(args, meta, out_dir, stem)
+    res = Results(args, run)
     res.data["notes"] += [
         "decode: each sequence's context is prefilled once before timing (setup); every timed step advances "
         "positions by one; the row's context is the cached length at the first timed step.",
@@ -611,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["random_weights"] = args.random_weights
     model, reader = build_model(spec, device=device, dtype=dtype, seed=args.seed, virtual=args.virtual,
                                 recipe=recipe, log=log)
-    roofline.sync(device)
+    sync(device)
     meta["build_s"] = time.perf_counter() - t0
     meta["bytes_drawn"] = reader.bytes_made
     if device.type == "cuda":
@@ -619,25 +477,15 @@ def main(argv: list[str] | None = None) -> int:
     log(f"built in {meta['build_s']:.1f} s ({si(reader.bytes_made, 'B')} drawn)")
     res.write()
 
-    bench_decode(res, model, spec, device, dtype, args, t_start, reader.stored_bytes)
-    bench_prefill(res, model, spec, device, dtype, args, t_start)
+    bench_decode(res, model, spec, device, dtype, args, run.started, reader.stored_bytes)
+    bench_prefill(res, model, spec, device, dtype, args, run.started)
     if (args.peer or ("transformers" if device.type == "cuda" else "none")) == "transformers":
         del model
         free(device)
         bench_peer(res, spec, device, dtype, args)
     if device.type == "cuda":
         meta["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return finish(res, meta, t_start)
-
-
-def finish(res, meta: dict, t_start: float) -> int:
-    """The end of a bench run (this one and bench/long_context.py): total time, results written and printed."""
-    meta["total_s"] = time.perf_counter() - t_start
-    res.write()
-    print()
-    print(res.markdown())
-    log(f"wrote {res.json_path} and {res.md_path} ({meta['total_s']:.0f} s)")
-    return 0
+    return finish(res, run)
 
 
 if __name__ == "__main__":

@@ -17,19 +17,17 @@ Writes drafter_acceptance-<time>.json and .md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 
-from bench.stack import attach_or_start, load_line, machine_load, write_results
+from bench import flags
+from bench.output import write_results
+from bench.stack import attach_or_start, load_line, machine_load
 from model.dflash.train.traces import Traces
 
 
@@ -131,21 +129,21 @@ def _training_line(t: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = flags.parser("bench.drafter_acceptance", __doc__)
     ap.add_argument("--model", required=True, help="the target checkpoint (make-tiny)")
     ap.add_argument("--drafter", required=True, help="the trained DFlash2 drafter (train-drafter --out)")
     ap.add_argument("--untrained", help="the drafter it started from (default MODEL/dflash2)")
     ap.add_argument("--prompts", type=int, default=64, help="held-out prompts (default 64)")
     ap.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt (default 16)")
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt (default 48)")
-    ap.add_argument("--seed", type=int, default=1000,
-                    help="prompt seed, away from train-drafter's (its seed and seed + 1) (default 1000)")
+    flags.add(ap, flags.SEED, "prompt seed, away from train-drafter's (its seed and seed + 1) (default 1000)",
+              default="1000")
     ap.add_argument("--k", default="4,15", help="drafts asked per round, comma separated (default 4,15: serving's "
                     "default and the block's 15)")
     ap.add_argument("--served", action="store_true", help="also serve the trained drafter (`twinspark up --tp 1`) "
                     "at the first K and read its acceptance off the replies' usage")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--out", type=Path, help="folder for the .json / .md (none: print only)")
+    flags.add(ap, flags.OUT, "folder for the .json / .md (default: print only)")
     args = ap.parse_args(argv)
     from model.dflash import DFlashConfig
     from model.dflash.train.traces import generate_traces, random_prompts

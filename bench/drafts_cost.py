@@ -19,31 +19,26 @@ Measured in one run, at batch 1 (CUDA events, warm-up, median of N):
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from bench import flags, roofline
-from bench.decode_prefill import (BLOCK, Setup, _ints, experts_per_layer, finish, free, is_oom, log, random_tokens,
-                                  setup)
+from bench import flags
+from bench.model_run import (BLOCK, Setup, add_flags, add_step_flags, experts_per_layer, finish, free, is_oom,
+                             random_tokens, setup)
+from bench.output import RunFiles
 from bench.random_weights import build_model
+from bench.timing import log, median, sync, time_calls
 from model.batch import Batch
 from model.checkpoint.dflash_writer import tiny_dflash_config
 from model.config import Dimensions
 from model.dflash import DFlashConfig, DFlashDrafter
 from model.quantize.select import Recipe
 from model.row_store import KV_CACHE_DTYPES
-from services.common import shared_flags as shared
 
 # The published GLM-5.3-Flash drafter's sizes beyond the target's hidden size and vocabulary, as
 # tests/model/test_dflash.py::test_published_names_and_shapes_match_reference builds it (heads, MLP and conv widths
@@ -56,31 +51,20 @@ ISSUE_RATIO = 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.drafts_cost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    flags.add(p, flags.LAYERS)
-    flags.add(p, flags.LAYER_PATTERN)
-    p.add_argument("--drafts", type=_ints, default=[4, 8, 15, 16],
+    p = flags.parser("bench.drafts_cost", __doc__)
+    p.add_argument("--drafts", type=flags.ints, default=[4, 8, 15, 16],
                    help="drafts per verify window, K (the window has 1 + K rows; default 4,8,15,16)")
     p.add_argument("--context", type=int, default=1024, help="target: tokens in the cache before timing (default 1024)")
-    p.add_argument("--contexts", type=_ints, default=[256, 1024, 4096],
+    p.add_argument("--contexts", type=flags.ints, default=[256, 1024, 4096],
                    help="drafter: fused context rows per block (default 256,1024,4096)")
-    p.add_argument("--fuse-rows", type=_ints, default=[1, 17],
+    p.add_argument("--fuse-rows", type=flags.ints, default=[1, 17],
                    help="drafter: new context rows fused per call (default 1,17: a round with nothing / all of 16 "
                         "drafts accepted)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement (default 10)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed calls before timing (default 2; the first captures a CUDA graph or compiles)")
-    for spec in (flags.DTYPE, flags.DEVICE, flags.KV_CACHE_DTYPE, flags.VIRTUAL):
-        flags.add(p, spec)
-    flags.add(p, shared.RANDOM_WEIGHTS, "draw the target's linears a quantize recipe selects packed (e.g. "
-              "exl3:2.5+fp8; see serve-rank --help); the drafter stays --dtype", metavar="RECIPE")
-    flags.add(p, shared.ENFORCE_EAGER, "time decode steps eagerly only (default on a GPU: also as CUDA graph "
-              "replays, as serve-rank runs them)")
-    flags.add(p, flags.SEED)
-    flags.add(p, flags.TINY, "make-tiny dimensions (target and drafter) on the CPU: a smoke test of this script")
-    flags.add(p, flags.OUT)
-    p.add_argument("--name", default=None, help="file stem (default drafts_cost-<date>)")
+    add_step_flags(p)  # the target's; the drafter's weights stay --dtype
+    add_flags(p, "drafts_cost", "make-tiny dimensions (target and drafter) on the CPU: a smoke test of this script")
     return p.parse_args(argv)
 
 
@@ -94,16 +78,13 @@ def _ms(x: float | None) -> str:
     return "" if x is None else f"{x:.3f}"
 
 
-class Results:
+class Results(RunFiles):
     """Everything measured so far; written after every part, so a failure or a timeout still leaves the rest."""
 
-    def __init__(self, meta: dict, out_dir: Path, stem: str) -> None:
-        self.data: dict = {"meta": meta, "target": {"decode": [], "verify": []},
-                           "drafter": {"config": {}, "fuse": [], "propose": []}, "rounds": [], "summary": "",
-                           "errors": [], "notes": []}
-        self.json_path = out_dir / f"{stem}.json"
-        self.md_path = out_dir / f"{stem}.md"
-        out_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, run: Setup) -> None:
+        super().__init__(run.out_dir, run.stem, {"meta": run.meta, "target": {"decode": [], "verify": []},
+                                                 "drafter": {"config": {}, "fuse": [], "propose": []}, "rounds": [],
+                                                 "summary": "", "errors": [], "notes": []})
 
     def error(self, part: str, e: BaseException) -> None:
         """Record a part that failed as a whole; the run goes on with the next."""
@@ -111,10 +92,6 @@ class Results:
         log(f"{part}: {msg}")
         self.data["errors"].append({"part": part, "error": msg})
         self.write()
-
-    def write(self) -> None:
-        self.json_path.write_text(json.dumps(self.data, indent=2) + "\n")
-        self.md_path.write_text(self.markdown())
 
     def markdown(self) -> str:
         d, m = self.data, self.data["meta"]
@@ -174,8 +151,8 @@ def _ratio(x: float | None) -> str:
 
 def measure(call: Callable[[int], object], args: argparse.Namespace, device: torch.device) -> dict:
     """`call(i)` timed: the row fields of an ok measurement."""
-    times = roofline.time_calls(call, warmup=args.warmup, iters=args.iters, device=device)
-    return {"status": "ok", "median_ms": roofline.median(times), "times_ms": times, "iters": args.iters}
+    times = time_calls(call, warmup=args.warmup, iters=args.iters, device=device)
+    return {"status": "ok", "median_ms": median(times), "times_ms": times, "iters": args.iters}
 
 
 def bench_target(res: Results, run: Setup, args: argparse.Namespace) -> None:
@@ -186,7 +163,7 @@ def bench_target(res: Results, run: Setup, args: argparse.Namespace) -> None:
     recipe = Recipe.parse(args.random_weights) if args.random_weights else None
     model, reader = build_model(spec, device=device, dtype=run.dtype, seed=args.seed, virtual=args.virtual,
                                 recipe=recipe, log=log)
-    roofline.sync(device)
+    sync(device)
     meta["build_s"] = time.perf_counter() - t0
     log(f"target: built in {meta['build_s']:.1f} s")
     drafts = sorted(set(args.drafts))
@@ -202,7 +179,7 @@ def bench_target(res: Results, run: Setup, args: argparse.Namespace) -> None:
     model.forward(Batch(token_ids=torch.tensor(random_tokens(args.context, spec.vocab_size, gen), device=device),
                         starts=[0], lengths=[args.context], block_tables=table, slots=[0],
                         logit_rows=torch.tensor([args.context - 1])), cache)
-    roofline.sync(device)
+    sync(device)
     graphs = None
     if device.type == "cuda" and not args.enforce_eager:
         from model.cuda_graphs import DecodeGraphs
@@ -366,16 +343,13 @@ def summarize(res: Results, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    t_start = time.perf_counter()
-    now = dt.datetime.now()
-    run = setup(args, now)
+    run = setup(args, "drafts_cost")
     if run is None:
         return 2
     meta = run.meta
     meta.update(random_weights=args.random_weights,
                 timer="CUDA events" if run.device.type == "cuda" else "perf_counter")
-    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
-    res = Results(meta, out_dir, args.name or f"drafts_cost-{now.strftime('%Y%m%d-%H%M%S')}")
+    res = Results(run)
     res.data["notes"] += [
         "verify window: one sequence, rows = the last committed token + K random drafts, logits for every row; each "
         "timed call is the forward and the commit_verify after it (it copies each KDA layer's kept state into the "
@@ -400,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     summarize(res, args)
     if run.device.type == "cuda":
         meta["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
-    finish(res, meta, t_start)
+    finish(res, run)
     log(res.data["summary"])
     return 0
 

@@ -12,23 +12,20 @@ answered it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
 import json
 import sys
 import time
 from collections import Counter
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 from tqdm import tqdm
 
+from bench import flags
 from bench.malformed import Case, cases, problem
-from bench.stack import Stack, add_stack_args, attach_or_start, load_line, machine_load, write_results
+from bench.output import write_results
+from bench.stack import Stack, add_stack_args, attach_or_start, load_line, machine_load
 from services.gateway.limits import InputLimits
 
 WINDOW = "384"
@@ -100,13 +97,13 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
+    ap = flags.parser("bench.fuzz", __doc__)
     add_stack_args(ap)
     ap.add_argument("--requests", type=int, default=10_000)
-    ap.add_argument("--seed", type=int, default=13)
+    flags.add(ap, flags.SEED, "seed of the hostile requests (default 13)", default="13")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds without an answer that count as a hang")
-    ap.add_argument("--out", type=Path, default=None, help="directory for fuzz-<time>.json and .md")
+    flags.add(ap, flags.OUT, "directory for fuzz-<time>.json and .md (default: print only)")
     args = ap.parse_args(argv)
     # A short window keeps the odd accidentally-valid request short (one without max_tokens decodes the rest of
     # the window: 1,000 tokens took over the 120 s hang limit on the shared CPU), yet holds a prompt with one small

@@ -13,12 +13,14 @@ llguidance is measured.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
+import sys
 import time
-from pathlib import Path
+
+from bench import flags
+from bench.stats import percentile
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -141,16 +143,16 @@ def bench_xgrammar(tok_json: str, vocab: int, encoded: list[list[int]]) -> dict 
 def _summary(name: str, times: list[float], compile_s: list[float]) -> dict:
     us = sorted(t * 1e6 for t in times)
     return {"library": name, "tokens": len(us), "mask_us_median": round(statistics.median(us), 1),
-            "mask_us_p90": round(us[int(0.9 * (len(us) - 1))], 1), "mask_us_max": round(us[-1], 1),
+            "mask_us_p90": round(percentile(us, 0.9), 1), "mask_us_max": round(us[-1], 1),
             "compile_ms_median": round(statistics.median(compile_s) * 1e3, 2)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = flags.parser("bench.grammar_mask", __doc__)
     ap.add_argument("--vocab", type=int, default=154_880)
     ap.add_argument("--docs", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=None, help="write grammar_mask.json there")
-    args = ap.parse_args()
+    flags.add(ap, flags.OUT, "write grammar_mask.json there (default: print only)")
+    args = ap.parse_args(argv)
     t0 = time.perf_counter()
     tok_json = build_tokenizer_json(args.vocab)
     print(f"tokenizer: {args.vocab} ids built in {time.perf_counter() - t0:.1f} s")
@@ -164,7 +166,8 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "grammar_mask.json").write_text(json.dumps({"vocab": args.vocab, "results": rows}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -35,13 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import httpx
 
-from bench.serve import level, summarize, warm_up
-from bench.stack import add_stack_args, attach_or_start, load_line, machine_load, write_results
+from bench import flags
+from bench.output import args_record, write_results
+from bench.served_load import completion_bodies, level, summarize, warm_up
+from bench.stack import add_stack_args, attach_or_start, load_line, machine_load
 
 AGREE = 0.10  # the issue's bound: guidellm's figures within 10% of bench.serve's
 
@@ -79,9 +78,7 @@ def guidellm_figures(bench: dict) -> dict:
 
 def serve_figures(url: str, model: str, concurrency: int, requests: int, prompt_len: int, output_len: int,
                   rng: random.Random) -> dict:
-    bodies = [{"model": model, "prompt": [rng.randrange(5, 1000) for _ in range(prompt_len)],
-               "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True}
-              for _ in range(requests)]
+    bodies = completion_bodies([prompt_len] * requests, output_len, rng, model=model)
     samples, wall = asyncio.run(level(url + "/v1", bodies, concurrency))
     row = summarize(samples, wall, prompt_len)
     return {"requests": row["requests"], "completed": row["completed"], "errors": row["errors"],
@@ -140,18 +137,16 @@ def markdown(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.guidellm_check", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.parser("bench.guidellm_check", __doc__)
     add_stack_args(ap)
     ap.set_defaults(tp=1)
-    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4],
-                    help="levels (default 1,4)")
+    flags.add(ap, flags.CONCURRENCY, "levels (default 1,4)", default="1,4")
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default: 3 x the level, >= 8)")
-    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
-    ap.add_argument("--output-len", type=int, default=32, help="output tokens (default 32)")
+    flags.add(ap, flags.PROMPT_LEN, "prompt tokens (default 64)", default="64")
+    flags.add(ap, flags.OUTPUT_LEN, "output tokens (default 32)", default="32")
     ap.add_argument("--rounds", type=int, default=3, help="guidellm / bench.serve pairs per level (default 3)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None, help="folder for guidellm-<time>.json/.md")
+    flags.add(ap, flags.SEED, "seed of bench.serve's prompts")
+    flags.add(ap, flags.OUT, "folder for guidellm-<time>.json/.md (default: print only)")
     args = ap.parse_args(argv)
     version = subprocess.run([guidellm_command(), "--version"], capture_output=True, text=True).stdout.split()[-1]
     # Drafts off in a stack started here: guidellm cannot ask for `"draft": false` per request as bench.serve does.
@@ -165,13 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                                      "ignore_eos": True, "stream": True}] * max(args.concurrency),
                 max(args.concurrency))
         levels = [one_level(stack.url, model, path, c, args, rng) for c in args.concurrency]
-        data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "guidellm_version": version,
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "guidellm_version": version, "args": args_record(args),
                 "stack": f"{model} ({'running at ' + args.state_dir if args.state_dir else f'started here, TP {args.tp}'})",
                 "load": load_line(before, machine_load()), "levels": levels}
-        md = markdown(data)
-        print(md)
-        write_results(args.out, "guidellm", data, md)
+        print(markdown(data))
+        write_results(args.out, "guidellm", data, markdown(data))
     finally:
         stack.down()
     return 0 if all(r["guidellm_errored"] == 0 for r in levels) else 1

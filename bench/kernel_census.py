@@ -13,7 +13,7 @@ launch; `--virtual-shards 2` at TP 2: 1 of twice the width). Each launch goes th
 a stand-in driver for the architecture, so its specialization (integers equal to 1 or multiples of 16, pointer
 alignment, every constexpr) is the one a GPU launch would build; a compile hook records it and compiles nothing.
 Each distinct build is then compiled once per architecture with Triton's compiler (ptxas-blackwell for sm_12x,
-bench/ptx_stats.py): shared memory (what Triton checks against the device before a launch), registers and spills.
+bench/triton_build.py): shared memory (what Triton checks against the device before a launch), registers and spills.
 
 Stand-ins, for what cannot run here: the peer rank of TP 2 (its partials are this rank's, copied), and the CUDA
 EXL3 product where the runtime would take it (its outputs are left empty; kernels/gpu/cuda/exl3_grouped.cu is
@@ -28,7 +28,6 @@ loop, no shared memory).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -38,11 +37,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 
+from bench import flags
+from bench.triton_build import compiled_stats
 from kernels.gpu import arch as gpu_arch
 
 META = torch.device("meta")
@@ -272,9 +270,7 @@ class Row:
 
 
 def compile_all(builds: dict[int, set[Build]]) -> list[Row]:
-    """Each build compiled once for its architecture (bench/ptx_stats.py), sorted by kernel and label."""
-    from bench.ptx_stats import compiled_stats
-
+    """Each build compiled once for its architecture (bench/triton_build.py), sorted by kernel and label."""
     rows = []
     for arch, found in builds.items():
         for b in sorted(found, key=lambda b: (b.kernel, b.label())):
@@ -302,8 +298,7 @@ def markdown(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.kernel_census", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.parser("bench.kernel_census", __doc__)
     ap.add_argument("--arch", default=",".join(map(str, gpu_arch.ROWS)),
                     help="compute capabilities x 10, comma-separated (default: every table row, 90,121)")
     ap.add_argument("--recipes", default=",".join(RECIPES), help="weight recipes, comma-separated")

@@ -6,42 +6,26 @@ exactness checks that only real shapes expose: a row alone vs packed with up to 
 Also a probe of fla-core's `chunk_kda` (prefill candidate): chunk-boundary and batch invariance, and parity with
 the torch twin.
 
-    python -m bench.kernels --out $OUT            # on a GPU; writes kernels-<date>.{json,md}
+    python -m bench.kernels --out $OUT            # on a GPU; writes kernels-<date>.json
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.nn.functional as F
 
-from bench import roofline
-
-BF16 = torch.bfloat16
-D, E, TOPK, MOE_I = 4096, 288, 8, 2048
+from bench import flags, kernels_formats, kernels_int, roofline
+from bench.moe_layer import BF16, D, moe_exl3, moe_rows, moe_run, moe_setup, moe_sweep, moe_w4a16
+from bench.output import RESULTS, write_results
+from bench.timing import bench_ms, log
 # (name, N, K) of the dense weights a decode step reads (fused where the fast path fuses them)
 GEMMS = [("kda q|k|v", 3 * 8192, D), ("kda o_proj", D, 8192), ("mla q_a|kv_a", 1536 + 512, D),
          ("mla q_b", 16384, 1536), ("mla o_proj", D, 16384), ("dense gate|up", 2 * 12288, D),
          ("dense down", D, 12288), ("lm_head", 154880, D), ("kda f_b", 8192, 128)]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def bench_ms(fn, reps: int = 50) -> float:
-    from triton.testing import do_bench
-    return float(do_bench(fn, warmup=5, rep=reps, return_mode="median"))
 
 
 def gemm_rows(bw: float, mm: float) -> list[dict]:
@@ -116,189 +100,6 @@ def gemm_invariance() -> list[dict]:
             out.append(dict(check="gemm row alone vs 2..2048 rows", name=name, rows=cls, max_abs_diff=worst))
             log(f"invariance gemm {name} ({cls}): max |diff| {worst}")
     return out
-
-
-def moe_setup():
-    gate = torch.randn(E + 1, MOE_I, D, device="cuda", dtype=BF16) * 0.02
-    up = torch.randn(E + 1, MOE_I, D, device="cuda", dtype=BF16) * 0.02
-    down = torch.randn(E + 1, D, MOE_I, device="cuda", dtype=BF16) * 0.02
-    router = torch.randn(E, D, device="cuda", dtype=BF16) * 0.02
-    bias = torch.randn(E, device="cuda") * 0.01
-    return gate, up, down, router, bias
-
-
-def moe_w4a16(weights):
-    """The same MoE with W4A16 experts (the whole-model bench's format): random packed words and scales, drawn on
-    the GPU as bench/random_weights draws them; router and bias unchanged."""
-    from kernels.gpu import wtiles
-    from kernels.quant import w4a16
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def stack(n: int, k: int):
-        t = w4a16.random_linear((E + 1) * n, k, std=0.02, generator=gen, device="cuda")
-        return wtiles.quantized("w4a16", {name: v.view(E + 1, n, -1) for name, v in t.items()},
-                                {"group": w4a16.DEFAULT_GROUP})
-    _, _, _, router, bias = weights
-    return stack(MOE_I, D), stack(MOE_I, D), stack(D, MOE_I), router, bias
-
-
-def moe_exl3(weights, bits: float):
-    """The same MoE with EXL3 experts at `bits` per weight (mul1 codebook, random trellises drawn on the GPU as
-    bench/random_weights draws them); router and bias unchanged."""
-    from kernels.gpu import wtiles
-    from kernels.quant import exl3
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def stack(n: int, k: int):
-        t = exl3.random_linear((E + 1) * n, k, std=0.02, bits=bits, generator=gen, device="cuda")
-        trellis = t["trellis"].view(k // 16, E + 1, n // 16, -1).transpose(0, 1).contiguous()
-        return wtiles.quantized("exl3", {"trellis": trellis, "suh": t["suh"].expand(E + 1, k).contiguous(),
-                                         "svh": t["svh"].view(E + 1, n)}, {"codebook": "mul1"})
-    _, _, _, router, bias = weights
-    return stack(MOE_I, D), stack(MOE_I, D), stack(D, MOE_I), router, bias
-
-
-def expert_bytes(weights) -> float:
-    """Bytes one expert's three projections occupy (int4 words + fp16 scales, EXL3 trellis + sign vectors, or
-    bf16)."""
-    from kernels.gpu.wtiles import Fmt
-    gate, up, down = weights[:3]
-    if isinstance(gate, torch.Tensor):
-        return 3 * MOE_I * D * 2
-    if gate.fmt is Fmt.EXL3:
-        return sum(w.data[0].numel() * 2 + (w.suh[0].numel() + w.svh[0].numel()) * 2 for w in (gate, up, down))
-    return sum((w.data[0].numel() * w.data.element_size() + w.scale[0].numel() * w.scale.element_size())
-               for w in (gate, up, down))
-
-
-def route_rows(x, weights, decode_rows, n_real=None):
-    """The router GEMM and top-k: (ids, routing weights). n_real: a device scalar inside a CUDA graph (an int would
-    be copied from the host while capturing)."""
-    from kernels.gpu import gemm, moe
-    router, bias = weights[3], weights[4]
-    logits = gemm.matmul(x, router, decode_rows, torch.float32)
-    return moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5,
-                     n_real=x.shape[0] if n_real is None else n_real)
-
-
-def experts_touched(ids) -> int:
-    """Distinct routed experts the rows chose, + the shared one."""
-    return int(torch.unique(ids[:, :TOPK]).numel()) + 1
-
-
-def moe_run(x, weights, decode_rows, n_real=None):
-    from kernels.gpu import moe
-    gate, up, down = weights[:3]
-    ids, rw = route_rows(x, weights, decode_rows, n_real)
-    return moe.experts(x, ids, rw, gate, up, down, 10.0, decode_rows)[0], ids
-
-
-def routed_inputs(t: int, weights, sets: int) -> list[tuple]:
-    """`sets` different batches of t rows, routed: (x, ids, weights) each. Timing cycles through them, so the
-    experts read differ call to call and the weights come from HBM, as in a model's many layers, not from L2."""
-    out = []
-    for _ in range(sets):
-        x = torch.randn(t, D, device="cuda", dtype=BF16)
-        out.append((x, *route_rows(x, weights, t)))
-    return out
-
-
-def graph_ms(calls: list) -> float:
-    """Median time per call of a CUDA graph replaying the calls in turn (how the served decode path runs them:
-    without the host's launch time, which would swamp a one-row MoE)."""
-    from triton.testing import do_bench_cudagraph
-    turn = iter(range(1 << 62))
-    return float(do_bench_cudagraph(lambda: calls[next(turn) % len(calls)](), rep=50, return_mode="median"))
-
-
-def moe_rows(bw: float, mm: float, weights, fmt: str = "bf16", tokens: tuple[int, ...] = (1, 8, 64, 8192),
-             per_expert: float | None = None) -> list[dict]:
-    """The whole MoE (router GEMM, route, grouping, experts, combine): decode-class sizes (up to 256 rows) in a CUDA
-    graph over 8 routed batches in turn, prompts eagerly (their launches are long enough). per_expert: one expert's
-    bytes (default: from the stacks, `expert_bytes`)."""
-    rows = []
-    per_expert = per_expert or expert_bytes(weights)
-    for t in tokens:
-        decode = t <= 256
-        if decode:
-            xs = [torch.randn(t, D, device="cuda", dtype=BF16) for _ in range(8)]
-            n_real = torch.tensor([t], dtype=torch.int32, device="cuda")
-            ms = graph_ms([lambda x=x: moe_run(x, weights, t, n_real) for x in xs])
-            hit = sum(experts_touched(route_rows(x, weights, t)[0]) for x in xs) / len(xs)
-        else:
-            x = torch.randn(t, D, device="cuda", dtype=BF16)
-            ms = bench_ms(lambda: moe_run(x, weights, 0))
-            hit = experts_touched(route_rows(x, weights, 0)[0])
-        flops = 2 * t * (TOPK + 1) * 3 * MOE_I * D
-        ideal = max(hit * per_expert / bw, flops / mm) * 1e3
-        rows.append(dict(kernel="moe", format=fmt, tokens=t, experts_touched=hit, ms=ms, roofline=ideal / ms))
-        log(f"moe {fmt} t={t:5d}: {ms * 1e3:8.1f} us, {hit:.0f} experts touched, {ideal / ms:6.1%} of roofline")
-    return rows
-
-
-# Decode-class candidates (block_m, block_n, block_k, warps, stages): more, narrower tiles put more programs and
-# loads in flight for the few experts one decode row reads; block_k stays within the int4 scale group (128).
-_MOE_DECODE_TILES = [(16, bn, bk, w, st) for bn, bk, w, st in (
-    (16, 128, 2, 4), (32, 128, 2, 4), (32, 128, 4, 4), (32, 64, 4, 5), (64, 128, 4, 4), (64, 64, 4, 5),
-    (64, 128, 4, 2), (64, 128, 8, 4), (128, 128, 4, 3), (128, 64, 4, 4))]
-
-
-def moe_sweep(bw: float, mm: float, formats: dict) -> list[dict]:
-    """Tiles of the grouped expert kernels, to choose `moe_schedule`'s by measurement: decode-class tiles at 1 and 8
-    rows per format (in a CUDA graph, cycling routed batches; each tile's output is compared with the current
-    schedule's, max |diff|: 0 means the tile changes no bits), then prompt tiles at 8,192 tokens (bf16)."""
-    from kernels.gpu import gemm, moe
-    from kernels.gpu.wtiles import WeightArgs, dense
-    rows = []
-    current = moe.moe_schedule(gemm.RowClass.DECODE)
-    for fmt, weights in formats.items():
-        gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in weights[:3])
-        per_expert = expert_bytes(weights)
-        for t in (1, 8):
-            sets = routed_inputs(t, weights, 8)
-            hit = sum(experts_touched(ids) for _, ids, _ in sets) / len(sets)
-            ideal = hit * per_expert / bw * 1e3
-
-            def run(tile, x, ids, rw):
-                out = torch.empty(1, t, D, device="cuda")
-                moe._experts_one_class(x, ids, rw, gate, up, down, 10.0, tile, 1, out, 0)
-                return out
-            ref = run(current, *sets[0])
-            for cand in _MOE_DECODE_TILES:
-                tile = moe.MoeTile(*cand)
-                try:
-                    diff = float((run(tile, *sets[0]) - ref).abs().max())
-                    ms = graph_ms([lambda s=s: run(tile, *s) for s in sets])
-                except Exception as exc:  # e.g. out of shared memory
-                    log(f"moe sweep {fmt} t={t} {tile}: {type(exc).__name__}")
-                    continue
-                rows.append(dict(kernel="moe decode sweep", format=fmt, tokens=t, tile=tile.__dict__, ms=ms,
-                                 roofline=ideal / ms, max_abs_diff_vs_current=diff))
-                log(f"moe sweep {fmt} t={t} {tile}: {ms * 1e3:8.1f} us, {ideal / ms:6.1%} of roofline, "
-                    f"max |diff| vs current {diff:.3g}")
-            best = sorted((r for r in rows if r["format"] == fmt and r["tokens"] == t), key=lambda r: r["ms"])[:3]
-            for r in best:
-                log(f"moe sweep best {fmt} t={t}: {r['ms'] * 1e3:8.1f} us {r['roofline']:6.1%} {r['tile']}")
-    gate, up, down = (dense(w) for w in formats["bf16"][:3])
-    x = torch.randn(8192, D, device="cuda", dtype=BF16)
-    ids, rw = route_rows(x, formats["bf16"], 0)
-    flops = 2 * 8192 * (TOPK + 1) * 3 * MOE_I * D
-    # The last three: the prompt tile with other orders (tile_order.py): 1 = column tiles fastest, 1 << 20 = row
-    # tiles fastest (the order before grouped ordering), 32.
-    for tile in (moe.MoeTile(64, 128, 64, 4, 3), moe.MoeTile(128, 128, 64, 8, 3), moe.MoeTile(64, 256, 64, 8, 3),
-                 moe.MoeTile(128, 256, 64, 8, 3), moe.MoeTile(128, 128, 64, 4, 4), moe.MoeTile(64, 128, 128, 8, 3),
-                 moe.MoeTile(128, 128, 64, 8, 3, 1), moe.MoeTile(128, 128, 64, 8, 3, 1 << 20),
-                 moe.MoeTile(128, 128, 64, 8, 3, 32)):
-        out = torch.empty(1, 8192, D, device="cuda")
-        try:
-            ms = bench_ms(lambda: moe._experts_one_class(x, ids, rw, gate, up, down, 10.0, tile, 1, out, 0), reps=20)
-        except Exception as exc:  # e.g. out of shared memory
-            log(f"moe sweep {tile}: {type(exc).__name__}")
-            continue
-        rows.append(dict(kernel="moe sweep", format="bf16", tokens=8192, tile=tile.__dict__, ms=ms,
-                         roofline=flops / mm * 1e3 / ms))
-        log(f"moe sweep t=8192 {tile}: {ms * 1e3:8.1f} us, {flops / mm * 1e3 / ms:6.1%} of the matmul roofline")
-    return rows
 
 
 def moe_invariance(formats: dict) -> list[dict]:
@@ -584,10 +385,50 @@ def fla_probe() -> list[dict]:
     return res
 
 
+def sections(bw: float, mm: float, formats: tuple[str, ...]) -> list[tuple[str, str, Callable[[], list[dict]]]]:
+    """Every section but the MoE layer's: (name for --only, the results' list it adds to, what it runs)."""
+    kf, ki = kernels_formats, kernels_int
+    return [("gemm", "rows", lambda: gemm_rows(bw, mm)),
+            ("formats", "rows", lambda: kf.format_rows(bw, formats or kf.FORMATS)),
+            ("formatsweep", "rows", lambda: kf.format_sweep(bw, mm)),
+            ("splitsweep", "rows", lambda: kf.split_sweep(bw)),
+            ("exl3inv", "checks", kf.exllamav3_invariance),
+            ("exl3builds", "rows", kf.exl3_builds),
+            ("exl3shard", "rows", kf.exl3_shard_builds),
+            ("exl3pin", "checks", kf.exllamav3_forced),
+            ("invariance", "checks", gemm_invariance),
+            ("intmoe", "rows", lambda: ki.moe_formats(bw, mm)),
+            ("intsweep", "rows", lambda: ki.tile_sweep(bw, mm)),
+            ("intinv", "checks", ki.invariance),
+            ("kda", "rows", lambda: kda_rows(bw)),
+            ("mla", "rows", lambda: mla_rows(bw)),
+            ("mlasweep", "rows", mla_sweep),
+            ("mlaxsweep", "rows", expanded_sweep),
+            ("dsa", "rows", dsa_score_rows),
+            ("mhc", "rows", mhc_rows),
+            ("fla", "checks", fla_probe),
+            ("sweep", "rows", lambda: gemm_sweep(bw, mm))]
+
+
+def moe_sections(bw: float, mm: float, formats: tuple[str, ...], want: Callable[[str], bool]) -> dict[str, list]:
+    """`moe` (the whole layer per format), `moesweep` and the MoE half of `invariance`, over one draw of bf16 and
+    W4A16 experts (~18 GB, dropped on return)."""
+    out: dict[str, list] = {"rows": [], "checks": []}
+    weights = moe_setup()
+    drawn = {"bf16": weights, "w4a16": moe_w4a16(weights)}
+    if want("moe"):
+        for fmt in formats or ("bf16", "w4a16", "exl3:3.0"):
+            out["rows"] += moe_rows(bw, mm, drawn.get(fmt) or moe_exl3(weights, float(fmt.split(":")[1])), fmt)
+    if want("moesweep"):
+        out["rows"] += moe_sweep(bw, mm, drawn)
+    if want("invariance"):
+        out["checks"] += moe_invariance(drawn)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
+    p = flags.parser("bench.kernels", __doc__)
+    flags.add(p, flags.OUT, default=str(RESULTS))
     p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, splitsweep, "
                    "exl3inv, sweep, exl3pin, exl3builds, exl3shard, moe, moesweep, intmoe, intsweep, intinv (the "
                    "integer experts on humming-kernels: bench/kernels_int.py), kda, mla, mlasweep, mlaxsweep "
@@ -607,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     only = set(filter(None, args.only.split(",")))
     want = lambda s: not only or s in only  # noqa: E731
-    picked = [f for f in args.formats.split(",") if f]
+    picked = tuple(f for f in args.formats.split(",") if f)
     dev = torch.device("cuda")
     bw = roofline.hbm_copy_bandwidth(dev)["bytes_per_s"]
     mm = roofline.matmul_rate(dev)["flops_per_s"]
@@ -616,74 +457,13 @@ def main(argv: list[str] | None = None) -> int:
                            "device": torch.cuda.get_device_name(), "torch": torch.__version__},
                   "ceilings": {"hbm_bytes_per_s": bw, "matmul_flops_per_s": mm}, "rows": [], "checks": []}
     with torch.inference_mode():
-        if want("gemm"):
-            data["rows"] += gemm_rows(bw, mm)
-        if want("formats"):
-            from bench.kernels_formats import FORMATS, format_rows
-            data["rows"] += format_rows(bw, log, tuple(picked) if picked else FORMATS)
-        if want("formatsweep"):
-            from bench.kernels_formats import format_sweep
-            data["rows"] += format_sweep(bw, mm, log)
-        if want("splitsweep"):
-            from bench.kernels_formats import split_sweep
-            data["rows"] += split_sweep(bw, log)
-        if want("exl3inv"):
-            from bench.kernels_formats import exllamav3_invariance
-            data["checks"] += exllamav3_invariance(log)
-        if want("exl3builds"):
-            from bench.kernels_formats import exl3_builds
-            data["rows"] += exl3_builds(log)
-        if want("exl3shard"):
-            from bench.kernels_formats import exl3_shard_builds
-            data["rows"] += exl3_shard_builds(log)
-        if want("exl3pin"):
-            from bench.kernels_formats import exllamav3_forced
-            data["checks"] += exllamav3_forced(log)
-        if want("invariance"):
-            data["checks"] += gemm_invariance()
-        if want("moe") or want("invariance") or want("moesweep"):
-            weights = moe_setup()
-            formats = {"bf16": weights, "w4a16": moe_w4a16(weights)}
-            if want("moe"):
-                for fmt in picked or ["bf16", "w4a16", "exl3:3.0"]:
-                    w = formats.get(fmt) or moe_exl3(weights, float(fmt.split(":")[1]))
-                    data["rows"] += moe_rows(bw, mm, w, fmt)
-                    del w
-            if want("moesweep"):
-                data["rows"] += moe_sweep(bw, mm, formats)
-            if want("invariance"):
-                data["checks"] += moe_invariance(formats)
-            del weights, formats
-        if want("intmoe"):
-            from bench.kernels_int import moe_formats
-            data["rows"] += moe_formats(bw, mm)
-        if want("intsweep"):
-            from bench.kernels_int import tile_sweep
-            data["rows"] += tile_sweep(bw, mm)
-        if want("intinv"):
-            from bench.kernels_int import invariance
-            data["checks"] += invariance()
-        if want("kda"):
-            data["rows"] += kda_rows(bw)
-        if want("mla"):
-            data["rows"] += mla_rows(bw)
-        if want("mlasweep"):
-            data["rows"] += mla_sweep()
-        if want("mlaxsweep"):
-            data["rows"] += expanded_sweep()
-        if want("dsa"):
-            data["rows"] += dsa_score_rows()
-        if want("mhc"):
-            data["rows"] += mhc_rows()
-        if want("fla"):
-            data["checks"] += fla_probe()
-        if want("sweep"):
-            data["rows"] += gemm_sweep(bw, mm)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"kernels-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
-    log(f"wrote {out / stem}.json")
+        for name, key, run in sections(bw, mm, picked):
+            if want(name):
+                data[key] += run()
+        if want("moe") or want("moesweep") or want("invariance"):
+            for key, found in moe_sections(bw, mm, picked, want).items():
+                data[key] += found
+    log(f"wrote {write_results(args.out, 'kernels', data, None)}")
     return 0
 
 

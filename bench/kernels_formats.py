@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-BF16 = torch.bfloat16
+from bench.moe_layer import BF16, moe_setup, moe_sweep, moe_w4a16
+from bench.timing import graph_ms, log
 # (name, N, K): KDA's fused q|k|v-like product, the MoE's gate|up and down of one expert, a dense down
 SHAPES = [("4096x12288", 12288, 4096), ("moe gate|up", 2 * 2048, 4096), ("moe down", 4096, 2048),
           ("dense down", 4096, 12288)]
@@ -82,8 +83,7 @@ def _exllamav3(tensors: dict[str, torch.Tensor], n: int, k: int) -> Callable[[to
 FORMATS = ("bf16", "fp8", "w4a16", *(f"exl3:{b}" for b in EXL3_BITS))
 
 
-def format_rows(bw: float, log: Callable[[str], None], formats: tuple[str, ...] = FORMATS) -> list[dict]:
-    from bench.kernels import graph_ms
+def format_rows(bw: float, formats: tuple[str, ...] = FORMATS) -> list[dict]:
     from kernels.gpu import gemm
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -126,10 +126,9 @@ _SPLIT_SHAPES = [("router", 288, 4096, "bf16"), ("kda f_a|g_a", 256, 4096, "bf16
                  ("shared down", 4096, 2048, "fp8"), ("kda o", 4096, 8192, "fp8"), ("kda q|k|v", 24576, 4096, "fp8")]
 
 
-def split_sweep(bw: float, log: Callable[[str], None]) -> list[dict]:
+def split_sweep(bw: float) -> list[dict]:
     """The decode GEMM's K split rule (gemm.decode_split's program target and minimum K steps per split) on the
     model's decode products at rows 1 and 8, each timed in a CUDA graph over copies past L2."""
-    from bench import kernels as kb
     from kernels.gpu import gemm
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -144,7 +143,7 @@ def split_sweep(bw: float, log: Callable[[str], None]) -> list[dict]:
                 for steps in (1, 2, 4, 8):
                     split = gemm.decode_split(n, k, base.block_n, base.block_k, programs, steps)
                     tile = gemm.Tile(base.block_m, base.block_n, base.block_k, split, base.warps, base.stages)
-                    ms = kb.graph_ms([lambda a=a: gemm._launch(x, a, out, tile) for a in args])
+                    ms = graph_ms([lambda a=a: gemm._launch(x, a, out, tile) for a in args])
                     rows.append(dict(kernel="decode_split", shape=name, n=n, k=k, format=fmt, rows=m,
                                      programs=programs, min_steps=steps, split=split, us=ms * 1e3,
                                      roofline=nbytes / bw / (ms / 1e3)))
@@ -155,10 +154,9 @@ def split_sweep(bw: float, log: Callable[[str], None]) -> list[dict]:
     return rows
 
 
-def format_sweep(bw: float, mm: float, log: Callable[[str], None]) -> list[dict]:
+def format_sweep(bw: float, mm: float) -> list[dict]:
     """Decode-class tiles of the GEMM on bf16, fp8, W4A16 and EXL3 weights at 1 row, then the best five at 32 rows
     (what chose gemm.schedule's decode tile); then the grouped MoE's decode tiles (bench.kernels' moe sweep)."""
-    from bench import kernels as kb
     from kernels.gpu import gemm
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -176,7 +174,7 @@ def format_sweep(bw: float, mm: float, log: Callable[[str], None]) -> list[dict]
                 for bm, bn, bk, w, st in cands:
                     tile = gemm.Tile(bm, bn, bk, gemm.decode_split(n, k, bn, bk), w, st)
                     try:
-                        ms = kb.graph_ms([lambda a=a: gemm._launch(x, a, out, tile) for a in args])
+                        ms = graph_ms([lambda a=a: gemm._launch(x, a, out, tile) for a in args])
                     except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                         log(f"formatsweep {fmt} {name} rows={m} {tile}: {type(e).__name__}")
                         continue
@@ -192,12 +190,12 @@ def format_sweep(bw: float, mm: float, log: Callable[[str], None]) -> list[dict]
                         log(f"formatsweep best {fmt} {name}: {r['us']:7.1f} us {r['roofline']:6.1%} {r['tile']}")
             del copies, args
             torch.cuda.empty_cache()
-    weights = kb.moe_setup()
-    rows += kb.moe_sweep(bw, mm, {"bf16": weights, "w4a16": kb.moe_w4a16(weights)})
+    weights = moe_setup()
+    rows += moe_sweep(bw, mm, {"bf16": weights, "w4a16": moe_w4a16(weights)})
     return rows
 
 
-def exllamav3_invariance(log: Callable[[str], None]) -> list[dict]:
+def exllamav3_invariance() -> list[dict]:
     """Whether exllamav3's EXL3 kernel gives a row the same bits alone as among 2..256 rows (what twinspark's
     exactness rules ask of a kernel before the engine may use it)."""
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -218,7 +216,7 @@ def exllamav3_invariance(log: Callable[[str], None]) -> list[dict]:
     return out
 
 
-def exllamav3_forced(log: Callable[[str], None]) -> list[dict]:
+def exllamav3_forced() -> list[dict]:
     """exllamav3's EXL3 GEMM with its kernel choice pinned (`force_shape_idx`, `force_num_sms`): a row's bits alone
     vs among 2..256 rows, and the time per row count. Pinned, the kernel runs rows in slabs of its tile height over
     a K split fixed by the shape and the block count, so it may keep rows invariant where its own choice does not."""
@@ -226,7 +224,6 @@ def exllamav3_forced(log: Callable[[str], None]) -> list[dict]:
         from exllamav3.ext import exllamav3_ext as ext
     except ImportError:
         return []
-    from bench.kernels import graph_ms
     gen = torch.Generator(device="cuda").manual_seed(3)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
@@ -271,11 +268,10 @@ EXL3_BUILDS = [(), (("TS_WARPS", 4),), (("TS_N_TILES", 1),), (("TS_N_TILES", 4),
 EXL3_STACKS = (7, 50)
 
 
-def exl3_builds(log: Callable[[str], None]) -> list[dict]:
+def exl3_builds() -> list[dict]:
     """The CUDA EXL3 product alone (no rotations) at one row, per tile-shape build, on the shapes of `SHAPES` at 2.5
     and 4.0 bits, and the MoE shapes as stacks of EXL3_STACKS experts (one row each): what chose the shipped build's
     macros."""
-    from bench.kernels import graph_ms
     from kernels.gpu import exl3_cuda
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []
@@ -309,7 +305,7 @@ SHARD_BUILDS = [(), (("TS_WARPS", 4),), (("TS_WARPS", 2),), (("TS_WARPS", 4), ("
                 (("TS_WARPS", 2), ("TS_N_TILES", 4)), (("TS_WARPS", 2), ("TS_N_TILES", 8))]
 
 
-def exl3_shard_builds(log: Callable[[str], None], bits: float = 2.5) -> list[dict]:
+def exl3_shard_builds(bits: float = 2.5) -> list[dict]:
     """The CUDA EXL3 product alone on the MoE's shard shapes (SHARD_SHAPES), 32 shard-experts of one row in one
     launch, per tile-shape build (SHARD_BUILDS; the first is the shipped one): whether short-K products want another
     build (a build is chosen by shape, so the K order stays a function of the shape)."""
@@ -334,7 +330,6 @@ def exl3_shard_builds(log: Callable[[str], None], bits: float = 2.5) -> list[dic
 def _stack_us(ext, ws: list, experts: int) -> float:
     """One row on each of `experts` weights in one launch (exl3_dense over a stack), microseconds; enough stacks
     in turn that their bytes pass L2_BYTES."""
-    from bench.kernels import graph_ms
     w = ws[0]
     stack_bytes = experts * w.data.numel() * w.data.element_size()
     calls = []

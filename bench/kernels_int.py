@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from bench.kernels import (BF16, D, E, MOE_I, TOPK, bench_ms, experts_touched, graph_ms, log, moe_exl3, moe_rows,
-                           moe_setup, route_rows)
+from bench.moe_layer import BF16, D, E, MOE_I, TOPK, experts_touched, moe_exl3, moe_rows, moe_setup, route_rows
+from bench.timing import bench_ms, graph_ms, log
 from kernels.gpu import arch as gpu_arch
 
 SHARDS = 4  # TP 1's virtual shards
@@ -27,7 +27,7 @@ ROWS = (1, 8, 32, 256)
 
 def int_weights(bits: int, group: int = 128) -> tuple:
     """Random INT experts at `bits` drawn on the GPU (random codes, scales for ~0.02 per weight) and prepared for
-    humming; router and bias as the other formats' (bench.kernels.moe_setup's draw)."""
+    humming; router and bias as the other formats' (bench/moe_layer.py's draw)."""
     from kernels.gpu import int_moe, wtiles
     from kernels.quant import intn
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -112,7 +112,7 @@ def moe_formats(bw: float, mm: float) -> list[dict]:
 
 
 def _layer_rows(bw: float, mm: float, weights: tuple, fmt: str, per_expert: float | None = None) -> list[dict]:
-    """bench.kernels.moe_rows at this section's row counts, for any format (IntExperts in weights[0])."""
+    """moe_layer.moe_rows at this section's row counts, for any format (IntExperts in weights[0])."""
     return moe_rows(bw, mm, weights, fmt, tokens=(*ROWS, 8192), per_expert=per_expert)
 
 

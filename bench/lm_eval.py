@@ -14,7 +14,6 @@ on a failed request after its retries) and the gateway logged no failed request 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,7 +25,8 @@ from typing import Any
 import httpx
 
 from bench import flags
-from bench.stack import add_stack_args, attach_or_start, machine_load, write_results
+from bench.output import args_record, write_results
+from bench.stack import add_stack_args, attach_or_start, machine_load
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 MC, GEN = "twinspark_arith_mc", "twinspark_arith_gen"
@@ -68,9 +68,9 @@ def _run(model: str, model_args: dict[str, Any], task: str, limit: int | None, c
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = flags.parser("bench.lm_eval", __doc__)
     add_stack_args(ap)
-    flags.add(ap, flags.OUT)
+    flags.add(ap, flags.OUT, "folder for lm_eval-<time>.json/.md (default: print only)")
     ap.add_argument("--limit", type=int, default=None, help="items per task (default: all 60)")
     args = ap.parse_args(argv)
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = done.get("error", 0.0) + done.get("abort", 0.0)
     data = {"lm_eval": lm_eval.__version__, "stack": {"tp": info["tp"], "device": info["device"],
                                                       "model": info["model"]},
-            "runs": [mc, gen], "gateway_outcomes": done, "errors": errors, "load": load, "args": vars(args)}
+            "runs": [mc, gen], "gateway_outcomes": done, "errors": errors, "load": load, "args": args_record(args)}
     md = (f"# lm-evaluation-harness {lm_eval.__version__} against twinspark\n\n"
           f"Stack: TP {info['tp']}, {info['device']}, `{Path(info['model']).name}`. Gateway outcomes during the "
           f"runs: {json.dumps(done)}; errors: {errors:g}.\n\n| model | task | items | requests | metrics | s |\n"
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join(f'{k} {v:.3f}' for k, v in r['metrics'].items() if isinstance(v, float))} | "
                   f"{r['seconds']} |\n" for r in (mc, gen)))
     print(md)
-    write_results(Path(args.out) if args.out else None, "lm_eval", data, md)
+    write_results(args.out, "lm_eval", data, md)
     return 0 if errors == 0 and mc["samples"] and gen["samples"] else 1
 
 

@@ -20,49 +20,35 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as dt
-import json
 import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from bench import flags, roofline
-from bench.decode_prefill import finish, is_oom, log, random_tokens, setup, si
+from bench import flags
+from bench.model_run import BLOCK, Setup, add_flags, finish, is_oom, random_tokens, setup, si
+from bench.output import RunFiles
 from bench.random_weights import bench_config, bench_spec, build_model
+from bench.timing import log, sync
 from model.batch import Batch
 from model.parallel import Sharding
 from model.row_store import KV_CACHE_DTYPES
 from services.rank_worker.pool_size import pool_cost
 
-BLOCK = 16
 KDA_GRID = 64  # prefill chunks start on this grid (docs/design.md §5.5), as the scheduler cuts prompts
 RELEASE_LAYERS = 45
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.long_context", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=_ints, default=None,
+    p = flags.parser("bench.long_context", __doc__)
+    p.add_argument("--lengths", type=flags.ints, default=None,
                    help="prompt lengths (default 8192,65536,262144,1048576; with --tiny 1024,4096,16384)")
     p.add_argument("--chunk", type=int, default=None,
                    help=f"prefill chunk in tokens, a multiple of {KDA_GRID} (default 4096; with --tiny 1024)")
-    for spec in (flags.LAYERS, flags.LAYER_PATTERN, flags.KV_CACHE_DTYPE, flags.DTYPE, flags.DEVICE, flags.VIRTUAL):
-        flags.add(p, spec)
     flags.add(p, flags.BUDGET_S, "skip lengths not started after this many seconds (default 540)", default="540")
-    for spec in (flags.SEED, flags.TINY, flags.OUT):
-        flags.add(p, spec)
-    p.add_argument("--name", default=None, help="file stem (default long_context-<date>)")
+    add_flags(p, "long_context", flags.TINY.help)
     args = p.parse_args(argv)
     args.lengths = args.lengths or ([1024, 4096, 16384] if args.tiny else [8192, 65536, 262144, 1048576])
     args.chunk = args.chunk or (1024 if args.tiny else 4096)
@@ -161,22 +147,17 @@ def prefill(model, ids: list[int], chunk: int, kv_dtype, device: torch.device) -
         for s in range(0, n, chunk):
             out = model.forward(Batch.single(ids[s : s + chunk], s, table, slot=0, device=device), cache)
         first = int(out.logits[-1].argmax())
-        roofline.sync(device)
+        sync(device)
         ttft = time.perf_counter() - t0
     del cache
     return {"ttft_s": ttft, "tok_per_s": n / ttft, "first_token": first, "pool_bytes": pool,
             "working_peak_bytes": mem.working, "peak_bytes": mem.peak}
 
 
-class Results:
-    def __init__(self, meta: dict, out_dir: Path, stem: str) -> None:
-        self.data: dict = {"meta": meta, "pool_bytes_per_token": [], "prefill": [], "notes": []}
-        self.json_path, self.md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-        out_dir.mkdir(parents=True, exist_ok=True)
-
-    def write(self) -> None:
-        self.json_path.write_text(json.dumps(self.data, indent=2) + "\n")
-        self.md_path.write_text(self.markdown())
+class Results(RunFiles):
+    def __init__(self, run: Setup) -> None:
+        super().__init__(run.out_dir, run.stem, {"meta": run.meta, "pool_bytes_per_token": [], "prefill": [],
+                                                 "notes": []})
 
     def markdown(self) -> str:
         m = self.data["meta"]
@@ -210,17 +191,14 @@ class Results:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    t_start = time.perf_counter()
-    now = dt.datetime.now()
-    run = setup(args, now)
+    run = setup(args, "long_context")
     if run is None:
         return 2
-    device, dtype, spec, meta = run.device, run.dtype, run.spec, run.meta
+    device, spec, meta = run.device, run.spec, run.meta
     meta.update(chunk=args.chunk, memory_probe="CUDA allocator peak, reset per length" if device.type == "cuda"
                 else "C heap in use (glibc mallinfo2) sampled every 5 ms")
-    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
-    res = Results(meta, out_dir, args.name or f"long_context-{now.strftime('%Y%m%d-%H%M%S')}")
-    res.data["pool_bytes_per_token"] = pool_bytes_per_token(spec, dtype, args.virtual, args.tiny)
+    res = Results(run)
+    res.data["pool_bytes_per_token"] = pool_bytes_per_token(spec, run.dtype, args.virtual, args.tiny)
     res.data["notes"] += [
         "pool = the latent + indexer rows + pooled keys of every MLA layer for the prompt's blocks (+ one scratch "
         "block) and two KDA state slots (the sequence's and the scratch one).",
@@ -233,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"pool: {r['model']}, {r['kv_cache_dtype']}: {r['bytes_per_token']:.0f} B/token, "
             f"{r['gib_per_1m_tokens']:.2f} GiB per 1M tokens, {si(r['bytes_per_kda_slot'], 'B')} per KDA slot")
     t0 = time.perf_counter()
-    model, reader = build_model(spec, device=device, dtype=dtype, seed=args.seed, virtual=args.virtual, log=log)
-    roofline.sync(device)
+    model, reader = build_model(spec, device=device, dtype=run.dtype, seed=args.seed, virtual=args.virtual, log=log)
+    sync(device)
     meta["build_s"], meta["weight_bytes"] = time.perf_counter() - t0, reader.bytes_made
     log(f"built in {meta['build_s']:.1f} s ({si(reader.bytes_made, 'B')})")
     res.write()
@@ -251,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"({meta['warmup_s']:.1f} s: kernel compiles and autotuning).")
     for n in args.lengths:
         row: dict = {"tokens": n}
-        if time.perf_counter() - t_start > args.budget_s:
+        if time.perf_counter() - run.started > args.budget_s:
             row["status"] = "skipped (time budget)"
         else:
             try:
@@ -268,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         res.data["prefill"].append(row)
         res.write()
-    return finish(res, meta, t_start)
+    return finish(res, run)
 
 
 if __name__ == "__main__":

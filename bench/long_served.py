@@ -30,12 +30,13 @@ import threading
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import httpx
 
+from bench import flags
+from bench.output import RESULTS, write_results
+from bench.random_weights import bench_spec
 from bench.stack import attach_or_start, round_stats
+from bench.stats import percentile
 
 LENGTH = 1_040_000
 STATS_INTERVAL_S = 2.0
@@ -80,7 +81,7 @@ def gap_stats(arrivals: list[float], start: float, end: float) -> dict:
     if not gaps:
         return {"chunks": len(times)}
     return {"chunks": len(times), "p50_ms": round(statistics.median(gaps), 2),
-            "p99_ms": round(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 2), "max_ms": round(gaps[-1], 2)}
+            "p99_ms": round(percentile(gaps, 0.99), 2), "max_ms": round(gaps[-1], 2)}
 
 
 def longest_prompt_round(lines: list[str]) -> dict:
@@ -128,7 +129,6 @@ def offline_ttft(args: argparse.Namespace, out: Path) -> float | None:
 
 def model_dir(layers: int, tiny: bool) -> Path:
     """long_context.py's model (bench_spec) as a checkpoint dir without weights: config and make-tiny's tokenizer."""
-    from bench.random_weights import bench_spec
     from model.checkpoint import write_model_files
     from model.checkpoint.tokenizer_builder import build_tokenizer
     out = Path(tempfile.mkdtemp(prefix="long-served-model-"))
@@ -137,20 +137,19 @@ def model_dir(layers: int, tiny: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.long_served", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4, help="text layers (default 4: KKKM)")
-    ap.add_argument("--tiny", action="store_true", help="make-tiny dimensions: a CPU smoke test of this script")
-    ap.add_argument("--virtual", type=int, default=4, help="the ranks' virtual shards (default 4, serve-rank's)")
+    ap = flags.parser("bench.long_served", __doc__)
+    flags.add(ap, flags.LAYERS)
+    flags.add(ap, flags.TINY, "make-tiny dimensions: a CPU smoke test of this script")
+    flags.add(ap, flags.VIRTUAL, "the ranks' virtual shards (default 4, serve-rank's)", default="4")
     ap.add_argument("--length", type=int, default=LENGTH, help=f"prompt tokens (default {LENGTH:,})")
     ap.add_argument("--stream-tokens", type=int, default=16384,
                     help="max_tokens of the decoding stream (it is stopped once the long prompt's token came)")
     ap.add_argument("--budget", type=int, default=8192, help="--max-num-batched-tokens of the stack (default 8192)")
     ap.add_argument("--weights", default="bf16", help="--random-weights of the stack (default bf16, as long_context)")
-    ap.add_argument("--device", default="cuda", help="the ranks' device (default cuda)")
+    flags.add(ap, flags.RANKS_DEVICE)
     ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=None,
                     help="also run bench/long_context.py at the same length (default: on a GPU)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default bench/results)")
+    flags.add(ap, flags.OUT, default=str(RESULTS))
     args = ap.parse_args(argv)
     offline = args.offline if args.offline is not None else args.device == "cuda"
     model = model_dir(args.layers, args.tiny)
@@ -200,9 +199,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"long_served-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     a, long = result["args"], result["long"]
     b, d = result.get("gaps_before", {}), result.get("gaps_during", {})
     lines = [f"# long prompt served — {result['date']}", "",
@@ -227,8 +223,8 @@ def write(result: dict, out: Path) -> None:
     if result.get("rank_stats"):
         lines += ["", f"Rank 0's round stats from the long prompt's arrival (a line per {STATS_INTERVAL_S:g} s):", "",
                   *(f"- {x}" for x in result["rank_stats"])]
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / stem}.json and .md", flush=True)
+    path = write_results(out, "long_served", result, "\n".join(lines) + "\n")
+    print(f"wrote {path} and .md", flush=True)
 
 
 def _f(v: float | None) -> str:

@@ -9,12 +9,11 @@ depend on weight values except through routing, so the experts each step touches
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 
 import torch
 
-from bench import roofline
+from bench.timing import median, time_calls
 from model.checkpoint.config_builder import model_config
 from model.checkpoint.spec import TinySpec
 
@@ -53,7 +52,7 @@ def decode_ms(model, batch: int, context: int, vocab: int, *, warmup: int, iters
         nonlocal cache
         cache = model(input_ids=steps[i], past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
 
-    return statistics.median(roofline.time_calls(step, warmup=warmup, iters=iters, device=device))
+    return median(time_calls(step, warmup=warmup, iters=iters, device=device))
 
 
 @torch.inference_mode()
@@ -62,4 +61,4 @@ def prefill_ms(model, tokens: int, vocab: int, *, warmup: int, iters: int, devic
     """Median ms of one forward over a `tokens`-long prompt (logits of the last row only, as ours)."""
     ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(device)
     step: Callable[[int], object] = lambda _i: model(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
-    return statistics.median(roofline.time_calls(step, warmup=warmup, iters=iters, device=device))
+    return median(time_calls(step, warmup=warmup, iters=iters, device=device))

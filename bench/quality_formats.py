@@ -29,13 +29,16 @@ import asyncio
 import math
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench import flags
-from bench.serve import level, summarize, warm_up
-from bench.stack import _twinspark, attach_or_start, machine_load, write_results
+from bench.output import args_record, stamp, write_results
+from bench.served_load import level, summarize, warm_up
+from bench.stack import attach_or_start, machine_load, twinspark_command
+from services.common import shared_flags as shared
 from services.evaluate.client import ModelClient
 from services.evaluate.runner import Settings, compare, score_windows, text_windows
 
@@ -74,7 +77,7 @@ def write_base(out: Path, *, dims: str, layers: int, experts: int) -> Path:
 
 def quantize(base: Path, out: Path, fmt: str, device: str) -> dict[str, Any]:
     t0 = time.monotonic()
-    proc = subprocess.run([_twinspark(), "quantize", "--model", str(base), "--out", str(out), "--format", fmt,
+    proc = subprocess.run([twinspark_command(), "quantize", "--model", str(base), "--out", str(out), "--format", fmt,
                            "--device", device], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"quantize {fmt} failed:\n{proc.stderr[-2000:]}")
@@ -160,27 +163,24 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.quality_formats", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.parser("bench.quality_formats", __doc__)
     ap.add_argument("--base", type=Path, help="a dense checkpoint (default: write one, see --dims)")
     ap.add_argument("--dims", choices=("tiny", "release"), default="tiny")
-    ap.add_argument("--layers", type=int, default=4)
+    flags.add(ap, flags.LAYERS, "text layers of the base (default 4)")
     ap.add_argument("--experts", type=int, default=16, help="--dims release: routed experts per MoE layer")
     ap.add_argument("--formats", default=FORMATS, help="comma-separated `twinspark quantize --format` values")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--tp", type=int, default=1)
+    flags.add(ap, flags.RANKS_DEVICE, "where the formats are quantized and served (default cpu)", default="cpu")
+    flags.add(ap, shared.TP)
     ap.add_argument("--work", type=Path, default=None, help="where the checkpoints go (default: a temporary dir)")
     ap.add_argument("--file", type=Path, default=TEXT)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-windows", type=int, default=None)
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--output-len", type=int, default=64)
+    flags.add(ap, flags.OUTPUT_LEN, "tokens of the timed decode (default 64)", default="64")
     ap.add_argument("--exact", action="store_true", help="also the full-vocabulary KL, offline on the CPU")
     flags.add(ap, flags.OUT)
     args = ap.parse_args(argv)
-    import tempfile
-
     work = args.work or Path(tempfile.mkdtemp(prefix="twinspark-quality-"))
     load = machine_load()
     t0 = time.monotonic()
@@ -195,12 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "base": f"{args.dims} dims, "
             f"{args.layers} layers" + (f", {args.experts} experts" if args.dims == "release" else ""),
             "base_bytes": _weight_bytes(base), "windows": len(windows), "positions": positions, "rows": rows,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": args_record(args),
             "load_line": f"Machine load before: {load['loadavg_1_5_15']} ({load['cpus']} CPUs)."}
     # Saved after every format under one stamp: a run cut short (a lent machine's time limit) keeps what it measured.
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else None
-    write_results(out, "quality_formats", data, markdown(data), stamp=stamp)
+    at = stamp()
+    write_results(args.out, "quality_formats", data, markdown(data), at=at)
     for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
         row: dict[str, Any] = {"format": fmt}
         try:
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = f"{type(exc).__name__}: {exc}"
             print(f"{fmt}: {row['error']}", flush=True)
         rows.append(row)
-        write_results(out, "quality_formats", data, markdown(data), stamp=stamp)
+        write_results(args.out, "quality_formats", data, markdown(data), at=at)
     print(markdown(data))
     return 0 if all("error" not in r for r in rows) and not any(math.isnan(r.get("decode_tok_s", 0)) for r in rows) \
         else 1

@@ -8,58 +8,19 @@ docs/reference.md §5: speed is reported as a fraction of the roofline, and the 
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from bench.random_weights import keeps_fp32, text_tensors
+from bench.timing import median, time_calls
 from model.row_store import row_bytes
 from model.checkpoint.spec import KDA, TinySpec
 from model.checkpoint.weights import TEXT
 
 EMBED_KEY = TEXT + "embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
-
-
-# ----- timing -----
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_calls(step: Callable[[int], object], *, warmup: int, iters: int, device: torch.device,
-               after_warmup: Callable[[], None] | None = None) -> list[float]:
-    """Milliseconds of `step(i)` for i = warmup .. warmup+iters-1 (after `warmup` untimed calls), one at a time.
-
-    CUDA: events around each call, synchronised after each; CPU: perf_counter.
-    """
-    for i in range(warmup):
-        step(i)
-    sync(device)
-    if after_warmup:
-        after_warmup()
-    times = []
-    for i in range(warmup, warmup + iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(i)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step(i)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 # ----- ceilings -----

@@ -23,16 +23,12 @@ Hardware figures are the vendors' (GB10: 273 GB/s LPDDR5X, 48 SMs at the seed's 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from bench import flags
 from bench.roofline import decode_bytes, param_counts, prefill_flops
 from model.checkpoint.spec import TinySpec
 
@@ -149,8 +145,7 @@ def report(hardware: str, recipe: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.roofline_sparks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.parser("bench.roofline_sparks", __doc__)
     ap.add_argument("--hardware", choices=sorted(HARDWARE), help="one machine (default: both, each with its recipe)")
     ap.add_argument("--recipe", help="weight recipe (default: gb10x2 the seed's exl3:4.0+w4a16, h200 the "
                     "committed whole model's exl3:2.5+fp8)")

@@ -28,20 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import httpx
 
-from bench.stack import load_line, machine_load, write_results
+from bench import flags
+from bench.output import args_record, write_results
+from bench.stack import load_line, machine_load, twinspark_command
+from bench.stats import percentile
+from services.common import shared_flags as shared
 from services.launcher.ports import free_ports
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
 OFF = {"enable_thinking": False}
-
-
-def _twinspark() -> str:
-    return str(Path(sys.executable).parent / "twinspark")
 
 
 def system_prompt(i: int, clauses: int) -> str:
@@ -96,11 +93,6 @@ async def run_mix(url: str, args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
-
-
 def summarize(policy: str, results: list[dict], wall_s: float, started_s: float) -> dict:
     ok = [r for r in results if r["ok"]]
     ttft = [r["ttft_s"] * 1e3 for r in ok]
@@ -109,14 +101,14 @@ def summarize(policy: str, results: list[dict], wall_s: float, started_s: float)
             "prompt_tokens": sum(r["prompt"] for r in ok), "cached_tokens": sum(r["cached"] for r in ok),
             "cached_share": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
             "cached_share_later_turns": sum(r["cached"] for r in later) / max(1, sum(r["prompt"] for r in later)),
-            "ttft_p50_ms": statistics.median(ttft) if ttft else None, "ttft_p99_ms": _pct(ttft, 0.99) if ttft else None,
+            "ttft_p50_ms": statistics.median(ttft) if ttft else None, "ttft_p99_ms": percentile(ttft, 0.99) if ttft else None,
             "errors": sorted({r["error"] for r in results if not r["ok"]})}
 
 
 def one_policy(policy: str, args: argparse.Namespace) -> dict:
     state = Path(tempfile.mkdtemp(prefix=f"twinspark-router-{policy}-"))
     port = free_ports(1)[0]
-    argv = [_twinspark(), "up", "--detach", "--replicas", str(args.replicas), "--router-policy", policy, "--port",
+    argv = [twinspark_command(), "up", "--detach", "--replicas", str(args.replicas), "--router-policy", policy, "--port",
             str(port), "--state-dir", str(state), "--drafter", "none", "--tp", "1"]
     if args.model:
         argv += ["--model", args.model]
@@ -130,7 +122,7 @@ def one_policy(policy: str, args: argparse.Namespace) -> dict:
         results = asyncio.run(run_mix(f"http://127.0.0.1:{port}", args))
         row = summarize(policy, results, time.monotonic() - t1, started)
     finally:
-        subprocess.run([_twinspark(), "down", "--state-dir", str(state)], capture_output=True, timeout=180)
+        subprocess.run([twinspark_command(), "down", "--state-dir", str(state)], capture_output=True, timeout=180)
         shutil.rmtree(state, ignore_errors=True)
     print(f"{policy}: {row['ok']}/{row['requests']} ok, cached share {row['cached_share']:.3f} (later turns "
           f"{row['cached_share_later_turns']:.3f}), TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} "
@@ -158,19 +150,18 @@ def markdown(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.router_policies", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.parser("bench.router_policies", __doc__)
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default %(default)s)")
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--model", default=None, help="checkpoint (default: the tiny one)")
+    flags.add(ap, shared.MODEL, "checkpoint (default: the tiny one)")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--systems", type=int, default=2, help="distinct system prompts the chats share")
     ap.add_argument("--system-clauses", type=int, default=14, help="rules per system prompt (~35 tokens each)")
     ap.add_argument("--reply-tokens", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None, help="folder for router_policies-<time>.json/.md")
+    flags.add(ap, flags.SEED, "seed of the chats' questions and pauses")
+    flags.add(ap, flags.OUT, "folder for router_policies-<time>.json/.md (default: print only)")
     args = ap.parse_args(argv)
     version = subprocess.run([sys.executable, "-m", "pip", "show", "vllm-router"], capture_output=True,
                              text=True).stdout.split("Version: ")[-1].split()[0]
@@ -178,10 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [one_policy(p.strip(), args) for p in args.policies.split(",") if p.strip()]
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "router_version": version,
             "model": args.model or "the tiny checkpoint", "load": load_line(before, machine_load()),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "policies": rows}
-    md = markdown(data)
-    print(md)
-    write_results(args.out, "router_policies", data, md)
+            "args": args_record(args), "policies": rows}
+    print(markdown(data))
+    write_results(args.out, "router_policies", data, markdown(data))
     return 0 if all(r["ok"] == r["requests"] for r in rows) else 1
 
 

@@ -1,6 +1,6 @@
 """torch.profiler over served rounds that hold prompt chunks: where a served request's first token goes.
 
-A served prompt round of the whole model took ~1 s for 128 tokens (bench/results/whole_model-20261204-134632), far
+A served prompt round of the whole model took ~1 s for 128 tokens (whole_model-20261204-134632), far
 more than its share of an offline prefill; the rank's round stats say how long, not why. This bench starts a stack
 with the rank's round profiler on (services/rank_worker/round_profiler.py), sends identical batches of `concurrency`
 requests (`prompt-len` random token ids, `output-len` tokens out, greedy), and profiles a window of rounds placed
@@ -19,20 +19,17 @@ with cProfile: the rank's Python functions by own and cumulative time, when the 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import random
 import shutil
 import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench import flags
-from bench.serve import level, summarize
-from bench.stack import attach_or_start, round_stats, write_results
-from bench.whole_model import request_bodies
+from bench.output import stamp, write_results
+from bench.served_load import completion_bodies, level, summarize
+from bench.stack import attach_or_start, round_stats
 from services.common import shared_flags as shared
 
 STATS_INTERVAL_S = 0.5
@@ -44,22 +41,21 @@ def profile_window(warm: int, output_len: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.served_profile", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.parser("bench.served_profile", __doc__)
     flags.add(ap, shared.MODEL, "a directory written by `python -m bench.whole_model --write-dir`", type=Path,
               required=True)
-    ap.add_argument("--random-weights", default="exl3:2.5+fp8",
-                    help="recipe (default exl3:2.5+fp8; '' = the checkpoint's own weights)")
-    ap.add_argument("--device", default="cuda", help="the ranks' device (default cuda; cpu: a smoke test)")
+    flags.add(ap, shared.RANDOM_WEIGHTS, "recipe (default exl3:2.5+fp8; '' = the checkpoint's own weights)",
+              default="exl3:2.5+fp8")
+    flags.add(ap, flags.RANKS_DEVICE, "the ranks' device (default cuda; cpu: a smoke test)")
     ap.add_argument("--concurrency", type=int, default=8, help="requests per batch, sent at once (default 8)")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=8)
+    flags.add(ap, flags.PROMPT_LEN, default="128")
+    flags.add(ap, flags.OUTPUT_LEN, default="8")
     ap.add_argument("--warm", type=int, default=3, help="untimed batches first (default 3)")
     ap.add_argument("--batches", type=int, default=6, help="measured batches (default 6; at least 4)")
     ap.add_argument("--profile-kind", choices=("torch", "python"), default="torch",
                     help="torch.profiler's operator tables and trace (default), or cProfile's Python functions: where "
                     "the host's time per round goes (TWINSPARK_PROFILE_KIND)")
-    ap.add_argument("--out", type=Path, required=True, help="folder for the results and the rank's profile")
+    flags.add(ap, flags.OUT, "folder for the results and the rank's profile", required=True)
     args = ap.parse_args(argv)
     if args.batches < 4:
         ap.error("--batches must be at least 4: the profiled window sits inside the measured batches")
@@ -73,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                   "recipe": args.random_weights, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
                   "output_len": args.output_len, "profiled_rounds": [skip + 1, skip + count], "batches": [],
                   "profile_head": "not written yet"}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    at = stamp()
 
     def save() -> None:  # after each step, so a run cut short (a call's time limit) keeps what it measured
-        write_results(args.out, "served_profile", data, markdown(data), stamp=stamp)
+        write_results(args.out, "served_profile", data, markdown(data), at=at)
 
     t0 = time.perf_counter()
     stack = attach_or_start(None, tp=1, model=str(args.model), env=env)
@@ -87,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         log = stack.state_dir / "logs" / "rank0.log"
         for b in range(args.warm + args.batches):
             # a new seed a batch: no prefix hits
-            bodies = request_bodies(args.concurrency, args.prompt_len, args.output_len, seed=1000 + b)
+            bodies = completion_bodies([args.prompt_len] * args.concurrency, args.output_len, random.Random(1000 + b),
+                                       draft=False)
             seen = log.stat().st_size
             samples, wall = asyncio.run(level(url, bodies, args.concurrency))
             s = summarize(samples, wall, args.prompt_len)
@@ -102,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.down()
         rank_log = stack.state_dir / "logs" / "rank0.log"
         if rank_log.exists():  # with the compile warnings (services/rank_worker/compile_watch.py)
-            shutil.copy(rank_log, args.out / f"served_profile-{stamp}-rank0.log")
+            shutil.copy(rank_log, args.out / f"served_profile-{at}-rank0.log")
     head = (prof_dir / "rank0-rounds.txt").read_text().splitlines()[0] if (prof_dir / "rank0-rounds.txt").exists() \
         else "no profile was written (fewer rounds than the window?)"
     data["profile_head"] = head

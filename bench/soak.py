@@ -17,7 +17,6 @@ first token for streams), RSS per process over time, memory drift (mean of the l
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
 import json
@@ -27,15 +26,13 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
-from bench.stack import (Stack, add_stack_args, attach_or_start, load_line, machine_load, rss_bytes,
-                         write_results)
+from bench import flags
+from bench.output import write_results
+from bench.stack import Stack, add_stack_args, attach_or_start, load_line, machine_load, rss_bytes
+from bench.stats import percentile
 
 PROMPT_WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
 LENGTHS = {"short": (4, 24), "medium": (100, 300), "long": (600, 1000)}  # prompt tokens (ids) / words (text)
@@ -170,10 +167,7 @@ def _drift(points: list[tuple[float, int]], duration: float) -> dict:
 
 
 def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+    return round(percentile(xs, q), 3) if xs else None
 
 
 async def soak(stack: Stack, duration: float, clients: int, seed: int) -> dict:
@@ -224,12 +218,12 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    ap = flags.parser("bench.soak", __doc__)
     add_stack_args(ap)
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default 1800)")
     ap.add_argument("--clients", type=int, default=None, help="concurrent clients (default 4 x the lanes)")
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=None, help="directory for soak-<time>.json and .md")
+    flags.add(ap, flags.SEED, "seed of the request mix (default 7)", default="7")
+    flags.add(ap, flags.OUT, "directory for soak-<time>.json and .md (default: print only)")
     args = ap.parse_args(argv)
     stack = attach_or_start(args.state_dir, tp=args.tp, model=args.model)
     try:

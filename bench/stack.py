@@ -47,11 +47,12 @@ class Stack:
 
     def down(self) -> None:
         if self.started_here:
-            subprocess.run([_twinspark(), "down", "--state-dir", str(self.state_dir)], capture_output=True,
+            subprocess.run([twinspark_command(), "down", "--state-dir", str(self.state_dir)], capture_output=True,
                            timeout=120)
 
 
-def _twinspark() -> str:
+def twinspark_command() -> str:
+    """The `twinspark` command installed beside this interpreter (a bench runs the same install it imports)."""
     return str(Path(sys.executable).parent / "twinspark")
 
 
@@ -71,7 +72,7 @@ def attach_or_start(state_dir: str | None, *, tp: int, model: str | None, env: d
         return Stack(Path(state_dir), started_here=False)
     _stop_on_sigterm()
     sd = Path(tempfile.mkdtemp(prefix="twinspark-bench-"))
-    argv = [_twinspark(), "up", "--detach", "--tp", str(tp), "--port", str(free_ports(1)[0]), "--state-dir", str(sd)]
+    argv = [twinspark_command(), "up", "--detach", "--tp", str(tp), "--port", str(free_ports(1)[0]), "--state-dir", str(sd)]
     if model:
         argv += ["--model", model]
     stack = Stack(sd, started_here=True)
@@ -130,14 +131,3 @@ def load_line(before: dict, after: dict) -> str:
     """The markdown sentence saying how busy the shared machine was."""
     return (f"Machine (shared): load {before['loadavg_1_5_15']} before, {after['loadavg_1_5_15']} after, "
             f"{before['cpus']} CPUs; busiest processes before: {'; '.join(before['top_processes'][:4])}.")
-
-
-def write_results(out: Path | None, name: str, data: dict, md: str, *, stamp: str | None = None) -> None:
-    """<out>/<name>-<stamp>.json and .md, the stamp the time now unless given (a bench that saves as it goes passes
-    the same stamp each time); nothing without `out`."""
-    if out is None:
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
-    (out / f"{name}-{stamp}.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out / f"{name}-{stamp}.md").write_text(md)

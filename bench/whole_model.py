@@ -1,7 +1,7 @@
 """The whole GLM-5.3-Flash (45 layers + the MTP layer, real dimensions) as a served stack on random quantized
 weights: `twinspark up --device cuda --tp N --model DIR --random-weights FORMAT` per format, then through HTTP the
 batch-1 decode rate (streamed, greedy, random-token prompts, drafts off), a small concurrency sweep, GPU memory per
-device once warm, and the 12-request burst / staggered = serial check (bench/exactness.py).
+device once warm, and the 12-request burst / staggered = serial check (bench/concurrency_check.py).
 
 DIR holds what a checkpoint holds but its weights: the release's text config (docs/reference.md §1: 45 layers 3:1 KDA / MLA,
 layers 0-2 dense, 288 experts, vocabulary 154,880, one MTP layer) with make-tiny's tokenizer and chat template (the
@@ -13,7 +13,7 @@ writes it and stops, so it can be made on a CPU machine.
 
 Writes whole_model-<time>.json and .md under --out. With the rank profiler on (TWINSPARK_TORCH_PROFILER_DIR,
 TWINSPARK_PROFILE_ROUNDS=SKIP:COUNT inside a timed level) at TP > 1, a column gives the collectives' share of rank
-0's GPU busy time over the profiled rounds, and of it the transfer (bench/trace_gaps.py).
+0's GPU busy time over the profiled rounds, and of it the transfer (bench/chrome_trace.py).
 """
 
 from __future__ import annotations
@@ -26,16 +26,15 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import exactness, flags
-from bench.trace_gaps import trace_collectives
-from bench.serve import level, summarize, warm_up
-from bench.stack import attach_or_start, round_stats, write_results
+from bench import flags
+from bench.chrome_trace import trace_collectives
+from bench.concurrency_check import check
+from bench.output import stamp, write_results
+from bench.served_load import completion_bodies, level, summarize, warm_up
+from bench.stack import attach_or_start, round_stats
 from services.common import shared_flags as shared
 
 LAYERS = 45
@@ -64,12 +63,6 @@ def gpu_memory_mib() -> list[dict]:
             for i, u, t in (line.split(", ") for line in q.strip().splitlines())]
 
 
-def request_bodies(n: int, prompt_len: int, output_len: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt": [rng.randrange(5, 1000) for _ in range(prompt_len)], "max_tokens": output_len,
-             "ignore_eos": True, "temperature": 0, "stream": True, "draft": False} for _ in range(n)]
-
-
 def running_limits(concurrency: int) -> dict[str, str]:
     """What a user serving `concurrency` streams at once sets beyond the defaults (16 running requests, 32 KDA
     slots: the rest hold prefix snapshots): room for every stream to run, and as many snapshot slots as by default.
@@ -96,7 +89,7 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
         url = stack.url + "/v1"
         levels = []
         for c in args.concurrency:
-            bodies = request_bodies(max(2, c), args.prompt_len, args.output_len, seed=c)
+            bodies = completion_bodies([args.prompt_len] * max(2, c), args.output_len, random.Random(c), draft=False)
             warm = warm_up(url, bodies, c)
             log = stack.state_dir / "logs" / "rank0.log"
             seen = log.stat().st_size
@@ -115,10 +108,10 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
                   f"{s['ttft'].get('median_ms', float('nan')):.0f} ms", flush=True)
         row["gpu_memory"] = gpu_memory_mib()
         print(f"{fmt}: GPU memory {row['gpu_memory']}", flush=True)
-        check = exactness.check(url)
-        row["exact"] = {"staggered_same": check.staggered_same, "burst_same": check.burst_same,
-                        "n": len(check.serial)}
-        print(check.line(fmt), flush=True)
+        exact = check(url)
+        row["exact"] = {"staggered_same": exact.staggered_same, "burst_same": exact.burst_same,
+                        "n": len(exact.serial)}
+        print(exact.line(fmt), flush=True)
         profiles = os.environ.get("TWINSPARK_TORCH_PROFILER_DIR")
         if profiles and args.tp > 1:
             row["collectives"] = profiled_collectives(Path(profiles) / "rank0-rounds.json", started)
@@ -133,8 +126,8 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
 
 
 def profiled_collectives(trace: Path, since: float, wait_s: float = 60.0) -> dict | None:
-    """bench.trace_gaps' collective figures of the rank profiler's trace of this stack's rounds (the rank writes it
-    when its profiled window ends: waited for, up to wait_s); None when it never came or holds no collective."""
+    """The collective figures (bench/chrome_trace.py) of the rank profiler's trace of this stack's rounds (the rank
+    writes it when its profiled window ends: waited for, up to wait_s); None when it never came or holds none."""
     until = time.time() + wait_s
     while time.time() < until:
         try:
@@ -185,13 +178,8 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.whole_model", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.parser("bench.whole_model", __doc__)
     ap.add_argument("--write-dir", type=Path, help="write the config + tokenizer directory here and stop")
     flags.add(ap, flags.LAYERS, f"text layers of the written config (default {LAYERS})", default=str(LAYERS))
     flags.add(ap, shared.MODEL, "a directory written by --write-dir (or any checkpoint's config)", type=Path)
@@ -199,11 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default="w4a16+bf16",
                     help="--random-weights recipes, comma-separated (default w4a16+bf16; on a GPU only the routed "
                          "experts stay packed so far, so a quantized rest is loaded dense)")
-    ap.add_argument("--concurrency", type=_ints, default=[1, 8], help="levels (default 1,8)")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
+    flags.add(ap, flags.CONCURRENCY, "levels (default 1,8)", default="1,8")
+    flags.add(ap, flags.PROMPT_LEN, default="128")
+    flags.add(ap, flags.OUTPUT_LEN, default="128")
     flags.add(ap, shared.NUM_BLOCKS, "KV blocks per rank (default: serve-rank's)")
-    ap.add_argument("--out", type=Path, default=None, help="folder for whole_model-<time>.json/.md")
+    flags.add(ap, flags.OUT, "folder for whole_model-<time>.json/.md (default: print only)")
     args = ap.parse_args(argv)
     if args.write_dir:
         print(f"wrote {write_model_dir(args.write_dir, layers=args.layers)}")
@@ -215,18 +203,18 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_len": args.prompt_len, "output_len": args.output_len, "formats": rows,
             "max_num_seqs": int(running_limits(max(args.concurrency)).get("TWINSPARK_MAX_NUM_SEQS", 0)) or None,
             "config": json.loads((args.model / "config.json").read_text()).get("text_config", {})}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    at = stamp()
 
     def save(row: dict) -> None:
         so_far = {**data, "formats": [*rows, row]}
-        write_results(args.out, "whole_model", so_far, markdown(so_far), stamp=stamp)
+        write_results(args.out, "whole_model", so_far, markdown(so_far), at=at)
 
     for f in (f.strip() for f in args.formats.split(",")):
         if f:
             rows.append(run_format(f, args, save))
     md = markdown(data)
     print(md)
-    write_results(args.out, "whole_model", data, md, stamp=stamp)
+    write_results(args.out, "whole_model", data, md, at=at)
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -9,19 +9,18 @@ first rows are inputs like their positions (the kernels already take them as dat
 windows and decode steps of up to its rows; its padding rows belong to padding sequences after the real ones. Each
 window row leaves its KDA state in pending buffers shared by every window graph (the next round waits for the
 commit, so one set is enough), and after a replay they are handed to the cache for the commit as an eager forward
-would leave them. Without it every verify round ran eagerly: on the H200, 4 real-dimension layers took ~11 ms of
-host launches for a window against a 1.4 ms graph step. Every kernel of the fast path is row-invariant
-(docs/design.md §5.1), so a real row's bits are the same in the graph as in the eager forward of the same batch
-(tests/gpu checks replay == eager bit for bit). All graphs share one memory pool. vLLM's name for turning them off
-is kept: `--enforce-eager`.
+would leave them. Without it every verify round ran eagerly, several graph steps' time in host launches alone
+(docs/gpu-engine.md, "CUDA graphs"). Every kernel of the fast path is row-invariant (docs/design.md §5.1), so a
+real row's bits are the same in the graph as in the eager forward of the same batch (tests/gpu checks replay ==
+eager bit for bit). All graphs share one memory pool. vLLM's name for turning them off is kept: `--enforce-eager`.
 
 When: a capture costs a few hundred ms on a small model and seconds on the release one, and a round that meets a new
-shape waits for it — on the H200 a cold stream's tokens came 30x slower than the offline step, the stalls being
-these captures. So, as vLLM does, the rank captures before it serves: every batch bucket up to its KDA slot count
-(no round has more decode rows than running sequences, each holding a slot) at the narrowest width. That width is
-floored at the blocks of `index_topk` tokens: every context up to there (where chats start) shares it, and it costs
-nothing there — its k-pools all fit the selection (no indexer scores), and the attention's extra splits are empty
-and merge as zeros. Longer contexts capture their width when first seen (the log says what it cost).
+shape waits for it — a cold stream's tokens came many times slower than the offline step, the stalls being these
+captures (same section). So, as vLLM does, the rank captures before it serves: every batch bucket up to its KDA
+slot count (no round has more decode rows than running sequences, each holding a slot) at the narrowest width.
+That width is floored at the blocks of `index_topk` tokens: every context up to there (where chats start) shares
+it, and it costs nothing there — its k-pools all fit the selection (no indexer scores), and the attention's extra
+splits are empty and merge as zeros. Longer contexts capture their width when first seen (the log says what it cost).
 
 Outputs are views into the graph's static buffers: valid until the next replay (the executor samples at once).
 """

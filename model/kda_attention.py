@@ -9,8 +9,8 @@ Weights are stacked over the rank's local virtual shards ([S, ...]), per shard q
 low-rank gate inputs f_a|g_a as one replicated projection, so the fused path reads each input once per projection
 for every local shard. The recurrence itself is the ops layer's (`kda_core`): the reference runs it row class by
 row class (kernels/kda.py), the fused path through the recurrent kernel (kernels/gpu/kda.py) and fla-core's
-`chunk_kda` — chunk-grid and batch invariant and within 4e-4 of the reference, measured on an H200
-(bench/results/kernels-20261130-235732.*).
+`chunk_kda` — chunk-grid and batch invariant and close to the reference on a GPU (docs/benchmarks.md, "Kernels on
+one H200").
 """
 
 from __future__ import annotations

@@ -105,8 +105,8 @@ class FusedForward:
         decode = wanted < self.rows.decode_rows
         order = torch.sort((~decode).to(torch.int8), stable=True).indices
         # The row indices go over asynchronously: a plain .to(device) copy from pageable memory waited for every
-        # kernel queued before it, so the GPU drained and then idled while the host launched the logits
-        # (0.77 ms at the end of an 8,192-row prefill, decode_prefill-20261205-0224-bf16-mlatile).
+        # kernel queued before it, so the GPU drained and then idled while the host launched the logits (the gap it
+        # left at the end of a prefill: docs/benchmarks.md, "Host work").
         picked = hidden[to_device(wanted[order], hidden.device)]
         logits = coll.gather_columns(project(_per_shard(picked, lm_head), lm_head, int(decode.sum()), torch.float32))
         if torch.equal(order, torch.arange(order.numel())):

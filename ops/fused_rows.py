@@ -72,8 +72,9 @@ def _device(values: list[list[int] | torch.Tensor], device: torch.device) -> lis
 
 def build(batch: Batch, *, kpool: int) -> GpuRows:
     """GpuRows of an eager forward (decode-class sequences must come first: Batch.permuted). The per-row vectors
-    are built with torch on the host, not Python lists: a list per prompt row and one torch.tensor over them cost
-    ~2.4 ms at an 8,192-row chunk here, while the GPU waits for the forward's first kernel."""
+    are built with torch on the host, not Python lists: a list per prompt row and one torch.tensor over them took
+    over ten times as long at an 8,192-row chunk, while the GPU waits for the forward's first kernel
+    (docs/benchmarks.md, "Host work")."""
     dev = batch.token_ids.device
     decode_rows = batch.decode_rows
     offsets = batch.offsets

@@ -28,9 +28,8 @@ K_MULTIPLE = 512  # 8 warps x 4 unrolled 16-wide K tiles
 N_MULTIPLE = 32  # two 16-wide output tiles per block
 # Products of K <= SHORT_K (the MoE's down projection: 2,048 split over 4 virtual shards is 512 a shard) take a build
 # of 2 warps on K and 4 output tiles a block: with 8 warps each held 4 K tiles, and the block's setup and warp
-# reduction were most of its time. 32 shard-experts of 4096 x 512 at 2.5 bits, one row each, on an H100: 46.1 us in
-# the shipped build, 28.3 us in this one (bench/results/kernels-20261205-075106-exl3shard.log). The build depends
-# on K alone, so a product's K order is still a function of its shape (docs/design.md §5.1).
+# reduction were most of its time (bench.kernels' exl3shard: docs/benchmarks.md, "Expert products"). The build
+# depends on K alone, so a product's K order is still a function of its shape (docs/design.md §5.1).
 SHORT_K = 1024
 SHORT_K_BUILD = (("TS_WARPS", 2), ("TS_N_TILES", 4))
 SHORT_K_N_MULTIPLE = 64  # four 16-wide output tiles per block

@@ -37,10 +37,9 @@ _NARROW_SPLITS = 8
 # Programs the decode schedule aims for per GEMM (about two waves on an H200's 132 SMs). A constant, not the SM
 # count of the device at hand, so the schedule stays a function of the shapes.
 _DECODE_PROGRAMS = 256
-# K steps each split keeps at least: 4 (bench/results/kernels-20261204-075745, splitsweep: one layer's decode products
-# at rows 1 and 8; against 8, the small bf16 / fp8 ones take 20-25% less, e.g. the router 8.1 -> 6.4 us and the
-# shared expert's down 10.3 -> 7.9 us, the large ones the same; 2 wins a little more on the smallest and loses on
-# q_a at 8 rows; a 512-program target loses on every shape it changes).
+# K steps each split keeps at least: 4, from bench.kernels' splitsweep of one layer's decode products at rows 1 and 8:
+# against 8 the small bf16 / fp8 products run faster and the large ones the same; 2 loses on q_a at 8 rows, and a
+# 512-program target on every shape it changes (docs/benchmarks.md, "GEMM tiles").
 _DECODE_MIN_STEPS = 4
 # Pipeline stages of the decode tile per architecture (kernels/gpu/arch.py). Hopper: 4, three 36 KiB steps of K in
 # flight (108 KiB of shared memory). GB10 has 99 KiB a block, so 3 (72 KiB; bench.kernel_census). Stages pipeline
@@ -64,7 +63,7 @@ class Tile:
     group_m: int = 8  # row-tile swizzle for L2 reuse; changes which program runs a tile, never its arithmetic
 
 
-# Prompt rows' tile per architecture. Hopper: 128 x 256 (warpgroup MMAs) reaches 70-78% of the bf16 peak. GB10 has
+# Prompt rows' tile per architecture. Hopper: 128 x 256 (warpgroup MMAs), the sweeps' choice. GB10 has
 # warp-level MMAs only, which keep that tile's fp32 accumulator in registers: 255 a thread and 56-100 bytes spilled
 # (bench.kernel_census); 128 x 128 takes 172-190 and spills none. Not timed on a GB10 yet.
 _PROMPT_TILES = {gpu_arch.HOPPER: Tile(block_m=128, block_n=256, block_k=64, split_k=1, warps=8, stages=3),
@@ -75,22 +74,19 @@ def schedule(n: int, k: int, rows: RowClass, arch: int = gpu_arch.HOPPER) -> Til
     """The tile schedule for a weight of N outputs and K inputs (pure function of the shape, the row class and the
     architecture's table row, kernels/gpu/arch.py).
 
-    Chosen by bench/kernels.py's sweeps on an H200 (bench/results/kernels-20261130-235732.*,
-    kernels-20261202-*): prompt rows reach 70-78% of the bf16 peak with 128x256 tiles; decode rows are
-    bandwidth-bound, so their K is split until about 256 programs stream the weight, keeping at least
-    _DECODE_MIN_STEPS K steps per split. Decode tiles are 16 rows x 128 outputs for every format
-    (bench/results/kernels-20261202-122147.*: 16 tiles at one row): the best for fp8 and W4A16, and for bf16
-    within 17% of its best (16x32, which W4A16 runs 45% slower) — a 4096x12288 product at one row in bf16
-    29.8 us (80% of the HBM roofline; 32.4 us with the 64x64 tile used before), fp8 19.0 us (63%; 40.8 us
-    before), W4A16 32.5 us (40.9 us before). One tile for every format keeps a quantized product the dense
-    product of its dequantized weight (bit for bit in the interpreter; on a GPU within fp32 rounding, see
-    tests/kernels/test_gpu_gemm.py)."""
+    Chosen by bench/kernels.py's sweeps (their figures: docs/benchmarks.md, "GEMM tiles"): prompt rows take
+    128x256 tiles; decode rows are bandwidth-bound, so their K is split until about 256 programs stream the weight,
+    keeping at least _DECODE_MIN_STEPS K steps per split. Decode tiles are 16 rows x 128 outputs for every format:
+    of the 16 tiles swept at one row, the best for fp8 and W4A16 and close to the best for bf16 (16x32, which W4A16
+    runs much slower), and faster in every format than the 64x64 tile used before. One tile for every format keeps
+    a quantized product the dense product of its dequantized weight (bit for bit in the interpreter; on a GPU within
+    fp32 rounding, see tests/kernels/test_gpu_gemm.py)."""
     if rows is RowClass.PREFILL:
         if n <= _NARROW_N:
             # A narrow product (mHC's 24-wide projection of the 16,384-wide streams, once per block): the 128 x
-            # 256 tile made one column tile and T / 128 programs, each walking all of K — at 8,192 rows 64
-            # programs on 132 SMs, 198 us for 268 MB (1.35 TB/s; decode_prefill-20261205-0224-bf16-mlatile).
-            # Narrow tiles and a K split fixed by the shape (never by M) spread the same bytes over the GPU.
+            # 256 tile made one column tile and T / 128 programs, each walking all of K — at 8,192 rows 64 programs
+            # for 132 SMs, a fraction of the HBM rate (docs/benchmarks.md, "GEMM tiles"). Narrow tiles and a K
+            # split fixed by the shape (never by M) spread the same bytes over the GPU.
             return Tile(block_m=64, block_n=32, block_k=128,
                         split_k=decode_split(n, k, 32, 128, programs=_NARROW_SPLITS), warps=4, stages=4)
         return _PROMPT_TILES[arch]

@@ -239,7 +239,7 @@ def commit_history(hist_out: torch.Tensor, conv_state: torch.Tensor, seqs: Decod
 def _gated_norm_kernel(core_ptr, s_core_shard, s_core, gate_ptr, s_gate_shard, s_gate, w_ptr, out_ptr, s_out_shard,
                        s_out, eps, heads, DV: tl.constexpr, HB: tl.constexpr):
     """One (row, shard): its heads HB at a time, each normed over its own DV values (a program per (row, head) moved
-    128 values each: 0.32 ms a KDA layer at 8,192 rows, ~3x the time of its bytes)."""
+    128 values each, ~3x the time of its bytes: docs/benchmarks.md, "Attention, KDA and mHC")."""
     row = tl.program_id(0).to(tl.int64)
     shard = tl.program_id(1).to(tl.int64)
     c = tl.arange(0, DV)
@@ -280,7 +280,7 @@ def _prompt_conv_kernel(x_ptr, s_x_shard, s_x, w_ptr, hist_ptr, s_hist_slot, s_h
     over the 4 taps oldest first, the inputs before a sequence's first row of this chunk from its conv history
     (zeros for a fresh sequence). The program walks its rows in order and keeps the three inputs before the current
     one in registers, so each input row is read once (a program per row read every input four times and the taps'
-    weights once per row: 3.25 ms for 8,192 rows at the release's 24,576 channels, against ~0.2 ms of traffic).
+    weights once per row, over ten times its traffic's time: docs/benchmarks.md, "Attention, KDA and mHC").
     A row's arithmetic is the same whichever block, launch or company it is in: the taps are summed in a fixed
     order and a row takes a register only when it holds an input of its own sequence."""
     rb = tl.program_id(0) * ROWS
@@ -303,7 +303,7 @@ def _prompt_conv_kernel(x_ptr, s_x_shard, s_x, w_ptr, hist_ptr, s_hist_slot, s_h
     x1 = tl.load(x_ptr + (rb - 2).to(tl.int64) * s_x, mask=cm & (rb >= 2), other=0.0)
     x2 = tl.load(x_ptr + (rb - 1).to(tl.int64) * s_x, mask=cm & (rb >= 1), other=0.0)
     # Each row's input is loaded one row ahead: the walk is a chain of dependent rows, and with one load in flight
-    # per program it ran at about half the bytes' time (0.36 ms a layer at 8,192 rows on an H200).
+    # per program it took about twice the bytes' time (docs/benchmarks.md, "Attention, KDA and mHC").
     x_next = tl.load(x_ptr + rb.to(tl.int64) * s_x, mask=cm & (rb < T), other=0.0)
     for k in range(ROWS):
         r = rb + k

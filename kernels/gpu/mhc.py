@@ -9,10 +9,10 @@ Sinkhorn iterations, the collapse and the block's input RMSNorm — two launches
   in registers (one read of the streams, one write of the output). The general GEMM's decode schedule would tile
   N=24 into a 128-wide tile (81% of it padding) with K split only 16 ways (16 programs streaming fn at one row),
   then a third launch to sum the splits, and a row pass that streamed D in blocks read the row three times with 4
-  warps: ~17.5 us per block on an H200 at batch 1.
+  warps (what that cost: docs/benchmarks.md, "Attention, KDA and mHC").
 - Prompt rows: the projection by the fixed-schedule GEMM's prompt schedule (its narrow tile: N is 24), then the
   same register-resident row pass. (A program per row that streamed D in 1,024-wide blocks read the row twice and
-  its output twice: 0.16 ms per block at 8,192 rows on an H200, about twice its bytes' time.)
+  its output twice, about twice its bytes' time.)
 `post`: the ordered sum of the row-parallel partials (virtual shard order), then the expand.
 """
 

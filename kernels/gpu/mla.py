@@ -215,8 +215,8 @@ def select_pools(scores: torch.Tensor | Callable[[int, int], torch.Tensor] | Non
     for p0 in range(0, n_pools, tile):
         p1 = min(n_pools, p0 + tile)
         part = scores_of(p0, p1)
-        # int32 pool indices: the final ascending sort then radix-sorts 4-byte keys (an 8k prompt's [8,192, 512] picks
-        # took 0.35 ms as int64, decode_prefill-20261205-0224-bf16-mlatile)
+        # int32 pool indices: the final ascending sort then radix-sorts 4-byte keys, not int64's 8-byte ones (an 8k
+        # prompt's picks: docs/benchmarks.md, "Attention, KDA and mHC")
         idx = torch.arange(p0, p1, dtype=torch.int32, device=positions.device).expand(part.shape[0], -1)
         cand_v = part if best_v is None else torch.cat([best_v, part], dim=1)
         cand_i = idx if best_i is None else torch.cat([best_i, idx], dim=1)
@@ -314,8 +314,8 @@ DECODE_SPLIT = 256  # attended positions per program for decode-class rows (a co
 # Prompt rows' tile: heads per program (the M side of the tensor-core tiles; heads past the rank's are masked, so
 # the schedule is the same at every TP size), warps, pipeline stages and, when given, attended positions per step
 # (BN; else the decode rows'). A program reads its row's selected latent rows once for its heads: the fewer heads
-# a program, the more often they are read. `python -m bench.kernels --only mlasweep` times the choices at 8k: on
-# an H200, 64 heads x 64 positions with 8 warps took 10.5 ms against 20.5 for 16 heads x 32 with 4 warps.
+# a program, the more often they are read. `python -m bench.kernels --only mlasweep` times the choices at 8k; 64
+# heads x 64 positions with 8 warps is its choice (docs/benchmarks.md, "Attention, KDA and mHC").
 PROMPT_TILE: dict[str, int] = dict(HB=64, BN=64, num_warps=8, num_stages=2)
 # GB10's row (kernels/gpu/arch.py): Hopper's tile needs 136 KiB of shared memory with bf16 latent rows and 192 KiB
 # with fp8 (GB10 has 99 KiB a block); 32 heads x 32 positions needs 96 KiB at fp8 and spills, 16 x 32 with 4 warps

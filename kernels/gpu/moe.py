@@ -377,12 +377,11 @@ def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 
 def _tile(rows: RowClass, x: torch.Tensor, gate: WeightArgs) -> MoeTile:
     """The row class's tile; EXL3 prompt rows take the decode class's 16-slot tiles where the CUDA product runs.
-    Why: a grouped tile decodes its expert's whole trellis, and Triton's decode is ~5x slower than the CUDA one
-    (bench/results/decode_prefill-20261204-075748: 24.6 ms per MoE layer at a 2,048-token prompt, ~0.44 T weights
-    per second, against ~2.3 T in the CUDA product), so eight times the tiles still cost less (a 2,048-token prefill
-    of 4 layers: 72.3 against 106.6 ms, decode_prefill-20261204-103755). 64-slot blocks that share each decoded
-    fragment among four tiles measured slower (85.3 ms, decode_prefill-20261204-133852: too few blocks to fill the
-    GPU at ~64 rows an expert). It is still a pure function of the class and the weight (docs/design.md §5.1)."""
+    Why: a grouped tile decodes its expert's whole trellis, and Triton's decode is several times slower than the
+    CUDA one, so eight times the tiles still cost less; 64-slot blocks that share each decoded fragment among four
+    tiles were slower (too few blocks to fill the GPU at ~64 rows an expert). The prefills that showed it:
+    docs/benchmarks.md, "Expert products". It is still a pure function of the class and the weight
+    (docs/design.md §5.1)."""
     arch = gpu_arch.row(x.device)
     if gate.fmt is Fmt.EXL3 and exl3_cuda.runs(x.device, hadamard.operand_dtype(x.dtype), gate, exl3_cuda.BLOCK_M):
         return moe_schedule(RowClass.DECODE, arch)

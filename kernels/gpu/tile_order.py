@@ -4,9 +4,9 @@ kernels. It changes which program runs a tile, never a tile's arithmetic, so it 
 Programs are dispatched in id order, so the ones running at once are neighbours in id. Row-tile-major order (one
 row tile sweeping every column tile) gives each concurrent program its own weight columns; column-major (one
 column tile over every row tile) its own rows, and a grouped MoE tile's rows belong to one expert, so neighbours
-there would read different experts' weights: measured on an H200 at an 8,192-token prompt, the grouped gate|up and
-down launches ran at ~56% and ~40% of the bf16 peak that way, about what their bytes allow when no tile is shared
-in L2. Grouped ordering lets GROUP_M row tiles sweep the column tiles together: their rows (and, in a GEMM or an
+there would read different experts' weights: the grouped gate|up and down launches of a long prompt ran that way
+at about what their bytes allow when no tile is shared in L2 (docs/benchmarks.md, "Expert products"). Grouped
+ordering lets GROUP_M row tiles sweep the column tiles together: their rows (and, in a GEMM or an
 expert's run of row tiles, their weights) are read from L2 by the whole group.
 """
 

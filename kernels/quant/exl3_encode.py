@@ -25,8 +25,9 @@ BEAM = 32  # paths kept per tile (error at 3 bpw: beam 16 +20%, beam 64 -10%; ti
 FILL = 0.9  # the rotated weight's spread / the codebook's: the beam's error is lowest a little under 1 (measured)
 # Tiles searched at once (memory: 256 steps x chunk x BEAM back-pointers of 3 bytes). Every op of the search is
 # row-wise, so a tile's path does not depend on the chunk it is searched in. On the CPU small chunks stay in cache; on
-# a GPU each of the search's ~5,000 small launches per chunk costs ~10 us whatever its size, so a chunk there must be
-# large for the launches to carry work (2,048 tiles: ~1.8 s per 4096 x 4096 weight on an H200, launch-bound).
+# a GPU each of the search's thousands of small launches per chunk costs about the same whatever its size, so a chunk
+# there must be large for the launches to carry work (at 2,048 tiles the GPU encoder was launch-bound:
+# docs/benchmarks.md, "Host work").
 CHUNK = 2048
 GPU_CHUNK = 32768  # ~0.8 GB of back-pointers at beam 32
 

@@ -2,7 +2,7 @@
 
 Two CUDA processes on one GPU time-slice their contexts: one runs while the other waits out a slice of about a
 millisecond or two. The ranks of a tensor-parallel group meet at every collective, so each exchange would wait a
-slice (2,243 us per 32 KB all_gather measured on one H100, against 7.7 us under MPS; docs/deploy.md). The MPS
+slice, hundreds of times an exchange's cost under MPS (docs/deploy.md, "The tensor-parallel collective"). The MPS
 daemon runs the clients' kernels side by side in one context. `up` starts its own daemon, with its pipe and log
 directories under the state dir so that it neither meets nor stops a daemon the machine already runs, gives the
 children its pipe directory (CUDA connects every process that has it to that daemon), and quits it when the stack

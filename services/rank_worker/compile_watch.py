@@ -4,8 +4,8 @@ The rank compiles and tunes before it reports healthy (warmup.py), yet a Triton 
 new specialization of its arguments (an integer equal to 1 or divisible by 16, a pointer's alignment) and every
 new autotune key: a round whose shapes the warm-up never met (more sequences in a prompt chunk, another mix of
 decode and prompt rows) pays the compile (a fraction of a second to seconds) inside a user's request. Served prompt
-rounds of the whole model took ~1 s of host time where the offline forward takes ~0.25 s
-(bench/results/whole_model-20261204-134632); this watch says whether compiles are why, and which kernels.
+rounds of the whole model once took about four times as long to launch on the host as the offline forward takes
+(docs/benchmarks.md, "Host work"); this watch says whether compiles are why, and which kernels.
 
 Triton's own runtime hooks (`triton.knobs.runtime.jit_cache_hook` before a compile, `jit_post_compile_hook` after)
 are used, chained to any hook already set; they fire for every Triton kernel in the process, fla-core's included.

@@ -1,9 +1,9 @@
 """Warm-up before serving: the rank runs the kinds of rounds serving meets first, so that on a GPU the kernels they
 need compile (and fla-core's autotune) before the rank serves, not on a user's request.
 
-Measured on an H200 (4 real-dimension layers, `bench/results/long_served-20261202-*.md`): the first 16,384-token
-prompt after the stack said ready took 105-121 s, nearly all of it compiles, and a round of decode rows beside a
-prompt chunk, first met mid-stream, stalled a stream for 5 s. vLLM and SGLang compile and tune before serving too.
+Without it, the first long prompt after the stack said ready took about two minutes, nearly all of it compiles, and
+a round of decode rows beside a prompt chunk, first met mid-stream, stalled a stream for seconds (docs/gpu-engine.md,
+"Warm-up before serving"). vLLM and SGLang compile and tune before serving too.
 
 The rounds, as the scheduler would plan them at the step budget B (a multiple of the 64-token grid):
 1. a prompt chunk of B rows at position 0 (greedy, with logprobs);

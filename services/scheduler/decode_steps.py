@@ -2,13 +2,13 @@
 
 A round's host work — this loop's commit and plan, the gRPC hop, the rank's plan checks and launches, the answer —
 is paid once per round, whatever its steps. When a model's decode step is short (a small model, or a few layers on
-a fast GPU) that host work, not the GPU, sets the pace: on the wide tiny model the rank alone spent 1.48 ms of host
-time per round against 0.80 ms of GPU time, and the stream ran at 3x the offline step (docs/benchmarks.md, "Batch-1
-stream against the offline step"). A round of k steps pays it once per k tokens.
+a fast GPU) that host work, not the GPU, sets the pace: on the wide tiny model the rank alone spent more host time
+per round than GPU time, and the stream ran well behind the offline step (docs/benchmarks.md, "Batch-1 stream
+against the offline step"). A round of k steps pays it once per k tokens.
 
 The price of k: a stream's tokens arrive k at a time, and a request that comes in waits for the rounds in flight.
 So `auto` takes as many steps as fit in AUTO_ROUND_MS of measured decode time, at most AUTO_MAX_STEPS: one step
-whenever a step is that long already (the whole model's is ~13 ms), several only where the host is the short side.
+whenever a step is that long already (the whole model's is), several only where the host is the short side.
 The measure is the time between two rounds' results while the ranks had the second one queued all along (the
 pipeline full), per step, averaged over recent rounds; it starts at one step.
 

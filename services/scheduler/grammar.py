@@ -4,7 +4,7 @@ The gateway turns JSON schemas, regexes, choices, grammars and tool calls into a
 `GenerateRequest.grammar`); here it is compiled against the checkpoint's tokenizer (`--tokenizer`) and walked with
 the request's tokens. A mask is a pure function of the grammar and the tokens so far (exactness: the same request
 gets the same masks, alone or in any batch, with or without drafts). Why llguidance and not xgrammar:
-bench/results/grammar_mask.md.
+docs/benchmarks.md, "Grammar masks (CPU)".
 
 Drafts: the masks of a verify window's rows are those of the grammar after the drafts before each row. A draft the
 grammar forbids is cut off together with everything after it — the rank's own masked sample at that row could never

@@ -1,6 +1,6 @@
-"""bench.exactness --same-as: two stacks' serial token ids compared request by request."""
+"""bench.exactness --same-as (bench/concurrency_check.py): two stacks' serial token ids compared request by request."""
 
-from bench.exactness import same_requests
+from bench.concurrency_check import same_requests
 
 
 def test_same_requests_counts_requests_with_equal_ids() -> None:

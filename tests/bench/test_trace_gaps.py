@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.trace_gaps import merged, report
+from bench.chrome_trace import merged
+from bench.trace_gaps import report
 
 ROOT = Path(__file__).resolve().parents[2]
 

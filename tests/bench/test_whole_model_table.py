@@ -1,5 +1,5 @@
 """bench/whole_model.py's collectives column: the rank profiler's trace of the stack's rounds read through
-bench.trace_gaps, and the table cell it gives (a hand-made trace: no GPU here)."""
+bench/chrome_trace.py, and the table cell it gives (a hand-made trace: no GPU here)."""
 
 from __future__ import annotations
 

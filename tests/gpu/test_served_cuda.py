@@ -36,7 +36,7 @@ def _stack(ckpt, path, tp: int, drafter: str = "none"):
 
 
 def _check_exact(url: str, label: str) -> list[list[int]]:
-    from bench.exactness import check
+    from bench.concurrency_check import check
     result = check(url)
     print(result.line(label))
     assert result.exact

@@ -1,7 +1,8 @@
 // EXL3 grouped product in 16-slot tiles: out[slot] = a[slot] @ T[expert of the slot's tile] in float32, T the
 // decoded trellis tiles (kernels/quant/exl3.py), a the rotated float16 rows (kernels/gpu/hadamard.py). The contract
 // is kernels/gpu/moe.py's `_grouped_kernel` for EXL3 weights at block_m = 16 (decode and prompt rows alike); this
-// file is its hand-written CUDA form, because the Triton one decodes each weight from two gathered words (6-7x slower than exllamav3's kernel).
+// file is its hand-written CUDA form, because the Triton one decodes each weight from two gathered words and ran
+// several times slower than exllamav3's kernel.
 //
 // How it is fast (the format is laid out for this: exllamav3's encoder stores each 16x16 tile in tensor-core
 // fragment order, so lane t of a warp owns trellis steps 8t..8t+7, exactly its B-fragment elements of the two
@@ -13,8 +14,8 @@
 //   1024 + sum, then one half2 fma; 3inst / mcg = one multiply(-add), one lop3, one half2 add of the two halves.
 //   Both round once, as the torch twin does, so a decoded tile equals the twin's bit for bit;
 // - the two products run on tensor cores (float16 in, float32 accumulate).
-// Measured on an H200 (bench/results/kernels-20261203-195245.json): 4096x12288 at 2.5 bits, one row, 28.4 us with
-// the rotations against 24.2 us for exllamav3's kernel; the tile shape was chosen by bench.kernels' exl3builds.
+// Its time against exllamav3's kernel on the same tensors: docs/benchmarks.md, "Expert products"; the tile shape was
+// chosen by bench.kernels' exl3builds.
 // Products of K <= 1,024 (the MoE's down projection a virtual shard holds) run a second build, 2 warps on K and 4
 // output tiles a block (kernels/gpu/exl3_cuda.py's SHORT_K_BUILD, chosen by bench.kernels' exl3shard).
 //
