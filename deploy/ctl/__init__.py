@@ -3,5 +3,5 @@
 
 It needs only python3 on the host (twinspark itself may live only inside the image): the standard library and
 the stdlib-only modules of the checkout it runs from (the launcher's `services.launcher.ports`, the services' flag
-declarations `services.common.shared_flags`).
+declarations `services.common.shared_flags` and `services.common.flags`, which writes them as TWINSPARK_*).
 """

@@ -19,7 +19,8 @@ from typing import Callable
 
 from deploy.ctl import checks, engines, probe
 from deploy.ctl.engines import Engine
-from deploy.ctl.settings import DEPLOY, REPO, SECRETS, Machine, Settings
+from deploy.ctl.settings import DEPLOY, REPO, SECRETS, Machine, Settings, serving
+from services.common.flags import to_env
 
 COMPOSE_DIR = DEPLOY / "compose"
 HEAD = COMPOSE_DIR / "head.yml"
@@ -246,13 +247,10 @@ def native_state_dir(s: Settings) -> Path:
 
 
 def native_env(s: Settings) -> dict[str, str]:
-    """Scheduler, rank and gateway settings for `twinspark up`'s children (their flags default from TWINSPARK_*)."""
-    keys = ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "NUM_SCHEDULER_STEPS", "MAX_WAITING", "NUM_DRAFT_TOKENS",
-            "NUM_BLOCKS", "BLOCK_SIZE", "NUM_SLOTS", "KV_CACHE_MEMORY_BYTES", "GPU_MEMORY_UTILIZATION", "DTYPE",
-            "SERVED_MODEL_NAME", "API_KEY",
-            "INTERNAL_TOKEN", "PEER_TIMEOUT", "LOG_LEVEL", "REASONING_BUDGET", "REASONING_BUDGET_MESSAGE",
-            "REASONING_EFFORT_BUDGETS", "STRICT_REQUEST_FIELDS")
-    env = {f"TWINSPARK_{k}": s[k] for k in keys if s[k]}
+    """The environment of `twinspark up` and of the roles it starts, whose flags default from TWINSPARK_*: every
+    serving setting of this deployment, defaults included (a TWINSPARK_* variable of the shell that runs start.sh
+    must not override what .env says), as to_env writes them."""
+    env = to_env(serving(s), defaults=True)
     env["TWINSPARK_STARTUP_TIMEOUT"] = s["HEALTH_TIMEOUT"]  # the scheduler waits as long for the ranks to load
     if s["OTEL_EXPORTER_OTLP_ENDPOINT"]:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = s["OTEL_EXPORTER_OTLP_ENDPOINT"]

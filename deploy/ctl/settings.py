@@ -2,7 +2,8 @@
 --env-file), then the process environment (as docker compose does), checked and with the derived values filled in.
 
 The values a setting may take are the services' own flags' (services/common/shared_flags.py, standard library only
-like this package); a test holds .env.example's defaults to those flags' defaults.
+like this package); a test holds .env.example's defaults to those flags' defaults. A setting named as a flag's
+variable (KEY for TWINSPARK_KEY) is that flag: `serving` reads every declared one into a settings object.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
+from typing import Any
 
 from services.common import shared_flags as flags
+from services.common.flags import flag, from_env
 
 DEPLOY = Path(__file__).resolve().parent.parent
 REPO = DEPLOY.parent
@@ -88,6 +91,14 @@ class Settings:
         return self.int("RANK_PORT") + rank
 
 
+def serving(s: Settings) -> Any:
+    """The serving settings of this deployment as one settings object: every flag of shared_flags.py, from the
+    setting named as its variable, else its default (ValueError naming the variable when its flag refuses it)."""
+    settings = make_dataclass("ServingSettings", [(spec.dest, Any, flag(spec)) for spec in flags.declared()],
+                              frozen=True)
+    return from_env(settings, {f"TWINSPARK_{key}": value for key, value in s.values.items()})
+
+
 def load(env_file: Path | None = None, environ: dict[str, str] | None = None) -> Settings:
     """Defaults < env file < environment, then `check` (raises SettingsError)."""
     environ = dict(os.environ if environ is None else environ)
@@ -153,8 +164,8 @@ def check(s: Settings) -> None:
     except ValueError as exc:
         raise SettingsError(f"REASONING_EFFORT_BUDGETS: {exc}") from None
     _int(s, "NUM_DRAFT_TOKENS", 0)
-    for flag in (flags.DEVICE, flags.DRAFTER, flags.KV_CACHE_DTYPE):  # each setting is its flag's variable
-        _choice(s, (flag.env_var or "").removeprefix("TWINSPARK_"), flag.choices or ())
+    for spec in (flags.DEVICE, flags.DRAFTER, flags.KV_CACHE_DTYPE):  # each setting is its flag's variable
+        _choice(s, (spec.env_var or "").removeprefix("TWINSPARK_"), spec.choices or ())
     _choice(s, "LAUNCHER", LAUNCHERS)
     _choice(s, "WHEELS", WHEELS)
     if v["DTYPE"] not in ("", *flags.DTYPES):

@@ -3,7 +3,9 @@
 A subcommand's settings are a frozen dataclass whose fields are flags (`flag(...)`): `add_flags` puts them on the
 subcommand's parser, `from_args` reads the parsed namespace back into the dataclass, and the boot code takes the
 dataclass, never the namespace. A flag that several subcommands take is declared once in shared_flags.py and named
-by each of their dataclasses.
+by each of their dataclasses: fields declared with the same Flag are the same setting, which is how `passed_on`
+carries `twinspark up`'s values into a child's settings, `to_argv` writes those as the child's command line and
+`to_env` writes a deployment's settings as the TWINSPARK_* variables the roles read.
 
 Config is by flags with environment defaults (what compose files and .env set): a flag's environment variable
 replaces its default, the command line replaces both. An empty variable counts as unset, since compose passes
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Collection, Mapping, TypeVar
 
 S = TypeVar("S")
 
@@ -86,12 +88,15 @@ class Flag:
 
 def flag(spec: Flag | str, help: str = "", **changes: Any) -> Any:
     """A settings field that is a flag: a declared one (shared_flags.py), with `changes` for this subcommand, or a
-    new one named `spec`. Its dataclass default is the flag's own (no environment)."""
+    new one named `spec`. Its dataclass default is the flag's own (no environment); its metadata keeps the
+    declaration too, which says what setting it is whatever this subcommand changed (`passed_on`)."""
     if isinstance(spec, str):
-        spec = Flag(spec, help, **changes)
-    elif help or changes:
-        spec = replace(spec, **({"help": help} if help else {}), **changes)
-    return field(default=spec.value(spec.default), metadata={"flag": spec})
+        spec = declared = Flag(spec, help, **changes)
+    else:
+        declared = spec
+        if help or changes:
+            spec = replace(spec, **({"help": help} if help else {}), **changes)
+    return field(default=spec.value(spec.default), metadata={"flag": spec, "declared": declared})
 
 
 def flags_of(settings: type) -> list[Flag]:
@@ -132,12 +137,45 @@ def parse(settings: type[S], argv: list[str], environ: Mapping[str, str] | None 
     return from_args(settings, parser.parse_args(argv))
 
 
-def to_argv(settings: Any, skip: tuple[str, ...] = ()) -> list[str]:
-    """The command line that gives `settings` again: every flag that is set (a switch only when on)."""
+def from_env(settings: type[S], environ: Mapping[str, str]) -> S:
+    """Settings from an environment alone (each flag's variable, else its default), without argparse: what
+    deploy/ctl reads from its .env. Nothing is required here; a value its flag refuses raises ValueError naming
+    the variable."""
+    values: dict[str, Any] = {}
+    for spec in flags_of(settings):
+        text = spec.text(environ)
+        try:
+            if spec.choices and text is not None and text not in spec.choices:
+                raise ValueError(f"must be one of {', '.join(spec.choices)}")
+            values[spec.dest] = spec.value(text)
+        except ValueError as exc:
+            raise ValueError(f"{spec.env_var}={text!r}: {exc}") from None
+    return settings(**values)
+
+
+def passed_on(source: Any, settings: type) -> dict[str, Any]:
+    """The values of `source`'s flags that `settings` takes too: the fields declared with the same Flag, which are
+    one setting whatever help or default each subcommand gives it (a field of the same name declared apart, such
+    as `up`'s --drafter method and the scheduler's --drafter address, is another setting)."""
+    mine = {f.name: f.metadata["declared"] for f in fields(source) if "declared" in f.metadata}
+    return {f.name: getattr(source, f.name) for f in fields(settings)
+            if "declared" in f.metadata and mine.get(f.name) is f.metadata["declared"]}
+
+
+def config_values(settings: Any, config: type) -> dict[str, Any]:
+    """The values of `settings`' fields that the dataclass `config` has a field of the same name for: how a role's
+    internal config takes its flags without listing them."""
+    names = {f.name for f in fields(config)}
+    return {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in names}
+
+
+def to_argv(settings: Any, names: Collection[str] | None = None) -> list[str]:
+    """The command line that gives `settings` again: every flag that is set (a switch only when on); with `names`,
+    only those fields' flags, the others left to the command's own environment and defaults."""
     argv: list[str] = []
     for spec in flags_of(type(settings)):
         value = getattr(settings, spec.dest)
-        if spec.dest in skip or value is None:
+        if (names is not None and spec.dest not in names) or value is None:
             continue
         if spec.toggle:
             argv.append(spec.option if value else f"--no-{spec.name}")
@@ -146,6 +184,23 @@ def to_argv(settings: Any, skip: tuple[str, ...] = ()) -> list[str]:
         else:
             argv += [spec.option, str(value)]
     return argv
+
+
+def to_env(settings: Any, *, defaults: bool = False) -> dict[str, str]:
+    """The TWINSPARK_* variables that give `settings` to a command reading its flags' defaults from them: one per
+    flag with a variable whose value is not the default (a default needs none, and an empty variable is unset).
+    `defaults`: every set value, defaults too, so that a variable the caller's own environment holds cannot replace
+    them in the child's (a deployment's file is the whole configuration)."""
+    env: dict[str, str] = {}
+    for f in fields(settings):
+        spec = f.metadata.get("flag")
+        value = getattr(settings, f.name)
+        if spec is None or spec.env_var is None or (value == f.default and not (defaults and value is not None)):
+            continue
+        if value is None:
+            raise ValueError(f"{spec.env_var} cannot unset {spec.option}, whose default is {f.default!r}")
+        env[spec.env_var] = ("1" if value else "0") if spec.switch or spec.toggle else str(value)
+    return env
 
 
 def add_subcommand(sub: argparse._SubParsersAction, name: str, settings: type[S], run: Callable[[S], int],

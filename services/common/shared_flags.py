@@ -1,5 +1,10 @@
-"""The flags that several subcommands take (and that deploy/ctl checks), each declared once; a subcommand's own
-flags are declared in its settings dataclass. Names are vLLM's where vLLM has the setting.
+"""The flags that several subcommands take, and the ones a deployment sets (deploy/.env), each declared once; a
+subcommand's other flags are declared in its settings dataclass. Names are vLLM's where vLLM has the setting.
+
+Every flag declared here is a serving setting that deploy/ctl hands to the roles (`declared`): it reads the ones
+its .env sets and writes them as their TWINSPARK_* variables with flags.to_env. deploy/ctl cannot import the roles'
+settings dataclasses themselves (they need Python 3.10 and the gateway's pull in starlette), so a role's own flag
+that the deployment sets is declared here and named by that role's dataclass.
 
 Standard library only (see flags.py): the choices here are the ones the model library implements (a test holds
 them to model.row_store.KV_CACHE_DTYPES and torch's dtypes).
@@ -141,6 +146,31 @@ NUM_SCHEDULER_STEPS = Flag("num-scheduler-steps", "decode steps per round (vLLM'
                            "fit in 8 ms of measured decode time, at most 8 (one step when a step is that long "
                            "already); rounds with prompts, drafts, grammars or penalties run one step "
                            "(default auto)", default="auto", type=scheduler_steps, metavar="auto|N")
+# The roles' own settings that a deployment sets (see the module docstring).
+MAX_WAITING = Flag("max-waiting", "waiting-queue bound; beyond it Generate answers RESOURCE_EXHAUSTED + retry-after "
+                   "(default 64)", default="64", type=int)
+MAX_NUM_SEQS = Flag("max-num-seqs", "running requests at most (also capped by the ranks' KDA slots) (default 16)",
+                    default="16", type=positive_int)
+NUM_DRAFT_TOKENS = Flag("num-draft-tokens", "drafts asked per decoding request and round (default 4)", default="4",
+                        type=int)
+PEER_TIMEOUT = Flag("peer-timeout", "seconds a peer may stay silent before this rank leaves the group with exit code "
+                    "5 (default 3)", default="3", type=float)
+KV_CACHE_MEMORY_BYTES = Flag(
+    "kv-cache-memory-bytes", "bytes of this rank's KV pool, blocks and KDA slots together, when --num-blocks is 0 "
+    "(vLLM's flag; 0 = on CUDA by --gpu-memory-utilization, on the CPU 1 GiB or half the available RAM if less)",
+    default="0", type=int)
+GPU_MEMORY_UTILIZATION = Flag(
+    "gpu-memory-utilization", "on CUDA with --num-blocks 0 and no --kv-cache-memory-bytes: the share of the GPU's "
+    "memory this rank may fill; the pool gets it less what is in use once the weights are loaded (vLLM's flag; "
+    "default 0.9). On an integrated GPU (DGX Spark), whose memory is the system's: the share of the total this "
+    "rank may fill, weights included, never more than the system has available", default="0.9", type=float)
+BLOCK_SIZE = Flag("block-size", "positions per KV block", default="16", type=int)
+NUM_SLOTS = Flag("num-slots", "KDA state slots", default="32", type=int)
+SERVED_MODEL_NAME = Flag("served-model-name", "model name clients send and see (default the checkpoint directory's "
+                         "name)")
+API_KEY = Flag("api-key", "require one of these keys, comma-separated (an entry 'sha256:HEX' is a key's digest), as "
+               "'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but /health, /metrics and "
+               "/openapi.json")
 GATEWAY_PORT = Flag("port", "the gateway's HTTP port (default %(default)s)", default="8888", type=int, env="PORT")
 # `twinspark up`'s and start.sh's draft method (the drafter process's own flag is --method).
 DRAFTER = Flag("drafter", "draft method of the drafter process (copy: n-gram prompt lookup; mtp: the checkpoint's "
@@ -178,3 +208,8 @@ REASONING_EFFORT_BUDGETS = Flag("reasoning-effort-budgets", "the thinking budget
                                 "Responses' reasoning.effort): LEVEL=N pairs over the defaults, N a number of tokens "
                                 "or 'unlimited' (default %(default)s)", default=DEFAULT_EFFORT_BUDGETS,
                                 type=effort_budgets, metavar="LEVEL=N,...")
+
+
+def declared() -> list[Flag]:
+    """Every flag declared in this module, in order: the serving settings deploy/ctl hands to the roles."""
+    return [value for value in globals().values() if isinstance(value, Flag)]

@@ -34,11 +34,8 @@ class ServeGatewaySettings(RoleSettings):
                           default="127.0.0.1:50051")
     host: str = flag("host", "listen address (default %(default)s)", default="0.0.0.0")
     port: int = flag(shared.GATEWAY_PORT)
-    served_model_name: str | None = flag("served-model-name", "model name clients send and see (default the "
-                                         "checkpoint directory's name)")
-    api_key: str | None = flag("api-key", "require one of these keys, comma-separated (an entry 'sha256:HEX' is a "
-                               "key's digest), as 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but "
-                               "/health, /metrics and /openapi.json")
+    served_model_name: str | None = flag(shared.SERVED_MODEL_NAME)
+    api_key: str | None = flag(shared.API_KEY)
     max_body_bytes: int = _limit("max_body_bytes", "request body bytes (413 beyond)")
     max_json_depth: int = _limit("max_json_depth", "nesting levels of a JSON body (400 beyond)")
     max_string_chars: int = _limit("max_string_chars", "characters of one JSON string (400 beyond)")

@@ -1,6 +1,8 @@
 """`twinspark up` / `twinspark down`: run every role of one replica as its own child process on this machine.
 
-- `plan.py`        the launch plan (which processes, which argv, which ports): a pure function, unit-tested.
+- `plan.py`        the launch plan (which processes, which argv, which ports): a pure function, unit-tested; each
+                   child's argv is its settings object, `up`'s values passed on and the addresses it derives.
+- `addresses.py`   listen addresses as clients reach them (wildcards, IPv6 brackets).
 - `ports.py`       free-port picking and "is this port taken" checks.
 - `procs.py`       process and process-group probes (Linux /proc where it helps, plain signals otherwise).
 - `state.py`       the state dir: `up.json`, the supervisor lock, default locations.

@@ -25,7 +25,8 @@ from services.common.flags import add_flags, from_args, to_argv
 
 from . import mps, procs, state
 from .fleet import INSTALL_HINT, fleet_info, fleet_plan, router_command
-from .plan import DEFAULT_COMMAND, WILDCARD_HOSTS, LaunchConfig, internal_ports_needed, make_plan
+from .addresses import WILDCARD_HOSTS
+from .plan import LaunchConfig, internal_ports_needed, make_plan, role_command
 from .ports import free_ports, port_free
 from .settings import DownSettings, UpSettings
 from .supervisor import Supervisor, format_banner, kill_leftovers, log, recorded_alive, tail
@@ -88,7 +89,7 @@ def up(s: UpSettings) -> int:
     problem = _refused(s)
     if problem:
         return _err(problem)
-    command = tuple(shlex.split(s.role_command)) if s.role_command else DEFAULT_COMMAND
+    command = role_command(s)
     if not command:
         return _err("--role-command is empty")
     other = _running(sd)
@@ -114,7 +115,7 @@ def up(s: UpSettings) -> int:
             return _err(str(e))
     if s.detach:
         return _up_detached(resolved)
-    return _supervise_routed(resolved) if s.routed else _supervise(resolved, command)
+    return _supervise_routed(resolved) if s.routed else _supervise(resolved)
 
 
 def _refused(s: UpSettings) -> str | None:
@@ -189,17 +190,11 @@ def _checkpoint(model: str | None) -> Path:
     return path
 
 
-def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
+def _supervise(s: UpSettings) -> int:
     """Run the stack in the foreground until it stops (the settings resolved: model, port, state dir)."""
     assert s.model is not None and s.state_dir is not None
-    cfg = LaunchConfig(model=s.model, state_dir=s.state_dir, tp=s.tp, host=s.host, port=s.port, device=s.device,
-                       command=command, drafter=s.drafter, kv_cache_dtype=s.kv_cache_dtype,
-                       **_drafter_fields(s),
-                       enforce_eager=s.enforce_eager, collective=s.collective, kv_tiers=tuple(s.tier_flags()),
-                       random_weights=s.random_weights or "", random_block_size=s.random_block_size,
-                       max_num_batched_tokens=s.max_num_batched_tokens, num_scheduler_steps=s.num_scheduler_steps,
-                       gateway_flags=tuple(s.gateway_flags()),
-                       strict_request_fields=s.strict_request_fields, kv_events_endpoint=s.kv_events_endpoint)
+    # --drafter dflash: `up` has checked the drafter's config already
+    cfg = LaunchConfig(s, draft_layers=_dflash_drafter(s, Path(s.model))[1] if s.drafter == "dflash" else ())
     plan = make_plan(cfg, free_ports(internal_ports_needed(cfg), exclude=(s.port,)))
     # In the background the foreground `up` prints the banner (from up.json); don't repeat it in the log.
     out = (lambda _banner: None) if s.background else None
@@ -221,14 +216,6 @@ def _supervise(s: UpSettings, command: tuple[str, ...]) -> int:
         if daemon is not None:
             daemon.stop(env)
             log("MPS: the private daemon quit")
-
-
-def _drafter_fields(s: UpSettings) -> dict:
-    """The LaunchConfig fields of the drafter's model (dflash; `up` has checked its config already)."""
-    if s.drafter != "dflash":
-        return {}
-    folder, layers = _dflash_drafter(s, Path(s.model or ""))
-    return {"drafter_model": folder, "draft_layers": layers}
 
 
 def _supervise_routed(s: UpSettings) -> int:

@@ -124,10 +124,9 @@ def fleet_plan(s: UpSettings, launcher: tuple[str, ...], router: tuple[str, ...]
     argv = router_argv(s, router, workers, metrics_port, sources, model_name, block_size)
     router = ChildSpec(name="router", role="router", index=0, argv=tuple(argv),
                        host=s.host, port=s.port, log=str(logs / "router.log"), public=True)
-    config = LaunchConfig(model=s.model, state_dir=s.state_dir, tp=s.tp, host=s.host, port=s.port, device=s.device)
     stages = (tuple(replicas), (router,)) if replicas else ((router,),)
     shared = {"router_metrics": metrics_port, **{f"replica{i}_kv_events": e for i, e in enumerate(event_ports)}}
-    return LaunchPlan(config=config, stages=stages, shared_ports=shared)
+    return LaunchPlan(config=LaunchConfig(s), stages=stages, shared_ports=shared)
 
 
 def fleet_info(plan: LaunchPlan, s: UpSettings) -> dict[str, object]:

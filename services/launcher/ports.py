@@ -8,7 +8,7 @@ import socket
 
 from services.common.ports import free_ports
 
-from .plan import client_host
+from .addresses import client_host
 
 __all__ = ["free_ports", "listening", "port_free"]
 

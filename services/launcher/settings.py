@@ -1,7 +1,8 @@
 """`twinspark up` and `twinspark down`: their settings, read once from the command line and the environment.
 
-`up` takes the serving flags the roles share (shared_flags.py) and passes them on in each role's argv (plan.py);
-the KV tier flags it passes on only when given, so that unset the ranks keep their own environment defaults.
+`up` takes serving flags the roles take too (declared once in shared_flags.py) and passes each on in the argv of
+every role that takes it (plan.py, flags.passed_on); the KV tier and thinking flags are unset unless given, so that
+unset the roles read their own variables.
 """
 
 from __future__ import annotations
@@ -87,22 +88,6 @@ class UpSettings:
     def routed(self) -> bool:
         """Does this run put vllm-router in front (several replicas, or remote ones)?"""
         return self.replicas > 1 or bool(self.remote_urls)
-
-    def tier_flags(self) -> list[str]:
-        """The KV tier flags given to `up`, as every rank's argv gets them."""
-        return self._given(shared.KV_HOST_BYTES, shared.KV_DISK_DIR, shared.KV_DISK_BYTES)
-
-    def gateway_flags(self) -> list[str]:
-        """The thinking flags given to `up`, as the gateway's argv gets them."""
-        return self._given(shared.REASONING_BUDGET, shared.REASONING_BUDGET_MESSAGE, shared.REASONING_EFFORT_BUDGETS)
-
-    def _given(self, *specs: Flag) -> list[str]:
-        out: list[str] = []
-        for spec in specs:
-            value = getattr(self, spec.dest)
-            if value is not None:
-                out += [spec.option, str(value)]
-        return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -122,7 +122,9 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.restarts: dict[str, int] = {}  # role -> restarts so far
         self._gone: set[str] = set()  # optional children past their restart limit: left down
-        self.state_dir = Path(plan.config.state_dir)
+        state_dir = plan.config.settings.state_dir
+        assert state_dir is not None  # a plan's settings are resolved
+        self.state_dir = Path(state_dir)
         self.stop_grace = stop_grace
         self.startup_timeout = startup_timeout
         self.env = dict(os.environ if env is None else env)
@@ -175,14 +177,14 @@ class Supervisor:
 
     # ---- startup ---------------------------------------------------------------------------------------------
     def _start_and_wait(self) -> None:
-        cfg = self.plan.config
+        s = self.plan.config.settings
         deadline = self.t0 + self.startup_timeout
-        log(f"starting twinspark: model {cfg.model}, tp {cfg.tp}, device {cfg.device}; "
-            f"serving on {cfg.host}:{cfg.port}, internal ports {self.plan.ports} (state dir {self.state_dir})")
+        log(f"starting twinspark: model {s.model}, tp {s.tp}, device {s.device}; "
+            f"serving on {s.host}:{s.port}, internal ports {self.plan.ports} (state dir {self.state_dir})")
         self.info = {
             "status": "starting", "supervisor_pid": os.getpid(), "supervisor_start": procs.start_time(os.getpid()),
-            "endpoint": self.plan.endpoint, "health_url": self.plan.health_url, "host": cfg.host, "port": cfg.port,
-            "model": cfg.model, "tp": cfg.tp, "device": cfg.device, "state_dir": str(self.state_dir),
+            "endpoint": self.plan.endpoint, "health_url": self.plan.health_url, "host": s.host, "port": s.port,
+            "model": s.model, "tp": s.tp, "device": s.device, "state_dir": str(self.state_dir),
             "logs": str(self.state_dir / "logs"), "ports": self.plan.ports, "stop_grace": self.stop_grace,
             "max_restarts": self.max_restarts, "restarts": self.restarts, "started_at": time.time(), "children": [],
             **self.extra_info,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from model.row_store import KV_CACHE_DTYPES
+from services.common.step_budget import step_budget
 from services.rank_worker import fingerprint as fp
 from services.rank_worker import pool_size
 from services.rank_worker.settings import RankSettings
@@ -188,7 +189,6 @@ def _sized_pool(s: RankSettings, loaded: Loaded) -> int:
     log.info("kv pool budget %.2f GiB: %s", sized.bytes / 2**30, sized.rule)
     budget = sized.bytes
     if loaded.device.type == "cuda" and s.kv_cache_memory_bytes <= 0:  # room for the step's activations first
-        from services.common.step_budget import step_budget
         from services.rank_worker.warmup import activation_peak
 
         budget -= activation_peak(model, step_budget(s.max_num_batched_tokens, s.device), block_size=s.block_size,
@@ -233,7 +233,6 @@ def _serve(s: RankSettings, loaded: Loaded, num_blocks: int) -> None:
         # the same buckets on every rank (their collectives pair up), even if a rank was started with other slots
         executor.graphs.capture_at_start(pool_size.agree(s.num_slots, loaded.group, loaded.device))
     if loaded.device.type == "cuda":  # compile before serving, not on a user's request (warmup.py)
-        from services.common.step_budget import step_budget
         from services.rank_worker.warmup import warm_up
 
         warm_up(executor, step_budget(s.max_num_batched_tokens, s.device))
@@ -262,4 +261,5 @@ def _describe(s: RankSettings, loaded: Loaded, num_blocks: int, window: int,
         model=os.path.basename(os.path.normpath(s.model)),
         instance_id=uuid.uuid4().hex,  # tells the scheduler a restarted group from the one it connected to
         tier_host_bytes=tiers.host_bytes if tiers else 0, tier_disk_bytes=tiers.disk_bytes if tiers else 0,
-        block_bytes=tiers.block_bytes if tiers else 0, state_bytes=tiers.state_bytes if tiers else 0)
+        block_bytes=tiers.block_bytes if tiers else 0, state_bytes=tiers.state_bytes if tiers else 0,
+        max_num_batched_tokens=step_budget(s.max_num_batched_tokens, s.device))

@@ -26,7 +26,7 @@ from services.rank_worker import plan_checks as checks
 from services.rank_worker.encoder_cache import EncoderCache
 from services.rank_worker.kv_tiers import TierStore
 from services.rank_worker.plan_checks import ImagePart, Limits, ScoreRows
-from services.rank_worker.rounds import Launched, RowLogprobs, RowScores, StepOutput, to_host
+from services.rank_worker.rounds import Launched, RoundResult, RowLogprobs, RowScores, to_host
 from twinspark.v1 import rank_pb2
 from twinspark.v1.rank_pb2 import StepPlan
 
@@ -166,7 +166,7 @@ class Executor:
             t.drop(key)
         return sorted(bad)
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan) -> RoundResult:
         """Run one plan and read its results back."""
         return self.finish(self.launch(plan))
 
@@ -178,7 +178,8 @@ class Executor:
             checks.tier_moves_only(plan)
             bad = self.run_tier_moves(checks.tier_moves(plan, self.tiers, self.limits))
             empty = torch.zeros(0, dtype=torch.int64)
-            return Launched(None, [], empty, empty, None, None, bad, 0.0, time.perf_counter(), None)
+            return Launched(batch=None, order=[], rows=empty, sampled=empty, logprobs=None, hidden=None, tier_bad=bad,
+                            forward_ms=0.0, t1=time.perf_counter(), done=None)
         batch, params, host_params, rows, scores, steps = self.to_batch(plan)
         copies = checks.state_copies(plan, self.cache.num_slots)  # validated with the rest before anything changes
         moves = checks.tier_moves(plan, self.tiers, self.limits)
@@ -231,8 +232,9 @@ class Executor:
         if out.logits.device.type == "cuda":  # recorded after every copy to the host: when it has passed, all are
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-        return Launched(batch, order, rows, sampled, logprobs, hidden, tier_bad, (t1 - t0) * 1e3, t1, done, scored,
-                        layer_hidden, begin, steps)
+        return Launched(batch=batch, order=order, rows=rows, sampled=sampled, logprobs=logprobs, hidden=hidden,
+                        tier_bad=tier_bad, forward_ms=(t1 - t0) * 1e3, t1=t1, done=done, scores=scored,
+                        layer_hidden=layer_hidden, begin=begin, steps=steps)
 
     @staticmethod
     def _score(logits: torch.Tensor, scores: ScoreRows) -> RowScores:
@@ -292,7 +294,7 @@ class Executor:
         return by_row(samples), RowLogprobs(*(by_row([getattr(lp, f) for lp in logprobs])
                                               for f in ("chosen", "top_ids", "top_logprobs")))
 
-    def finish(self, run: Launched) -> StepOutput:
+    def finish(self, run: Launched) -> RoundResult:
         """Wait for a launched round and read its results: sampled ids, accepted drafts (verify windows are
         decided here, then their KDA states committed), logprobs, hidden states."""
         if run.done is not None:
@@ -302,8 +304,9 @@ class Executor:
         if run.batch is not None and run.batch.has_verify:
             accepted = self._accept(run, sampled)
         t2 = time.perf_counter()
-        return StepOutput(sampled, run.forward_ms, (t2 - run.t1) * 1e3, accepted, run.hidden, run.logprobs,
-                          run.tier_bad, run.scores, run.layer_hidden)
+        return RoundResult(sampled, run.forward_ms, (t2 - run.t1) * 1e3, accepted=accepted, hidden=run.hidden,
+                           logprobs=run.logprobs, tier_bad=run.tier_bad, scores=run.scores,
+                           layer_hidden=run.layer_hidden)
 
     def _accept(self, run: Launched, sampled: list[int]) -> list[int]:
         """Per plan sequence, the drafts accepted: the longest draft prefix equal to our own samples; then keep the

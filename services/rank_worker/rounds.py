@@ -1,5 +1,6 @@
 """What one round leaves behind: the work queued on the device (`Launched`) and the results read back
-(`StepOutput`), the two halves of `Executor.launch` / `Executor.finish`."""
+(`RoundResult`), the two halves of `Executor.launch` / `Executor.finish`. `RoundResult.to_proto` is the one place a
+round's result becomes the StepResult the scheduler decodes (services/scheduler/round_output.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from model.batch import Batch
+from services.common.tensors import to_proto
+from twinspark.v1 import rank_pb2
 
 
 @dataclass
@@ -32,7 +35,9 @@ class RowScores:
 
 
 @dataclass
-class StepOutput:
+class RoundResult:
+    """A round read back: the sampled ids of every sample row and what the plan asked for beside them."""
+
     sampled: list[int]
     forward_ms: float
     sample_ms: float
@@ -42,6 +47,29 @@ class StepOutput:
     tier_bad: list[bytes] | None = None  # tier entries that failed their checksum on some rank (dropped on all)
     scores: RowScores | None = None  # when the plan has score rows
     layer_hidden: torch.Tensor | None = None  # [T, L * D] fp32 in plan row order, when the plan has hidden_layers
+
+    def to_proto(self, round_: int, rank: int) -> rank_pb2.StepResult:
+        """The StepResult that carries this result to the scheduler."""
+        res = rank_pb2.StepResult(round=round_, rank=rank, sampled=to_proto(self.sampled),
+                                  forward_ms=self.forward_ms, sample_ms=self.sample_ms)
+        if self.accepted is not None:
+            res.accepted.CopyFrom(to_proto(self.accepted))
+        if self.hidden is not None:
+            res.hidden.CopyFrom(to_proto(self.hidden, "float32"))
+        if self.layer_hidden is not None:
+            res.layer_hidden.CopyFrom(to_proto(self.layer_hidden, "float32"))
+        if self.tier_bad:
+            res.tier_bad.extend(self.tier_bad)
+        if self.logprobs is not None:
+            res.logprobs.CopyFrom(to_proto(self.logprobs.chosen, "float32"))
+            res.top_ids.CopyFrom(to_proto(self.logprobs.top_ids, "int32"))
+            res.top_logprobs.CopyFrom(to_proto(self.logprobs.top_logprobs, "float32"))
+        if self.scores is not None:
+            res.score_logprobs.CopyFrom(to_proto(self.scores.logprobs, "float32"))
+            res.score_ranks.CopyFrom(to_proto(self.scores.ranks, "int32"))
+            res.score_top_ids.CopyFrom(to_proto(self.scores.top_ids, "int32"))
+            res.score_top_logprobs.CopyFrom(to_proto(self.scores.top_logprobs, "float32"))
+        return res
 
 
 @dataclass

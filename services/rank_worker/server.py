@@ -26,7 +26,6 @@ from opentelemetry import trace
 from services.common import telemetry
 from services.common.internal_auth import server_interceptors
 from services.common.plan_checksum import plan_checksum
-from services.common.tensors import to_proto
 from services.rank_worker.compile_watch import CompileWatch
 from services.rank_worker.executor import Executor
 from services.rank_worker.plan_checks import PlanError
@@ -181,25 +180,7 @@ class RankService(rank_pb2_grpc.RankWorkerServicer):
             r.span.set_attributes({"twinspark.seqs": r.seqs, "twinspark.rows": r.rows,
                                    "twinspark.forward_ms": out.forward_ms, "twinspark.sample_ms": out.sample_ms})
             r.span.end()
-        res = rank_pb2.StepResult(round=r.round, rank=self.rank, sampled=to_proto(out.sampled),
-                                  forward_ms=out.forward_ms, sample_ms=out.sample_ms)
-        if out.accepted is not None:
-            res.accepted.CopyFrom(to_proto(out.accepted))
-        if out.hidden is not None:
-            res.hidden.CopyFrom(to_proto(out.hidden, "float32"))
-        if out.layer_hidden is not None:
-            res.layer_hidden.CopyFrom(to_proto(out.layer_hidden, "float32"))
-        if out.tier_bad:
-            res.tier_bad.extend(out.tier_bad)
-        if out.logprobs is not None:
-            res.logprobs.CopyFrom(to_proto(out.logprobs.chosen, "float32"))
-            res.top_ids.CopyFrom(to_proto(out.logprobs.top_ids, "int32"))
-            res.top_logprobs.CopyFrom(to_proto(out.logprobs.top_logprobs, "float32"))
-        if out.scores is not None:
-            res.score_logprobs.CopyFrom(to_proto(out.scores.logprobs, "float32"))
-            res.score_ranks.CopyFrom(to_proto(out.scores.ranks, "int32"))
-            res.score_top_ids.CopyFrom(to_proto(out.scores.top_ids, "int32"))
-            res.score_top_logprobs.CopyFrom(to_proto(out.scores.top_logprobs, "float32"))
+        res = out.to_proto(r.round, self.rank)
         if self.profiler is not None:
             self.profiler.after(r.round)
         return res, True

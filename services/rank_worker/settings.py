@@ -25,8 +25,7 @@ class RankSettings(RoleSettings):
         "exchange goes in several calls", default=str(64 << 20), type=int, metavar="BYTES")
     peer_port: int | None = flag("peer-port", "rank 0's port for the peer watchdog's heartbeat connections "
                                  "(default --master-port + 1)", type=int)
-    peer_timeout: float = flag("peer-timeout", "seconds a peer may stay silent before this rank leaves the group "
-                               "with exit code 5 (default 3)", default="3", type=float)
+    peer_timeout: float = flag(shared.PEER_TIMEOUT)
     host: str = flag("host", "gRPC listen address (default loopback; another address needs --internal-token)",
                      default="127.0.0.1", env="RANK_HOST")
     port: int = flag("port", "gRPC port", default="50061", type=int, env="RANK_PORT")
@@ -35,17 +34,10 @@ class RankSettings(RoleSettings):
     kv_cache_dtype: str = flag(shared.KV_CACHE_DTYPE)
     enforce_eager: bool = flag(shared.ENFORCE_EAGER)
     num_blocks: int = flag(shared.NUM_BLOCKS)
-    kv_cache_memory_bytes: int = flag(
-        "kv-cache-memory-bytes", "bytes of this rank's KV pool, blocks and KDA slots together, when --num-blocks is 0 "
-        "(vLLM's flag; 0 = on CUDA by --gpu-memory-utilization, on the CPU 1 GiB or half the available RAM if less)",
-        default="0", type=int)
-    gpu_memory_utilization: float = flag(
-        "gpu-memory-utilization", "on CUDA with --num-blocks 0 and no --kv-cache-memory-bytes: the share of the GPU's "
-        "memory this rank may fill; the pool gets it less what is in use once the weights are loaded (vLLM's flag; "
-        "default 0.9). On an integrated GPU (DGX Spark), whose memory is the system's: the share of the total this "
-        "rank may fill, weights included, never more than the system has available", default="0.9", type=float)
-    block_size: int = flag("block-size", "positions per KV block", default="16", type=int)
-    num_slots: int = flag("num-slots", "KDA state slots", default="32", type=int)
+    kv_cache_memory_bytes: int = flag(shared.KV_CACHE_MEMORY_BYTES)
+    gpu_memory_utilization: float = flag(shared.GPU_MEMORY_UTILIZATION)
+    block_size: int = flag(shared.BLOCK_SIZE)
+    num_slots: int = flag(shared.NUM_SLOTS)
     kv_host_bytes: int = flag(shared.KV_HOST_BYTES)
     kv_disk_dir: str | None = flag(shared.KV_DISK_DIR)
     kv_disk_bytes: int = flag(shared.KV_DISK_BYTES)

@@ -23,10 +23,8 @@ class SchedulerSettings(RoleSettings):
     host: str = flag("host", "listen address (default loopback; another address needs --internal-token)",
                      default="127.0.0.1", env="SCHEDULER_HOST")
     port: int = flag("port", "listen port (default 50051)", default="50051", type=int, env="SCHEDULER_PORT")
-    max_waiting: int = flag("max-waiting", "waiting-queue bound; beyond it Generate answers RESOURCE_EXHAUSTED + "
-                            "retry-after (default 64)", default="64", type=int)
-    max_num_seqs: int = flag("max-num-seqs", "running requests at most (also capped by the ranks' KDA slots) "
-                             "(default 16)", default="16", type=shared.positive_int)
+    max_waiting: int = flag(shared.MAX_WAITING)
+    max_num_seqs: int = flag(shared.MAX_NUM_SEQS)
     max_num_batched_tokens: int | None = flag(shared.MAX_NUM_BATCHED_TOKENS)
     num_scheduler_steps: int = flag(shared.NUM_SCHEDULER_STEPS)
     enable_prefix_caching: bool = flag("enable-prefix-caching", "reuse cached prompt prefixes (full blocks + KDA "
@@ -47,8 +45,7 @@ class SchedulerSettings(RoleSettings):
     # Its own variable: `twinspark up`'s TWINSPARK_DRAFTER is a draft method ("none", "copy", ...), and up's children
     # inherit its environment, so a shared name read "none" as an address and planned rounds for a phantom drafter.
     drafter: str | None = flag("drafter", "drafter address host:port; unset = no drafts", env="DRAFTER_ADDRESS")
-    num_draft_tokens: int = flag("num-draft-tokens", "drafts asked per decoding request and round (default 4)",
-                                 default="4", type=int)
+    num_draft_tokens: int = flag(shared.NUM_DRAFT_TOKENS)
     draft_timeout: float = flag("draft-timeout", "seconds a Propose may take; slower rounds go on without drafts "
                                 "(default 0.5)", default="0.5", type=float)
     draft_hidden: bool = flag("draft-hidden", "ask the ranks for hidden states and pass them to the drafter (MTP "
@@ -70,33 +67,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def serve_scheduler(s: SchedulerSettings) -> int:
-    from services.scheduler.engine import EngineConfig
     from services.scheduler.ranks import StartupError
     from services.scheduler.server import SchedulerConfig, serve
 
     if not start_role("scheduler", s, listen=s.host):
         return 2
     try:
-        layers = tuple(int(x) for x in (s.draft_layers or "").split(",") if x.strip())
-    except ValueError:
-        log.error("--draft-layers takes comma-separated layer numbers, got %r", s.draft_layers)
+        cfg = SchedulerConfig.from_settings(s)
+    except ValueError as exc:
+        log.error("%s", exc)
         return 2
-    addresses = [a.strip() for a in s.ranks.split(",") if a.strip()]
-    if not addresses:
-        log.error("--ranks lists no addresses")
-        return 2
-    cfg = SchedulerConfig(
-        ranks=addresses, host=s.host, port=s.port,
-        engine=EngineConfig(max_waiting=s.max_waiting, max_num_seqs=s.max_num_seqs,
-                            max_num_batched_tokens=s.max_num_batched_tokens,
-                            num_scheduler_steps=s.num_scheduler_steps,
-                            enable_prefix_caching=s.enable_prefix_caching, max_snapshots=s.max_snapshots,
-                            reply_reuse=s.reply_reuse, reply_reuse_delay=max(0.0, s.reply_reuse_delay),
-                            num_draft_tokens=max(0, s.num_draft_tokens), draft_hidden=s.draft_hidden,
-                            draft_layers=layers,
-                            kv_events_endpoint=s.kv_events_endpoint),
-        drafter=s.drafter, draft_timeout_s=s.draft_timeout, tokenizer=s.tokenizer, internal_token=s.internal_token,
-        startup_timeout_s=s.startup_timeout, rank_timeout_s=s.rank_timeout or None)
     try:
         asyncio.run(serve(cfg))
     except StartupError as exc:

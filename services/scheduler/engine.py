@@ -21,10 +21,12 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from opentelemetry.context import Context
 
+from services.common.flags import config_values
 from services.scheduler.decode_steps import DecodeSteps
 from services.scheduler.drafts import PROPOSE_ROW_BYTES, DrafterClient
 from services.scheduler.grammar import GrammarBook
@@ -34,6 +36,9 @@ from services.scheduler.request import Request
 from services.scheduler.round_scheduler import RoundScheduler, ScheduledRound
 from services.scheduler.tracing import propose_span, round_span
 from twinspark.v1 import generate_pb2, rank_pb2
+
+if TYPE_CHECKING:
+    from services.scheduler.cli import SchedulerSettings
 
 log = logging.getLogger("twinspark.scheduler")
 
@@ -79,6 +84,17 @@ class EngineConfig:
     # Target layers whose outputs the ranks return for every row and the drafter is sent by position (DFlash drafts)
     draft_layers: tuple[int, ...] = ()
     kv_events_endpoint: str | None = None  # ZMQ address the prefix index's block events go out on (kv_events.py)
+
+    @classmethod
+    def from_settings(cls, s: SchedulerSettings) -> EngineConfig:
+        """The engine's part of serve-scheduler's settings: each field takes the flag of its name, a negative draft
+        count or replay delay counts as none, and --draft-layers is read as layer numbers (ValueError if not)."""
+        try:
+            layers = tuple(int(x) for x in (s.draft_layers or "").split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--draft-layers takes comma-separated layer numbers, got {s.draft_layers!r}") from None
+        return cls(**{**config_values(s, cls), "reply_reuse_delay": max(0.0, s.reply_reuse_delay),
+                      "num_draft_tokens": max(0, s.num_draft_tokens), "draft_layers": layers})
 
 
 class Engine:
@@ -268,17 +284,16 @@ class Engine:
 
     async def _collect(self, f: _InFlight) -> None:
         try:
-            sampled = await self.ranks.collect(f.round)
+            output = await self.ranks.collect(f.round)
             now = time.monotonic()
             if f.step.decode_only and self._last_result is not None and f.t0 <= self._last_result:
                 self.steps.observe(f.step.steps, now - self._last_result)  # queued all along: the ranks' pace
             self._last_result = now
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("round %d: %d seqs, %d rows, %d sampled, %.1f ms", f.round.plan.round, len(f.step.seqs),
-                          sum(len(s.token_ids) for s in f.step.seqs), len(sampled), (time.monotonic() - f.t0) * 1e3)
-            self.scheduler.commit(f.step, sampled, accepted=self.ranks.last_accepted, hidden=self.ranks.last_hidden,
-                                  logprobs=self.ranks.last_logprobs, tier_bad=self.ranks.last_tier_bad,
-                                  scores=self.ranks.last_scores, layers=self.ranks.last_layers)
+                          sum(len(s.token_ids) for s in f.step.seqs), len(output.sampled),
+                          (time.monotonic() - f.t0) * 1e3)
+            self.scheduler.commit(f.step, output)
         finally:
             f.span.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.step_budget import step_budget
 from twinspark.v1 import rank_pb2
 
 
@@ -30,7 +31,8 @@ class ModelInfo:
     tier_disk_bytes: int = 0
     block_bytes: int = 0
     state_bytes: int = 0
-    device: str = "cpu"  # where the ranks compute (their fingerprint's settings): sets the round budget's default
+    device: str = "cpu"  # where the ranks compute (their fingerprint's settings)
+    step_budget: int = 0  # the round budget the ranks sized their memory for (the smallest); 0: not reported
 
     @classmethod
     def from_describe(cls, d: rank_pb2.DescribeReply, group: list[rank_pb2.DescribeReply] | None = None
@@ -42,7 +44,20 @@ class ModelInfo:
                    tier_host_bytes=min(r.tier_host_bytes for r in group),
                    tier_disk_bytes=min(r.tier_disk_bytes for r in group),
                    block_bytes=max(r.block_bytes for r in group), state_bytes=max(r.state_bytes for r in group),
-                   device=d.settings.get("device", "cpu"))
+                   device=d.settings.get("device", "cpu"),
+                   step_budget=min(r.max_num_batched_tokens for r in group))
+
+    def round_budget(self, given: int | None) -> int:
+        """The tokens one round may carry: the scheduler's --max-num-batched-tokens when given, else the ranks'. A
+        larger budget than the ranks' is refused (ValueError): they sized their activation memory and warmed up
+        their kernels for theirs, and a bigger round could run out of memory or compile on a user's request."""
+        ranks = self.step_budget or step_budget(None, self.device)  # ranks that do not say: their device's default
+        if given is None:
+            return ranks
+        if given > ranks:
+            raise ValueError(f"--max-num-batched-tokens {given} is more than the {ranks} the ranks sized their memory "
+                             f"for: give the ranks the same --max-num-batched-tokens, or the scheduler at most {ranks}")
+        return given
 
 
 def describe_differences(name_a: str, a: rank_pb2.DescribeReply, name_b: str, b: rank_pb2.DescribeReply) -> str:

@@ -19,17 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
-import torch
 
 from services.common.internal_auth import aio_channel
 from services.common.plan_checksum import seal
-from services.common.tensors import from_proto, ids
 from services.scheduler.model_info import ModelInfo, describe_differences
-from services.scheduler.request import PromptScores
+from services.scheduler.round_output import RoundOutput, decode
 from twinspark.v1 import rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("twinspark.scheduler.ranks")
@@ -57,18 +55,6 @@ class Round:
     reads: list[asyncio.Future]
 
 
-@dataclass
-class _Answer:
-    """One rank's answer to a round (rank 0 also carries the round's extras)."""
-    sampled: list[int]
-    accepted: list[int] = field(default_factory=list)
-    hidden: object = None
-    layers: object = None  # [T, L * D] the plan's hidden_layers' outputs of every row (DFlash drafts)
-    logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
-    tier_bad: list[bytes] = field(default_factory=list)
-    scores: PromptScores | None = None
-
-
 class RankError(RuntimeError):
     def __init__(self, index: int, address: str, reason: str) -> None:
         super().__init__(f"rank{index} ({address}): {reason}")
@@ -90,32 +76,6 @@ def _rpc_error_text(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"
-
-
-def _logprobs(c: "RankClient", round_: int, res: rank_pb2.StepResult, n_sample: int
-              ) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """A StepResult's logprobs as lists, checked against the number of sample rows."""
-    try:
-        chosen, top_ids, top_lp = (from_proto(res.logprobs), from_proto(res.top_ids), from_proto(res.top_logprobs))
-    except ValueError as exc:
-        raise RankError(c.index, c.address, f"round {round_}: bad logprobs: {exc}") from exc
-    if chosen.shape != (n_sample,) or top_ids.dim() != 2 or top_ids.shape[0] != n_sample \
-            or top_lp.shape != top_ids.shape:
-        raise RankError(c.index, c.address, f"round {round_}: logprobs do not match the {n_sample} sample rows")
-    return chosen.tolist(), top_ids.tolist(), top_lp.tolist()
-
-
-def _scores(c: "RankClient", round_: int, res: rank_pb2.StepResult, n_score: int) -> PromptScores:
-    """A StepResult's prompt logprobs as lists, checked against the number of score rows."""
-    try:
-        lp, ranks = from_proto(res.score_logprobs), from_proto(res.score_ranks)
-        top_ids, top_lp = from_proto(res.score_top_ids), from_proto(res.score_top_logprobs)
-    except ValueError as exc:
-        raise RankError(c.index, c.address, f"round {round_}: bad prompt logprobs: {exc}") from exc
-    if lp.shape != (n_score,) or ranks.shape != (n_score,) or top_ids.dim() != 2 or top_ids.shape[0] != n_score \
-            or top_lp.shape != top_ids.shape:
-        raise RankError(c.index, c.address, f"round {round_}: prompt logprobs do not match the {n_score} score rows")
-    return PromptScores(lp.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())
 
 
 class RankClient:
@@ -144,13 +104,6 @@ class RankSet:
         self.stuck: str | None = None  # why a failed set can never be reopened (the ranks came back changed)
         self.on_failure: Callable[[RankError], None] | None = None  # the engine's wake-up hook
         self._round = 0
-        self.last_accepted: list[int] = []  # rank 0's accepted drafts per sequence of the last round
-        self.last_hidden = None  # rank 0's [R, D] hidden states of the last round (when the plan wanted them)
-        self.last_layers = None  # rank 0's [T, L * D] layer outputs of the last round (when the plan named layers)
-        # rank 0's logprobs of the last round's sample rows (when the plan asked): chosen [R], top ids / logprobs [R, K]
-        self.last_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
-        self.last_tier_bad: list[bytes] = []  # tier entries the last round's loads found corrupt (every rank dropped)
-        self.last_scores: PromptScores | None = None  # rank 0's prompt logprobs of the last round's score rows
         self.tier_listing: list[rank_pb2.TierEntry] = []  # disk tier entries every rank of the group holds
         self._closing = False
         self._in_flight = 0  # rounds submitted and not yet collected
@@ -262,8 +215,8 @@ class RankSet:
             self.on_failure(err)
 
     # -- rounds ---------------------------------------------------------------------------------------------------
-    async def step(self, plan: rank_pb2.StepPlan) -> list[int]:
-        """Run one round on every rank; rank 0's sampled ids. Raises RankError (and the set is dead) on failure."""
+    async def step(self, plan: rank_pb2.StepPlan) -> RoundOutput:
+        """Run one round on every rank; its output. Raises RankError (and the set is dead) on failure."""
         return await self.collect(await self.submit(plan))
 
     async def submit(self, plan: rank_pb2.StepPlan) -> "Round":
@@ -275,8 +228,6 @@ class RankSet:
         self._round += 1
         plan.round = self._round
         seal(plan)
-        # A multi-step plan samples every sample row once per step.
-        n_sample = (plan.sample_rows.shape[0] if plan.sample_rows.shape else 0) * max(1, plan.steps)
         self._in_flight += 1
         try:
             await asyncio.gather(*(self._write(c, plan) for c in self.clients))
@@ -292,15 +243,15 @@ class RankSet:
             raise self.failure or err
         reads = []
         for i, c in enumerate(self.clients):
-            reads.append(asyncio.ensure_future(self._read(c, plan, n_sample, self._last_read[i])))
+            reads.append(asyncio.ensure_future(self._read(c, plan, self._last_read[i])))
             # A round given up on after a failure is never collected: its reads' errors are known already.
             reads[-1].add_done_callback(lambda t: t.cancelled() or t.exception())
             self._last_read[i] = reads[-1]
         return Round(plan, reads)
 
-    async def collect(self, rnd: "Round") -> list[int]:
-        """Wait for a submitted round's answers (in submission order); rank 0's sampled ids, its accepted counts,
-        hidden states and logprobs in `last_*`. Raises RankError (the set is dead) or PlanRefused."""
+    async def collect(self, rnd: "Round") -> RoundOutput:
+        """Wait for a submitted round's answers (in submission order): rank 0's output, with the tier entries any
+        rank found bad. Raises RankError (the set is dead) or PlanRefused."""
         plan, tasks = rnd.plan, rnd.reads
         try:
             done, pending = await asyncio.wait(tasks, timeout=self.rank_timeout_s,
@@ -340,11 +291,8 @@ class RankSet:
             if r.sampled and r.sampled != first.sampled:  # ranks must hold the same bits (docs/design.md §5.3); say so
                 log.error("round %d: %s sampled %s but rank0 sampled %s (rank invariance broken)", plan.round,
                           c.name, r.sampled, first.sampled)
-        self.last_accepted, self.last_hidden, self.last_logprobs = first.accepted, first.hidden, first.logprobs
-        self.last_layers = first.layers
-        self.last_scores = first.scores
-        self.last_tier_bad = sorted(set().union(*(r.tier_bad for r in results)))
-        return first.sampled
+        first.tier_bad = sorted(set().union(*(r.tier_bad for r in results)))
+        return first
 
     def abandon(self, rnd: "Round") -> None:
         """Drop a submitted round that will never be collected (its ranks failed): stop waiting for its answers."""
@@ -359,8 +307,8 @@ class RankSet:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise RankError(c.index, c.address, f"round {plan.round}: {_rpc_error_text(exc)}") from exc
 
-    async def _read(self, c: RankClient, plan: rank_pb2.StepPlan, n_sample: int,
-                    after: asyncio.Future | None) -> "_Answer | _Refused":
+    async def _read(self, c: RankClient, plan: rank_pb2.StepPlan,
+                    after: asyncio.Future | None) -> "RoundOutput | _Refused":
         assert c.call is not None
         if after is not None:  # the previous round's answer comes first on this stream
             await asyncio.wait([after])
@@ -381,30 +329,10 @@ class RankSet:
             raise RankError(c.index, c.address, f"round {plan.round}: {res.error}")
         if res.round != plan.round:
             raise RankError(c.index, c.address, f"answered round {res.round} to round {plan.round}")
-        try:
-            sampled = ids(res.sampled) if res.HasField("sampled") else []
+        try:  # rank 0's answer carries the round's extras (every rank computes the same)
+            return decode(plan, res, full=c.index == 0)
         except ValueError as exc:
-            raise RankError(c.index, c.address, f"round {plan.round}: bad sampled tensor: {exc}") from exc
-        answer = _Answer(sampled, tier_bad=list(res.tier_bad))
-        if c.index == 0 and len(sampled) != n_sample:
-            raise RankError(c.index, c.address, f"round {plan.round}: {len(sampled)} sampled ids for {n_sample} rows")
-        if c.index == 0:
-            # Verify windows and MTP drafts: rank 0's accepted counts and hidden states (every rank agrees).
-            n_seqs = plan.lengths.shape[0] if plan.lengths.shape else 0
-            try:
-                answer.accepted = ids(res.accepted) if res.HasField("accepted") else []
-                answer.hidden = from_proto(res.hidden) if plan.want_hidden and res.HasField("hidden") else None
-                answer.layers = _layers(plan, res)
-            except ValueError as exc:
-                raise RankError(c.index, c.address, f"round {plan.round}: bad accepted/hidden: {exc}") from exc
-            if plan.HasField("logprobs_k") and plan.logprobs_k.shape and plan.logprobs_k.shape[0]:
-                answer.logprobs = _logprobs(c, plan.round, res, n_sample)
-            if plan.HasField("score_rows") and plan.score_rows.shape and plan.score_rows.shape[0]:
-                answer.scores = _scores(c, plan.round, res, plan.score_rows.shape[0])
-            if plan.HasField("verify") and len(answer.accepted) != n_seqs:
-                raise RankError(c.index, c.address,
-                                f"round {plan.round}: {len(answer.accepted)} accepted counts for {n_seqs} sequences")
-        return answer
+            raise RankError(c.index, c.address, f"round {plan.round}: bad answer: {exc}") from exc
 
     # -- recovery -------------------------------------------------------------------------------------------------
     def _is_new(self, c: RankClient, d: rank_pb2.DescribeReply) -> bool:
@@ -486,14 +414,3 @@ class RankSet:
             if c.call is not None:
                 c.call.cancel()
             await c.channel.close()
-
-
-def _layers(plan: rank_pb2.StepPlan, res: rank_pb2.StepResult) -> torch.Tensor | None:
-    """The layer outputs a plan with hidden_layers gets back: one row per packed row, or ValueError."""
-    if not plan.hidden_layers:
-        return None
-    n_rows = plan.token_ids.shape[0] if plan.token_ids.shape else 0
-    t = from_proto(res.layer_hidden) if res.HasField("layer_hidden") else None
-    if t is None or t.dim() != 2 or t.shape[0] != n_rows:
-        raise ValueError(f"layer_hidden must be [{n_rows}, L * D], got {None if t is None else list(t.shape)}")
-    return t

@@ -22,6 +22,7 @@ from services.common.tensors import to_proto
 from services.scheduler.drafts import DraftRows
 from services.scheduler.pool import Reservation
 from services.scheduler.prefix import Snapshot
+from services.scheduler.round_output import PromptScores, TokenLogprobs
 from twinspark.v1 import generate_pb2
 
 if TYPE_CHECKING:
@@ -38,28 +39,6 @@ def derive_seed(prompt: list[int]) -> int:
     as little-endian int32 — so the same request always gets the same reply (docs/design.md §5.4)."""
     digest = hashlib.sha256(struct.pack(f"<{len(prompt)}i", *prompt)).digest()
     return int.from_bytes(digest[:8], "little")
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of committed tokens, in order: one entry per token, each with its top-k (k = what was asked)."""
-
-    chosen: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
-@dataclass
-class PromptScores:
-    """Prompt logprobs of consecutive prompt tokens (a chunk's score rows): logprob, rank, top ids / logprobs."""
-
-    logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-    def cut(self, a: int, b: int) -> "PromptScores":
-        return PromptScores(self.logprobs[a:b], self.ranks[a:b], self.top_ids[a:b], self.top_logprobs[a:b])
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 from opentelemetry.context import Context
 
-from services.common.step_budget import step_budget
 from services.scheduler.admission import AdmissionQueue
 from services.scheduler.batcher import PlannedSeq, build_step_plan, plan_round
 from services.scheduler.grammar import GrammarBook
@@ -32,8 +31,9 @@ from services.scheduler.model_info import ModelInfo
 from services.scheduler.pool import PoolExhausted
 from services.scheduler.prefix import KDA_CHUNK, Snapshot
 from services.scheduler.replay import reply_replay
-from services.scheduler.request import PromptScores, Request, State, TokenLogprobs
+from services.scheduler.request import Request, State
 from services.scheduler.round_masks import apply_round_masks
+from services.scheduler.round_output import PromptScores, RoundOutput, TokenLogprobs
 from services.scheduler.tracing import RequestSpans
 from services.scheduler.validation import validate
 from twinspark.v1 import generate_pb2, rank_pb2
@@ -45,9 +45,6 @@ log = logging.getLogger("twinspark.scheduler")
 
 _REASON = {generate_pb2.FINISH_STOP: "stop", generate_pb2.FINISH_LENGTH: "length",
            generate_pb2.FINISH_ABORTED: "aborted", generate_pb2.FINISH_ERROR: "error"}
-
-# Rank 0's logprobs of a round's sample rows: the chosen token's, and the top ids with theirs.
-RoundLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
 
 
 @dataclass
@@ -77,7 +74,7 @@ class RoundScheduler:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`grammars`: None without a tokenizer (structured output is refused); `tier_listing`: the disk KV tier
         entries every rank holds; `clock`: seconds, for when a reply replay may start."""
-        self.budget = step_budget(cfg.max_num_batched_tokens, info.device)
+        self.budget = info.round_budget(cfg.max_num_batched_tokens)
         if cfg.max_num_seqs < 1 or self.budget < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.info = info
@@ -235,13 +232,10 @@ class RoundScheduler:
         for s in step.seqs:
             s.req.plan_rows(s)
 
-    def commit(self, step: ScheduledRound, sampled: list[int], *, accepted: list[int] | None = None,
-               hidden: torch.Tensor | None = None, logprobs: RoundLogprobs | None = None,
-               tier_bad: list[bytes] | None = None, scores: PromptScores | None = None,
-               layers: torch.Tensor | None = None) -> None:
-        """The round's result is in: rank 0's sampled ids (every sample row, in order), accepted drafts per
-        sequence, hidden states per sample row (when asked), logprobs, the tier entries its loads found bad, the
-        prompt logprobs of the score rows (in order), and the target layers' outputs of every row (when asked)."""
+    def commit(self, step: ScheduledRound, out: RoundOutput) -> None:
+        """The round's result is in (round_output.py says what it holds): each sequence takes its samples, drafts,
+        logprobs and prompt logprobs; the tier loads are settled."""
+        accepted, scores, layers = out.accepted, out.scores, out.layers
         pos = 0  # index of the sequence's first sample in `sampled` (and `hidden`, `logprobs`)
         at = 0  # index of the sequence's first score row in `scores`
         row = 0  # index of the sequence's first packed row in `layers`
@@ -254,11 +248,11 @@ class RoundScheduler:
             self.kv.release_deferred(s.req)
             a = accepted[i] if accepted and i < len(accepted) else 0
             mine = scores.cut(at, at + s.scored) if s.scored and scores is not None else None
-            self._commit_seq(s, sampled[pos : pos + n_samples], pos, a, hidden, logprobs, mine)
+            self._commit_seq(s, out.sampled[pos : pos + n_samples], pos, a, out.hidden, out.logprobs, mine)
             pos += n_samples
             at += s.scored
         self.reap_aborted()
-        self.kv.loads_back(step.loads, tier_bad or [], self._requeue_readers)
+        self.kv.loads_back(step.loads, out.tier_bad, self._requeue_readers)
 
     @staticmethod
     def _keep_draft_rows(s: PlannedSeq, rows: torch.Tensor, accepted: int) -> None:
@@ -271,7 +265,7 @@ class RoundScheduler:
         req.draft_rows.add(s.start, rows[: accepted + 1] if s.verify else rows)
 
     def _commit_seq(self, s: PlannedSeq, samples: list[int], first: int, accepted: int,
-                    hidden: torch.Tensor | None, logprobs: RoundLogprobs | None,
+                    hidden: torch.Tensor | None, logprobs: TokenLogprobs | None,
                     scores: PromptScores | None = None) -> None:
         """One sequence's part of a round's result; `first`: the index of its first sample row; `scores`: its
         chunk's prompt logprobs."""
@@ -450,10 +444,10 @@ def _free_rows(req: Request) -> int:
     return n
 
 
-def _logprobs_of(req: Request, logprobs: RoundLogprobs | None, first: int, n: int) -> TokenLogprobs | None:
+def _logprobs_of(req: Request, logprobs: TokenLogprobs | None, first: int, n: int) -> TokenLogprobs | None:
     """The logprobs of `req`'s `n` tokens committed from sample rows `first`.., cut to the top k it asked for."""
     if logprobs is None or req.logprobs_k < 0:
         return None
     rows, k = range(first, first + n), req.logprobs_k
-    return TokenLogprobs([logprobs[0][j] for j in rows], [logprobs[1][j][:k] for j in rows],
-                         [logprobs[2][j][:k] for j in rows])
+    return TokenLogprobs([logprobs.chosen[j] for j in rows], [logprobs.top_ids[j][:k] for j in rows],
+                         [logprobs.top_logprobs[j][:k] for j in rows])

@@ -11,9 +11,11 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
+from services.common.flags import config_values
 from services.common.internal_auth import server_interceptors
 from services.scheduler.admission import QueueFull
 from services.scheduler.engine import Engine, EngineConfig, Unavailable
@@ -24,6 +26,9 @@ from services.scheduler.request import State
 from services.scheduler.tracing import generate_parent
 from services.scheduler.validation import InvalidRequest
 from twinspark.v1 import generate_pb2, generate_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.scheduler.cli import SchedulerSettings
 
 log = logging.getLogger("twinspark.scheduler.server")
 
@@ -109,17 +114,30 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
 
 @dataclass
 class SchedulerConfig:
+    """The scheduler's config; a field named as one of serve-scheduler's flags takes its value (`from_settings`)."""
+
     ranks: list[str]
     host: str = "127.0.0.1"
     port: int = 50051
     engine: EngineConfig = field(default_factory=EngineConfig)
-    startup_timeout_s: float = 120.0
-    rank_timeout_s: float | None = 300.0
+    startup_timeout: float = 120.0  # seconds every rank has to answer Describe
+    rank_timeout: float | None = 300.0  # seconds one round may take before its rank is hung; None = never
     progress_interval_s: float = 0.5  # keepalive Progress cadence while queued / prefilling
     drafter: str | None = None  # host:port of the drafter; None = no drafts
-    draft_timeout_s: float = 0.5  # a Propose slower than this runs the round without drafts
+    draft_timeout: float = 0.5  # seconds: a Propose slower than this runs the round without drafts
     tokenizer: str | None = None  # checkpoint dir / tokenizer.json for grammar masks; None = no structured output
     internal_token: str | None = None  # required from callers, sent to ranks and drafter (common/internal_auth.py)
+
+    @classmethod
+    def from_settings(cls, s: SchedulerSettings) -> SchedulerConfig:
+        """serve-scheduler's config: each field takes the flag of its name, the engine's likewise; --ranks is split
+        and a rank timeout of 0 is none. ValueError on settings that cannot work."""
+        engine = EngineConfig.from_settings(s)
+        ranks = [a.strip() for a in s.ranks.split(",") if a.strip()]
+        if not ranks:
+            raise ValueError("--ranks lists no addresses")
+        return cls(**{**config_values(s, cls), "ranks": ranks, "rank_timeout": s.rank_timeout or None,
+                      "engine": engine})
 
 
 class Scheduler:
@@ -127,7 +145,7 @@ class Scheduler:
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
-        self.ranks = RankSet(cfg.ranks, rank_timeout_s=cfg.rank_timeout_s, token=cfg.internal_token)
+        self.ranks = RankSet(cfg.ranks, rank_timeout_s=cfg.rank_timeout, token=cfg.internal_token)
         self.engine: Engine | None = None
         self.server: grpc.aio.Server | None = None
         self.drafter: DrafterClient | None = None
@@ -136,11 +154,11 @@ class Scheduler:
     async def start(self) -> int:
         """Connect to every rank (raises StartupError), start the engine and listen; returns the bound port."""
         try:
-            info = await self.ranks.connect(self.cfg.startup_timeout_s)
+            info = await self.ranks.connect(self.cfg.startup_timeout)
         except BaseException:
             await self.ranks.close()
             raise
-        self.drafter = DrafterClient(self.cfg.drafter, timeout_s=self.cfg.draft_timeout_s,
+        self.drafter = DrafterClient(self.cfg.drafter, timeout_s=self.cfg.draft_timeout,
                                      token=self.cfg.internal_token) if self.cfg.drafter else None
         grammars = GrammarBook.load(self.cfg.tokenizer, info.vocab_size, list(info.eos_ids)) \
             if self.cfg.tokenizer else None

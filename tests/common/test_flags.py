@@ -1,5 +1,6 @@
-"""Flags declared once (services/common/flags.py): environment defaults, the command line over them, and the
-settings dataclass read back from the parsed namespace."""
+"""Flags declared once (services/common/flags.py): environment defaults, the command line over them, the settings
+dataclass read back from the parsed namespace, and the same settings written again as a command line or as
+variables, or passed on to another subcommand's settings."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import FrozenInstanceError, dataclass
 
 import pytest
 
-from services.common.flags import Flag, add_flags, flag, parse, to_argv
+from services.common.flags import Flag, add_flags, flag, from_env, parse, passed_on, to_argv, to_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,3 +82,51 @@ def test_a_field_is_named_as_its_flag():
 
     with pytest.raises(TypeError, match="name it world"):
         parse(Wrong, [], {})
+
+
+def test_to_argv_of_some_fields_leaves_the_others_to_the_command():
+    s = parse(Demo, ["--model", "m", "--ids", "1", "--port", "5", "--eager"], {})
+    assert to_argv(s, names={"port", "eager", "token"}) == ["--port", "5", "--eager"]  # token: unset
+
+
+def test_to_env_writes_what_is_not_the_default_and_from_env_reads_it_back():
+    s = parse(Demo, ["--model", "m", "--ids", "1", "--port", "5", "--eager", "--no-caching"], {})
+    env = to_env(s)
+    assert env == {"TWINSPARK_MODEL": "m", "TWINSPARK_DEMO_PORT": "5", "TWINSPARK_EAGER": "1",
+                   "TWINSPARK_CACHING": "0"}  # --ids has no variable
+    assert from_env(Demo, env) == Demo(model="m", port=5, eager=True, caching=False)
+    assert to_env(Demo()) == {}
+    # defaults=True: every set value, so the caller's own variables cannot replace a default in the child
+    assert to_env(Demo(model="m"), defaults=True) == {"TWINSPARK_MODEL": "m", "TWINSPARK_DEMO_PORT": "50061",
+                                                      "TWINSPARK_EAGER": "0", "TWINSPARK_CACHING": "1"}
+
+
+def test_from_env_refuses_a_value_naming_its_variable():
+    with pytest.raises(ValueError, match="TWINSPARK_DEMO_PORT='many'"):
+        from_env(Demo, {"TWINSPARK_DEMO_PORT": "many"})
+
+    @dataclass(frozen=True)
+    class Picky:
+        device: str = flag("device", "where", default="cpu", choices=("cpu", "cuda"))
+
+    with pytest.raises(ValueError, match="TWINSPARK_DEVICE='tpu': must be one of cpu, cuda"):
+        from_env(Picky, {"TWINSPARK_DEVICE": "tpu"})
+
+
+SHARED_PORT = Flag("port", "listen port", default="1", type=int)
+
+
+def test_passed_on_are_the_fields_of_one_declaration():
+    """A field takes the value of one declared with the same Flag, whatever help or default each gives it; a field
+    of the same name declared apart is another setting."""
+    @dataclass(frozen=True)
+    class Launcher:
+        port: int = flag(SHARED_PORT, help="the public port", default="8")
+        model: str | None = flag("model", "checkpoint")
+
+    @dataclass(frozen=True)
+    class Child:
+        port: int = flag(SHARED_PORT)
+        model: str | None = flag("model", "checkpoint")
+
+    assert passed_on(Launcher(port=9, model="m"), Child) == {"port": 9}

@@ -34,7 +34,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     r = sub.add_parser("serve-rank")
     for flag in ("--model", "--master-addr", "--host"):
         r.add_argument(flag, required=True)
-    for flag in ("--rank", "--world", "--master-port", "--peer-port", "--port"):
+    for flag in ("--rank", "--world", "--master-port", "--peer-port", "--port", "--random-block-size"):
         r.add_argument(flag, type=int, required=True)
     r.add_argument("--device", choices=("cpu", "cuda"), required=True)
     r.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), required=True)
@@ -42,6 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--enforce-eager", action="store_true")
     s = sub.add_parser("serve-scheduler")
     s.add_argument("--ranks", required=True)
+    s.add_argument("--num-scheduler-steps", type=int, required=True)
     s.add_argument("--drafter")
     s.add_argument("--draft-hidden", action="store_true")
     s.add_argument("--tokenizer", required=True)

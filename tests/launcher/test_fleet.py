@@ -85,8 +85,8 @@ def test_kv_aware_gives_each_replica_an_event_port_and_the_router_every_source()
     assert plan.ports["replica1_kv_events"] == 7012
     # The replica passes it on to its scheduler (plan.py), which publishes there.
     from services.launcher.plan import LaunchConfig, make_plan
-    one = make_plan(LaunchConfig(model="/m", state_dir="/s", drafter="none", kv_events_endpoint="tcp://127.0.0.1:7011"),
-                    [5000, 5001, 5002, 5003])
+    one = make_plan(LaunchConfig(UpSettings(model="/m", state_dir="/s", drafter="none",
+                                            kv_events_endpoint="tcp://127.0.0.1:7011")), [5000, 5001, 5002, 5003])
     assert "--kv-events-endpoint tcp://127.0.0.1:7011" in " ".join(one.children[1].argv)
     with pytest.raises(ValueError):
         fleet_plan(s, PY, ("r",), [7001, 7002], 7009)  # kv_aware without event ports

@@ -1,5 +1,5 @@
-"""`twinspark up` / `down` settings (services/launcher/settings.py): flags and environment, the KV tier flags passed
-on only when given, and the command line the detached supervisor gets back."""
+"""`twinspark up` / `down` settings (services/launcher/settings.py): flags and environment, the KV tier flags unset
+unless given, and the command line the detached supervisor gets back."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def test_up_defaults_and_environment():
     assert (s.model, s.tp, s.host, s.port, s.device, s.drafter, s.kv_cache_dtype) == \
         (None, 1, "127.0.0.1", 8888, "cpu", "copy", "auto")
     assert (s.max_restarts, s.startup_timeout, s.stop_grace, s.random_block_size) == (5, 600.0, 10.0, 128)
-    assert s.tier_flags() == [] and not s.enforce_eager and not s.detach
+    assert (s.kv_host_bytes, s.kv_disk_dir, s.kv_disk_bytes) == (None, None, None)
+    assert not s.enforce_eager and not s.detach
     env = {"TWINSPARK_MODEL": "/m", "TWINSPARK_TP": "2", "TWINSPARK_PORT": "0", "TWINSPARK_DRAFTER": "none",
            "TWINSPARK_ENFORCE_EAGER": "true", "TWINSPARK_STATE_DIR": "/st", "TWINSPARK_MAX_RESTARTS": "0",
            # the ranks read these themselves: `up` does not pass them on
@@ -22,12 +23,12 @@ def test_up_defaults_and_environment():
     s = parse(UpSettings, [], env)
     assert (s.model, s.tp, s.port, s.drafter, s.enforce_eager, s.state_dir, s.max_restarts) == \
         ("/m", 2, 0, "none", True, "/st", 0)
-    assert s.tier_flags() == []
+    assert (s.kv_host_bytes, s.kv_disk_dir) == (None, None)
 
 
-def test_tier_flags_are_passed_on_as_given():
+def test_tier_flags_are_set_only_as_given():
     s = parse(UpSettings, ["--kv-disk-dir", "/kv", "--kv-host-bytes", "4096"], {})
-    assert s.tier_flags() == ["--kv-host-bytes", "4096", "--kv-disk-dir", "/kv"]
+    assert (s.kv_host_bytes, s.kv_disk_dir, s.kv_disk_bytes) == (4096, "/kv", None)
 
 
 def test_the_detached_supervisor_gets_the_same_settings():

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from services.common.plan_checksum import seal
 from services.rank_worker import server as rank_server
 from services.rank_worker.plan_checks import PlanError
-from services.rank_worker.rounds import StepOutput
+from services.rank_worker.rounds import RoundResult
 from services.rank_worker.plan_queue import PlanQueue
 from twinspark.v1 import rank_pb2
 
@@ -50,9 +50,9 @@ class _MockGpuExecutor:
         self.running = _Launched(plan.round)
         return self.running
 
-    def finish(self, launched: _Launched) -> StepOutput:
+    def finish(self, launched: _Launched) -> RoundResult:
         self.calls.append(f"finish {launched.round}")
-        return StepOutput([launched.round], 0.0, 0.0)
+        return RoundResult([launched.round], 0.0, 0.0)
 
 
 class _Context:

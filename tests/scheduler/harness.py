@@ -43,7 +43,7 @@ async def cluster(n_ranks: int = 1, *, rank: dict[str, Any] | None = None, per_r
              for i in range(n_ranks)]
     addrs = [await r.start() for r in ranks]
     sched = Scheduler(SchedulerConfig(ranks=addrs, host="127.0.0.1", port=0, engine=EngineConfig(**engine),
-                                      startup_timeout_s=5, rank_timeout_s=10,
+                                      startup_timeout=5, rank_timeout=10,
                                       progress_interval_s=progress_interval_s, internal_token=token,
                                       tokenizer=tokenizer))
     channel = None

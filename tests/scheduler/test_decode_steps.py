@@ -12,6 +12,7 @@ from services.common.tensors import from_proto
 from services.scheduler.decode_steps import AUTO_MAX_STEPS, DecodeSteps
 from services.scheduler.engine import EngineConfig
 from services.scheduler.request import PENDING_TOKEN, State, derive_seed
+from services.scheduler.round_output import RoundOutput
 from services.scheduler.round_scheduler import RoundScheduler
 from tests.scheduler.harness import cluster, generate, wait_until
 from tests.scheduler.standin_rank import standin_generate
@@ -42,7 +43,7 @@ def _prefilled(s, *requests):
     step = s.schedule(steps=8)
     assert step.steps == 1  # prompt rows: one step
     s.sent(step)
-    s.commit(step, [500 + i for i in range(len(reqs))])
+    s.commit(step, RoundOutput([500 + i for i in range(len(reqs))]))
     return reqs
 
 
@@ -60,10 +61,10 @@ def test_a_round_of_steps_covers_its_positions_and_stops_at_the_fewest_tokens_le
     assert _rows(nxt) == [("a", 32, 1)] and from_proto(nxt.plan.token_ids).tolist() == [PENDING_TOKEN]
     assert nxt.steps == 8
     s.sent(nxt)
-    s.commit(step, [10, 11, 20, 21])  # row after row: a's two samples, then b's
+    s.commit(step, RoundOutput([10, 11, 20, 21]))  # row after row: a's two samples, then b's
     assert a.generated == [500, 10, 11] and b.generated == [501, 20, 21]
     assert b.state is State.FINISHED and b.finished.reason == generate_pb2.FINISH_LENGTH
-    s.commit(nxt, [12, EOS, 14, 15, 16, 17, 18, 19])  # an EOS at the second step: the rest is dropped
+    s.commit(nxt, RoundOutput([12, EOS, 14, 15, 16, 17, 18, 19]))  # an EOS at the second step: the rest is dropped
     assert a.generated == [500, 10, 11, 12, EOS] and a.finished.reason == generate_pb2.FINISH_STOP
     assert s.kv.pool.free_slots == s.kv.pool.num_slots  # every row is back: both slots are free
 
@@ -75,7 +76,7 @@ def test_prompts_penalties_and_thinking_budgets_limit_the_steps():
     step = s.schedule(steps=4)
     assert step.steps == 1 and _rows(step) == [("a", 3, 1), ("c", 0, 40)]  # a prompt goes first, one step
     s.sent(step)
-    s.commit(step, [7, 8])
+    s.commit(step, RoundOutput([7, 8]))
     assert s.schedule(steps=4).steps == 4  # c is decoding too now
 
     pen = _sched()
@@ -88,7 +89,7 @@ def test_prompts_penalties_and_thinking_budgets_limit_the_steps():
     step = th.schedule(steps=4)
     assert step.steps == 2  # one thinking token seen: rows for the 2nd and 3rd, none forced
     th.sent(step)
-    th.commit(step, [30, 31])
+    th.commit(step, RoundOutput([30, 31]))
     assert th.schedule(steps=4).steps == 1  # the next row is forced (a masked row)
 
 
@@ -101,7 +102,7 @@ def test_a_reply_replay_held_back_does_not_keep_decoders_at_one_step():
         step = s.schedule(steps=4)
         assert step.steps <= 2  # a's tokens left
         s.sent(step)
-        s.commit(step, [9] * len(from_proto(step.plan.sample_rows)) * step.steps)
+        s.commit(step, RoundOutput([9] * len(from_proto(step.plan.sample_rows)) * step.steps))
     # a's reply replay (prompt + reply to position 64: prompt rows) waits while b runs, and b keeps its four steps.
     assert [r.id for r in s.running] == ["b", "a:reply"] and s.running[1].prompt_left
     assert s.schedule(steps=4).steps == 4

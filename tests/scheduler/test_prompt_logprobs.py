@@ -9,7 +9,9 @@ import pytest
 
 from services.common.tensors import from_proto
 from services.scheduler.engine import EngineConfig
-from services.scheduler.request import PromptScores, State
+from services.scheduler.request import State
+from services.scheduler.round_output import PromptScores
+from services.scheduler.round_output import RoundOutput
 from services.scheduler.round_scheduler import RoundScheduler, ScheduledRound
 from services.scheduler.validation import InvalidRequest
 from tests.scheduler.test_round_scheduler import INFO, _msg
@@ -37,7 +39,7 @@ def _run(s: RoundScheduler, token: int = 500) -> ScheduledRound:
     step = s.schedule()
     assert step is not None
     s.sent(step)
-    s.commit(step, [token] * len(from_proto(step.plan.sample_rows)), scores=_fake_scores(step.plan))
+    s.commit(step, RoundOutput([token] * len(from_proto(step.plan.sample_rows)), scores=_fake_scores(step.plan)))
     return step
 
 

@@ -10,6 +10,7 @@ from services.common.tensors import from_proto, to_proto
 from services.scheduler.engine import EngineConfig
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.request import PENDING_TOKEN, Request, State
+from services.scheduler.round_output import RoundOutput
 from services.scheduler.round_scheduler import RoundScheduler, ScheduledRound
 from services.scheduler.validation import InvalidRequest
 from twinspark.v1 import generate_pb2
@@ -46,7 +47,7 @@ def _run(sched: RoundScheduler, token: int = 500) -> ScheduledRound:
     step = sched.schedule()
     assert step is not None
     sched.sent(step)
-    sched.commit(step, [token] * len(from_proto(step.plan.sample_rows)))
+    sched.commit(step, RoundOutput([token] * len(from_proto(step.plan.sample_rows))))
     return step
 
 
@@ -61,7 +62,7 @@ def test_a_plan_from_a_given_state_and_its_result_back():
     assert _rows(step) == [("a", 0, 100), ("b", 0, 10)]  # both prompts fit the 130-token budget whole
     assert from_proto(step.plan.sample_rows).tolist() == [99, 109] and from_proto(step.plan.slots).tolist() == [0, 1]
     s.sent(step)
-    s.commit(step, [7, EOS])
+    s.commit(step, RoundOutput([7, EOS]))
     assert a.generated == [7] and b.state is State.FINISHED and b.finished.reason == generate_pb2.FINISH_STOP
     assert _events(b) == ["progress", "tokens", "finished"] and "b" not in s.live
     s.admit()  # the loop admits at the top of every turn
@@ -79,8 +80,8 @@ def test_a_round_planned_while_the_last_is_in_flight_says_pending_token():
     s.sent(second := s.schedule())  # planned before the first round's sample is back
     assert _rows(second) == [("a", 3, 1)] and from_proto(second.plan.token_ids).tolist() == [PENDING_TOKEN]
     assert (a.pending_rows, a.pending_samples) == (4, 2)
-    s.commit(first, [11])
-    s.commit(second, [12])
+    s.commit(first, RoundOutput([11]))
+    s.commit(second, RoundOutput([12]))
     assert a.generated == [11, 12] and a.pending_rows == 0
 
 
@@ -94,7 +95,7 @@ def test_abort_of_a_running_request_frees_it_once_its_rows_are_back():
     s.reap_aborted()  # the loop reaps it, but its rows are still in flight: the slot is kept for them
     assert a.state is State.FINISHED and a.finished.reason == generate_pb2.FINISH_ABORTED
     assert s.kv.pool.free_slots == free and a.release_deferred
-    s.commit(step, [5])
+    s.commit(step, RoundOutput([5]))
     assert s.kv.pool.free_slots == free + 1 and a.generated == []  # its sample is dropped
 
 
@@ -195,7 +196,8 @@ def _commit_with_layers(sched: RoundScheduler, step: ScheduledRound, sampled: li
     positions = [s + i for s, n in zip(from_proto(p.starts).tolist(), from_proto(p.lengths).tolist())
                  for i in range(n)]
     sched.sent(step)
-    sched.commit(step, sampled, accepted=accepted, layers=torch.tensor(positions, dtype=torch.float32)[:, None])
+    layers = torch.tensor(positions, dtype=torch.float32)[:, None]
+    sched.commit(step, RoundOutput(sampled, accepted=accepted, layers=layers))
 
 
 def test_dflash_context_rows_are_kept_by_position_until_delivered():

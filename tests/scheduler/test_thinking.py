@@ -16,6 +16,7 @@ from services.scheduler.engine import EngineConfig
 from services.scheduler.grammar import GrammarBook, allows
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.round_masks import one_token_mask
+from services.scheduler.round_output import RoundOutput
 from services.scheduler.round_scheduler import RoundScheduler
 from services.scheduler.thinking import ThinkingBudget, ThinkingSpec
 from services.scheduler.validation import InvalidRequest
@@ -115,7 +116,7 @@ def test_a_forced_row_carries_a_mask_of_its_token_alone_and_the_others_none():
         step = s.schedule()
         seen.append(_masks(step.plan))
         s.sent(step)
-        s.commit(step, [token])
+        s.commit(step, RoundOutput([token]))
     # The prompt's row samples index 0 (free), index 1.. are forced, and after the end the rows are free again.
     assert seen == [[None], [[41]], [[42]], [[END]], [None]]
     assert req.generated == [100, 41, 42, END, 101] and req.thinking.ended
@@ -126,7 +127,7 @@ def test_a_rank_that_ignores_the_forced_mask_fails_the_request():
     req = s.add(_msg("a", [1, 2, 3], thinking=_proto(budget=0, message=())))
     step = s.schedule()
     s.sent(step)
-    s.commit(step, [5])
+    s.commit(step, RoundOutput([5]))
     assert req.finished is not None and req.finished.reason == generate_pb2.FINISH_ERROR
     assert req.finished.error == f"thinking budget: token 5 was sampled where {END} was forced"
 
@@ -137,7 +138,7 @@ def test_a_verify_window_keeps_the_forced_drafts_and_masks_each_row():
     for token in (100, 101):
         step = s.schedule()
         s.sent(step)
-        s.commit(step, [token])
+        s.commit(step, RoundOutput([token]))
     assert req.generated == [100, 101]
     step = s.schedule({"a": [41, 42, 55]})  # the drafter guessed the message, then not the end
     seq = step.seqs[0]
@@ -179,11 +180,11 @@ def test_with_a_grammar_the_forced_rows_are_the_forced_token_and_the_grammar_fol
         allowed = _masks(step.plan)[0]
         assert allowed is not None and token in allowed and end in allowed
         s.sent(step)
-        s.commit(step, [token])
+        s.commit(step, RoundOutput([token]))
     step = s.schedule()
     assert _masks(step.plan) == [[end]]  # forced, and the grammar allows it
     s.sent(step)
-    s.commit(step, [end])
+    s.commit(step, RoundOutput([end]))
     step = s.schedule()
     assert _masks(step.plan) == [[198]]  # the grammar's newline after the think block
     assert req.finished is None
@@ -219,7 +220,7 @@ def test_a_grammar_that_forbids_the_forced_token_ends_as_invalid_grammar(tiny_de
     allowed = _masks(step.plan)[0]
     assert allowed is not None and end not in allowed  # the grammar's own mask, not an empty one
     s.sent(step)
-    s.commit(step, [allowed[0]])
+    s.commit(step, RoundOutput([allowed[0]]))
     assert req.finished.reason == generate_pb2.FINISH_ERROR and req.finished.error.startswith("invalid_grammar: ")
 
 
@@ -247,7 +248,7 @@ def test_planned_seq_masks_reach_the_plan_per_row():
     s.add(_msg("a", [1, 2, 3], thinking=_proto(budget=2)))
     step = s.schedule()
     s.sent(step)
-    s.commit(step, [100])
+    s.commit(step, RoundOutput([100]))
     step = s.schedule({"a": [101, 41]})  # rows: index 1 (free), 2 (forces 41: the draft is kept), 3 (forces 42)
     assert from_proto(step.plan.mask_index).tolist() == [-1, 0, 1]
     assert isinstance(step.seqs[0], PlannedSeq) and step.seqs[0].token_ids == [100, 101, 41]

@@ -24,7 +24,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("rank", "world", "fingerprint", "settings", "num_blocks", "block_size", "num_slots", "vocab_size", "eos_token_ids", "max_model_len", "model", "instance_id", "tier_host_bytes", "tier_disk_bytes", "block_bytes", "state_bytes")
+    __slots__ = ("rank", "world", "fingerprint", "settings", "num_blocks", "block_size", "num_slots", "vocab_size", "eos_token_ids", "max_model_len", "model", "instance_id", "tier_host_bytes", "tier_disk_bytes", "block_bytes", "state_bytes", "max_num_batched_tokens")
     class SettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class DescribeReply(_message.Message):
     TIER_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world: int
     fingerprint: str
@@ -64,7 +65,8 @@ class DescribeReply(_message.Message):
     tier_disk_bytes: int
     block_bytes: int
     state_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., fingerprint: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., tier_host_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+    max_num_batched_tokens: int
+    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., fingerprint: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., tier_host_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class TierListRequest(_message.Message):
     __slots__ = ()
