@@ -15,11 +15,11 @@ import sys
 _COMMANDS = (
     "model.checkpoint.cli",
     "model.quantize.cli",
-    "model.dflash.train.cli",
     "services.rank_worker.generate_cli",
     "services.rank_worker.cli",
     "services.scheduler.cli",
     "services.drafter.cli",
+    "services.drafter.train_cli",
     "services.gateway.cli",
     "services.launcher.cli",
     "services.evaluate.cli",

@@ -64,8 +64,8 @@ def train_drafter(s: TrainDrafterSettings) -> int:
     from model.dflash.weights import save_checkpoint
     from model.model import Glm5Model
 
-    from .traces import generate_traces, random_prompts, target_embed_head
-    from .trainer import TrainSettings, held_out, train
+    from model.dflash.train.traces import generate_traces, random_prompts, target_embed_head
+    from model.dflash.train.trainer import TrainSettings, held_out, train
 
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if s.threads > 0:
