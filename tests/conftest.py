@@ -125,8 +125,12 @@ def _tier(item: pytest.Item) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-        # A worker shares the cores with the others: one torch thread each (oversubscribed OpenMP threads spin).
+        # A worker shares the cores with the others: one torch thread each (oversubscribed OpenMP threads spin), and
+        # one for every process its stacks spawn (ranks, drafter), which take their default from OMP_NUM_THREADS: two
+        # workers' stacks side by side on 2 cores ran the e2e exactness and penalty files ~15% slower with the
+        # default. Thread-count invariance has its own test (tests/model/test_row_invariance.py).
         torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
