@@ -7,10 +7,15 @@ are drawn directly on the GPU, so nothing is downloaded or read from disk. Measu
   contexts are prefilled once, untimed, as part of the setup); positions advance by one per step;
 - prefill: one sequence, one forward over the whole prompt (chunked only if it runs out of memory, or with
   `--prefill-chunk`);
-- roofline fractions: decode = ideal bytes / bandwidth / measured time, prefill = FLOPs / matmul rate / time.
+- roofline fractions: decode = ideal bytes / bandwidth / measured time, prefill = FLOPs / matmul rate / time;
+- with `--schedule ours,library`, each decode batch and prefill length timed again on the same model with the
+  fixed-schedule products and experts swapped for the M-dependent library kernels a non-exact engine would call
+  (bench/library_schedule.py: cuBLAS, cuBLASLt's fp8 GEMM, grouped GEMMs): the price of exactness, ours / library
+  per config, and which op kinds were swapped (docs/exactness.md, "The price of exactness").
 Random-token prompts, greedy logits (no sampling, no drafts). CUDA events, warm-up, median of N.
 
     python -m bench.decode_prefill --out $OUT             # on a GPU
+    python -m bench.decode_prefill --schedule ours,library --prefill 8192 --peer none --out $OUT
     python -m bench.decode_prefill --tiny                 # CPU smoke test with make-tiny dimensions
 """
 
@@ -25,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench import flags, roofline
+from bench.library_schedule import SwapRecord, library_schedule
 from bench.model_run import (BLOCK, Setup, add_flags, add_step_flags, experts_per_layer, finish, free, is_oom,
                              random_tokens, setup, si)
 from bench.output import RunFiles
@@ -59,9 +65,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after timing, run one eager forward of each decode batch and prefill length under "
                         "torch.profiler and record the kernel launches per step, their GPU time and the names that take the most (the "
                         "results' 'profile' section; every launch in order in <name>-profile-*.tsv)")
+    p.add_argument("--schedule", type=schedules, default=["ours"], metavar="ours[,library]",
+                   help="the products' schedules each decode batch and prefill length is timed under, in this run: "
+                        "ours (the fixed schedules; default) and library (the same forward with the products and "
+                        "experts swapped for cuBLAS / cuBLASLt / grouped-GEMM library kernels that choose their "
+                        "algorithm by the row count: bench/library_schedule.py; not row-invariant, for comparison "
+                        "only)")
     add_step_flags(p)
     add_flags(p, "decode_prefill", "make-tiny dimensions on the CPU, small ceilings: a smoke test of this script")
     return p.parse_args(argv)
+
+
+SCHEDULES = ("ours", "library")
+
+
+def schedules(text: str) -> list[str]:
+    """--schedule: "ours" or "ours,library" (library alone has nothing to be compared with), ours first."""
+    names = {x.strip() for x in text.split(",") if x.strip()}
+    if not names <= set(SCHEDULES) or "ours" not in names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ours or ours,library")
+    return [s for s in SCHEDULES if s in names]
 
 
 class Results(RunFiles):
@@ -71,6 +94,13 @@ class Results(RunFiles):
         super().__init__(run.out_dir, run.stem, {"meta": run.meta, "ceilings": {}, "decode": [], "prefill": [],
                                                  "notes": []})
         self.args = args
+        # the library twins' record (--schedule ours,library), kept in the results as "price_of_exactness"
+        self.record = SwapRecord() if "library" in args.schedule else None
+
+    def write(self) -> None:
+        if self.record is not None:
+            self.data["price_of_exactness"] = {"rows": price_rows(self.data), **self.record.as_dict()}
+        super().write()
 
     def sibling(self, suffix: str) -> Path:
         """A further file of this run's results: `<stem>-<suffix>` beside the JSON."""
@@ -141,8 +171,56 @@ class Results(RunFiles):
                              f"{r['ideal_ms']:.2f} | {r['roofline_fraction']:.2%} | "
                              f"{_peer_cell(peer.get(str(r['tokens'])), r['median_ms'])} |")
             lines.append("")
+        if d.get("price_of_exactness"):
+            lines += price_markdown(d["price_of_exactness"])
         lines += [f"- {n}" for n in d["notes"]]
         return "\n".join(lines) + "\n"
+
+
+def price_rows(data: dict) -> list[dict]:
+    """Per decode batch and prefill length timed under both schedules: ours, library, ours / library (> 1: the
+    fixed schedules are slower), the kinds the library pass swapped."""
+    rows = []
+    for kind, key, label in (("decode", "batch", "decode batch"), ("prefill", "tokens", "prefill")):
+        for r in data[kind]:
+            lib = r.get("library")
+            if lib is None:
+                continue
+            ok = r.get("status") == "ok" and lib.get("status") == "ok"
+            rows.append({"config": f"{label} {r[key]}", kind: r[key], "ours_ms": r.get("median_ms"),
+                         "library_ms": lib.get("median_ms"),
+                         "ours_over_library": r["median_ms"] / lib["median_ms"] if ok else None,
+                         "status": "ok" if ok else f"ours {r.get('status')}, library {lib.get('status')}",
+                         "swapped": lib.get("swapped", []), "kept": lib.get("kept", [])})
+    return rows
+
+
+def price_markdown(price: dict) -> list[str]:
+    """The results' "ours / library" table and the swapped / kept op kinds."""
+    lines = ["## The price of exactness (ours / library)", "",
+             "The same model, run and configs: our fixed-schedule products against the same forward with them "
+             "swapped for M-dependent library kernels (bench/library_schedule.py; not row-invariant). "
+             "ours / library > 1: the fixed schedules are slower.", "",
+             "| config | ours ms | library ms | ours / library | swapped in this config |", "|---|---:|---:|---:|---|"]
+    for r in price["rows"]:
+        if r["ours_over_library"] is None:
+            lines.append(f"| {r['config']} | | | {r['status']} | |")
+            continue
+        lines.append(f"| {r['config']} | {r['ours_ms']:.2f} | {r['library_ms']:.2f} | {r['ours_over_library']:.3f} | "
+                     f"{', '.join(r['swapped']) or 'none'} |")
+    lines.append("")
+    swapped = price.get("swapped", {})
+    diffs = price.get("first_call_difference", {})
+    if swapped:
+        lines += [f"- swapped: {k} → {v['library']}"
+                  + (f" (first call vs ours: {diffs[k]:.2e} normwise)" if k in diffs else "")
+                  for k, v in swapped.items()]
+    else:
+        lines.append("- swapped: none (no call reached a patched entry point)")
+    lines += [f"- kept ours: {k}: {v['why']}" for k, v in price.get("kept", {}).items()]
+    lines += [f"- never swapped: {k}: {why}" for k, why in price.get("never_swapped", {}).items()]
+    lines.append("")
+    return lines
 
 
 def _peer_cell(peer: dict | None, ours_ms: float) -> str:
@@ -175,7 +253,7 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
     if not batches:
         return
     nmax = max(batches)
-    steps_max = len(batches) * (args.warmup + max(args.iters, args.slow_iters) + 2)
+    steps_max = len(batches) * len(args.schedule) * (args.warmup + max(args.iters, args.slow_iters) + 3)
     cap = args.context + steps_max
     nb = -(-cap // BLOCK)
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -205,12 +283,14 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
         res.write()
         return
     pos = [args.context] * nmax
-    graphs = None
+    graphs = lib_graphs = None
     if device.type == "cuda" and not args.enforce_eager:
         from model.cuda_graphs import DecodeGraphs
         graphs = DecodeGraphs(model, cache)
+        if res.record is not None:  # the library pass captures its own graphs, under the swap
+            lib_graphs = DecodeGraphs(model, cache)
 
-    def step(batch: Batch) -> None:
+    def step(batch: Batch, graphs=graphs) -> None:
         if graphs is not None and graphs.fits(batch):
             graphs.run(batch)
         else:
@@ -272,6 +352,12 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
                 res.data.setdefault("profile", {})[f"decode {b}"] = profile_kernels(
                     lambda: model.forward(make(0), cache), sequence=res.sibling(f"profile-decode{b}.tsv"))
                 advance(1)
+            if res.record is not None:
+                row["library"] = library_pass(
+                    res.record, f"decode batch {b}", med, device, args,
+                    eager=lambda: model.forward(make(0), cache), call=lambda: step(make(0), lib_graphs),
+                    calls=lambda n: [make(i) for i in range(n)], timed=lambda bt: step(bt, lib_graphs),
+                    advance=advance, rows=b, extra=lambda: {"context": pos[0], "cuda_graphs": lib_graphs is not None})
         except Exception as e:  # noqa: BLE001
             if not is_oom(e):
                 raise
@@ -332,6 +418,11 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
                     res.data.setdefault("profile", {})[f"prefill {n}"] = profile_kernels(
                         lambda: step(0), sequence=res.sibling(f"profile-prefill{n}.tsv"))
                     profile_host(lambda: step(0), res.sibling(f"profile-prefill{n}-host.txt"))
+                if res.record is not None:  # the same chunking and cache as ours
+                    row["library"] = library_pass(
+                        res.record, f"prefill {n}", med, device, args, eager=lambda: step(0), call=lambda: step(0),
+                        calls=lambda k: list(range(k)), timed=step, rows=n,
+                        extra=lambda: {"chunk": chunk})
                 break
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
@@ -343,6 +434,47 @@ def bench_prefill(res: Results, model, spec, device: torch.device, dtype: torch.
         res.data["prefill"].append(row)
         res.write()
         free(device)
+
+
+def library_pass(record: SwapRecord, label: str, ours_ms: float, device: torch.device, args: argparse.Namespace, *,
+                 eager: Callable[[], object], call: Callable[[], object], calls: Callable[[int], list],
+                 timed: Callable[[object], object], rows: int, advance: Callable[[int], None] = lambda n: None,
+                 extra: Callable[[], dict] = dict) -> dict:
+    """One config timed again under the library twins (bench/library_schedule.py), as ours was: an eager call
+    first (each twin's first call is checked against ours there, before any CUDA graph capture), the warm-up calls
+    (`call`, capturing the library's own graph of a decode batch), then `timed` over the `calls(iters)` built
+    beforehand. `advance(n)`: the decode positions move on by n steps. A failure is the row's status, not the
+    run's end."""
+    lib: dict = {}
+    before_swapped, before_kept = dict(record.swapped), {k: v["calls"] for k, v in record.kept.items()}
+    try:
+        with library_schedule(record):
+            log(f"{label} [library]: warm-up")
+            eager()
+            advance(1)
+            t0 = time.perf_counter()
+            warmup = max(args.warmup, 1)
+            for _ in range(warmup):
+                call()
+                advance(1)
+            sync(device)
+            warm_s = (time.perf_counter() - t0) / warmup
+            iters = args.iters if warm_s <= args.slow_s else min(args.iters, args.slow_iters)
+            lib.update(extra())
+            inputs = calls(iters)
+            times = time_calls(lambda i: timed(inputs[i]), warmup=0, iters=iters, device=device)
+            advance(iters)
+        med = median(times)
+        lib.update(status="ok", median_ms=med, times_ms=times, iters=iters, tok_per_s=rows / (med / 1e3))
+        log(f"{label} [library]: median {med:.2f} ms; ours / library = {ours_ms / med:.3f}")
+    except Exception as e:  # noqa: BLE001 - the library pass is a comparison: ours' figures stand without it
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        lib["status"] = "OOM" if is_oom(e) else f"failed: {type(e).__name__}: {first}"
+        log(f"{label} [library]: {lib['status']}")
+        free(device)
+    lib["swapped"] = sorted(k for k, n in record.swapped.items() if n > before_swapped.get(k, 0))
+    lib["kept"] = sorted(k for k, v in record.kept.items() if v["calls"] > before_kept.get(k, 0))
+    return lib
 
 
 def bench_peer(res: Results, spec, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> None:
@@ -457,6 +589,19 @@ def main(argv: list[str] | None = None) -> int:
         "transformers: its own random initialisation on the same shapes (timings depend on values only through "
         "routing), fla-core's KDA kernels when they import, its own cache; speed-up = transformers ms / ours.",
     ]
+    if res.record is not None:
+        res.data["notes"].append(
+            "library: each config timed again right after ours with the products and experts swapped for library "
+            "kernels that choose their algorithm by the row count (bench/library_schedule.py): an eager step "
+            "(each op kind's first call checked against ours), warm-up (a decode batch captures its own CUDA graph "
+            "under the swap), then the same timing; decode positions keep advancing, so its context is a few "
+            "tokens longer. Not row-invariant: for comparison only.")
+        if device.type != "cuda":
+            res.data["notes"].append(
+                "on the CPU the model runs the torch reference ops (ops/reference.py), which call none of the "
+                "patched entry points: the library column re-times the same forward (a smoke test of the bench).")
+            log("--schedule library on the CPU: the reference ops call no patched entry point; the library pass "
+                "re-times the same forward (a smoke test of the plumbing only)")
     log(f"device {meta['device_name']} ({device}), torch {torch.__version__}; results -> {res.json_path}")
     log(f"spec: {spec.num_hidden_layers} layers {spec.layer_pattern}, hidden {spec.hidden_size}, "
         f"{spec.n_routed_experts} experts; {si(pc.total)} params ({si(pc.total_bytes, 'B')} {meta['dtype']})")

@@ -5,11 +5,12 @@
 #   bash bench/gpu_check.sh            # tests/gpu + the Triton kernel tests, decode/prefill vs transformers,
 #                                      # per-kernel bench, the served bench on CUDA
 #   bash bench/gpu_check.sh tests      # only the tests
-#   bash bench/gpu_check.sh whole [LAYERS] [TP] [FORMATS] [CONCURRENCY]
+#   bash bench/gpu_check.sh whole [LAYERS] [TP] [FORMATS] [CONCURRENCY] [PREFILL]
 #                                      # only bench/whole_model.py: the release config (45 layers + MTP by
 #                                      # default) served on random quantized weights (default w4a16+bf16) at
 #                                      # CONCURRENCY levels (default 1,8); the stack's settings come from the
-#                                      # environment (e.g. TWINSPARK_KV_CACHE_DTYPE=fp8)
+#                                      # environment (e.g. TWINSPARK_KV_CACHE_DTYPE=fp8); PREFILL: prompt
+#                                      # lengths timed alone after the levels (served TTFT, prompt tok/s)
 #   bash bench/gpu_check.sh int        # the integer experts on humming-kernels: their GPU tests, the MoE kernel
 #                                      # tests, then bench/kernels.py's intinv, intmoe (int3 / int4 / EXL3 2.5 /
 #                                      # bf16 in one run) and intsweep sections (the CUDA EXL3 product builds
@@ -156,7 +157,7 @@ if [ "${1:-}" = "whole" ]; then
     layers=${2:-45}
     python3 -m bench.whole_model --write-dir /tmp/whole-model-config --layers "$layers" > /dev/null
     python3 -m bench.whole_model --model /tmp/whole-model-config --tp "${3:-2}" --formats "${4:-w4a16+bf16}" \
-        --concurrency "${5:-1,8}" --out "$OUT" > "$OUT/whole_model.log" 2>&1
+        --concurrency "${5:-1,8}" ${6:+--prefill "$6"} --out "$OUT" > "$OUT/whole_model.log" 2>&1
     tail -12 "$OUT/whole_model.log"
     # The stacks' own logs (rank: graph captures and their cost; scheduler: round times with TWINSPARK_LOG_LEVEL=debug;
     # the rank profiler's tables with TWINSPARK_TORCH_PROFILER_DIR set) say where a slow level's time went.

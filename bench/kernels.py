@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench import flags, kernels_formats, kernels_int, roofline
+from bench import flags, kernels_formats, kernels_int, kernels_rest, roofline
 from bench.moe_layer import BF16, D, moe_exl3, moe_rows, moe_run, moe_setup, moe_sweep, moe_w4a16
 from bench.output import RESULTS, write_results
 from bench.timing import bench_ms, log
@@ -400,6 +400,7 @@ def sections(bw: float, mm: float, formats: tuple[str, ...]) -> list[tuple[str, 
             ("intmoe", "rows", lambda: ki.moe_formats(bw, mm)),
             ("intsweep", "rows", lambda: ki.tile_sweep(bw, mm)),
             ("intinv", "checks", ki.invariance),
+            ("humdense", "rows", lambda: kernels_rest.dense_rows(bw)),
             ("kda", "rows", lambda: kda_rows(bw)),
             ("mla", "rows", lambda: mla_rows(bw)),
             ("mlasweep", "rows", mla_sweep),
@@ -431,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     flags.add(p, flags.OUT, default=str(RESULTS))
     p.add_argument("--only", default="", help="comma list of sections: gemm, formats, formatsweep, splitsweep, "
                    "exl3inv, sweep, exl3pin, exl3builds, exl3shard, moe, moesweep, intmoe, intsweep, intinv (the "
-                   "integer experts on humming-kernels: bench/kernels_int.py), kda, mla, mlasweep, mlaxsweep "
+                   "integer experts on humming-kernels: bench/kernels_int.py), humdense (the rest's fp8 / int4 products on "
+                   "humming's dense GEMM: bench/kernels_rest.py), kda, mla, mlasweep, mlaxsweep "
                    "(the latent and the expanded form's prompt tiles), dsa (the indexer's scores), mhc, invariance, "
                    "fla "
                    "(formats / formatsweep / splitsweep / exl3inv / exl3pin / exl3builds / exl3shard: "

@@ -53,7 +53,7 @@ def _weights(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[dict[str, 
     return {name: v.cuda() for name, v in t.items()}, {"codebook": "mul1"}
 
 
-def _weight_args(fmt: str, tensors: dict[str, torch.Tensor], params: dict):
+def weight_args(fmt: str, tensors: dict[str, torch.Tensor], params: dict):
     """What twinspark's kernels read of one weight (kernels.gpu.wtiles.WeightArgs)."""
     from kernels.gpu import wtiles
     if fmt == "bf16":
@@ -61,7 +61,7 @@ def _weight_args(fmt: str, tensors: dict[str, torch.Tensor], params: dict):
     return wtiles.quantized(fmt.split(":")[0], tensors, params)
 
 
-def _copies(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[list[dict[str, torch.Tensor]], dict, int]:
+def weight_copies(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[list[dict[str, torch.Tensor]], dict, int]:
     """Random weights of one format, enough copies that their bytes pass L2_BYTES: (copies, parameters, bytes of
     one copy)."""
     first, params = _weights(fmt, n, k, gen)
@@ -89,8 +89,8 @@ def format_rows(bw: float, formats: tuple[str, ...] = FORMATS) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in SHAPES:
         for fmt in formats:
-            copies, params, nbytes = _copies(fmt, n, k, gen)
-            ours = [(lambda x, w=_weight_args(fmt, t, params): gemm.matmul(x, w, x.shape[0])) for t in copies]
+            copies, params, nbytes = weight_copies(fmt, n, k, gen)
+            ours = [(lambda x, w=weight_args(fmt, t, params): gemm.matmul(x, w, x.shape[0])) for t in copies]
             peer = [_exllamav3(t, n, k) for t in copies] if fmt.startswith("exl3") else []
             for m in ROWS:
                 x = torch.randn(m, k, device="cuda", dtype=BF16)
@@ -134,8 +134,8 @@ def split_sweep(bw: float) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(2)
     base = gemm.schedule(4096, 4096, gemm.RowClass.DECODE)
     for name, n, k, fmt in _SPLIT_SHAPES:
-        copies, params, nbytes = _copies(fmt, n, k, gen)
-        args = [_weight_args(fmt, t, params) for t in copies]
+        copies, params, nbytes = weight_copies(fmt, n, k, gen)
+        args = [weight_args(fmt, t, params) for t in copies]
         for m in (1, 8):
             x = torch.randn(1, m, k, device="cuda", dtype=BF16)
             out = torch.empty(1, m, n, device="cuda", dtype=BF16)
@@ -162,8 +162,8 @@ def format_sweep(bw: float, mm: float) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(1)
     for fmt in ("bf16", "fp8", "w4a16", "exl3:3.0"):
         for name, n, k in _SWEEP_SHAPES:
-            copies, params, nbytes = _copies(fmt, n, k, gen)
-            args = [_weight_args(fmt, t, params) for t in copies]
+            copies, params, nbytes = weight_copies(fmt, n, k, gen)
+            args = [weight_args(fmt, t, params) for t in copies]
             found: list[dict] = []
             for m in (1, 32):
                 x = torch.randn(1, m, k, device="cuda", dtype=BF16)
@@ -278,8 +278,8 @@ def exl3_builds() -> list[dict]:
     weights = {}
     for name, n, k in SHAPES[:3]:
         for bits in (2.5, 4.0):
-            copies, params, _ = _copies(f"exl3:{bits}", n, k, gen)
-            weights[name, bits] = [_weight_args(f"exl3:{bits}", t, params) for t in copies]
+            copies, params, _ = weight_copies(f"exl3:{bits}", n, k, gen)
+            weights[name, bits] = [weight_args(f"exl3:{bits}", t, params) for t in copies]
     for build in EXL3_BUILDS:
         ext = exl3_cuda.extension(build)
         for (name, bits), ws in weights.items():
@@ -313,8 +313,8 @@ def exl3_shard_builds(bits: float = 2.5) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = {}
     for name, n, k in SHARD_SHAPES:
-        copies, params, _ = _copies(f"exl3:{bits}", n, k, gen)
-        weights[name] = [_weight_args(f"exl3:{bits}", t, params) for t in copies]
+        copies, params, _ = weight_copies(f"exl3:{bits}", n, k, gen)
+        weights[name] = [weight_args(f"exl3:{bits}", t, params) for t in copies]
     rows: list[dict] = []
     for build in SHARD_BUILDS:
         t0 = time.perf_counter()

@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from bench.concurrency_check import check
 from bench.output import stamp, write_results
 from bench.served_load import completion_bodies, level, summarize, warm_up
 from bench.stack import attach_or_start, round_stats
+from model import memory_parts
 from services.common import shared_flags as shared
 
 LAYERS = 45
@@ -85,6 +87,8 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
     stack = attach_or_start(None, tp=args.tp, model=str(args.model), env=env)
     row: dict = {"format": fmt, "ready_s": round(time.perf_counter() - t0, 1)}
     print(f"{fmt}: stack ready in {row['ready_s']} s", flush=True)
+    row["memory"] = memory_of(stack.state_dir / "logs" / "rank0.log")
+    print(f"{fmt}: rank 0's memory {row['memory']}", flush=True)
     try:
         url = stack.url + "/v1"
         levels = []
@@ -106,6 +110,7 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
                   f"tok/s, ITL median {s['itl'].get('median_ms', float('nan')):.2f} ms "
                   f"({s['decode_tok_s_per_request']:.1f} tok/s per request), TTFT median "
                   f"{s['ttft'].get('median_ms', float('nan')):.0f} ms", flush=True)
+        row["prefill"] = [served_prefill(url, n) for n in args.prefill]
         row["gpu_memory"] = gpu_memory_mib()
         print(f"{fmt}: GPU memory {row['gpu_memory']}", flush=True)
         exact = check(url)
@@ -123,6 +128,59 @@ def run_format(fmt: str, args: argparse.Namespace, save: Callable[[dict], None])
         stack.down()
     save(row)
     return row
+
+
+def served_prefill(url: str, tokens: int, tries: int = 2) -> dict:
+    """One prompt of `tokens` random ids and one token out, alone on the stack, after an untimed prompt of the same
+    length (its compiles): the time to the first token and the prompt tokens per second it implies (the best of
+    `tries`; HTTP, tokenization-free ids and the scheduler's chunking at the step budget included)."""
+    bodies = completion_bodies([tokens], 1, random.Random(tokens), draft=False)
+    warm_up(url, bodies, 1)
+    ttfts = []
+    for i in range(tries):
+        fresh = completion_bodies([tokens], 1, random.Random(tokens + 1 + i), draft=False)
+        samples, _ = asyncio.run(level(url, fresh, 1))
+        if samples[0].ok:
+            ttfts.append(samples[0].ttft_s)
+    out = {"tokens": tokens, "ttft_s": min(ttfts) if ttfts else None}
+    out["tok_s"] = tokens / out["ttft_s"] if out["ttft_s"] else None
+    print(f"prefill of {tokens} tokens: TTFT {out['ttft_s']} s ({out['tok_s']} tok/s)", flush=True)
+    return out
+
+
+def memory_of(log: Path) -> dict:
+    """Rank 0's weights by part (MiB, model/memory_parts.py's log line) and its KV pool (blocks, positions, bytes,
+    kv cache dtype) from its start-up log."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    out: dict = {"weights_mib": memory_parts.parse(text)}
+    pool = re.findall(r"kv pool: (\d+) blocks x (\d+) positions, (\d+) slots", text)
+    budget = re.findall(r"kv pool budget (\d+) bytes: (\d+) per block", text)
+    dtype = re.findall(r"kv cache (\w+): \d+ bytes per block", text)
+    if pool:
+        blocks, positions, slots = map(int, pool[-1])
+        out.update(pool_blocks=blocks, pool_tokens=blocks * positions, pool_slots=slots)
+    if budget:
+        out["pool_mib"] = round(int(budget[-1][1]) * out.get("pool_blocks", 0) / 2**20, 1)
+    if dtype:
+        out["kv_cache_dtype"] = dtype[-1]
+    return out
+
+
+def memory_markdown(data: dict) -> list[str]:
+    """A table per format of rank 0's memory: each part's weights, then the KV pool (with its token count)."""
+    rows = [(r["format"], r["memory"]) for r in data["formats"] if (r.get("memory") or {}).get("weights_mib")]
+    if not rows:
+        return []
+    lines = ["", "Rank 0's memory per part (MiB; weights as held on the GPU, the KV pool as sized at start):", "",
+             "| part | " + " | ".join(f for f, _ in rows) + " |", "|---|" + "---:|" * len(rows)]
+    parts = list(dict.fromkeys(p for _, m in rows for p in m["weights_mib"] if p != "total"))
+    for p in [*parts, "total"]:
+        lines.append(f"| {'weights, total' if p == 'total' else p} | "
+                     + " | ".join(f"{m['weights_mib'].get(p, 0):.1f}" for _, m in rows) + " |")
+    lines.append("| KV pool (tokens) | " + " | ".join(
+        f"{m.get('pool_mib', 0):.1f} ({m.get('pool_tokens', 0):,} {m.get('kv_cache_dtype', '')})" for _, m in rows)
+        + " |")
+    return lines
 
 
 def profiled_collectives(trace: Path, since: float, wait_s: float = 60.0) -> dict | None:
@@ -169,6 +227,12 @@ def markdown(data: dict) -> str:
                          f"{s['decode_tok_s_per_request']:.1f} | {s['ttft'].get('median_ms', 0):.0f} | "
                          f"{s.get('warmup_s', 0):.1f} | {mem} | "
                          f"{exact} | {_collective_cell(r.get('collectives'))} |")
+    prefills = [(r["format"], p) for r in data["formats"] for p in r.get("prefill", []) if p.get("ttft_s")]
+    if prefills:
+        lines += ["", "One prompt alone, one token out (served; best of two after an untimed one of the same length):",
+                  "", "| format | prompt tokens | TTFT s | prompt tok/s |", "|---|---:|---:|---:|"]
+        lines += [f"| {f} | {p['tokens']:,} | {p['ttft_s']:.3f} | {p['tok_s']:,.0f} |" for f, p in prefills]
+    lines += memory_markdown(data)
     stats = [(r["format"], s) for r in data["formats"] for s in r.get("levels", []) if s.get("rank_stats")]
     if stats:
         lines += ["", f"Rank 0's round stats during each timed level (a line per {STATS_INTERVAL_S:g} s window: "
@@ -190,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     flags.add(ap, flags.CONCURRENCY, "levels (default 1,8)", default="1,8")
     flags.add(ap, flags.PROMPT_LEN, default="128")
     flags.add(ap, flags.OUTPUT_LEN, default="128")
+    ap.add_argument("--prefill", type=flags.ints, default=[],
+                    help="prompt lengths timed alone after the levels, one token out (e.g. 8192): served TTFT and "
+                         "prompt tok/s (default none)")
     flags.add(ap, shared.NUM_BLOCKS, "KV blocks per rank (default: serve-rank's)")
     flags.add(ap, flags.OUT, "folder for whole_model-<time>.json/.md (default: print only)")
     args = ap.parse_args(argv)

@@ -133,6 +133,7 @@ def _join(s: RankSettings) -> tuple[Sharding, ProcessGroup | None, Exchange | No
 def _load(s: RankSettings, recipe: Recipe | None, sharding: Sharding, group: ProcessGroup | None,
           exchange: Exchange | None, settings: dict[str, str]) -> Loaded:
     """This rank's shard: read from the checkpoint, or drawn at random in `recipe`'s formats."""
+    from model import memory_parts
     from model.model import Glm5Model
     from model.vision import VisionConfig
     from services.rank_worker.distributed import rank_device
@@ -150,6 +151,7 @@ def _load(s: RankSettings, recipe: Recipe | None, sharding: Sharding, group: Pro
         log.info("loading %s (%s, %s)", s.model, dtype, s.device)
         model = Glm5Model.load(s.model, sharding=sharding, group=group, exchange=exchange, dtype=dtype, device=device,
                                progress=True, load_vision=vision is not None and s.rank == 0)
+    log.info("%s", memory_parts.line(memory_parts.bytes_by_part(model, device)))
     if device.type == "cuda":
         from kernels.gpu import arch as gpu_arch
 

@@ -61,3 +61,14 @@ def test_serve_bench(stack, tmp_path):
         assert lv["ttft"]["median_ms"] > 0 and lv["itl"]["median_ms"] > 0 and lv["tpot"]["p99_ms"] > 0
         assert lv["warmup_s"] > 0  # each level measured after an untimed pass of its own
     assert "| concurrency | requests |" in next(tmp_path.glob("serve-*.md")).read_text()
+
+
+def test_whole_model_served_prefill(stack):
+    """bench/whole_model.py's prompt line: one prompt alone after an untimed one, its TTFT and prompt tok/s."""
+    from bench.whole_model import markdown, served_prefill
+    p = served_prefill(stack.url + "/v1", 64)
+    assert p["tokens"] == 64 and p["ttft_s"] > 0 and p["tok_s"] == pytest.approx(64 / p["ttft_s"])
+    row = {"format": "bf16", "ready_s": 1.0, "prefill": [p]}
+    md = markdown({"date": "now", "model": "m", "config": {}, "tp": 1, "prompt_len": 1, "output_len": 1,
+                   "formats": [row]})
+    assert f"| bf16 | 64 | {p['ttft_s']:.3f} |" in md

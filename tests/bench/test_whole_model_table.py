@@ -37,3 +37,22 @@ def test_table_has_the_collectives_cell() -> None:
     md = markdown(data)
     assert "collectives, share of GPU busy (profiled rounds) |" in md
     assert "| 12/12 / 12/12 | 9.4% (transfer 2.4%) |" in md and "| 12/12 / 12/12 | — |" in md
+
+
+def test_memory_table_reads_rank_zeros_log(tmp_path: Path) -> None:
+    from bench.whole_model import memory_of
+    log = tmp_path / "rank0.log"
+    log.write_text("x INFO weights by part (MiB): routed experts 113468.2, KDA attention 2048.5; total 115516.7\n"
+                   "x INFO kv pool budget 8000000000 bytes: 40960 per block of 64 positions (640 per position), "
+                   "1000 per KDA slot -> 180000 blocks\n"
+                   "x INFO kv pool: 180000 blocks x 64 positions, 32 slots: max_model_len 1048576\n"
+                   "x INFO kv cache fp8: 40960 bytes per block (81920 as bfloat16)\n")
+    mem = memory_of(log)
+    assert mem["weights_mib"] == {"routed experts": 113468.2, "KDA attention": 2048.5, "total": 115516.7}
+    assert mem["pool_tokens"] == 180000 * 64 and mem["pool_mib"] == round(40960 * 180000 / 2**20, 1)
+    row = {"format": "int3+fp8", "ready_s": 1.0, "memory": mem}
+    md = markdown({"date": "now", "model": "m", "config": {}, "tp": 1, "prompt_len": 1, "output_len": 1,
+                   "formats": [row]})
+    assert "| routed experts | 113468.2 |" in md and "| weights, total | 115516.7 |" in md
+    assert "| KV pool (tokens) | 7031.2 (11,520,000 fp8) |" in md
+    assert memory_of(tmp_path / "absent.log") == {"weights_mib": None}
