@@ -21,6 +21,16 @@
 #                                      # it: a 4-layer run has ~100 rounds, so use 40:30 there), then
 #                                      # bench/trace_gaps.py on rank 0's trace (its "in collectives" line: issue
 #                                      # 21's share, e.g. TP 2 on one GPU)
+#   bash bench/gpu_check.sh soak [LAYERS] [FORMAT] [DURATION]
+#                                      # issue 54's GPU soak: bench/soak.py --mix gpu (prompts 100 tokens to 32k
+#                                      # and one of 200k, n = 2, logprobs, tools / json_schema with a thinking
+#                                      # budget, conversations, images when read; 10% cut) from 32 clients on
+#                                      # LAYERS real-dimension layers + MTP (default 45) of random FORMAT weights
+#                                      # (default exl3:2.5+fp8), TP 1, drafts off, for DURATION s (default 420),
+#                                      # cut short so the load ends SOAK_END_BY s (default 480) after the script
+#                                      # started: a cold start-up eats into the load, not past the call. A table
+#                                      # per minute, GPU memory / host RSS drifts, p99 / median ITL, the
+#                                      # Done-when checks; the stack's logs under $OUT/stack-logs
 #   bash bench/gpu_check.sh long [LENGTHS]
 #                                      # only bench/long_context.py (default 8k, 64k, 256k, 1M tokens)
 #   bash bench/gpu_check.sh coldstart [LAYERS] [FORMATS]
@@ -70,6 +80,19 @@ bin=$(python3 -c "import os, sys; print(os.path.dirname(sys.executable))")
 printf '#!/bin/sh\nexec python3 -m services.cli "$@"\n' > "$bin/twinspark" && chmod +x "$bin/twinspark"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 
+if [ "${1:-}" = "soak" ]; then
+    python3 -m bench.whole_model --write-dir /tmp/soak-config --layers "${2:-45}" > /dev/null
+    python3 -m bench.soak --device cuda --tp 1 --model /tmp/soak-config --random-weights "${3:-exl3:2.5+fp8}" \
+        --mix gpu --clients 32 --duration "${4:-420}" --end-by $(( ${SOAK_END_BY:-480} - SECONDS )) --late-s 45 \
+        --out "$OUT" > "$OUT/soak.log" 2>&1
+    echo "soak exit status $? (0: the Done-when held)"
+    tail -3 "$OUT/soak.log"
+    sed -n '/^| minute | sent/,/^$/p; /^Steady minutes/,/^| process/p' "$OUT"/soak-*.md
+    for d in /tmp/twinspark-bench-*/logs; do
+        [ -d "$d" ] && mkdir -p "$OUT/stack-logs" && cp -r "$d" "$OUT/stack-logs/$(basename "$(dirname "$d")")"
+    done
+    exit 0
+fi
 if [ "${1:-}" = "long" ]; then
     python3 -m bench.long_context --out "$OUT" ${2:+--lengths "$2"} > "$OUT/long_context.log" 2>&1
     tail -12 "$OUT/long_context.log"

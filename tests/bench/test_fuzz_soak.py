@@ -50,6 +50,48 @@ def test_soak_bench(stack, tmp_path):
     assert r.returncode in (0, 1), r.stderr[-2000:]  # 1 only when memory moved > 5% in so short a run
 
 
+def test_soak_bench_gpu_mix(stack, tmp_path):
+    """The GPU soak's mix on the tiny window: lengths capped, the 200k prompt a clean 400 (refused, not lost), every
+    request counted once, the per-minute table written."""
+    r = _run("bench.soak", "--state-dir", str(stack.state_dir), "--mix", "gpu", "--duration", "25", "--clients", "4",
+             "--max-prompt", "64", "--warmup-minutes", "0", "--out", str(tmp_path))
+    data = json.loads(next(tmp_path.glob("soak-*.json")).read_text())
+    s = data["summary"]
+    assert s["requests"] > 2 and s["replies"] > 0 and s["lost"] == 0 and s["5xx"] == 0, (s, data["lost_examples"])
+    assert s["kv_cache_usage_perc_end"] == 0 and s["restarts"] == 0
+    assert data["long_prompt"]["outcome"] == "refused_400" and data["refusals"].get("400 context_length_exceeded")
+    assert data["images"] is True  # the tiny checkpoint has a vision tower: the probe was answered
+    assert s["requests"] == s["replies"] + sum(s["refused"].values()) + s["cancelled"] + s["disconnected"] + s["lost"]
+    minutes = data["minutes"]
+    assert sum(m["sent"] for m in minutes) == s["requests"] == sum(
+        m["answered"] + sum(m["refused"].values()) + m["cut"] + m["lost"] for m in minutes)
+    assert sum(k["sent"] for k in data["by_kind"].values()) == s["requests"]
+    assert all(m["kv_usage_max"] is not None and m["rss_mb"] for m in minutes)  # /metrics and RSS sampled
+    md = next(tmp_path.glob("soak-*.md")).read_text()
+    assert "| minute | sent | answered | refused | cut | lost | 5xx |" in md and "Steady minutes" in md
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # no steady minute in 25 s: nothing else to judge
+
+
+def test_soak_steady_figures():
+    """The per-minute rows and issue 54's steady figures from made-up records and samples (no stack): minute 1 is
+    warm-up, minute 4 has too little load to count, drifts compare minute 2 with minute 3."""
+    from bench.soak import Record, Sample, done_when, per_minute, steady
+    records = [Record("chat", 10, 50, "reply", "200", 0.5, [0.01] * 98 + [0.5]),
+               Record("chat", 65, 100, "reply", "200", 0.4, [0.01] * 99 + [0.03]),
+               Record("chat", 70, 130, "reply", "200", 0.4, [0.01] * 97 + [0.03] * 3),
+               Record("long", 1, 2, "refused_400", "400"), Record("chat", 150, 170, "lost", "500")]
+    samples = [Sample(t, {"rank0": (100 + (t >= 120)) << 20}, gpu_mib=1000 + (t >= 120) * 5)
+               for t in range(0, 200, 10)]
+    rows, itl = per_minute(records, samples, ran_s=200)
+    assert [m["sent"] for m in rows] == [2, 2, 1, 0] and [m["answered"] for m in rows] == [1, 1, 1, 0]
+    assert rows[0]["refused"] == {"400": 1} and rows[2]["lost"] == rows[2]["5xx"] == 1
+    st = steady(rows, itl, warmup=1, load_s=200)
+    assert st["minutes"] == [2, 3] and st["gpu_memory_drift"] == 0.005 and st["rss_drift"] == {"rank0": 0.01}
+    assert st["itl_p50_ms"] == 10.0 and st["itl_p99_over_median"] == 3.0  # minute 1's 500 ms gap left out
+    checks = done_when({"lost": 1, "5xx": 1}, st)
+    assert checks == {"lost": False, "5xx": False, "gpu_memory_flat": True, "rss_flat": True, "itl_tail": False}
+
+
 def test_serve_bench(stack, tmp_path):
     r = _run("bench.serve", "--state-dir", str(stack.state_dir), "--concurrency", "1,3", "--requests", "3",
              "--prompt-len", "12", "--output-len", "5", "--out", str(tmp_path))
