@@ -9,22 +9,20 @@ import torch
 from model.config import KDA, ModelConfig
 from model.ffn import build_ffn
 from model.kda_attention import KdaAttention
-from model.mla_attention import MlaAttention, Selections
+from model.mla_attention import MlaAttention
+from model.params import HyperConnectionParams
 from model.parallel import Collective
 from model.weights import WeightReader
 
 if TYPE_CHECKING:
-    from ops import Forward
+    from model.forward import Forward, Selections
 
 
-class HyperConnection:
-    """The learned mixing of the hc_mult residual streams around one block (kernels/mhc.py has the math)."""
-
-    def __init__(self, cfg: ModelConfig, reader: WeightReader, prefix: str, which: str) -> None:
-        self.fn = reader.full(f"{prefix}hc_{which}_fn")
-        self.base = reader.full(f"{prefix}hc_{which}_base")
-        self.scale = reader.full(f"{prefix}hc_{which}_scale")
-        self.kw = dict(eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, iters=cfg.hc_sinkhorn_iters)
+def hyper_connection(cfg: ModelConfig, reader: WeightReader, prefix: str, which: str) -> HyperConnectionParams:
+    """The mHC weights around the layer's `which` block ("attn" or "ffn")."""
+    return HyperConnectionParams(reader.full(f"{prefix}hc_{which}_fn"), reader.full(f"{prefix}hc_{which}_base"),
+                                 reader.full(f"{prefix}hc_{which}_scale"), eps=cfg.hc_eps,
+                                 norm_eps=cfg.rms_norm_eps, iters=cfg.hc_sinkhorn_iters)
 
 
 class DecoderLayer:
@@ -39,10 +37,10 @@ class DecoderLayer:
         self.ffn = build_ffn(cfg, reader, prefix, layer)
         self.attn_norm = reader.full(prefix + "input_layernorm.weight")
         self.ffn_norm = reader.full(prefix + "post_attention_layernorm.weight")
-        self.attn_hc = HyperConnection(cfg, reader, prefix, "attn")
-        self.ffn_hc = HyperConnection(cfg, reader, prefix, "ffn")
+        self.attn_hc = hyper_connection(cfg, reader, prefix, "attn")
+        self.ffn_hc = hyper_connection(cfg, reader, prefix, "ffn")
 
-    def forward(self, streams: torch.Tensor, fwd: "Forward", selections: Selections, coll: Collective
+    def forward(self, streams: torch.Tensor, fwd: "Forward", selections: "Selections", coll: Collective
                 ) -> torch.Tensor:
         """streams [T, hc_mult, D] -> the streams after this layer."""
         h, post, comb = fwd.hc_pre(streams, self.attn_hc, self.attn_norm, self.eps)

@@ -12,17 +12,18 @@ every expert is read dense (the reference's input).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model import projection
 from model.config import ModelConfig
+from model.params import MoeParams
 from model.projection import COLUMNS, ROWS
 from model.weights import WeightReader
 
 if TYPE_CHECKING:
-    from ops import Forward
+    from model.forward import Forward
 
 
 class DenseMlp:
@@ -42,58 +43,80 @@ class DenseMlp:
 
 class Moe:
     def __init__(self, cfg: ModelConfig, reader: WeightReader, prefix: str) -> None:
-        self.cfg = cfg
         p = prefix + "mlp."
-        self.router = reader.full(p + "gate.weight")
-        self.bias = reader.full(p + "gate.e_score_correction_bias")
+        router = reader.full(p + "gate.weight")
+        bias = reader.full(p + "gate.e_score_correction_bias")
         names = ("gate_proj", "up_proj", "down_proj")
         read = reader.split_packed if reader.device.type == "cuda" else reader.split
         routed = [[read(p + f"experts.{e}.{n}.weight", 0 if n != "down_proj" else 1)
                    for e in range(cfg.n_routed_experts)] for n in names]
         shared = [read(p + f"shared_experts.{n}.weight", 0 if n != "down_proj" else 1) for n in names]
-        self.packed = not isinstance(routed[0][0][0], torch.Tensor)
-        self.shards = len(shared[0])
+        packed = not isinstance(routed[0][0][0], torch.Tensor)
+        shards = len(shared[0])
+        # The shared expert runs as a dense MLP beside the routed ones when it is not stored like them (packed
+        # experts only); its partial is added after the routed sum.
         self.shared_apart: DenseMlp | None = None
-        # Stored for one launch over every local virtual shard (kernels/gpu/moe.experts): gate / up [E+1, I_local,
-        # D] with the shards' I slices side by side, down [shards * (E+1), D, I_local / shards] shard-major; the
-        # shared expert last in each. The reference reads per-shard views of the same tensors.
-        if not self.packed:
-            stacks = [[torch.stack([w[j] for w in ws + [sh]]) for j in range(self.shards)]
-                      for ws, sh in zip(routed, shared)]
-            self.gate, self.up = (torch.cat(st, dim=1) for st in stacks[:2])
-            self.down = torch.cat(stacks[2], dim=0)
-            return
-        from kernels.gpu import wtiles  # packed experts exist on CUDA only
-
-        # The shared expert joins the routed stack when it is stored alike; else it runs as a dense MLP beside it.
-        together = all(not isinstance(sh[0], torch.Tensor) and sh[0].format == ws[0][0].format
-                       and dict(sh[0].params) == dict(ws[0][0].params) and sh[0].shape == ws[0][0].shape
-                       for ws, sh in zip(routed, shared))
-        stacks = []
-        for ws, sh in zip(routed, shared):
-            stacks.append([wtiles.stack_quantized([w[j] for w in ws + ([sh] if together else [])])
-                           for j in range(self.shards)])
-            ws.clear()  # the per-expert copies: a layer's experts are gigabytes, held once is enough
-        from kernels.gpu import int_moe
-        if stacks[0][0].fmt is wtiles.Fmt.EXL3:  # each shard's experts a block of all three stacks (moe.experts)
-            self.gate, self.up, self.down = (wtiles.cat(st, dim=0) for st in stacks)
-        elif int_moe.covers(stacks[0][0], stacks[1][0], stacks[2][0], reader.dtype):
-            # Integer experts run on humming-kernels (kernels/gpu/int_moe.py): gate|up joined along N, repacked once
-            # for this GPU; each stored copy is dropped as soon as the next one exists (peak: two copies of gate|up).
-            gate_up = wtiles.cat(stacks[0] + stacks[1], dim=1)
-            down = wtiles.cat(stacks[2], dim=0)
-            stacks.clear()
-            self.gate, self.up, self.down = int_moe.prepare(gate_up, down, self.shards, reader.dtype), None, None
+        if not packed:
+            gate, up, down = _dense_stacks(routed, shared, shards)
         else:
-            self.gate, self.up = (wtiles.cat(st, dim=1) for st in stacks[:2])
-            self.down = wtiles.cat(stacks[2], dim=0)
-        if not together:  # the shared expert in its own format (packed too), added after the routed sum
-            self.shared_apart = DenseMlp(projection.join(shared[:2], sharded=True),
-                                         projection.join(shared[2:], sharded=True), cfg.swiglu_limit)
+            gate, up, down, together = _packed_stacks(routed, shared, shards, reader.dtype)
+            if not together:
+                self.shared_apart = DenseMlp(projection.join(shared[:2], sharded=True),
+                                             projection.join(shared[2:], sharded=True), cfg.swiglu_limit)
+        self.params = MoeParams(
+            router=router, bias=bias, gate=gate, up=up, down=down, shards=shards, packed=packed,
+            shared_in_stack=self.shared_apart is None, n_routed_experts=cfg.n_routed_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+            swiglu_limit=cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor, fwd: "Forward") -> torch.Tensor:
         """x [T, D] -> every local shard's partial [S, T, D] fp32."""
-        return fwd.moe(self, x)
+        out = fwd.moe(self.params, x)
+        if self.shared_apart is not None:
+            out = out + self.shared_apart.forward(x, fwd)
+        return out
+
+
+# Experts are stored for one launch over every local virtual shard (kernels/gpu/moe.experts): gate / up [E+1, I_local,
+# D] with the shards' I slices side by side, down [shards * (E+1), D, I_local / shards] shard-major; the shared
+# expert last in each. The reference reads per-shard views of the same tensors.
+def _dense_stacks(routed: list[list[list]], shared: list[list], shards: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate, up, down) of dense experts (routed[n][e][j]: linear n of expert e, shard j; shared[n][j])."""
+    stacks = [[torch.stack([w[j] for w in ws + [sh]]) for j in range(shards)] for ws, sh in zip(routed, shared)]
+    gate, up = (torch.cat(st, dim=1) for st in stacks[:2])
+    return gate, up, torch.cat(stacks[2], dim=0)
+
+
+def _packed_stacks(routed: list[list[list]], shared: list[list], shards: int, dtype: torch.dtype
+                   ) -> tuple[Any, Any, Any, bool]:
+    """(gate, up, down, whether the shared expert is in the stacks) of packed experts (CUDA): EXL3 stacks, integer
+    experts prepared for humming-kernels (gate|up joined, up and down None), or stacks of another format."""
+    from kernels.gpu import wtiles  # packed experts exist on CUDA only
+
+    # The shared expert joins the routed stack when it is stored alike; else it runs as a dense MLP beside it.
+    together = all(not isinstance(sh[0], torch.Tensor) and sh[0].format == ws[0][0].format
+                   and dict(sh[0].params) == dict(ws[0][0].params) and sh[0].shape == ws[0][0].shape
+                   for ws, sh in zip(routed, shared))
+    stacks = []
+    for ws, sh in zip(routed, shared):
+        stacks.append([wtiles.stack_quantized([w[j] for w in ws + ([sh] if together else [])])
+                       for j in range(shards)])
+        ws.clear()  # the per-expert copies: a layer's experts are gigabytes, held once is enough
+    from kernels.gpu import int_moe
+    if stacks[0][0].fmt is wtiles.Fmt.EXL3:  # each shard's experts a block of all three stacks (moe.experts)
+        gate, up, down = (wtiles.cat(st, dim=0) for st in stacks)
+        return gate, up, down, together
+    if int_moe.covers(stacks[0][0], stacks[1][0], stacks[2][0], dtype):
+        # Integer experts run on humming-kernels (kernels/gpu/int_moe.py): gate|up joined along N, repacked once
+        # for this GPU; each stored copy is dropped as soon as the next one exists (peak: two copies of gate|up).
+        gate_up = wtiles.cat(stacks[0] + stacks[1], dim=1)
+        down = wtiles.cat(stacks[2], dim=0)
+        stacks.clear()
+        return int_moe.prepare(gate_up, down, shards, dtype), None, None, together
+    gate, up = (wtiles.cat(st, dim=1) for st in stacks[:2])
+    return gate, up, wtiles.cat(stacks[2], dim=0), together
 
 
 def build_ffn(cfg: ModelConfig, reader: WeightReader, prefix: str, layer: int) -> DenseMlp | Moe:

@@ -22,44 +22,46 @@ import torch
 from model import projection
 from model.cache import PagedCache
 from model.config import ModelConfig
+from model.params import KdaParams
 from model.projection import COLUMNS, ROWS
 from model.weights import WeightReader
 
 if TYPE_CHECKING:
-    from ops import Forward
+    from model.forward import Forward, Selections
 
 
 class KdaAttention:
     def __init__(self, cfg: ModelConfig, reader: WeightReader, prefix: str, layer: int) -> None:
         self.layer = layer
         self.eps = cfg.rms_norm_eps
-        self.dl = cfg.linear_head_dim
-        self.lower_bound = cfg.linear_lower_bound
         p = prefix + "self_attn."
         self.qkvb = projection.load(reader, [p + f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "b_proj")],
                                     COLUMNS)
-        self.width = sum(self.qkvb.outputs[:3])  # q|k|v columns of one shard (3C); beta's follow
         q_c, k_c, v_c = (reader.split(p + f"{n}_conv1d.weight", 0) for n in "qkv")
         # [S, 3C, K]: per shard (q, k, v) channels — the layout of the shard's slice of the conv state.
-        self.conv_w = torch.stack([torch.cat([a, b, c]).squeeze(1) for a, b, c in zip(q_c, k_c, v_c)])
+        conv_w = torch.stack([torch.cat([a, b, c]).squeeze(1) for a, b, c in zip(q_c, k_c, v_c)])
         self.fg_a = projection.load(reader, [p + "f_a_proj.weight", p + "g_a_proj.weight"])
         self.f_b = projection.load(reader, [p + "f_b_proj.weight"], COLUMNS)  # [S, heads * dk, f rank]
-        self.dt_bias = torch.stack(reader.split(p + "dt_bias", 0))  # [S, heads * dk]
-        self.a_log = torch.stack(reader.split(p + "A_log", 0))  # [S, heads]
+        dt_bias = torch.stack(reader.split(p + "dt_bias", 0))  # [S, heads * dk]
+        a_log = torch.stack(reader.split(p + "A_log", 0))  # [S, heads]
         self.g_b = projection.load(reader, [p + "g_b_proj.weight"], COLUMNS)  # [S, heads * dv, g rank]
         self.o_norm = reader.full(p + "o_norm.weight")
         self.o_w = projection.load(reader, [p + "o_proj.weight"], ROWS)  # [S, D, heads * dv] (row-parallel)
-        self.shards, self.heads = self.a_log.shape  # local virtual shards, heads per shard
+        shards, heads = a_log.shape  # local virtual shards, heads per shard
+        self.params = KdaParams(layer=layer, shards=shards, heads=heads, dl=cfg.linear_head_dim,
+                                width=sum(self.qkvb.outputs[:3]), conv_w=conv_w, dt_bias=dt_bias, a_log=a_log,
+                                lower_bound=cfg.linear_lower_bound)
 
-    def forward(self, x: torch.Tensor, fwd: "Forward", selections: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fwd: "Forward", selections: "Selections") -> torch.Tensor:
         """x [T, D] -> this rank's row-parallel partials [S, T, D] fp32."""
+        k = self.params
         fa, ga = fwd.linear(x, self.fg_a).split(self.fg_a.outputs, dim=-1)
         xb = fwd.shard_linear(x, self.qkvb)  # [S, T, 3C + heads]
-        mixed, beta_raw = xb[..., : self.width], xb[..., self.width :]
+        mixed, beta_raw = xb[..., : k.width], xb[..., k.width :]
         g_raw = fwd.shard_linear(fa, self.f_b)
         gate = fwd.shard_linear(ga, self.g_b)
-        core = fwd.kda_core(self, mixed, g_raw, beta_raw)
-        out = fwd.kda_gated_norm(core, gate, self.o_norm, self.eps, self.heads)
+        core = fwd.kda_core(k, mixed, g_raw, beta_raw)
+        out = fwd.kda_gated_norm(core, gate, self.o_norm, self.eps, k.heads)
         return fwd.shard_linear(out, self.o_w, torch.float32)
 
     def commit(self, cache: PagedCache, slots: torch.Tensor, picks: torch.Tensor) -> None:

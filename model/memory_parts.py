@@ -33,16 +33,15 @@ def _part(path: tuple[tuple[str, str], ...]) -> str:
         return "embeddings"
     if names[0] == "lm_head":
         return "lm_head"
-    if "Moe" in owners:
-        at = names[owners.index("Moe")]
-        if at in ("router", "bias"):
-            return "routers"
-        return "shared experts" if at == "shared_apart" else "routed experts"
+    if "MoeParams" in owners:  # the MoE's record: its router and bias, the expert stacks
+        return "routers" if names[owners.index("MoeParams")] in ("router", "bias") else "routed experts"
+    if "Moe" in owners:  # the shared expert run beside the stacks (Moe.shared_apart)
+        return "shared experts"
     if "DenseMlp" in owners:
         return "dense MLPs"
     if "KdaAttention" in owners:
         return "KDA attention"
-    if "MlaAttention" in owners or "Indexer" in owners:
+    if "MlaAttention" in owners or "IndexerParams" in owners:
         return "MLA attention + indexer"
     return "norms + mHC"
 

@@ -20,32 +20,24 @@ import torch
 
 from model import projection
 from model.config import ModelConfig
+from model.params import IndexerParams, MlaParams
 from model.projection import COLUMNS, ROWS
 from model.weights import WeightReader
 
 if TYPE_CHECKING:
-    from ops import Forward
+    from model.forward import Forward, Selections
 
-# full-indexer layer -> its selection, in the form the ops layer makes it: per sequence the selected positions
-# (reference) or each row's selected pools and their count (fused)
-Selections = dict[int, object]
+# the indexer's part of the layer's input projection, in this order
+INDEXER_X_PROJ = ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight")
 
 
-class Indexer:
-    # the indexer's part of the layer's input projection, in this order
-    X_PROJ = ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight")
-
-    def __init__(self, cfg: ModelConfig, reader: WeightReader, prefix: str) -> None:
-        p = prefix + "self_attn.indexer."
-        self.wq_b = projection.load(reader, [p + "wq_b.weight"])
-        self.k_norm_w = reader.full(p + "k_norm.weight")
-        self.k_norm_b = reader.full(p + "k_norm.bias")
-        self.ape = reader.full(p + "index_kpool_compress_ape")
-        self.heads = cfg.index_n_heads
-        self.dim = cfg.index_head_dim
-        self.kpool = cfg.index_kpool
-        self.topk = cfg.index_topk
-        self.tail = cfg.index_kpool_always_select_tail
+def indexer(cfg: ModelConfig, reader: WeightReader, prefix: str) -> IndexerParams:
+    """A full layer's DSA indexer, besides its input projections (INDEXER_X_PROJ, part of the layer's)."""
+    p = prefix + "self_attn.indexer."
+    return IndexerParams(wq_b=projection.load(reader, [p + "wq_b.weight"]), k_norm_w=reader.full(p + "k_norm.weight"),
+                         k_norm_b=reader.full(p + "k_norm.bias"), ape=reader.full(p + "index_kpool_compress_ape"),
+                         heads=cfg.index_n_heads, dim=cfg.index_head_dim, kpool=cfg.index_kpool,
+                         topk=cfg.index_topk, tail=cfg.index_kpool_always_select_tail)
 
 
 class MlaAttention:
@@ -54,31 +46,30 @@ class MlaAttention:
         self.layer = layer
         self.shares_with = shares_with
         self.eps = cfg.rms_norm_eps
-        self.dn, self.dv, self.r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.scale = cfg.qk_nope_head_dim ** -0.5
+        dn, dv, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         p = prefix + "self_attn."
         keys = [p + "q_a_proj.weight", p + "kv_a_proj_with_mqa.weight"]
         if full_indexer:
-            keys += [p + "indexer." + n for n in Indexer.X_PROJ]
+            keys += [p + "indexer." + n for n in INDEXER_X_PROJ]
         self.x_proj = projection.load(reader, keys)
         self.q_a_norm = reader.full(p + "q_a_layernorm.weight")
         self.q_b = projection.load(reader, [p + "q_b_proj.weight"], COLUMNS)  # [S, heads * dn, q rank]
         self.kv_a_norm = reader.full(p + "kv_a_layernorm.weight")
         kv_b = torch.stack(reader.split(p + "kv_b_proj.weight", 0))
-        self.shards = kv_b.shape[0]
-        self.heads = kv_b.shape[1] // (self.dn + self.dv)  # heads per virtual shard
+        shards = kv_b.shape[0]
+        heads = kv_b.shape[1] // (dn + dv)  # heads per virtual shard
         # kv_b rows per head are [k_nope (dn) | v (dv)]: W_uk [S x h, dn, r] and W_uv [S x h, dv, r], shard-major
         # (the fused path runs every local head as one batch; the reference reads shard j's heads [j h, (j + 1) h)).
-        per_head = kv_b.view(self.shards * self.heads, self.dn + self.dv, self.r)
-        self.w_kv = per_head  # both at once: the expanded form's context product (kernels/gpu/mla_expanded.py)
-        self.w_uk, self.w_uv = per_head[:, : self.dn], per_head[:, self.dn :]
-        # The first position whose DSA selection can leave a position out (beyond `topk / kpool` complete pools
-        # besides its own tail): rows before it attend to their whole context.
-        self.dense_until = (cfg.index_topk // cfg.index_kpool + 1) * cfg.index_kpool - 1
+        per_head = kv_b.view(shards * heads, dn + dv, r)
+        self.params = MlaParams(
+            layer=layer, shards=shards, heads=heads, dn=dn, dv=dv, r=r, scale=dn ** -0.5,
+            # beyond `topk / kpool` complete pools besides a row's own tail, its selection can leave a position out
+            dense_until=(cfg.index_topk // cfg.index_kpool + 1) * cfg.index_kpool - 1,
+            w_kv=per_head, w_uk=per_head[:, :dn], w_uv=per_head[:, dn:])
         self.o_w = projection.load(reader, [p + "o_proj.weight"], ROWS)  # [S, D, heads * dv] (row-parallel)
-        self.indexer = Indexer(cfg, reader, prefix) if full_indexer else None
+        self.indexer = indexer(cfg, reader, prefix) if full_indexer else None
 
-    def forward(self, x: torch.Tensor, fwd: "Forward", selections: Selections) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fwd: "Forward", selections: "Selections") -> torch.Tensor:
         """x [T, D] -> this rank's row-parallel partials [S, T, D] fp32."""
         parts = fwd.linear(x, self.x_proj).split(self.x_proj.outputs, dim=-1)
         q_resid = fwd.rms_norm(parts[0], self.q_a_norm, self.eps)
@@ -86,5 +77,5 @@ class MlaAttention:
         if self.indexer is not None:
             selections[self.layer] = fwd.dsa_select(self.indexer, list(parts[2:]), q_resid, self.layer)
         chosen = selections[self.layer if self.indexer is not None else self.shares_with]
-        out = fwd.mla_attention(self, fwd.shard_linear(q_resid, self.q_b), chosen)  # [S, T, heads * dv]
+        out = fwd.mla_attention(self.params, fwd.shard_linear(q_resid, self.q_b), chosen)  # [S, T, heads * dv]
         return fwd.shard_linear(out, self.o_w, torch.float32)

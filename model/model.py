@@ -25,7 +25,7 @@ from model.batch import Batch
 from model.cache import PagedCache
 from model.config import ModelConfig
 from model.decoder_layer import DecoderLayer
-from model.mla_attention import Selections
+from model.forward import Forward, Selections
 from model.mtp import MtpBlock
 from model.parallel import Collective, Sharding
 from model.projection import COLUMNS
@@ -83,7 +83,7 @@ class Glm5Model:
                           num_slots=num_slots, dtype=self.dtype, device=self.device, with_mtp=self.mtp is not None,
                           kv_dtype=kv_dtype)
 
-    def _inputs(self, fwd: "ops.Forward") -> torch.Tensor:
+    def _inputs(self, fwd: Forward) -> torch.Tensor:
         """The first layer's input rows: token embeddings, with image placeholder rows taking their image's
         embeddings (`Batch.embeds`, on this device already). Both paths merge here, so an image row gets the same
         bits on either; on the fused path it is a device copy per image run (no host sync)."""
@@ -102,7 +102,7 @@ class Glm5Model:
         return self.run(ops.begin(batch, cache, fused=self.fused if fused is None else fused), layers)
 
     @torch.inference_mode()
-    def run(self, fwd: "ops.Forward", layers: Sequence[int] = ()) -> ForwardOutput:
+    def run(self, fwd: Forward, layers: Sequence[int] = ()) -> ForwardOutput:
         """The target model over one forward's ops (a CUDA graph captures this with a static fused forward).
 
         A layer's output, for `layers`, is the plain mean of its mHC streams: the collapse the final norm reads,

@@ -19,7 +19,7 @@ from model.parallel import Collective
 from model.weights import WeightReader
 
 if TYPE_CHECKING:
-    from ops import Forward
+    from model.forward import Forward
 
 
 class MtpBlock:

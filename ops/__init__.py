@@ -1,7 +1,7 @@
 """The ops layer: what the model's blocks call, resolved once per device to the torch reference or the fused kernels.
 
-A block (model/*.py) states its math once, as calls on a `Forward` — the ops of one forward pass, bound to its batch
-and caches. Two implementations keep the same contract:
+A block (model/*.py) states its math once, as calls on a `Forward` (model/forward.py: the Protocol, with every op's
+signature) — the ops of one forward pass, bound to its batch and caches. Two implementations keep the same contract:
 - `ops.reference.ReferenceForward`: the torch reference ops of kernels/*.py (the CPU path and the oracle of every
   fused kernel). Batch-wide tensors carry a multiple of ROW_TILE rows (kernels/linear.py says why).
 - `ops.fused.FusedForward`: the fixed-schedule Triton kernels of kernels/gpu (CUDA, and Triton's CPU interpreter in
@@ -9,12 +9,8 @@ and caches. Two implementations keep the same contract:
 Both keep docs/design.md §5's exactness rules; the fused one in its GPU form (§5.1). Where the two paths take
 different (documented) arithmetic — e.g. the streams' mean as a tree vs in stream order — each is fixed per path.
 
-Contract shared by both (T = the forward's rows as the path lays them out, S = local virtual shards):
-- `token_ids` [T], `n_rows` (real rows), `pad(x)`: a per-row tensor laid out like the rest;
-- `linear(x [T, K], p)` -> [T, N]; `shard_linear(x [T, K] or [S, T, K], p)` -> [S, T, N]  (p: model.projection);
-- `rms_norm`, `layer_norm`, `swiglu`; mHC: `hc_pre`, `hc_post`, `hc_final`;
-- `write_rows(store, values)`; `kda_core`, `kda_gated_norm`; `dsa_select`, `mla_attention`; `moe`; `logits`.
-Row-parallel partials come back stacked per local shard ([S, T, D], fp32); the collective reduces them.
+The ops take tensors, projections and the blocks' parameter records (model/params.py), never a block: nothing here
+imports the block modules, so model/ and ops/ import each other without a circle (tests/docs/test_no_import_circles.py).
 
 Which implementation runs is decided by the model once (`uses_fused`): the fused kernels where Triton can run on the
 weights' device, the reference elsewhere. The fused modules are imported only then, so a CPU install needs no Triton.
@@ -29,10 +25,7 @@ import torch
 if TYPE_CHECKING:
     from model.batch import Batch
     from model.cache import PagedCache
-    from ops.fused import FusedForward
-    from ops.reference import ReferenceForward
-
-    Forward = ReferenceForward | FusedForward  # what a block's forward receives
+    from model.forward import Forward
 
 
 def uses_fused(t: torch.Tensor) -> bool:
@@ -42,7 +35,7 @@ def uses_fused(t: torch.Tensor) -> bool:
     return gpu.active(t)
 
 
-def begin(batch: "Batch", cache: "PagedCache", *, fused: bool) -> "ReferenceForward | FusedForward":
+def begin(batch: "Batch", cache: "PagedCache", *, fused: bool) -> "Forward":
     """The ops of one forward over `batch` (a fused forward needs the decode-class sequences first: Batch.permuted)."""
     if fused:
         from ops.fused import FusedForward

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,18 +30,14 @@ from kernels.gpu import swiglu as gpu_swiglu
 from kernels.gpu import to_device
 from model.batch import Batch
 from model.cache import PagedCache, PendingStates
+from model.forward import PoolSelection
+from model.params import HyperConnectionParams, IndexerParams, KdaParams, MlaParams, MoeParams
 from model.parallel import Collective
 from model.projection import Projection
 from model.row_store import RowStore
 from ops import expanded_rows
 from ops.expanded_rows import ExpandedRows
 from ops.fused_rows import CONV_HISTORY, GpuRows, build
-
-if TYPE_CHECKING:
-    from model.decoder_layer import HyperConnection
-    from model.ffn import Moe
-    from model.kda_attention import KdaAttention
-    from model.mla_attention import Indexer, MlaAttention
 
 log = logging.getLogger("twinspark.rank")
 
@@ -82,11 +77,11 @@ class FusedForward:
 
     # ----- hyper-connections -----
 
-    def hc_pre(self, streams: torch.Tensor, hc: "HyperConnection", norm: torch.Tensor, eps: float
+    def hc_pre(self, streams: torch.Tensor, hc: HyperConnectionParams, norm: torch.Tensor, eps: float
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(block input normed by `norm`, post, comb) in two launches (kernels/gpu/mhc.py)."""
         return gpu_mhc.pre(streams, hc.fn, hc.base, hc.scale, norm, rms_eps=eps, decode_rows=self.rows.decode_rows,
-                           **hc.kw)
+                           eps=hc.eps, norm_eps=hc.norm_eps, iters=hc.iters)
 
     def hc_post(self, partials: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                 coll: Collective) -> torch.Tensor:
@@ -124,7 +119,7 @@ class FusedForward:
 
     # ----- KDA -----
 
-    def kda_core(self, attn: "KdaAttention", mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor
+    def kda_core(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor
                  ) -> torch.Tensor:
         """Decode and verify rows through the fused recurrent kernel, prompt chunks through fla-core's chunk_kda
         -> core [S, T, heads * dv]."""
@@ -147,7 +142,7 @@ class FusedForward:
             self._kda_prompt(attn, mixed[:, d:], g_raw[:, d:], beta_raw[:, d:], core[:, d:])
         return core
 
-    def _kda_prompt(self, attn: "KdaAttention", mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
+    def _kda_prompt(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
                     core: torch.Tensor) -> None:
         """Prompt chunks of every local shard ([S, prompt rows, ...] operands): the short conv over all of their
         rows, then chunked KDA from their slots' states (zero for a fresh sequence) into `core`; states and
@@ -182,8 +177,8 @@ class FusedForward:
 
     # ----- MLA with the DSA indexer -----
 
-    def dsa_select(self, ix: "Indexer", x_parts: list[torch.Tensor], q_resid: torch.Tensor, layer: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def dsa_select(self, ix: IndexerParams, x_parts: list[torch.Tensor], q_resid: torch.Tensor, layer: int
+                   ) -> PoolSelection:
         """Write this batch's index rows and completed pool keys, then each row's selected pools (pools [T, W]
         int32 ascending, count [T] int32)."""
         if not ix.tail:  # the attention kernel always appends the tail pool, as every GLM release does
@@ -218,8 +213,7 @@ class FusedForward:
             self._blocks = to_device(host, self.token_ids.device)
         return self._blocks
 
-    def mla_attention(self, attn: "MlaAttention", q: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor]
-                      ) -> torch.Tensor:
+    def mla_attention(self, attn: MlaParams, q: torch.Tensor, chosen: PoolSelection) -> torch.Tensor:
         """q [S, T, heads * dn] -> [S, T, heads * dv]. The per-head products run as one batch over all local heads,
         and the attention kernels work on each head alone, so every shard gets the bits of its own launch. Prompt
         rows whose selection is their whole context take the expanded form (ops/expanded_rows.py), the rest the
@@ -247,8 +241,8 @@ class FusedForward:
             self._expanded[until] = expanded_rows.plan(self.batch, self.rows.tables, until, self.cache.block_size, bm)
         return self._expanded[until]
 
-    def _latent_form(self, attn: "MlaAttention", q: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor],
-                     pick: slice | torch.Tensor) -> torch.Tensor:
+    def _latent_form(self, attn: MlaParams, q: torch.Tensor, chosen: PoolSelection, pick: slice | torch.Tensor
+                     ) -> torch.Tensor:
         """Attention of the rows `pick` (the decode-class rows among them first) over their selections' latent rows,
         with W_uk folded into the query and W_uv into the output: q [S h, n, dn] -> [S h, n, dv]."""
         rows = self.rows
@@ -263,7 +257,7 @@ class FusedForward:
                                  rows.row_seq[pick], sel, count, kpool, attn.scale, o_lat, d, max_positions)
         return gemm.bmm(o_lat.transpose(0, 1), attn.w_uv, d)  # [S h, n, dv]
 
-    def _expanded_form(self, attn: "MlaAttention", q: torch.Tensor, out: torch.Tensor, plan: ExpandedRows) -> None:
+    def _expanded_form(self, attn: MlaParams, q: torch.Tensor, out: torch.Tensor, plan: ExpandedRows) -> None:
         """The plan's rows into `out` ([S h, T, dv]): per group, its sequences' latent rows read as the latent
         kernel reads them (fp8 scaled back per row in fp32), expanded to every local head's keys and values by one
         product (prompt schedule), then causal attention."""
@@ -279,20 +273,16 @@ class FusedForward:
 
     # ----- MoE -----
 
-    def moe(self, m: "Moe", x: torch.Tensor) -> torch.Tensor:
-        """Every local shard's partial [S, T, D] fp32: routing, the grouped experts (the shared expert as one more
-        expert when it is stored like them), the shared expert apart otherwise (added after the routed sum)."""
-        c, d = m.cfg, self.rows.decode_rows
-        if c.n_group > 1:  # grouped routing has no fused kernel (GLM-5.3-Flash routes with one group)
+    def moe(self, m: MoeParams, x: torch.Tensor) -> torch.Tensor:
+        """Every local shard's partial [S, T, D] fp32: routing and the grouped experts (the shared expert as one more
+        expert when it is stored like them: m.shared_in_stack; else the block adds it after the routed sum)."""
+        d = self.rows.decode_rows
+        if m.n_group > 1:  # grouped routing has no fused kernel (GLM-5.3-Flash routes with one group)
             raise NotImplementedError("the fused MoE routes with n_group == 1 only")
         logits = gemm.matmul(x, m.router, d, torch.float32)
-        ids, w = gpu_moe.route(logits, m.bias, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
-                               scaling=c.routed_scaling_factor, n_real=self.rows.n_real,
-                               shared=m.shared_apart is None)
-        out = gpu_moe.experts(x, ids, w, m.gate, m.up, m.down, c.swiglu_limit, d, shards=m.shards)
-        if m.shared_apart is not None:
-            out = out + m.shared_apart.forward(x, self)
-        return out
+        ids, w = gpu_moe.route(logits, m.bias, top_k=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
+                               scaling=m.routed_scaling_factor, n_real=self.rows.n_real, shared=m.shared_in_stack)
+        return gpu_moe.experts(x, ids, w, m.gate, m.up, m.down, m.swiglu_limit, d, shards=m.shards)
 
 
 def project(x: torch.Tensor, p: Projection, decode_rows: int, out_dtype: torch.dtype | None) -> torch.Tensor:

@@ -11,8 +11,6 @@ one readable loop per row class, which is what the fused kernels are checked aga
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kernels import dsa, kda, mhc, moe
@@ -21,15 +19,11 @@ from kernels.mla import sparse_latent_attention
 from kernels.norms import gated_rms_norm, layer_norm, rms_norm
 from model.batch import Batch
 from model.cache import PagedCache, PendingStates
+from model.forward import PositionSelection
+from model.params import HyperConnectionParams, IndexerParams, KdaParams, MlaParams, MoeParams
 from model.parallel import Collective
 from model.projection import Projection
 from model.row_store import RowStore
-
-if TYPE_CHECKING:
-    from model.decoder_layer import HyperConnection
-    from model.ffn import Moe
-    from model.kda_attention import KdaAttention
-    from model.mla_attention import Indexer, MlaAttention
 
 # The CPU path works on blocks of query rows and of k-pools, so its buffers stay the same size whatever the context
 # length (a 1M-token prompt prefills with the memory of a short one, beside the cache itself): index scores
@@ -74,10 +68,11 @@ class ReferenceForward:
 
     # ----- hyper-connections -----
 
-    def hc_pre(self, streams: torch.Tensor, hc: "HyperConnection", norm: torch.Tensor, eps: float
+    def hc_pre(self, streams: torch.Tensor, hc: HyperConnectionParams, norm: torch.Tensor, eps: float
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the block's input: the streams collapsed by `pre` and normed, post, comb)."""
-        pre, post, comb = mhc.hc_weights(streams, hc.fn, hc.base, hc.scale, **hc.kw)
+        pre, post, comb = mhc.hc_weights(streams, hc.fn, hc.base, hc.scale, eps=hc.eps, norm_eps=hc.norm_eps,
+                                         iters=hc.iters)
         return rms_norm(mhc.collapse(streams, pre), norm, eps), post, comb
 
     def hc_post(self, partials: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -94,12 +89,12 @@ class ReferenceForward:
 
     # ----- caches -----
 
-    def write_rows(self, store: RowStore, values: torch.Tensor) -> None:
-        self.cache.write_rows(store, self.batch, values)
+    def write_rows(self, store: RowStore, values: torch.Tensor, tail: torch.Tensor | None = None) -> None:
+        self.cache.write_rows(store, self.batch, values if tail is None else torch.cat([values, tail], dim=-1))
 
     # ----- KDA -----
 
-    def kda_core(self, attn: "KdaAttention", mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor
+    def kda_core(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor
                  ) -> torch.Tensor:
         """The short conv and the KDA recurrence of every local shard -> core outputs [S, T, heads * dv]; caches
         move on (a verify window's per-row states wait in `cache.pending` for `KdaAttention.commit`)."""
@@ -169,19 +164,19 @@ class ReferenceForward:
 
     # ----- MLA with the DSA indexer -----
 
-    def dsa_select(self, ix: "Indexer", x_parts: list[torch.Tensor], q_resid: torch.Tensor, layer: int
-                   ) -> list:
+    def dsa_select(self, ix: IndexerParams, x_parts: list[torch.Tensor], q_resid: torch.Tensor, layer: int
+                   ) -> PositionSelection:
         """Write this batch's indexer rows (key, k-pool gate score), then each sequence's selected positions
         ([n, topk + kpool] ascending, -1 padded; a verify window: a list of [1, ...] per row, each row seeing what a
         decode at its position sees). x_parts: the layer input through wk, the k-pool gate and weights_proj."""
         b, cache = self.batch, self.cache
         wk_out, gate_out, w_out = (p.contiguous() for p in x_parts)
         store = cache.index_keys[layer]
-        cache.write_rows(store, b, torch.cat([layer_norm(wk_out, ix.k_norm_w, ix.k_norm_b, 1e-6), gate_out], dim=-1))
+        self.write_rows(store, layer_norm(wk_out, ix.k_norm_w, ix.k_norm_b, 1e-6), gate_out)
         q = self.linear(q_resid, ix.wq_b).view(-1, ix.heads, ix.dim)
         w = w_out.float() * (ix.heads ** -0.5)
         positions = b.positions
-        out = []
+        out: PositionSelection = []
         for s, (off, n, start) in enumerate(zip(b.offsets, b.lengths, b.starts)):
             parts = [(off + r, 1, start + r) for r in range(n)] if b.is_verify(s) else [(off, n, start)]
             table = b.block_tables[s]
@@ -201,7 +196,7 @@ class ReferenceForward:
             out.append(per_part if b.is_verify(s) else per_part[0])
         return out
 
-    def mla_attention(self, attn: "MlaAttention", q: torch.Tensor, chosen: list) -> torch.Tensor:
+    def mla_attention(self, attn: MlaParams, q: torch.Tensor, chosen: PositionSelection) -> torch.Tensor:
         """q [S, T, heads * dn] -> every local head's attention output [S, T, heads * dv]: each query attends over
         its own selected positions' latent rows, gathered a block of rows at a time (verify rows one at a time,
         as one-row decodes), with kv_b folded into the query and the output (kernels/mla.py)."""
@@ -237,21 +232,21 @@ class ReferenceForward:
 
     # ----- MoE -----
 
-    def moe(self, m: "Moe", x: torch.Tensor) -> torch.Tensor:
+    def moe(self, m: MoeParams, x: torch.Tensor) -> torch.Tensor:
         """Routed experts (summed in expert-index order) + the shared expert, per local shard -> [S, T, D] fp32."""
-        c = m.cfg
-        e = c.n_routed_experts
+        e = m.n_routed_experts
         if m.packed:
             raise RuntimeError("packed (quantized) experts run through the fused kernels only")
-        ids, w = moe.route(x, m.router, m.bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
-                           topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
+        ids, w = moe.route(x, m.router, m.bias, top_k=m.num_experts_per_tok, n_group=m.n_group,
+                           topk_group=m.topk_group, norm_topk_prob=m.norm_topk_prob, scaling=m.routed_scaling_factor)
         width = m.gate.shape[1] // m.shards
         out = []
         for j in range(m.shards):
             g, u = (t[:, j * width : (j + 1) * width] for t in (m.gate, m.up))
             d = m.down[j * (e + 1) : (j + 1) * (e + 1)]
-            routed = moe.experts(x, ids, w, g[:e], u[:e], d[:e], c.swiglu_limit)
-            shared = linear(moe.swiglu(linear(x, g[e]), linear(x, u[e]), c.swiglu_limit), d[e]).float()
+            routed = moe.experts(x, ids, w, g[:e], u[:e], d[:e], m.swiglu_limit)
+            # the shared expert: dense experts always hold it last in each shard's stack (m.shared_in_stack)
+            shared = linear(moe.swiglu(linear(x, g[e]), linear(x, u[e]), m.swiglu_limit), d[e]).float()
             out.append(routed + shared)
         return torch.stack(out)
 
@@ -265,7 +260,7 @@ def _per_linear(x: torch.Tensor, w: torch.Tensor, outputs: list[int]) -> torch.T
     return torch.cat([linear(x, part) for part in w.split(outputs)], dim=-1)
 
 
-def _gate(attn: "KdaAttention", g_raw: torch.Tensor, j: int) -> torch.Tensor:
+def _gate(attn: KdaParams, g_raw: torch.Tensor, j: int) -> torch.Tensor:
     """Per-channel log-decay g <= 0 of shard j: [T, heads, dk] fp32 (GLM's safe gate when a lower bound is set)."""
     g = (g_raw.float() + attn.dt_bias[j].float()).view(g_raw.shape[0], attn.heads, attn.dl)
     rate = attn.a_log[j].float().exp().view(1, attn.heads, 1)
@@ -279,7 +274,7 @@ class _DecodeStep:
     verify row). The group is padded like every batch-wide tensor, so a row's bits do not depend on how many rows
     share the step."""
 
-    def __init__(self, attn: "KdaAttention", mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, j: int):
+    def __init__(self, attn: KdaParams, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, j: int):
         self.attn, self.mixed, self.g, self.beta, self.j = attn, mixed, g, beta, j
 
     def __call__(self, rows: list[int], hist: torch.Tensor, state: torch.Tensor

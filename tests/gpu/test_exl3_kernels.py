@@ -177,7 +177,7 @@ def test_model_with_exl3_experts_decode_row_alone_equals_row_among_2048(model) -
     from kernels.gpu.wtiles import Fmt
     from tests.gpu import test_fast_path
     moe = model.layers[1].ffn
-    assert moe.packed and moe.gate[0].fmt is Fmt.EXL3 and moe.shared_apart is None  # EXL3 stacks, shared inside
+    assert moe.params.packed and moe.params.gate[0].fmt is Fmt.EXL3 and moe.shared_apart is None  # shared inside
     test_fast_path.test_decode_row_alone_equals_row_among_2048(model)
 
 

@@ -170,7 +170,7 @@ def model():
 def test_model_with_int3_experts_decode_row_alone_equals_row_among_2048(model) -> None:
     from kernels.gpu.int_moe import IntExperts
     from tests.gpu import test_fast_path
-    assert isinstance(model.layers[1].ffn.gate, IntExperts)
+    assert isinstance(model.layers[1].ffn.params.gate, IntExperts)
     test_fast_path.test_decode_row_alone_equals_row_among_2048(model)
 
 

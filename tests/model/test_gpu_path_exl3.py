@@ -42,7 +42,8 @@ def models(tmp_path_factory) -> tuple[Glm5Model, Glm5Model]:
     for i, layer in enumerate(packed.layers):
         if isinstance(layer.ffn, Moe):
             layer.ffn = Moe(packed.cfg, PackedReader(reader), f"{TEXT_PREFIX}layers.{i}.")
-            assert layer.ffn.packed and layer.ffn.gate.fmt is Fmt.EXL3 and layer.ffn.shared_apart is None
+            moe = layer.ffn.params
+            assert moe.packed and moe.gate.fmt is Fmt.EXL3 and moe.shared_in_stack and layer.ffn.shared_apart is None
             swapped += 1
     reader.close()
     assert swapped == 1

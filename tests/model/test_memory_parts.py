@@ -27,7 +27,7 @@ def test_parts_sum_to_every_distinct_storage(tiny: Glm5Model) -> None:
     embed = tiny.embed.untyped_storage().nbytes()
     assert parts["embeddings"] == embed
     # the routed stacks: gate, up and down of every MoE layer, nothing else
-    moe = [layer.ffn for layer in tiny.layers if hasattr(layer.ffn, "router")]
+    moe = [layer.ffn.params for layer in tiny.layers if hasattr(layer.ffn, "params")]
     assert parts["routed experts"] == sum(t.untyped_storage().nbytes() for m in moe for t in (m.gate, m.up, m.down))
 
 
