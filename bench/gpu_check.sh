@@ -21,6 +21,12 @@
 #                                      # it: a 4-layer run has ~100 rounds, so use 40:30 there), then
 #                                      # bench/trace_gaps.py on rank 0's trace (its "in collectives" line: issue
 #                                      # 21's share, e.g. TP 2 on one GPU)
+#   bash bench/gpu_check.sh kill [LAYERS] [FORMAT] [TP]
+#                                      # issue 54's rank killed mid-load: bench/rank_kill.py on LAYERS real-dim
+#                                      # layers + MTP (default 45) of random FORMAT weights (default
+#                                      # exl3:2.5+fp8), TP (default 1) on this GPU: 8 streams in flight, SIGKILL
+#                                      # to the last rank, their errors within 5 s, 503 meanwhile, time to healthy,
+#                                      # the same greedy ids after
 #   bash bench/gpu_check.sh soak [LAYERS] [FORMAT] [DURATION]
 #                                      # issue 54's GPU soak: bench/soak.py --mix gpu (prompts 100 tokens to 32k
 #                                      # and one of 200k, n = 2, logprobs, tools / json_schema with a thinking
@@ -79,6 +85,22 @@ export PYTHONPATH="$PWD:$PWD/protos:/tmp/site"
 bin=$(python3 -c "import os, sys; print(os.path.dirname(sys.executable))")
 printf '#!/bin/sh\nexec python3 -m services.cli "$@"\n' > "$bin/twinspark" && chmod +x "$bin/twinspark"
 nvidia-smi -L | tee "$OUT/gpus.txt"
+# The logs of the stacks the benches started (their temporary state dirs), beside the results.
+copy_stack_logs() {
+    for d in /tmp/twinspark-bench-*/logs; do
+        [ -d "$d" ] && mkdir -p "$OUT/stack-logs" && cp -r "$d" "$OUT/stack-logs/$(basename "$(dirname "$d")")"
+    done
+}
+
+if [ "${1:-}" = "kill" ]; then
+    python3 -m bench.whole_model --write-dir /tmp/kill-config --layers "${2:-45}" > /dev/null
+    python3 -m bench.rank_kill --device cuda --tp "${4:-1}" --model /tmp/kill-config \
+        --random-weights "${3:-exl3:2.5+fp8}" --streams 8 --out "$OUT" > "$OUT/rank_kill.log" 2>&1
+    echo "rank_kill exit status $? (0: every check held)"
+    sed -n '/^| check/,/^Verdict/p' "$OUT"/rank_kill-*.md
+    copy_stack_logs
+    exit 0
+fi
 
 if [ "${1:-}" = "soak" ]; then
     python3 -m bench.whole_model --write-dir /tmp/soak-config --layers "${2:-45}" > /dev/null
@@ -88,9 +110,7 @@ if [ "${1:-}" = "soak" ]; then
     echo "soak exit status $? (0: the Done-when held)"
     tail -3 "$OUT/soak.log"
     sed -n '/^| minute | sent/,/^$/p; /^Steady minutes/,/^| process/p' "$OUT"/soak-*.md
-    for d in /tmp/twinspark-bench-*/logs; do
-        [ -d "$d" ] && mkdir -p "$OUT/stack-logs" && cp -r "$d" "$OUT/stack-logs/$(basename "$(dirname "$d")")"
-    done
+    copy_stack_logs
     exit 0
 fi
 if [ "${1:-}" = "long" ]; then
@@ -160,9 +180,7 @@ if [ "${1:-}" = "quality" ]; then
     python3 -m bench.quality_formats --device cuda --dims release --layers 4 --experts "${3:-16}" \
         ${2:+--formats "$2"} --work /tmp/quality-formats --out "$OUT" > "$OUT/quality_formats.log" 2>&1
     tail -14 "$OUT/quality_formats.log"
-    for d in /tmp/twinspark-bench-*/logs; do
-        [ -d "$d" ] && mkdir -p "$OUT/stack-logs" && cp -r "$d" "$OUT/stack-logs/$(basename "$(dirname "$d")")"
-    done
+    copy_stack_logs
     exit 0
 fi
 if [ "${1:-}" = "profile" ]; then
@@ -184,9 +202,7 @@ if [ "${1:-}" = "whole" ]; then
     tail -12 "$OUT/whole_model.log"
     # The stacks' own logs (rank: graph captures and their cost; scheduler: round times with TWINSPARK_LOG_LEVEL=debug;
     # the rank profiler's tables with TWINSPARK_TORCH_PROFILER_DIR set) say where a slow level's time went.
-    for d in /tmp/twinspark-bench-*/logs; do
-        [ -d "$d" ] && mkdir -p "$OUT/stack-logs" && cp -r "$d" "$OUT/stack-logs/$(basename "$(dirname "$d")")"
-    done
+    copy_stack_logs
     exit 0
 fi
 

@@ -50,9 +50,9 @@ import httpx
 from bench import flags
 from bench.output import write_results
 from bench.soak_mix import DefaultMix, GpuMix, GpuMixState, Outcome, Plan
-from bench.stack import Stack, add_stack_args, attach_or_start, load_line, machine_load, rss_bytes
+from bench.stack import (Stack, add_stack_args, add_started_stack_args, attach_or_start, load_line, machine_load,
+                         rss_bytes, started_stack_env)
 from bench.stats import percentile
-from services.common import shared_flags as shared
 
 RSS_EVERY_S = 10.0
 WINDOW_S = 600.0  # the whole-run memory check compares the first and the last 10 minutes
@@ -485,7 +485,7 @@ def summarize(res: dict, warmup: int) -> tuple[dict, list[dict], dict]:
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = _parser().parse_args(argv)
-    stack = attach_or_start(args.state_dir, tp=args.tp, model=args.model, env=stack_env(args))
+    stack = attach_or_start(args.state_dir, tp=args.tp, model=args.model, env=started_stack_env(args, args.clients))
     try:
         lanes = stack.health()["pool"]["total_slots"]  # request slots: how many requests run at once
         clients = args.clients or 4 * lanes
@@ -528,29 +528,10 @@ def passed(summary: dict, mix: str) -> bool:
     return ok and all(v is not False for v in summary["done_when"].values())
 
 
-def stack_env(args: argparse.Namespace) -> dict[str, str]:
-    """The started stack's settings (`twinspark up` reads them from its environment): the bench's flags, not the
-    shell's. On CUDA: drafts off unless --drafter (random weights draft nothing a verify would accept), and room for
-    every client's request to run at once (bench/whole_model.py's running_limits)."""
-    env = {"TWINSPARK_DEVICE": args.device}
-    if args.random_weights:
-        env["TWINSPARK_RANDOM_WEIGHTS"] = args.random_weights
-    drafter = args.drafter or ("none" if args.device == "cuda" else None)
-    if drafter:
-        env["TWINSPARK_DRAFTER"] = drafter
-    if args.device == "cuda" and args.clients:
-        from bench.whole_model import running_limits
-        env.update(running_limits(args.clients))
-    return env
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = flags.parser("bench.soak", __doc__)
     add_stack_args(ap)
-    flags.add(ap, shared.DEVICE, "the started stack's device (default cpu)")
-    flags.add(ap, shared.RANDOM_WEIGHTS, "the started stack's --random-weights (e.g. exl3:2.5+fp8)")
-    flags.add(ap, shared.DRAFTER, "the started stack's draft method (default: none on cuda, the stack's on cpu)",
-              default=None)
+    add_started_stack_args(ap)
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default 1800)")
     ap.add_argument("--end-by", type=float, default=None,
                     help="stop the load at the latest this many seconds after the bench started, start-up included "

@@ -127,6 +127,30 @@ def add_stack_args(ap: argparse.ArgumentParser) -> None:
     flags.add(ap, shared.MODEL, "checkpoint of the stack started for the bench (default the tiny one)")
 
 
+def add_started_stack_args(ap: argparse.ArgumentParser) -> None:
+    """The started stack's device, random weights and drafter (beside add_stack_args)."""
+    flags.add(ap, shared.DEVICE, "the started stack's device (default cpu)")
+    flags.add(ap, shared.RANDOM_WEIGHTS, "the started stack's --random-weights (e.g. exl3:2.5+fp8)")
+    flags.add(ap, shared.DRAFTER, "the started stack's draft method (default: none on cuda, the stack's on cpu)",
+              default=None)
+
+
+def started_stack_env(args: argparse.Namespace, clients: int | None) -> dict[str, str]:
+    """The started stack's settings (`twinspark up` reads them from its environment): the bench's flags, not the
+    shell's. On CUDA: drafts off unless --drafter (random weights draft nothing a verify would accept), and room for
+    `clients` requests to run at once (bench/whole_model.py's running_limits)."""
+    env = {"TWINSPARK_DEVICE": args.device}
+    if args.random_weights:
+        env["TWINSPARK_RANDOM_WEIGHTS"] = args.random_weights
+    drafter = args.drafter or ("none" if args.device == "cuda" else None)
+    if drafter:
+        env["TWINSPARK_DRAFTER"] = drafter
+    if args.device == "cuda" and clients:
+        from bench.whole_model import running_limits
+        env.update(running_limits(clients))
+    return env
+
+
 def load_line(before: dict, after: dict) -> str:
     """The markdown sentence saying how busy the shared machine was."""
     return (f"Machine (shared): load {before['loadavg_1_5_15']} before, {after['loadavg_1_5_15']} after, "

@@ -114,3 +114,14 @@ def test_whole_model_served_prefill(stack):
     md = markdown({"date": "now", "model": "m", "config": {}, "tp": 1, "prompt_len": 1, "output_len": 1,
                    "formats": [row]})
     assert f"| bf16 | 64 | {p['ttft_s']:.3f} |" in md
+
+
+def test_rank_kill_bench(stack, tmp_path):
+    """bench/rank_kill.py on the shared stack (last in this file: it kills the stack's rank, which restarts)."""
+    r = _run("bench.rank_kill", "--state-dir", str(stack.state_dir), "--tp", "1", "--streams", "2",
+             "--stream-tokens", "200", "--recovery-s", "180", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    data = json.loads(next(tmp_path.glob("rank_kill-*.json")).read_text())
+    assert data["rank"] == "rank0" and data["errors_within_bound"] == 2 and data["outage_status"] == 503
+    assert data["same_ids"] == data["prompts"] and data["restarts"]["after"] == {"rank": 1}
+    assert "| replies after recovery = before | 4/4 |" in next(tmp_path.glob("rank_kill-*.md")).read_text()
