@@ -103,7 +103,7 @@ def dense_rows(bw: float) -> list[dict]:
     for name, n, k in SHAPES:
         for fmt in ("fp8", "int4"):
             try:
-                rows += _shape_rows(bw, gemm, gen, name, n, k, fmt)
+                rows += _shape_rows(bw, gen, name, n, k, fmt)
             except Exception as e:  # noqa: BLE001 - a format humming cannot take here: recorded, the rest run
                 rows.append(dict(kernel="humming dense", shape=name, format=fmt, error=repr(e)[:300]))
                 log(f"humdense {name} {fmt}: failed: {e!r}"[:300])
@@ -111,8 +111,9 @@ def dense_rows(bw: float) -> list[dict]:
     return rows
 
 
-def _shape_rows(bw: float, gemm, gen: torch.Generator, name: str, n: int, k: int, fmt: str) -> list[dict]:
+def _shape_rows(bw: float, gen: torch.Generator, name: str, n: int, k: int, fmt: str) -> list[dict]:
     """One shape and format: ours and every humming tile at ROWS, then the exactness of the tile best at 8 rows."""
+    from kernels.gpu import gemm
     rows: list[dict] = []
     ours_fmt = "fp8" if fmt == "fp8" else "w4a16"  # W4A16: our 4-bit format with the same bytes per group
     copies, params, nbytes = weight_copies(ours_fmt, n, k, gen)
