@@ -5,7 +5,8 @@ Why a child process: the library can take the process down or hold it for long o
 ~1,000 `$ref`s or Lark rules overflows its stack (SIGSEGV), 100,000 choices trip an internal assertion (a panic)
 after 16 s, an object of 10,000 optional properties compiles for 10 s. Here a crash is a 400 for that request and a
 fresh worker for the next; a check past `DEADLINE_S` of CPU time is refused, and one that has not answered after
-`WALL_S` is killed and refused. A grammar's verdict is kept (`VERDICTS`): a client sends one schema many times. The
+`WALL_S` is killed and refused — unless the worker has not yet had `DEADLINE_S` of CPU time (a loaded machine
+starved it), which gets up to `STARVED_WALL_S`. A grammar's verdict is kept (`VERDICTS`): a client sends one schema many times. The
 worker compiles on a thread with half the usual 8 MiB stack, so what passes here compiles in the scheduler's main
 thread with room to spare.
 
@@ -32,16 +33,20 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import IO
 
 from .errors import bad_request, unavailable
 
 DEADLINE_S = 0.4  # compile + walk, CPU time: the scheduler compiles it again on its loop, holding every stream
 # Wall time the gateway waits for a verdict: the worker's CPU-time limit above is the grammar's, whatever the machine's
-# load (a loaded 2-core machine stretched a 0.2 s check of a common pydantic schema past 0.4 s of wall time); this
-# bound only kills what never answers (a 10 s compile), still within the second a refusal may take.
+# load; this bound only kills what never answers (a 10 s compile), still within the second a refusal may take. A
+# worker that used less than DEADLINE_S of CPU in that time was starved, not stuck (a CI machine running two stacks
+# on 2 cores held a 5 ms check of a pydantic schema past 0.7 s): it is waited for, up to STARVED_WALL_S.
 WALL_S = 0.7
+STARVED_WALL_S = 10.0
 VERDICTS = 256  # grammars whose verdict (passed, or the library's error) is kept: clients send one schema many times
 WALKS = 4
 WALK_TOKENS = 48
@@ -81,10 +86,17 @@ class GrammarChecker:
             return self._verdicts[grammar]
         proc = self._worker()
         assert proc.stdin is not None and proc.stdout is not None
+        cpu_before, asked = _cpu_seconds(proc.pid), time.monotonic()
+
+        def starved() -> bool:
+            cpu_now = _cpu_seconds(proc.pid)
+            return (cpu_before is not None and cpu_now is not None and cpu_now - cpu_before < DEADLINE_S
+                    and time.monotonic() - asked < STARVED_WALL_S)
+
         try:
             proc.stdin.write(json.dumps({"grammar": grammar}).encode() + b"\n")
             proc.stdin.flush()
-            line = _read_line(proc.stdout, WALL_S)
+            line = _read_line(proc.stdout, WALL_S, starved)
         except OSError:
             line = b""
         if line:
@@ -127,19 +139,32 @@ class GrammarChecker:
             self._proc = None
 
 
-def _read_line(stream: IO[bytes], timeout_s: float) -> bytes | None:
-    """One line from the worker: None after `timeout_s`, b"" when it died first."""
+def _read_line(stream: IO[bytes], timeout_s: float, extend: Callable[[], bool] = lambda: False) -> bytes | None:
+    """One line from the worker: None after `timeout_s` (renewed while `extend()` says so), b"" when it died first."""
     fd, buf = stream.fileno(), b""
     deadline = time.monotonic() + timeout_s
     while not buf.endswith(b"\n"):
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if extend():
+                deadline = time.monotonic() + timeout_s
+                continue
             return None
         chunk = os.read(fd, 1 << 16)
         if not chunk:
             return b""
         buf += chunk
     return buf
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """The process's user + system CPU time from /proc (Linux, where the gateway runs); None where unreadable, and
+    then a check is bounded by WALL_S alone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
 
 
 # ------------------------------------------------------------------------------------------------ the worker

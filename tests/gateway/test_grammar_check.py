@@ -128,3 +128,32 @@ def test_a_grammars_verdict_is_kept(tiny_default: Path) -> None:
         assert checker.verdict(grammar) is None and checker._proc is None
     finally:
         checker.close()
+
+
+def test_a_starved_worker_is_waited_for(tiny_default: Path) -> None:
+    """A loaded machine may not schedule the worker within WALL_S: stopped (SIGSTOP) for twice that, it has used no
+    CPU, so the gateway waits and the grammar passes; the wait is bounded by STARVED_WALL_S, not the check's load."""
+    import os
+    import signal
+    import threading
+
+    from llguidance import LLMatcher
+
+    from services.gateway.grammar_check import WALL_S
+
+    ckpt = CheckpointInfo.load(tiny_default)
+    ctx = ModelContext(checkpoint=ckpt, tokenizer=TextTokenizer(tiny_default),
+                       template=ChatTemplate.load(tiny_default, ckpt.tokenizer_config), max_model_len=4096)
+    checker = ctx.grammar_check
+    grammar = LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"b": {"type": "string"}}})
+    try:
+        pid = checker._worker().pid
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(2 * WALL_S, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        started = time.monotonic()
+        assert checker.verdict(grammar) is None
+        assert time.monotonic() - started >= 2 * WALL_S and checker._proc is not None and checker._proc.pid == pid
+        resume.join()
+    finally:
+        checker.close()
