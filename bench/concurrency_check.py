@@ -50,9 +50,19 @@ def serial(url: str, bodies: list[dict]) -> list[list[int]]:
 
 @dataclass
 class Check:
+    """Every pass's token ids, request by request (bench.exactness prints a verdict per request)."""
+
     serial: list[list[int]]
-    staggered_same: int
-    burst_same: int
+    staggered: list[list[int]]
+    burst: list[list[int]]
+
+    @property
+    def staggered_same(self) -> int:
+        return same_requests(self.staggered, self.serial)
+
+    @property
+    def burst_same(self) -> int:
+        return same_requests(self.burst, self.serial)
 
     @property
     def exact(self) -> bool:
@@ -67,9 +77,7 @@ def check(url_v1: str, bodies: list[dict] | None = None) -> Check:
     """Serial references, then staggered and burst runs compared with them."""
     bodies = bodies or requests()
     ref = serial(url_v1, bodies)
-    staggered = asyncio.run(concurrent(url_v1, bodies, 0.05))
-    burst = asyncio.run(concurrent(url_v1, bodies, 0.0))
-    return Check(ref, sum(a == b for a, b in zip(staggered, ref)), sum(a == b for a, b in zip(burst, ref)))
+    return Check(ref, asyncio.run(concurrent(url_v1, bodies, 0.05)), asyncio.run(concurrent(url_v1, bodies, 0.0)))
 
 
 def same_requests(mine: list[list[int]], theirs: list[list[int]]) -> int:

@@ -9,7 +9,9 @@ selects are drawn directly in their packed form (random fp8 values / int4 nibble
 scales), never as a dense copy; the dense views (`full` / `split`) dequantize them, the packed views return them as
 they are. The recipe is planned for the reader's virtual shards (a linear is packed only if each shard is whole
 tiles), EXL3 linears get the rates quantize/bits.py spreads the recipe's target bitrate over (`exl3:3.0+fp8`), and
-int linears their format's width (`int3+int4`: 3-bit experts, 4-bit rest).
+int linears their format's width (`int3+int4`: 3-bit experts, 4-bit rest). An int linear's (w4a16's too) scales
+get random signs (`sign_scales`): without them every such linear favours one input direction and the random model
+answers every prompt with one token repeated.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ from model.checkpoint.weights import all_tensors
 from model.weights import _KEEP_FP32  # the loader's fp32 rule: follow it exactly
 
 Packed = Union[torch.Tensor, QuantizedWeight]
+
+# The int codecs' random draw (kernels/quant/intn.py; w4a16 draws through it) takes codes uniform over
+# [-2^(b-1), 2^(b-1) - 1], whose mean is half a step below zero, and every scale positive: each linear is then a
+# zero-mean random matrix plus c * std * 1 1^T, c = -0.5 / the codes' std (-0.11 at 4 bits, -0.22 at 3, -0.45 at 2),
+# which multiplies the all-ones input direction by about |c| sqrt(in) and maps it onto the all-ones output, where the
+# next linear multiplies it again. At the release's widths that is several times per linear (the tiny model's 64
+# keep it under 1, so the tiny tests never saw it): layer after layer the residual becomes that one direction, the
+# final norm's output stops depending on the input and every greedy reply is one token repeated. Before and after:
+# docs/benchmarks.md, "Random weights that speak (CPU)".
+SIGNED_SCALE_CODECS = ("int", "w4a16")
 
 
 def spec_from_config(cfg: ModelConfig) -> TinySpec:
@@ -89,6 +101,21 @@ def draw(t: TensorSpec, *, seed: int, dtype: torch.dtype, device: torch.device) 
     return out if out.is_contiguous() else out.contiguous()
 
 
+def sign_scales(w: QuantizedWeight, g: torch.Generator) -> QuantizedWeight:
+    """`w` with a random sign (from `g`) on each of its int scales, in place; other formats as they are.
+
+    The int format's scales are signed anyway (a group's scale takes the sign that puts its largest element on the
+    bottom level, so quantizing a zero-mean weight gives each sign half the time), and a random sign per group
+    turns the codes' mean offset from one direction every linear amplifies into a different random pattern per
+    linear, which no chain of linears lines up."""
+    if w.format not in SIGNED_SCALE_CODECS:
+        return w
+    scale = w.tensors["weight_scale"]
+    signs = torch.randint(0, 2, scale.shape, generator=g, device=scale.device, dtype=torch.int8)
+    scale.mul_(signs.mul_(2).sub_(1).to(scale.dtype))
+    return w
+
+
 class RandomWeightReader:
     """`WeightReader`'s interface (dtype, device, sharding, full, split, full_packed, split_packed, has, close) over
     random tensors; `recipe` picks the linears drawn quantized (None: everything dense)."""
@@ -139,6 +166,7 @@ class RandomWeightReader:
             made = random_quantized(codec, *t.shape, std=t.init.a, block=r.block_for(fmt),
                                     bits=self.exl3_plan.bits[key] if codec == "exl3" else bits,
                                     codebook=r.exl3_codebook, generator=g, device=self.device)
+            made = sign_scales(made, g)  # the same generator, after the draw: deterministic from the seed
             size = made.nbytes
             self.quantized_made += 1
         self.bytes_made += size
