@@ -4,6 +4,7 @@ hangs (no answer within --timeout) and restarts (up.json's pids and restart coun
 
     python -m bench.fuzz --requests 10000 --out bench/results            # starts a CPU stack (tiny model), TP 2
     python -m bench.fuzz --state-dir ~/.local/state/twinspark --requests 10000 --out DIR   # a running stack
+    python -m bench.fuzz --device cuda --model DIR --random-weights exl3:2.5+fp8 --tp 1 --out DIR  # on a GPU
 
 Writes fuzz-<time>.json and .md (the command in their header). A request whose body is over the body limit may find
 the connection closed after the gateway's early 413 (the client is still sending): counted as 413, as the gateway
@@ -25,7 +26,8 @@ from tqdm import tqdm
 from bench import flags
 from bench.malformed import Case, cases, problem
 from bench.output import write_results
-from bench.stack import Stack, add_stack_args, attach_or_start, load_line, machine_load
+from bench.stack import (Stack, add_stack_args, add_started_stack_args, attach_or_start, load_line, machine_load,
+                         started_stack_env)
 from services.gateway.limits import InputLimits
 
 WINDOW = "384"
@@ -78,11 +80,19 @@ async def run(stack: Stack, n: int, seed: int, concurrency: int, timeout_s: floa
             "problem_examples": examples[:50]}
 
 
+def stack_words(r: dict) -> str:
+    """What the stack served: a running one (--state-dir), or the device, model and weights of the one started."""
+    if r["window"] is None:
+        return "a running stack"
+    weights = f", random {r['random_weights']} weights" if r.get("random_weights") else ""
+    return f"{r.get('device', 'cpu').upper()}, {r.get('model') or 'the tiny model'}{weights}"
+
+
 def markdown(result: dict) -> str:
     r, s = result, result["summary"]
     lines = [f"# Fuzz bench {r['when']}", "", f"    {r['command']}", "",
              f"{s['requests']} hostile requests (bench/malformed.py + bench/hostile.py, seed {r['seed']}, "
-             f"{r['concurrency']} at a time) against `twinspark up` (TP {r['tp']}, CPU, tiny model, window "
+             f"{r['concurrency']} at a time) against `twinspark up` (TP {r['tp']}, {stack_words(r)}, window "
              f"{r['window']}) in {s['seconds']:.0f} s.", "",
              "| 5xx | wrong error shape | stream errors of ours | hangs | connection errors | restarts | /health after |",
              "|---:|---:|---:|---:|---:|---:|---:|",
@@ -99,6 +109,7 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = flags.parser("bench.fuzz", __doc__)
     add_stack_args(ap)
+    add_started_stack_args(ap)
     ap.add_argument("--requests", type=int, default=10_000)
     flags.add(ap, flags.SEED, "seed of the hostile requests (default 13)", default="13")
     ap.add_argument("--concurrency", type=int, default=4)
@@ -108,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     # A short window keeps the odd accidentally-valid request short (one without max_tokens decodes the rest of
     # the window: 1,000 tokens took over the 120 s hang limit on the shared CPU), yet holds a prompt with one small
     # tool's description (~260-310 tokens with the tiny tokenizer), so tool grammars reach the check.
-    stack = attach_or_start(args.state_dir, tp=args.tp, model=args.model, env={"TWINSPARK_MAX_MODEL_LEN": WINDOW})
+    # On a GPU (issue 54's hostile corpora on the CUDA stack) the started stack's device and weights come along.
+    stack = attach_or_start(args.state_dir, tp=args.tp, model=args.model,
+                            env={"TWINSPARK_MAX_MODEL_LEN": WINDOW, **started_stack_env(args, args.concurrency)})
     try:
         pids, restarts = stack.processes(), stack.restarts()
         load_before, t0 = machine_load(), time.monotonic()
@@ -129,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     out = {"bench": "fuzz", "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "command": " ".join(["python -m bench.fuzz", *(argv if argv is not None else sys.argv[1:])]),
            "seed": args.seed, "concurrency": args.concurrency, "tp": args.tp,
-           "window": int(WINDOW) if args.state_dir is None else None, "summary": summary, **result,
+           "window": int(WINDOW) if args.state_dir is None else None, "device": args.device,
+           "random_weights": args.random_weights, "model": str(args.model) if args.model else None,
+           "summary": summary, **result,
            "load_before": load_before, "load_after": machine_load()}
     print(json.dumps(summary))
     write_results(args.out, "fuzz", out, markdown(out))
