@@ -36,6 +36,7 @@ from bench.model_run import (BLOCK, Setup, add_flags, add_step_flags, experts_pe
 from bench.output import RunFiles
 from bench.random_weights import build_model
 from bench.timing import log, median, sync, time_calls
+from services.common import shared_flags as shared
 from model.batch import Batch
 from model.quantize.select import Recipe
 from model.row_store import KV_CACHE_DTYPES
@@ -72,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "algorithm by the row count: bench/library_schedule.py; not row-invariant, for comparison "
                         "only)")
     add_step_flags(p)
+    flags.add(p, shared.REST_FP8_KERNEL)
     add_flags(p, "decode_prefill", "make-tiny dimensions on the CPU, small ceilings: a smoke test of this script")
     return p.parse_args(argv)
 
@@ -614,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     meta["random_weights"] = args.random_weights
     model, reader = build_model(spec, device=device, dtype=dtype, seed=args.seed, virtual=args.virtual,
                                 recipe=recipe, log=log)
+    if args.rest_fp8_kernel != "triton":  # as serve-rank does after its load (model/rest_kernel.py)
+        from model import rest_kernel
+        log(rest_kernel.prepare(model, args.rest_fp8_kernel, args.virtual, dtype))
     sync(device)
     meta["build_s"] = time.perf_counter() - t0
     meta["bytes_drawn"] = reader.bytes_made

@@ -15,6 +15,11 @@
 #                                      # tests, then bench/kernels.py's intinv, intmoe (int3 / int4 / EXL3 2.5 /
 #                                      # bf16 in one run) and intsweep sections (the CUDA EXL3 product builds
 #                                      # in the background meanwhile)
+#   bash bench/gpu_check.sh rest [FORMAT]
+#                                      # issue 50's wide fp8 rest on humming-kernels: its GPU tests, then
+#                                      # bench/decode_prefill.py on the 4-layer slice of random FORMAT weights
+#                                      # (default exl3:2.5+fp8) at batch 1 and 8, once with --rest-fp8-kernel
+#                                      # triton and once humming (decode-prefill-rest-{triton,humming}.json)
 #   bash bench/gpu_check.sh profile [LAYERS] [FORMAT] [TP]
 #                                      # the whole-model bench at batch 1 (default 22 layers, w4a16+fp8, TP 1) with
 #                                      # the rank profiler over rounds 401-440 (PROFILE_ROUNDS=SKIP:COUNT to move
@@ -37,6 +42,12 @@
 #                                      # started: a cold start-up eats into the load, not past the call. A table
 #                                      # per minute, GPU memory / host RSS drifts, p99 / median ITL, the
 #                                      # Done-when checks; the stack's logs under $OUT/stack-logs
+#   bash bench/gpu_check.sh hostile [LAYERS] [FORMAT] [REQUESTS]
+#                                      # issue 54's hostile corpora on CUDA: bench/fuzz.py (bench/malformed.py +
+#                                      # bench/hostile.py, the gateway's and the agent surface's) on LAYERS
+#                                      # real-dimension layers + MTP (default 45) of random FORMAT weights (default
+#                                      # exl3:2.5+fp8), TP 1, REQUESTS of them (default 3000) 8 at a time: 5xx,
+#                                      # hangs, restarts, /health after; the stack's logs under $OUT/stack-logs
 #   bash bench/gpu_check.sh long [LENGTHS]
 #                                      # only bench/long_context.py (default 8k, 64k, 256k, 1M tokens)
 #   bash bench/gpu_check.sh coldstart [LAYERS] [FORMATS]
@@ -113,6 +124,16 @@ if [ "${1:-}" = "soak" ]; then
     copy_stack_logs
     exit 0
 fi
+if [ "${1:-}" = "hostile" ]; then
+    python3 -m bench.whole_model --write-dir /tmp/hostile-config --layers "${2:-45}" > /dev/null
+    python3 -m bench.fuzz --device cuda --tp 1 --model /tmp/hostile-config --random-weights "${3:-exl3:2.5+fp8}" \
+        --requests "${4:-3000}" --concurrency 8 --out "$OUT" > "$OUT/fuzz.log" 2>&1
+    echo "fuzz exit status $? (0: no 5xx, hang, wrong error shape or restart; /health 200 after)"
+    tail -1 "$OUT/fuzz.log"
+    sed -n '/^| 5xx/,/^$/p' "$OUT"/fuzz-*.md
+    copy_stack_logs
+    exit 0
+fi
 if [ "${1:-}" = "long" ]; then
     python3 -m bench.long_context --out "$OUT" ${2:+--lengths "$2"} > "$OUT/long_context.log" 2>&1
     tail -12 "$OUT/long_context.log"
@@ -174,6 +195,18 @@ if [ "${1:-}" = "int" ]; then
     grep -E "^.{11}(moe |int[34] )" "$OUT/kernels-intmoe.log" | tail -40
     python3 -m bench.kernels --only intsweep --out "$OUT" > "$OUT/kernels-intsweep.log" 2>&1
     grep -E "sweep prompt" "$OUT/kernels-intsweep.log" | tail -14
+    exit 0
+fi
+if [ "${1:-}" = "rest" ]; then
+    python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_dense_humming.py > "$OUT/gpu_tests_rest.log" 2>&1
+    grep -E "fp8 dense|passed|failed" "$OUT/gpu_tests_rest.log" | tail -6
+    for kernel in triton humming; do
+        python3 -m bench.decode_prefill --batches 1,8 --prefill 2048 --peer none --random-weights "${2:-exl3:2.5+fp8}" \
+            --rest-fp8-kernel "$kernel" --name "decode_prefill-rest-$kernel" --out "$OUT" \
+            > "$OUT/decode_prefill-rest-$kernel.log" 2>&1
+        echo "rest fp8 kernel $kernel:"
+        grep -E "rest fp8 kernel|median" "$OUT/decode_prefill-rest-$kernel.log" | tail -6
+    done
     exit 0
 fi
 if [ "${1:-}" = "quality" ]; then

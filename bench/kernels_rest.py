@@ -15,7 +15,6 @@ bit for bit, and the product against the dequantized weight in fp32.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from bench.kernels_formats import L2_BYTES, weight_args, weight_copies
 from bench.moe_layer import BF16, D
 from bench.timing import graph_ms, log
+from kernels.gpu import fp8_dense, int_moe
 
 # (name, N, K) of the rest's decode products at TP 1 (fused where the fast path fuses them)
 SHAPES = [("kda q|k|v", 3 * 8192, D), ("kda o_proj", D, 8192), ("mla q_a|kv_a", 1536 + 512, D),
@@ -41,8 +41,7 @@ TILES = [(8, 128, 32, 8, 2, "wgmma"), (8, 128, 32, 4, 1, "wgmma"), (16, 128, 32,
 def _schema(fmt: str):
     from humming.schema import HummingWeightSchema
     if fmt == "fp8":
-        return HummingWeightSchema(b_dtype="float8e4m3", weight_scale_group_size=GROUP,
-                                   weight_scale_group_size_n=GROUP)
+        return fp8_dense.schema()
     return HummingWeightSchema(b_dtype="uint4", bs_dtype="bfloat16", weight_scale_group_size=GROUP)
 
 
@@ -58,18 +57,8 @@ def _humming_weight(fmt: str, n: int, k: int) -> tuple[str, dict[str, torch.Tens
     return config.to_str(), transform_humming_tensors(config, dict(stored)), dense
 
 
-def _tile_config(t: tuple) -> dict:
-    bm, bn, wn, st, c, mma = t
-    return {"block_shape": [bm, bn, 64], "warp_shape": [bm, wn, 64], "mma_type": mma, "num_stages": st,
-            "num_ctas_per_sm": c, "use_stream_k": False, "use_warp_spec": False, "use_tma": False,
-            "use_batch_invariant": True}
-
-
 def _kernel(layer: str, t: tuple) -> torch.Tensor:
-    from humming.kernel.humming import HummingKernel
-    compute = json.dumps({"gemm_type": "dense", "use_batch_invariant": True})
-    return HummingKernel.prepare_kernels(layer, compute, json.dumps([[0, 1 << 30, _tile_config(t)]]),
-                                         device=torch.cuda.current_device())
+    return int_moe.build(layer, fp8_dense.COMPUTE, int_moe.Tile(*t), torch.cuda.current_device())
 
 
 def _call(kernel: torch.Tensor, tensors: dict[str, torch.Tensor], x: torch.Tensor, out: torch.Tensor

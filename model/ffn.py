@@ -61,8 +61,8 @@ class Moe:
         else:
             gate, up, down, together = _packed_stacks(routed, shared, shards, reader.dtype)
             if not together:
-                self.shared_apart = DenseMlp(projection.join(shared[:2], sharded=True),
-                                             projection.join(shared[2:], sharded=True), cfg.swiglu_limit)
+                self.shared_apart = DenseMlp(projection.join(shared[:2], cut=COLUMNS),
+                                             projection.join(shared[2:], cut=ROWS), cfg.swiglu_limit)
         self.params = MoeParams(
             router=router, bias=bias, gate=gate, up=up, down=down, shards=shards, packed=packed,
             shared_in_stack=self.shared_apart is None, n_routed_experts=cfg.n_routed_experts,

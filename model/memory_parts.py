@@ -46,7 +46,8 @@ def _part(path: tuple[tuple[str, str], ...]) -> str:
     return "norms + mHC"
 
 
-def _children(obj: object) -> Iterator[tuple[str, object]]:
+def children(obj: object) -> Iterator[tuple[str, object]]:
+    """The named objects one step inside `obj` that a walk of the model follows (also model/rest_kernel.py's)."""
     if isinstance(obj, (list, tuple)):
         yield from ((str(i), v) for i, v in enumerate(obj))
     elif isinstance(obj, dict):
@@ -64,7 +65,7 @@ def _tensors(obj: object, path: tuple[tuple[str, str], ...], seen: set[int]) -> 
     if id(obj) in seen:
         return
     seen.add(id(obj))
-    for name, child in _children(obj):
+    for name, child in children(obj):
         yield from _tensors(child, (*path, (name, type(obj).__name__)), seen)
 
 

@@ -30,7 +30,11 @@ class Projection:
     parts: list[Any]  # in output order: dense tensors, or (on CUDA) kernels/gpu/wtiles.WeightArgs
     widths: list[int]  # output rows of each part (per shard)
     outputs: list[int]  # output rows of each linear joined here (per shard), to split the result by
-    sharded: bool  # stacked over local virtual shards ([S, N, K]) or replicated ([N, K])
+    cut: int | None  # COLUMNS / ROWS: stacked over local virtual shards ([S, N, K]); None: replicated ([N, K])
+
+    @property
+    def sharded(self) -> bool:
+        return self.cut is not None
 
     @property
     def n(self) -> int:
@@ -57,11 +61,13 @@ def load(reader: WeightReader, keys: list[str], dim: int | None = None) -> Proje
         stored = [[reader.full_packed(k) if packed else reader.full(k)] for k in keys]
     else:
         stored = [reader.split_packed(k, dim) if packed else reader.split(k, dim) for k in keys]
-    return join(stored, sharded=dim is not None)
+    return join(stored, cut=dim)
 
 
-def join(stored: list[list[Any]], *, sharded: bool) -> Projection:
-    """stored[i][j]: linear i's local shard j (one entry when replicated), dense or QuantizedWeight."""
+def join(stored: list[list[Any]], *, cut: int | None) -> Projection:
+    """stored[i][j]: linear i's local shard j (one entry when replicated), dense or QuantizedWeight; cut: the dim
+    the shards were cut along (None: replicated)."""
+    sharded = cut is not None
     parts, widths = [], []
     run: list[list[Any]] = []
     for linear in stored + [None]:  # a None ends the last run
@@ -72,7 +78,7 @@ def join(stored: list[list[Any]], *, sharded: bool) -> Projection:
             run = []
         if linear is not None:
             run.append(linear)
-    return Projection(parts, widths, [linear[0].shape[0] for linear in stored], sharded)
+    return Projection(parts, widths, [linear[0].shape[0] for linear in stored], cut)
 
 
 def _joinable(a: Any, b: Any) -> bool:

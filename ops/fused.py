@@ -18,7 +18,7 @@ import logging
 import torch
 
 from kernels import kda
-from kernels.gpu import arch as gpu_arch, gemm
+from kernels.gpu import arch as gpu_arch, fp8_dense, gemm
 from kernels.gpu import kda as gpu_kda
 from kernels.gpu import mhc as gpu_mhc
 from kernels.gpu import mla as gpu_mla
@@ -287,15 +287,21 @@ class FusedForward:
 
 def project(x: torch.Tensor, p: Projection, decode_rows: int, out_dtype: torch.dtype | None) -> torch.Tensor:
     """x [B, M, K] through every part of `p` ([B, N_i, K] each) -> [B, M, N], each part's columns written in place;
-    rows [0, decode_rows) with the decode schedule, the rest with the prompt one (kernels/gpu/gemm.py)."""
+    rows [0, decode_rows) with the decode schedule, the rest with the prompt one (kernels/gpu/gemm.py; a run
+    repacked for humming, model/rest_kernel.py: kernels/gpu/fp8_dense.py)."""
     if len(p.parts) == 1:
-        return gemm.bmm(x, p.parts[0], decode_rows, out_dtype)
+        return _bmm(p.parts[0])(x, p.parts[0], decode_rows, out_dtype)
     out = torch.empty(*x.shape[:2], p.n, dtype=out_dtype or x.dtype, device=x.device)
     lo = 0
     for part, width in zip(p.parts, p.widths):
-        gemm.bmm(x, part, decode_rows, out_dtype, out=out[..., lo : lo + width])
+        _bmm(part)(x, part, decode_rows, out_dtype, out=out[..., lo : lo + width])
         lo += width
     return out
+
+
+def _bmm(part: object):
+    """The batched product that reads `part`."""
+    return fp8_dense.bmm if isinstance(part, fp8_dense.Fp8Dense) else gemm.bmm
 
 
 def _per_shard(x: torch.Tensor, p: Projection) -> torch.Tensor:

@@ -78,7 +78,7 @@ def tile(rows: RowClass, arch: int) -> Tile:
 
 
 @lru_cache(maxsize=1)
-def _humming():
+def load_humming():
     """humming-kernels, imported on first use (a CPU install has none), its kernel cache beside twinspark's CUDA
     builds unless HUMMING_CACHE_DIR says otherwise: a rank compiles every config in its warm-up and a second start
     loads them (docs/gpu-engine.md)."""
@@ -89,7 +89,7 @@ def _humming():
 
 def available() -> bool:
     try:
-        _humming()
+        load_humming()
     except ImportError:
         return False
     return True
@@ -134,7 +134,7 @@ def _stack(data: torch.Tensor, scale: torch.Tensor, bits: int, group: int, dtype
     """Repack stored INT experts ([E, N, K * bits / 32] words of q + 2^(bits-1), [E, N, K / group] scales) into
     humming's layout for the GPU at hand. The stored codes are humming's unsigned codes with the midpoint as the
     zero (its `uint<bits>` weight type), so only the tile layout changes."""
-    _humming()
+    load_humming()
     from humming.schema import HummingWeightSchema
     from humming.transform import prepare_layer_config, transform_humming_tensors
 
@@ -160,18 +160,24 @@ _COMPUTE = json.dumps({"gemm_type": "indexed", "use_batch_invariant": True})
 
 
 @lru_cache(maxsize=None)
-def kernels(layer: str, t: Tile, device: int) -> torch.Tensor:
-    """The compiled kernel of `layer` at tile `t` (humming's [0, 2^30) row range: every row count runs it), built on
-    first use — the rank's warm-up — or loaded from humming's cache."""
-    _humming()
+def build(layer: str, compute: str, t: Tile, device: int) -> torch.Tensor:
+    """The compiled kernel of `layer` for `compute` (humming's gemm type, batch invariant) at tile `t` (humming's
+    [0, 2^30) row range: every row count runs it), built on first use — the rank's warm-up or load — or loaded from
+    humming's cache."""
+    load_humming()
     from humming.kernel.humming import HummingKernel
-    return HummingKernel.prepare_kernels(layer, _COMPUTE, json.dumps([[0, 1 << 30, t.config()]]), device=device)
+    return HummingKernel.prepare_kernels(layer, compute, json.dumps([[0, 1 << 30, t.config()]]), device=device)
+
+
+def kernels(layer: str, t: Tile, device: int) -> torch.Tensor:
+    """The indexed MoE GEMM's kernel of `layer` at tile `t` (`build`)."""
+    return build(layer, _COMPUTE, t, device)
 
 
 def _product(stack: Stack, x: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
              padded: torch.Tensor, top_k: int, t: Tile) -> None:
     """out[pair] = x[pair // top_k] @ W[expert of the pair's block]^T (bf16) for every pair the tables list."""
-    _humming().ops.launch_kernel(configs=kernels(stack.layer, t, x.device.index or 0), inputs=x,
+    load_humming().ops.launch_kernel(configs=kernels(stack.layer, t, x.device.index or 0), inputs=x,
                                  weight=stack.weight, weight_scale=stack.scale, outputs=out, sorted_ids=sorted_ids,
                                  expert_ids=expert_ids, num_tokens_padded=padded, top_k=top_k)
 

@@ -96,6 +96,12 @@ KV_CACHE_DTYPE = Flag("kv-cache-dtype", "storage of the MLA latent + indexer cac
                       "fp8 (= fp8_e4m3) = e4m3 with a per-row fp32 scale, about half the bf16 bytes",
                       default="auto", choices=("auto", "fp8", "fp8_e4m3"))
 TP = Flag("tp", "tensor-parallel ranks", default="1", type=int, metavar="N")
+# kernels/gpu/fp8_dense.SETTINGS (a test holds them equal)
+REST_FP8_KERNEL = Flag("rest-fp8-kernel", "the GEMM of decode-class rows through the wide fp8 linears outside the "
+                       "experts (>= 16,384 outputs: KDA's q|k|v, MLA's q_b, the dense MLP's gate|up): triton = ours; "
+                       "humming = humming-kernels' dense GEMM, batch invariant (needs humming-kernels: pip install -e "
+                       "'.[gpu]'; those linears are then held twice, as stored for prompt rows and repacked)",
+                       default="triton", choices=("triton", "humming"))
 COLLECTIVE = Flag("collective", "how the tensor-parallel ranks exchange partial sums: nccl (CUDA), gloo (CPU "
                   "tensors over sockets), ipc (ranks on one host: memory every rank maps, shared memory on the CPU, "
                   "CUDA IPC device buffers on GPUs, also several ranks on one GPU), auto (ipc when every rank is on "

@@ -37,6 +37,7 @@ class UpSettings:
                                      "safetensors; default MODEL/dflash2, where make-tiny --drafter dflash writes "
                                      "one)", metavar="DIR")
     kv_cache_dtype: str = flag(shared.KV_CACHE_DTYPE)
+    rest_fp8_kernel: str = flag(shared.REST_FP8_KERNEL)
     max_num_batched_tokens: int | None = flag(shared.MAX_NUM_BATCHED_TOKENS)
     num_scheduler_steps: int = flag(shared.NUM_SCHEDULER_STEPS)
     kv_host_bytes: int | None = _passed_on(shared.KV_HOST_BYTES)

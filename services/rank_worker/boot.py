@@ -77,6 +77,12 @@ def serve_rank(s: RankSettings) -> int:
         except ValueError as exc:
             log.error("--random-weights %s", exc)
             return 2
+    if s.rest_fp8_kernel == "humming":
+        from kernels.gpu import int_moe
+
+        if not int_moe.available():  # refused, not run on ours: the setting changes a decode row's bits
+            log.error("--rest-fp8-kernel humming: humming-kernels cannot be imported (pip install -e '.[gpu]')")
+            return 2
     from services.rank_worker.distributed import backend_for
 
     try:
@@ -114,7 +120,7 @@ def _join(s: RankSettings) -> tuple[Sharding, ProcessGroup | None, Exchange | No
     settings = fp.settings(model_dir=s.model, world=s.world, dtype=getattr(torch, s.compute_dtype), device=s.device,
                            virtual_shards=s.virtual_shards, num_blocks=s.num_blocks or "auto",
                            block_size=s.block_size, num_slots=s.num_slots,
-                           kv_dtype=KV_CACHE_DTYPES[s.kv_cache_dtype],
+                           kv_dtype=KV_CACHE_DTYPES[s.kv_cache_dtype], rest_fp8_kernel=s.rest_fp8_kernel,
                            random_weights=f"{s.random_weights} block {s.random_block_size}"
                            if s.random_weights else "")
     try:
@@ -151,6 +157,10 @@ def _load(s: RankSettings, recipe: Recipe | None, sharding: Sharding, group: Pro
         log.info("loading %s (%s, %s)", s.model, dtype, s.device)
         model = Glm5Model.load(s.model, sharding=sharding, group=group, exchange=exchange, dtype=dtype, device=device,
                                progress=True, load_vision=vision is not None and s.rank == 0)
+    if s.rest_fp8_kernel != "triton":
+        from model import rest_kernel
+
+        log.info("%s", rest_kernel.prepare(model, s.rest_fp8_kernel, sharding.virtual, dtype))
     log.info("%s", memory_parts.line(memory_parts.bytes_by_part(model, device)))
     if device.type == "cuda":
         from kernels.gpu import arch as gpu_arch

@@ -17,7 +17,7 @@ def _file_hash(path: Path) -> str:
 
 def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: str, virtual_shards: int,
              num_blocks: int | str, block_size: int, num_slots: int, kv_dtype: torch.dtype | None,
-             random_weights: str = "") -> dict[str, str]:
+             random_weights: str = "", rest_fp8_kernel: str = "triton") -> dict[str, str]:
     """Every setting that changes a rank's arithmetic or memory layout, by name. random_weights: how the weights
     are drawn when they are not read from the checkpoint ("" = they are read). num_blocks: the flag's count, or
     "auto" when each rank sizes its pool from its own memory (the ranks then agree on one count, pool_size.agree)."""
@@ -33,6 +33,7 @@ def settings(*, model_dir: str | Path, world: int, dtype: torch.dtype, device: s
         "dtype": str(dtype).removeprefix("torch."),
         # Resolved storage, so aliases (fp8 / fp8_e4m3, auto / the compute dtype) that store the same bits agree.
         "kv cache dtype": str(kv_dtype or dtype).removeprefix("torch."),
+        "rest fp8 kernel": rest_fp8_kernel,
         "device": device.split(":")[0],
         "tp world": str(world),
         "virtual shards": str(virtual_shards),

@@ -32,6 +32,7 @@ class RankSettings(RoleSettings):
     device: str = flag(shared.DEVICE)
     dtype: str | None = flag(shared.DTYPE)
     kv_cache_dtype: str = flag(shared.KV_CACHE_DTYPE)
+    rest_fp8_kernel: str = flag(shared.REST_FP8_KERNEL)
     enforce_eager: bool = flag(shared.ENFORCE_EAGER)
     num_blocks: int = flag(shared.NUM_BLOCKS)
     kv_cache_memory_bytes: int = flag(shared.KV_CACHE_MEMORY_BYTES)

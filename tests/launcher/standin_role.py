@@ -38,6 +38,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         r.add_argument(flag, type=int, required=True)
     r.add_argument("--device", choices=("cpu", "cuda"), required=True)
     r.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), required=True)
+    r.add_argument("--rest-fp8-kernel", choices=("triton", "humming"), required=True)
     r.add_argument("--collective", choices=("auto", "nccl", "ipc", "gloo"), required=True)
     r.add_argument("--enforce-eager", action="store_true")
     s = sub.add_parser("serve-scheduler")

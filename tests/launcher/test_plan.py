@@ -31,7 +31,7 @@ def test_tp1_argv_per_role():
     assert rank0.argv == (*PREFIX, "serve-rank", "--model", "/models/glm", "--rank", "0", "--world", "1",
                           "--master-addr", "127.0.0.1", "--master-port", "5000", "--collective", "auto",
                           "--peer-port", "5009", "--host", "127.0.0.1", "--port", "5001", "--device", "cpu",
-                          "--kv-cache-dtype", "auto", "--random-block-size", "128")
+                          "--kv-cache-dtype", "auto", "--rest-fp8-kernel", "triton", "--random-block-size", "128")
     assert sched.argv == (*PREFIX, "serve-scheduler", "--ranks", "127.0.0.1:5001", "--host", "127.0.0.1",
                           "--port", "5002", "--num-scheduler-steps", "0", "--tokenizer", "/models/glm")
     assert gw.argv == (*PREFIX, "serve-gateway", "--model", "/models/glm", "--scheduler", "127.0.0.1:5002",
