@@ -6,9 +6,9 @@ Why a child process: the library can take the process down or hold it for long o
 after 16 s, an object of 10,000 optional properties compiles for 10 s. Here a crash is a 400 for that request and a
 fresh worker for the next; a check past `DEADLINE_S` of CPU time is refused, and one that has not answered after
 `WALL_S` is killed and refused — unless the worker has not yet had `DEADLINE_S` of CPU time (a loaded machine
-starved it), which gets up to `STARVED_WALL_S`. A grammar's verdict is kept (`VERDICTS`): a client sends one schema many times. The
-worker compiles on a thread with half the usual 8 MiB stack, so what passes here compiles in the scheduler's main
-thread with room to spare.
+starved it), which gets up to `STARVED_WALL_S`. A grammar's verdict is kept (`VERDICTS`): a client sends one schema
+many times. The worker compiles on a thread with half the usual 8 MiB stack, so what passes here compiles in the
+scheduler's main thread with room to spare.
 
 Why a walk: some limits bite only while generating. An object of 3,000 optional properties compiles, then its first
 token builds a parser row of 12,007 items (the limit is 2,000); `{"$ref": "#"}` compiles to a grammar that allows

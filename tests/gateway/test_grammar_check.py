@@ -94,11 +94,17 @@ def test_hard_looking_grammars_the_library_runs_pass(gateway: GatewayServer, fie
     assert r.status_code == 200, r.text[:300]
 
 
-def test_a_forced_tool_call_grammar_is_checked_too(tiny_default: Path) -> None:
-    """Through `prepare_chat` with a window that holds the tools' description (the test gateway's does not)."""
+def _context(tiny_default: Path) -> ModelContext:
+    """The gateway's model context of the tiny checkpoint, with a window that holds a tool's description (the test
+    gateway's does not)."""
     ckpt = CheckpointInfo.load(tiny_default)
-    ctx = ModelContext(checkpoint=ckpt, tokenizer=TextTokenizer(tiny_default),
-                       template=ChatTemplate.load(tiny_default, ckpt.tokenizer_config), max_model_len=4096)
+    return ModelContext(checkpoint=ckpt, tokenizer=TextTokenizer(tiny_default),
+                        template=ChatTemplate.load(tiny_default, ckpt.tokenizer_config), max_model_len=4096)
+
+
+def test_a_forced_tool_call_grammar_is_checked_too(tiny_default: Path) -> None:
+    """Through `prepare_chat` (`_context`'s window holds the tools' description)."""
+    ctx = _context(tiny_default)
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)b$"}}}}}
     req = parse(ChatCompletionRequest, ChatCompletionRequest(messages=USER, tools=[tool], tool_choice="required")
@@ -117,10 +123,7 @@ def test_a_grammars_verdict_is_kept(tiny_default: Path) -> None:
     first one's worker is gone and none is started)."""
     from llguidance import LLMatcher
 
-    ckpt = CheckpointInfo.load(tiny_default)
-    ctx = ModelContext(checkpoint=ckpt, tokenizer=TextTokenizer(tiny_default),
-                       template=ChatTemplate.load(tiny_default, ckpt.tokenizer_config), max_model_len=4096)
-    checker = ctx.grammar_check
+    checker = _context(tiny_default).grammar_check
     grammar = LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
     try:
         assert checker.verdict(grammar) is None
@@ -141,10 +144,7 @@ def test_a_starved_worker_is_waited_for(tiny_default: Path) -> None:
 
     from services.gateway.grammar_check import WALL_S
 
-    ckpt = CheckpointInfo.load(tiny_default)
-    ctx = ModelContext(checkpoint=ckpt, tokenizer=TextTokenizer(tiny_default),
-                       template=ChatTemplate.load(tiny_default, ckpt.tokenizer_config), max_model_len=4096)
-    checker = ctx.grammar_check
+    checker = _context(tiny_default).grammar_check
     grammar = LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"b": {"type": "string"}}})
     try:
         pid = checker._worker().pid
