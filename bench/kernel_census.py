@@ -6,7 +6,7 @@ architecture it serves on, with its shared memory against that architecture's li
 
 No GPU: the model is laid out on torch's meta device (shapes, no memory) at the release's widths and runs the
 fused forward (ops/fused.py, what a CUDA rank runs) over a few rounds that reach every path: decode rows, a verify
-window, a prompt chunk from position 0 (the expanded MLA form) and rows deep in a long context (the DSA scores and
+window (alone too: a decode step's own routing launch), a prompt chunk from position 0 (the expanded MLA form) and rows deep in a long context (the DSA scores and
 selection, split attention, the latent prompt tile), the MTP layer; for every weight recipe in RECIPES, fp8 and
 bf16 KV rows, each virtual-shard width a release rank runs (TP 1 and TP 2 with 4 virtual shards: 4 and 2 shards a
 launch; `--virtual-shards 2` at TP 2: 1 of twice the width). Each launch goes through Triton's own JIT binder under
@@ -22,7 +22,8 @@ compiled for each architecture by tests/kernels/test_exl3_cuda_build.py). Withou
 
 Not in the census: fla-core's chunk_kda (prompt chunks' KDA: its own autotuned Triton kernels), humming-kernels'
 integer experts (NVRTC kernels, one config pinned per architecture in kernels/gpu/int_moe.py; without humming the
-int experts run the Triton INT tile, which is counted) and the same-host exchange (model/device_exchange.py: a copy
+int experts run the Triton INT tile, which is counted; the routing launch that builds humming's tables is launched
+on its own at the release's shapes) and the same-host exchange (model/device_exchange.py: a copy
 loop, no shared memory).
 """
 
@@ -203,17 +204,34 @@ def run_rounds(model: Any) -> None:
     fused._chunk_kda, chunk_kda = _fla_stand_in, fused._chunk_kda
     try:
         _rounds(model)
+        _humming_routing(model)
     finally:
         fused._chunk_kda = chunk_kda
+
+
+def _humming_routing(model: Any) -> None:
+    """The routing launch that builds the humming experts' tables (kernels/gpu/moe.py, Grouping "int"): humming's
+    experts have no meta-device layout, so no round reaches it; it is launched here at the release's shapes."""
+    from kernels.gpu import arch as gpu_arch, int_moe, moe
+    from kernels.gpu.gemm import RowClass
+
+    cfg = model.cfg
+    e, shards = cfg.n_routed_experts, model.layers[-1].ffn.params.shards
+    block_m = int_moe.tile(RowClass.DECODE, gpu_arch.row(META)).block_m
+    for rows in (1, 5):
+        logits = torch.empty(rows, e, dtype=torch.float32, device=META)
+        moe.route(logits, torch.empty(e, device=META), top_k=cfg.num_experts_per_tok, norm_topk_prob=True,
+                  scaling=cfg.routed_scaling_factor, n_real=rows, grouping=moe.Grouping(e + 1, block_m, shards, "int"))
 
 
 def _rounds(model: Any) -> None:
     table = (LONG + CHUNK) // BLOCK + 1
     short = [(10, 1, False, False), (20, 4, False, True), (0, CHUNK, True, False)]
     deep = [(LONG, 1, False, False), (LONG, 4, False, True), (LONG, CHUNK, True, False)]
+    decode_only = deep[:2]  # no prompt row: a decode step's own launches (the MoE's routing and grouping in one)
     for kv in (None, torch.float8_e4m3fn):
         cache = model.new_cache(num_blocks=len(short) * table, block_size=BLOCK, num_slots=len(short), kv_dtype=kv)
-        for seqs in (short, deep):
+        for seqs in (short, deep, decode_only):
             model.forward(_batch(seqs, table), cache, fused=True)
         model.forward_mtp(_batch(deep, table, model.cfg.hidden_size), cache, fused=True)
 

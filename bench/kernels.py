@@ -132,13 +132,11 @@ def kda_rows(bw: float) -> list[dict]:
                     g_raw=torch.randn(s, b, c, device="cuda", dtype=BF16), dt_bias=torch.randn(s, c, device="cuda"),
                     a_log=torch.randn(s, hs, device="cuda"), lower_bound=-5.0,
                     beta_raw=torch.randn(s, b, hs, device="cuda", dtype=BF16), state=state, head_off=0,
-                    core=torch.empty(s, b, c, device="cuda", dtype=BF16))
-        gate, o_norm = torch.randn(s, b, c, device="cuda", dtype=BF16), torch.ones(dk, device="cuda", dtype=BF16)
-
-        def step():
-            kda.decode(seqs, **args)
-            kda.gated_norm(args["core"], gate, o_norm, 1e-5)
-        ms = bench_ms(step)
+                    gate=torch.randn(s, b, c, device="cuda", dtype=BF16),
+                    norm_w=torch.ones(dk, device="cuda", dtype=BF16), eps=1e-5,
+                    core=torch.empty(s, b, c, device="cuda", dtype=BF16),
+                    out=torch.empty(s, b, c, device="cuda", dtype=BF16))
+        ms = bench_ms(lambda: kda.decode(seqs, **args))
         ideal = 2 * b * h * dk * dk * 4 / bw * 1e3
         rows.append(dict(kernel="kda decode", batch=b, ms=ms, roofline=ideal / ms))
         log(f"kda decode b={b}: {ms * 1e3:8.1f} us, {ideal / ms:6.1%} of the state-traffic roofline")

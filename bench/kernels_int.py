@@ -179,8 +179,9 @@ def invariance() -> list[dict]:
     out = []
 
     def run(x: torch.Tensor, split: int, n_real: torch.Tensor | None = None) -> torch.Tensor:
-        ids, rw = route_rows(x, layer, split, n_real)
-        return moe.experts(x, ids, rw, ie, None, None, 10.0, split)
+        grouping = moe.grouping(x, ie, split)  # as served: a decode step's grouping in the routing's launch
+        ids, rw = route_rows(x, layer, split, n_real, grouping)
+        return moe.experts(x, ids, rw, ie, None, None, 10.0, split, grouping=grouping)
     for cls, split in (("decode", 1 << 30), ("prefill", 0)):
         alone = run(crowd[:1], split)
         worst = 0.0

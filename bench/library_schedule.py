@@ -421,9 +421,9 @@ def _experts_twin(original: Callable, record: SwapRecord) -> Callable:
     from kernels.gpu.int_moe import IntExperts
     from kernels.gpu.wtiles import Fmt, WeightArgs
 
-    def experts(x, ids, weights, gate, up, down, limit, decode_rows, shards=1):
+    def experts(x, ids, weights, gate, up, down, limit, decode_rows, shards=1, grouping=None):
         def ours() -> torch.Tensor:
-            return original(x, ids, weights, gate, up, down, limit, decode_rows, shards=shards)
+            return original(x, ids, weights, gate, up, down, limit, decode_rows, shards=shards, grouping=grouping)
         if isinstance(gate, IntExperts):
             return ours()
         fmt = gate.fmt if isinstance(gate, WeightArgs) else Fmt.DENSE
@@ -477,19 +477,19 @@ def _int_twins(experts: Callable, kernels: Callable, record: SwapRecord) -> tupl
     def kernels_twin(layer, t, device):
         return build(layer, t, device) if isinstance(t, HummingChoice) else kernels(layer, t, device)
 
-    def experts_twin(x, ids, weights, ie, limit, rows, out, row0, pinned=None):
-        def library() -> torch.Tensor:
+    def experts_twin(x, ids, weights, ie, limit, rows, out, row0, pinned=None, tab=None):
+        def library() -> torch.Tensor:  # (groups for its own tile: the routing's tables are for ours)
             choice = humming_choice(ie.gate_up.layer, x.shape[0] * ids.shape[1], x.device.index or 0)
             experts(x, ids, weights, ie, limit, rows, out, row0, pinned=choice)
             return out[:, row0:row0 + x.shape[0]]
 
         def ours() -> torch.Tensor:
             ref = out.clone()
-            experts(x, ids, weights, ie, limit, rows, ref, row0)
+            experts(x, ids, weights, ie, limit, rows, ref, row0, tab=tab)
             return ref[:, row0:row0 + x.shape[0]]
         if _run(record, INT_EXPERTS, library, ours) is None:
             record.keep(INT_EXPERTS, record.refused[INT_EXPERTS])
-            experts(x, ids, weights, ie, limit, rows, out, row0, pinned=pinned)
+            experts(x, ids, weights, ie, limit, rows, out, row0, pinned=pinned, tab=tab)
     return experts_twin, kernels_twin
 
 

@@ -67,15 +67,15 @@ def expert_bytes(weights: tuple) -> float:
                for w in (gate, up, down))
 
 
-def route_rows(x: torch.Tensor, weights: tuple, decode_rows: int, n_real: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_rows(x: torch.Tensor, weights: tuple, decode_rows: int, n_real: torch.Tensor | None = None,
+               grouping: object = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router GEMM and top-k: (ids, routing weights). n_real: a device scalar inside a CUDA graph (an int would
-    be copied from the host while capturing)."""
+    be copied from the host while capturing). grouping: kernels.gpu.moe.grouping's, built by the same launch."""
     from kernels.gpu import gemm, moe
     router, bias = weights[3], weights[4]
     logits = gemm.matmul(x, router, decode_rows, torch.float32)
     return moe.route(logits, bias, top_k=TOPK, norm_topk_prob=True, scaling=2.5,
-                     n_real=x.shape[0] if n_real is None else n_real)
+                     n_real=x.shape[0] if n_real is None else n_real, grouping=grouping)
 
 
 def experts_touched(ids: torch.Tensor) -> int:
@@ -88,8 +88,9 @@ def moe_run(x: torch.Tensor, weights: tuple, decode_rows: int, n_real: torch.Ten
     """The whole layer on rows `x`: (its output, the routed ids)."""
     from kernels.gpu import moe
     gate, up, down = weights[:3]
-    ids, rw = route_rows(x, weights, decode_rows, n_real)
-    return moe.experts(x, ids, rw, gate, up, down, 10.0, decode_rows)[0], ids
+    grouping = moe.grouping(x, gate, decode_rows)  # a decode step groups its pairs in the routing's launch, as served
+    ids, rw = route_rows(x, weights, decode_rows, n_real, grouping)
+    return moe.experts(x, ids, rw, gate, up, down, 10.0, decode_rows, grouping=grouping)[0], ids
 
 
 def routed_inputs(t: int, weights: tuple, sets: int) -> list[tuple]:

@@ -89,8 +89,8 @@ class _Graph:
 
 def _layout(seqs: int, rows: int) -> list[int]:
     """The host-filled inputs: [positions R | row_seq R | row0 B | length B | slot B | fresh B | pending B |
-    commit B | n_real 1] (the per-row and per-sequence vectors of `GpuRows` and `DecodeSeqs`)."""
-    return [rows, rows, seqs, seqs, seqs, seqs, seqs, seqs, 1]
+    n_real 1] (the per-row and per-sequence vectors of `GpuRows` and `DecodeSeqs`)."""
+    return [rows, rows, seqs, seqs, seqs, seqs, seqs, 1]
 
 
 def _padding_lengths(pad_seqs: int, pad_rows: int) -> list[int]:
@@ -105,20 +105,17 @@ def _padding_lengths(pad_seqs: int, pad_rows: int) -> list[int]:
 def graph_inputs(batch: Batch, seqs: int, rows: int, scratch_slot: int) -> list[int]:
     """The host-filled inputs of a replay (`_layout`) for a batch of decode-class rows in a graph of `seqs`
     sequences and `rows` rows. Padding sequences come after the real ones, on the scratch slot (and block), from
-    position 0, as decode steps; the commit list has a fixed length: the decode steps, then the first padding
-    sequence again (a window graph always has one)."""
+    position 0, as decode steps."""
     b, n = batch.num_seqs, sum(batch.lengths)
     pad_lengths = _padding_lengths(seqs - b, rows - n)
     lengths = batch.lengths + pad_lengths
     starts = batch.starts + [0] * len(pad_lengths)
     offsets = [sum(lengths[:s]) for s in range(seqs)]
     verify = [batch.is_verify(s) for s in range(b)] + [False] * len(pad_lengths)
-    commit = [s for s in range(seqs) if not verify[s]]
-    commit += [b] * (seqs - len(commit))
     vectors = [[st + r for st, n_s in zip(starts, lengths) for r in range(n_s)],
                [s for s, n_s in enumerate(lengths) for _ in range(n_s)], offsets, lengths,
                batch.slots + [scratch_slot] * len(pad_lengths), [int(st == 0) for st in starts],
-               [o if v else -1 for o, v in zip(offsets, verify)], commit, [n]]
+               [o if v else -1 for o, v in zip(offsets, verify)], [n]]
     return [x for v in vectors for x in v]
 
 
@@ -247,10 +244,10 @@ class DecodeGraphs:
         layout = _layout(seqs, rows)
         packed = torch.zeros(sum(layout), dtype=torch.int32, device=dev)
         hosts = torch.zeros(self.staging, sum(layout), dtype=torch.int32).pin_memory()
-        positions, row_seq, row0, length, slot, fresh, pending, commit, n_real = torch.split(packed, layout)
+        positions, row_seq, row0, length, slot, fresh, pending, n_real = torch.split(packed, layout)
         tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
         tables = torch.zeros(seqs, width, dtype=torch.int32, device=dev)
-        kda = DecodeSeqs(row0=row0, length=length, slot=slot, fresh=fresh, pending=pending, commit=commit)
+        kda = DecodeSeqs(row0=row0, length=length, slot=slot, fresh=fresh, pending=pending)
         cfg = self.model.cfg
         keep = cfg.index_topk // cfg.index_kpool
         max_pools = max(keep, width * self.cache.block_size // cfg.index_kpool)

@@ -73,6 +73,13 @@ class Forward(Protocol):
         """The block's partials [S, T, D] reduced over the group and mixed back into the streams."""
         ...
 
+    def hc_post_pre(self, partials: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    coll: Collective, next_hc: HyperConnectionParams, next_norm: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`hc_post`, then the next block's `hc_pre` on the new streams -> (new streams, the next block's input,
+        post, comb): one op, so an implementation may fuse the two across the block boundary."""
+        ...
+
     def hc_final(self, streams: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
         """The streams' mean, normed: the final hidden state [T, D]."""
         ...
@@ -89,14 +96,12 @@ class Forward(Protocol):
 
     # ----- KDA -----
 
-    def kda_core(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor
-                 ) -> torch.Tensor:
-        """The short conv and the KDA recurrence of every local shard -> core [S, T, heads * dv]; the layer's conv
-        history and state move on (a verify window's per-row states wait in `cache.pending` for the commit)."""
+    def kda_attention(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
+                      gate: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+        """The short conv, the KDA recurrence and the gated output RMSNorm (norm_w, eps) of every local shard
+        -> [S, T, heads * dv], o_proj's input; the layer's conv history and state move on (a verify window's
+        per-row states wait in `cache.pending` for the commit)."""
         ...
-
-    def kda_gated_norm(self, core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                       heads: int) -> torch.Tensor: ...
 
     # ----- MLA with the DSA indexer -----
 

@@ -7,10 +7,10 @@ sums the caller reduces.
 
 Weights are stacked over the rank's local virtual shards ([S, ...]), per shard q|k|v|b as one projection and the
 low-rank gate inputs f_a|g_a as one replicated projection, so the fused path reads each input once per projection
-for every local shard. The recurrence itself is the ops layer's (`kda_core`): the reference runs it row class by
-row class (kernels/kda.py), the fused path through the recurrent kernel (kernels/gpu/kda.py) and fla-core's
-`chunk_kda` — chunk-grid and batch invariant and close to the reference on a GPU (docs/benchmarks.md, "Kernels on
-one H200").
+for every local shard. The recurrence and the gated norm are the ops layer's (`kda_attention`): the reference runs
+them row class by row class (kernels/kda.py), the fused path through the recurrent kernel, which norms decode-class
+rows in the same launch (kernels/gpu/kda.py), and fla-core's `chunk_kda` — chunk-grid and batch invariant and close
+to the reference on a GPU (docs/benchmarks.md, "Kernels on one H200").
 """
 
 from __future__ import annotations
@@ -60,8 +60,7 @@ class KdaAttention:
         mixed, beta_raw = xb[..., : k.width], xb[..., k.width :]
         g_raw = fwd.shard_linear(fa, self.f_b)
         gate = fwd.shard_linear(ga, self.g_b)
-        core = fwd.kda_core(k, mixed, g_raw, beta_raw)
-        out = fwd.kda_gated_norm(core, gate, self.o_norm, self.eps, k.heads)
+        out = fwd.kda_attention(k, mixed, g_raw, beta_raw, gate, self.o_norm, self.eps)
         return fwd.shard_linear(out, self.o_w, torch.float32)
 
     def commit(self, cache: PagedCache, slots: torch.Tensor, picks: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ class HyperConnectionParams:
 
 @dataclass(frozen=True, eq=False)
 class KdaParams:
-    """What KDA's short conv and recurrence read (`kda_core`), stacked over the rank's local virtual shards."""
+    """What KDA's short conv and recurrence read (`kda_attention`), stacked over the rank's local virtual shards."""
     layer: int  # the cache's key for this layer's conv history and state
     shards: int  # local virtual shards
     heads: int  # heads per shard

@@ -87,6 +87,15 @@ class FusedForward:
                 coll: Collective) -> torch.Tensor:
         return gpu_mhc.post(coll.gather_partials(partials), streams, post, comb)
 
+    def hc_post_pre(self, partials: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    coll: Collective, next_hc: HyperConnectionParams, next_norm: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode-class rows' post and the next projection in one launch, then the row pass (kernels/gpu/mhc.py):
+        the bits of `hc_post` then `hc_pre`."""
+        return gpu_mhc.post_pre(coll.gather_partials(partials), streams, post, comb, next_hc.fn, next_hc.base,
+                                next_hc.scale, next_norm, rms_eps=eps, decode_rows=self.rows.decode_rows,
+                                eps=next_hc.eps, norm_eps=next_hc.norm_eps, iters=next_hc.iters)
+
     def hc_final(self, streams: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
         # The streams' mean as adds in stream order (a torch mean reduces in a shape-chosen order), then the norm.
         return gpu_norms.mean_rms_norm(streams, norm, eps)
@@ -119,10 +128,10 @@ class FusedForward:
 
     # ----- KDA -----
 
-    def kda_core(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor
-                 ) -> torch.Tensor:
-        """Decode and verify rows through the fused recurrent kernel, prompt chunks through fla-core's chunk_kda
-        -> core [S, T, heads * dv]."""
+    def kda_attention(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
+                      gate: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+        """Decode and verify rows through the fused recurrent kernel, which norms them too (one launch); prompt
+        chunks through fla-core's chunk_kda, then the gated norm kernel -> [S, T, heads * dv]."""
         rows, cache = self.rows, self.cache
         d, s, t = rows.decode_rows, mixed.shape[0], mixed.shape[1]
         conv_all, state_all = cache.conv_state[attn.layer], cache.kda_state[attn.layer]
@@ -135,12 +144,15 @@ class FusedForward:
                 pend_conv = torch.empty(d, *conv_all.shape[1:], dtype=conv_all.dtype, device=mixed.device)
             cache.pending[attn.layer] = PendingStates(rows.verify, rows.verify_rows, pend_state, pend_conv)
         core = torch.empty(s, t, attn.heads * attn.dl, dtype=mixed.dtype, device=mixed.device)
+        out = torch.empty_like(core)
         gpu_kda.decode(rows.kda, mixed=mixed, conv_w=attn.conv_w, conv_state=conv_all, chan_off=0, g_raw=g_raw,
                        dt_bias=attn.dt_bias, a_log=attn.a_log, lower_bound=attn.lower_bound, beta_raw=beta_raw,
-                       state=state_all, head_off=0, core=core, pend_state=pend_state, pend_conv=pend_conv)
+                       state=state_all, head_off=0, gate=gate, norm_w=norm_w, eps=eps, core=core, out=out,
+                       pend_state=pend_state, pend_conv=pend_conv)
         if rows.prompt is not None:
             self._kda_prompt(attn, mixed[:, d:], g_raw[:, d:], beta_raw[:, d:], core[:, d:])
-        return core
+            gpu_kda.gated_norm(core[:, d:], gate[:, d:], norm_w, eps, out=out[:, d:])
+        return out
 
     def _kda_prompt(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
                     core: torch.Tensor) -> None:
@@ -170,10 +182,6 @@ class FusedForward:
                                     attn.lower_bound)
             state_all[:, heads].index_copy_(0, p.slots, final)
             core[j] = out.reshape(-1, h * dl)
-
-    def kda_gated_norm(self, core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                       heads: int) -> torch.Tensor:
-        return gpu_kda.gated_norm(core, gate, weight, eps)
 
     # ----- MLA with the DSA indexer -----
 
@@ -280,9 +288,12 @@ class FusedForward:
         if m.n_group > 1:  # grouped routing has no fused kernel (GLM-5.3-Flash routes with one group)
             raise NotImplementedError("the fused MoE routes with n_group == 1 only")
         logits = gemm.matmul(x, m.router, d, torch.float32)
+        grouping = gpu_moe.grouping(x, m.gate, d, m.shards)  # a decode step's: built in the routing's launch
         ids, w = gpu_moe.route(logits, m.bias, top_k=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
-                               scaling=m.routed_scaling_factor, n_real=self.rows.n_real, shared=m.shared_in_stack)
-        return gpu_moe.experts(x, ids, w, m.gate, m.up, m.down, m.swiglu_limit, d, shards=m.shards)
+                               scaling=m.routed_scaling_factor, n_real=self.rows.n_real, shared=m.shared_in_stack,
+                               grouping=grouping)
+        return gpu_moe.experts(x, ids, w, m.gate, m.up, m.down, m.swiglu_limit, d, shards=m.shards,
+                               grouping=grouping)
 
 
 def project(x: torch.Tensor, p: Projection, decode_rows: int, out_dtype: torch.dtype | None) -> torch.Tensor:

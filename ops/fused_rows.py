@@ -82,7 +82,6 @@ def build(batch: Batch, *, kpool: int) -> GpuRows:
     verify = [s for s in decode if batch.is_verify(s)]
     prompt = [s for s in range(batch.num_seqs) if batch.is_prompt(s)]
     pending = [offsets[s] if s in verify else -1 for s in decode]
-    commit = [i for i, p in enumerate(pending) if p < 0]
     p_len = torch.tensor([batch.lengths[s] for s in prompt], dtype=torch.int64)
     cu_t = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(p_len, 0)])
     cu = cu_t.tolist()
@@ -102,14 +101,14 @@ def build(batch: Batch, *, kpool: int) -> GpuRows:
     per_row = lambda v: torch.repeat_interleave(torch.tensor(v, dtype=torch.int64), p_len,  # noqa: E731
                                                 output_size=cu[-1])
     rows = batch.token_ids.numel()
-    (pos_t, seq_t, row0, length, slot, fresh, pend, commit_t, n_real, cu_d, p_slots_t, p_fresh_t, r_first, r_slot,
+    (pos_t, seq_t, row0, length, slot, fresh, pend, n_real, cu_d, p_slots_t, p_fresh_t, r_first, r_slot,
      r_fresh, h_row, h_old, h_new) = _device([
         batch.host_positions(), batch.host_row_seq(),
         [offsets[s] for s in decode], [batch.lengths[s] for s in decode],
-        [batch.slots[s] for s in decode], [int(batch.starts[s] == 0) for s in decode], pending, commit,
+        [batch.slots[s] for s in decode], [int(batch.starts[s] == 0) for s in decode], pending,
         [rows], cu_t, p_slots, p_fresh,
         per_row(cu[:-1]), per_row(p_slots), per_row(p_fresh), hist_row, hist_old, hist_new], dev)
-    kda = DecodeSeqs(row0, length, slot, fresh, pend, commit_t)
+    kda = DecodeSeqs(row0, length, slot, fresh, pend)
     prompt_seqs = PromptSeqs(prompt, cu_d.long(), cu_t, p_slots_t.long(), p_fresh_t.bool(), r_first, r_slot,
                              r_fresh, h_row.long(), h_old.long(), h_new.bool()) if prompt else None
     ends = [st + n for st, n in zip(batch.starts, batch.lengths)]

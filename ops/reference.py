@@ -79,6 +79,12 @@ class ReferenceForward:
                 coll: Collective) -> torch.Tensor:
         return mhc.expand(coll.sum_partials(partials).to(streams.dtype), streams, post, comb)
 
+    def hc_post_pre(self, partials: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    coll: Collective, next_hc: HyperConnectionParams, next_norm: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        streams = self.hc_post(partials, streams, post, comb, coll)
+        return streams, *self.hc_pre(streams, next_hc, next_norm, eps)
+
     def hc_final(self, streams: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(streams.mean(dim=1), norm, eps)
 
@@ -94,8 +100,17 @@ class ReferenceForward:
 
     # ----- KDA -----
 
-    def kda_core(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor
-                 ) -> torch.Tensor:
+    def kda_attention(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor,
+                      gate: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+        """`_kda_core`, then each head's gated RMSNorm -> [S, T, heads * dv]."""
+        core = self._kda_core(attn, mixed, g_raw, beta_raw)
+        s, t, _ = core.shape
+        h = attn.heads
+        return torch.stack([gated_rms_norm(core[j].view(t, h, -1), gate[j].contiguous().view(t, h, -1), norm_w,
+                                           eps).reshape(t, -1) for j in range(s)])
+
+    def _kda_core(self, attn: KdaParams, mixed: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor
+                  ) -> torch.Tensor:
         """The short conv and the KDA recurrence of every local shard -> core outputs [S, T, heads * dv]; caches
         move on (a verify window's per-row states wait in `cache.pending` for `KdaAttention.commit`)."""
         b, cache = self.batch, self.cache
@@ -155,12 +170,6 @@ class ReferenceForward:
                 core[rows], state_all[slot, heads] = kda.chunked(q, k, v, g[rows], beta[rows], state)
             cores.append(core.to(mixed.dtype).reshape(t, -1))
         return torch.stack(cores)
-
-    def kda_gated_norm(self, core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                       heads: int) -> torch.Tensor:
-        s, t, _ = core.shape
-        return torch.stack([gated_rms_norm(core[j].view(t, heads, -1), gate[j].contiguous().view(t, heads, -1),
-                                           weight, eps).reshape(t, -1) for j in range(s)])
 
     # ----- MLA with the DSA indexer -----
 

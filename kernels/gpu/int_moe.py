@@ -13,7 +13,8 @@ differ only in their block rows and columns give the same bits (at GLM-5.3-Flash
 mma.sync configs alike: docs/quantization.md), which tests/gpu/test_int_moe.py keeps checking, with a row alone =
 among 2..2,048 rows.
 
-One MoE step for one row class, five launches after the grouping (kernels/gpu/moe_groups.py):
+One MoE step for one row class, five launches after the grouping (kernels/gpu/moe_groups.py), four when the
+routing's launch built the grouping and the tables (a decode step: kernels/gpu/moe.py `route`, `table_rows`):
 1. `tables`: humming's row tables (vLLM's moe_align layout) from the grouping: gate|up's, and down's — the gate|up
    grid copied once per local virtual shard (shard s's pair rows s * pairs + p, its experts s * (E + 1) + e),
    packed so the used blocks of all shards come first — and each grid's padded row count (humming reads it on the
@@ -182,21 +183,15 @@ def _product(stack: Stack, x: torch.Tensor, out: torch.Tensor, sorted_ids: torch
                                  expert_ids=expert_ids, num_tokens_padded=padded, top_k=top_k)
 
 
-# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
-@triton.jit(do_not_specialize=["blocks", "n_pairs"])
-def _tables(pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, padded_ptr, blocks, n_pairs, experts, shards,
-            BLOCK_M: tl.constexpr, BLOCKS_P2: tl.constexpr, CHUNK: tl.constexpr):
-    """humming's row tables from the grouping (moe_groups.Groups): gate|up's slots with its "no row" mark (the
-    pair count, vLLM's convention) for empty ones; the down grid = shard s's copy of gate|up's used blocks right
-    after shard s - 1's (slot s * used_slots + i holds pair p + s * n_pairs, block s * used + b reads expert
-    s * experts + e; "no row" = shards * n_pairs); padded = [gate|up's used slots, shards times that]."""
-    b = tl.arange(0, BLOCKS_P2)
-    used = tl.sum((tl.load(expert_ptr + b, mask=b < blocks, other=experts) < experts).to(tl.int32), axis=0)
+@triton.jit
+def table_rows(r, used, pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, blocks, n_pairs, experts, shards,
+               BLOCK_M: tl.constexpr):
+    """Rows `r` of humming's row tables from the grouping (moe_groups.Groups), whose first `used` tiles hold pairs:
+    gate|up's slots with its "no row" mark (the pair count, vLLM's convention) for empty ones; the down grid =
+    shard s's copy of gate|up's used blocks right after shard s - 1's (slot s * used_slots + i holds pair
+    p + s * n_pairs, block s * used + b reads expert s * experts + e; "no row" = shards * n_pairs). The body of
+    `_tables`, and of the routing launch that builds them itself (kernels/gpu/moe.py)."""
     used_slots = used * BLOCK_M
-    if tl.program_id(0) == 0:
-        tl.store(padded_ptr, used_slots)
-        tl.store(padded_ptr + 1, used_slots * shards)
-    r = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     cap = blocks * BLOCK_M
     own = tl.load(pair_ptr + r, mask=r < cap, other=-1)
     tl.store(gu_ptr + r, tl.where(own >= 0, own, n_pairs), mask=r < cap)
@@ -205,16 +200,30 @@ def _tables(pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, padded_ptr, blocks,
     live = s < shards
     pair = tl.load(pair_ptr + r % span, mask=live, other=-1)
     tl.store(dn_ptr + r, tl.where(live & (pair >= 0), pair + s * n_pairs, shards * n_pairs), mask=r < shards * cap)
-    rb = r // BLOCK_M  # the program's first slot of each block also writes the block's expert
+    rb = r // BLOCK_M  # the first slot of each block also writes the block's expert
     first = (r % BLOCK_M == 0) & (r < shards * cap)
     sb = rb // tl.maximum(used, 1)
     e = tl.load(expert_ptr + rb % tl.maximum(used, 1), mask=first & (sb < shards), other=0)
     tl.store(block_ptr + rb, tl.where(sb < shards, e + sb * experts, 0), mask=first)
 
 
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["blocks", "n_pairs"])
+def _tables(pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, padded_ptr, blocks, n_pairs, experts, shards,
+            BLOCK_M: tl.constexpr, BLOCKS_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """`table_rows` over the grid, a chunk per program; padded = [gate|up's used slots, shards times that]."""
+    b = tl.arange(0, BLOCKS_P2)
+    used = tl.sum((tl.load(expert_ptr + b, mask=b < blocks, other=experts) < experts).to(tl.int32), axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(padded_ptr, used * BLOCK_M)
+        tl.store(padded_ptr + 1, used * BLOCK_M * shards)
+    table_rows(tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), used, pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr,
+               blocks, n_pairs, experts, shards, BLOCK_M)
+
+
 @dataclass
 class Tables:
-    """humming's indexed-GEMM tables of one MoE step (device tensors; see `_tables`)."""
+    """humming's indexed-GEMM tables of one MoE step (device tensors; see `table_rows`)."""
     gate_up_rows: torch.Tensor  # [cap] int32: each slot's pair, n_pairs for an empty slot
     gate_up_experts: torch.Tensor  # [blocks] int32 (the grouping's; entries past the used blocks are never read)
     down_rows: torch.Tensor  # [shards * cap] int32
@@ -222,32 +231,43 @@ class Tables:
     padded: torch.Tensor  # [2] int32: used slots of gate|up, of down
 
 
+def empty_tables(groups: Groups, shards: int) -> Tables:
+    """`Tables`' tensors, unset (gate|up's experts: the grouping's own), for `groups`."""
+    dev = groups.pair_of_slot.device
+    cap = groups.pair_of_slot.shape[0]
+
+    def table(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int32, device=dev)
+    return Tables(table(cap), groups.expert_of_block, table(shards * cap), table(shards * groups.blocks), table(2))
+
+
 def tables(groups: Groups, n_pairs: int, experts: int, shards: int) -> Tables:
     blocks = groups.blocks
     cap = groups.pair_of_slot.shape[0]
-    dev = groups.pair_of_slot.device
-    gu = torch.empty(cap, dtype=torch.int32, device=dev)
-    dn = torch.empty(shards * cap, dtype=torch.int32, device=dev)
-    block_ids = torch.empty(shards * blocks, dtype=torch.int32, device=dev)
-    padded = torch.empty(2, dtype=torch.int32, device=dev)
+    tab = empty_tables(groups, shards)
     chunk = 1024
     _tables[(triton.cdiv(shards * cap, chunk),)](
-        groups.pair_of_slot, groups.expert_of_block, gu, dn, block_ids, padded, blocks, n_pairs, experts, shards,
-        BLOCK_M=cap // blocks, BLOCKS_P2=triton.next_power_of_2(blocks), CHUNK=chunk)
-    return Tables(gu, groups.expert_of_block, dn, block_ids, padded)
+        groups.pair_of_slot, groups.expert_of_block, tab.gate_up_rows, tab.down_rows, tab.down_experts, tab.padded,
+        blocks, n_pairs, experts, shards, BLOCK_M=cap // blocks, BLOCKS_P2=triton.next_power_of_2(blocks),
+        CHUNK=chunk)
+    return tab
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ie: IntExperts, limit: float,
-            rows: RowClass, out: torch.Tensor, row0: int, pinned: Tile | None = None) -> None:
+            rows: RowClass, out: torch.Tensor, row0: int, pinned: Tile | None = None, tab: Tables | None = None
+            ) -> None:
     """One row class's rows x [T, D] (ids, weights [T, P] from moe.route) -> out[:, row0 : row0 + T] (every local
-    shard's fp32 partial). pinned: another tile than the class's (bench.kernels' sweeps only)."""
+    shard's fp32 partial). pinned: another tile than the class's (bench.kernels' sweeps only). tab: these ids'
+    tables for the class's tile, when the routing launch built them (moe.route's `grouping`); ignored with
+    `pinned`, whose tile may group otherwise."""
     from kernels.gpu.moe import combine
 
     t = pinned or tile(rows, gpu_arch.row(x.device))
     n_exp = ie.gate_up.experts
     pairs_per_row = ids.shape[1]
     n_pairs = ids.numel()
-    tab = tables(group_pairs(ids, n_exp, t.block_m), n_pairs, n_exp, ie.shards)
+    if tab is None or pinned is not None:
+        tab = tables(group_pairs(ids, n_exp, t.block_m), n_pairs, n_exp, ie.shards)
     gu = torch.empty(n_pairs, ie.gate_up.n, dtype=x.dtype, device=x.device)
     _product(ie.gate_up, x, gu, tab.gate_up_rows, tab.gate_up_experts, tab.padded[:1], pairs_per_row, t)
     i_local = ie.gate_up.n // 2

@@ -1,14 +1,16 @@
-"""KDA decode and verify rows on the GPU: one fused program per (sequence, head) does the short conv + SiLU, the
-q/k l2 norms, the forget gate and beta, the fp32 recurrent state update and the gated output RMSNorm.
+"""KDA decode and verify rows on the GPU in one launch: a program per (sequence, head, block of value columns) does
+the short conv + SiLU, the q/k l2 norms, the forget gate and beta and the fp32 recurrent state update of its
+columns; whichever block of a head finishes last applies the head's gated output RMSNorm to the sequence's rows.
 
 The torch twin is the composition in `model/kda_attention.py` (kernels/kda.py
 `causal_conv` + `recurrent`, kernels/norms.py `gated_rms_norm`); the rounding points of the twin (conv output,
 beta and the core output rounded to the activation dtype) are kept so the two agree to float noise.
 
-A program owns every channel of its head (q, k and v columns, the whole dk x dv state), so it can update the conv
-history and the state in place. A verify window of L rows runs its rows in order with the same per-step code as a
-one-row decode (docs/design.md §5.1: verify rows = decode arithmetic) and leaves each row's state and conv history in the
-pending buffers instead of the slot; `commit` later keeps the last accepted row's.
+A block owns its value columns (their conv history and state columns) and updates them in place; every block of a
+head reads the head's q and k history, so the block that finishes last writes it. A verify window of L rows runs its
+rows in order with the same per-step code as a one-row decode (docs/design.md §5.1: verify rows = decode
+arithmetic) and leaves each row's state and conv history in the pending buffers instead of the slot; `commit` later
+keeps the last accepted row's.
 
 Virtual shards: every kernel here takes its operands as stacks over S local virtual shards ([S, T, ...], shard s's
 conv channels and state heads following shard s-1's in the rank's caches) and runs all of them in one launch. A
@@ -75,17 +77,33 @@ def _store_history(dst, s_row, ch, h0, h1, h2, act: tl.constexpr, mask):
     tl.store(dst + 2 * s_row + ch, h2.to(act), mask=mask)
 
 
+@triton.jit
+def _gated_norm_heads(core_ptr, gate_ptr, out_ptr, w, h, live, eps, DV: tl.constexpr, CORE_CACHE: tl.constexpr):
+    """One row's heads `h` (those `live`): RMSNorm over each head's DV core values, times w and sigmoid(gate). The
+    norm kernel and the fused decode both run this body on the same [heads, DV] tile, so a head's reduction over DV
+    has the same shape, hence the same bits, in both."""
+    at = h[:, None] * DV + tl.arange(0, DV)[None, :]
+    x = tl.load(core_ptr + at, mask=live[:, None], other=0.0, cache_modifier=CORE_CACHE).to(tl.float32)
+    gate = tl.load(gate_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DV + eps))[:, None]
+    tl.store(out_ptr + at, (w[None, :] * x * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
 @triton.jit(do_not_specialize=["s_braw_shard"],
             do_not_specialize_on_alignment=["row0_ptr", "len_ptr", "slot_ptr", "fresh_ptr", "pend_ptr"])
 def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, s_conv_slot, s_conv_row, chan_off,
                        graw_ptr, s_graw_shard, s_graw, dt_bias_ptr, a_log_ptr, braw_ptr, s_braw_shard, s_braw,
-                       state_ptr, s_state_slot, head_off, core_ptr, s_core_shard, s_core, hist_out_ptr, s_hist_seq,
+                       state_ptr, s_state_slot, head_off, core_ptr, s_core_shard, s_core, gate_ptr, s_gate_shard,
+                       s_gate, norm_w_ptr, out_ptr, s_out_shard, s_out, arrivals_ptr, conv_dst_ptr,
                        row0_ptr, len_ptr, slot_ptr, fresh_ptr, pend_ptr, pstate_ptr, s_pstate_row, pconv_ptr,
-                       s_pconv_row, H, C, lower_bound,
-                       HAS_LB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                       s_pconv_row, H, C, lower_bound, eps,
+                       HAS_LB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                       HB: tl.constexpr):
     """One (sequence, head of one shard, block of BV value columns). q and k are recomputed by every value block of a
-    head (cheap) so blocks never wait on each other; the value block 0 alone writes q/k conv history. The shard only
-    moves the pointers (H heads and C = H x DK channels per shard): the arithmetic is the head's own."""
+    head (cheap) so blocks never wait on each other. The block that finishes the sequence's head last (an arrival
+    counter per (sequence, head)) norms the head's rows from the core values every block stored and, for a decode
+    step, writes the head's q/k history. The shard only moves the pointers (H heads and C = H x DK channels per
+    shard): the arithmetic is the head's own."""
     seq = tl.program_id(0)
     shard = tl.program_id(1) // H
     head = tl.program_id(1) % H
@@ -99,6 +117,8 @@ def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, 
     a_log_ptr += shard * H
     braw_ptr += shard64 * s_braw_shard
     core_ptr += shard64 * s_core_shard
+    gate_ptr += shard64 * s_gate_shard
+    out_ptr += shard64 * s_out_shard
     chans = chan_off + shard * 3 * C  # this shard's first column in the rank's conv history
     row0 = tl.load(row0_ptr + seq)
     n_rows = tl.load(len_ptr + seq)
@@ -151,29 +171,69 @@ def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, 
             _store_history(p_conv, s_conv_row, kc, k0, k1, k2, act, first_block)
             _store_history(p_conv, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
 
-    if pend < 0:  # decode step: the state moves on in place; the history goes through `hist_out` (see decode)
+    # Written through conv_dst_ptr, the same cache as conv_ptr: through conv_ptr the compiler kept the reads'
+    # addresses live across the row loop for these writes, and the kernel took more registers (bench.ptx_stats).
+    hist_dst = conv_dst_ptr + slot * s_conv_slot + chans
+    if pend < 0:  # decode step: the state and the block's own value columns of history move on in place
         tl.store(st_ptr, s)
-        out = hist_out_ptr + seq * s_hist_seq + chans
-        _store_history(out, s_conv_row, qc, q0, q1, q2, act, first_block)
-        _store_history(out, s_conv_row, kc, k0, k1, k2, act, first_block)
-        _store_history(out, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
+        _store_history(hist_dst, s_conv_row, vc, v0, v1, v2, act, iv >= 0)
+
+    # The split-K GEMM's "last to finish" (kernels/gpu/gemm.py), per (sequence, head): every thread's loads and
+    # stores are done before the release; the last block's acquire sees the others' core values, and every block
+    # has read the head's q/k history by then, so the last one may overwrite it. It puts the counter back to zero
+    # for the next launch or graph replay.
+    tl.debug_barrier()
+    arrival = arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(arrival, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+        if pend < 0:
+            _store_history(hist_dst, s_conv_row, qc, q0, q1, q2, act, ik >= 0)
+            _store_history(hist_dst, s_conv_row, kc, k0, k1, k2, act, ik >= 0)
+        w = tl.load(norm_w_ptr + tl.arange(0, DV)).to(tl.float32)
+        heads = head + tl.arange(0, HB)  # `gated_norm`'s tile, this head alone live in it
+        for r in range(0, n_rows):
+            row = (row0 + r).to(tl.int64)
+            _gated_norm_heads(core_ptr + row * s_core, gate_ptr + row * s_gate, out_ptr + row * s_out, w, heads,
+                              heads == head, eps, DV, ".cg")
+        tl.atomic_xchg(arrival, 0)
+
+
+# Arrival counters of (sequence, head) pairs, per device: zeroed once, and every launch leaves them zero again.
+# Launches on one device run one after another on the forward's stream (or in its CUDA graphs), so one table serves
+# them all.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_MAX_ARRIVALS = 1 << 20
+
+
+def _arrivals(device: torch.device, pairs: int) -> torch.Tensor:
+    if pairs > _MAX_ARRIVALS:
+        raise ValueError(f"a KDA decode launch of {pairs} (sequence, head) pairs exceeds the {_MAX_ARRIVALS} "
+                         "counters")
+    if device not in _ARRIVALS:
+        _ARRIVALS[device] = torch.zeros(_MAX_ARRIVALS, dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
+
+
+def _heads_per_step(heads: int) -> int:
+    """The heads a gated-norm tile holds (the fused decode norms its one head in a tile of the same shape)."""
+    return min(16, triton.next_power_of_2(heads))
 
 
 def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, chan_off: int,
            g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
-           beta_raw: torch.Tensor, state: torch.Tensor, head_off: int, core: torch.Tensor,
-           pend_state: torch.Tensor | None = None, pend_conv: torch.Tensor | None = None) -> None:
-    """Run every decode-class row of S virtual shards' heads in one launch, writing their core outputs (rounded to
-    the activation dtype, before the gated norm) into `core`.
+           beta_raw: torch.Tensor, state: torch.Tensor, head_off: int, gate: torch.Tensor, norm_w: torch.Tensor,
+           eps: float, core: torch.Tensor, out: torch.Tensor, pend_state: torch.Tensor | None = None,
+           pend_conv: torch.Tensor | None = None) -> None:
+    """Run every decode-class row of S virtual shards' heads in one launch: their core outputs (rounded to the
+    activation dtype) into `core`, and the gated RMSNorm of those (`gated_norm`'s bits) into `out`.
 
     Per shard s (leading dim S; any strides, unit last): mixed [S, T, 3C] (q|k|v before the conv, C = heads x dk of
     one shard); conv_w [S, 3C, 4] fp32; g_raw [S, T, heads*dk]; dt_bias [S, heads*dk] fp32; a_log [S, heads] fp32;
-    beta_raw [S, T, heads]; core [S, T, heads*dv]. The rank's caches: conv_state [slots, 3, channels of the rank]
-    (shard s's columns start at chan_off + s x 3C); state [slots, rank heads, dk, dv] fp32 (shard s's heads start at
-    head_off + s x heads). Pending buffers (verify windows): pend_state [N, rank heads, dk, dv] fp32 and pend_conv
-    [N, 3, channels of the rank], a row each: a verify window's row r leaves its state and history at row
-    `seqs.pending + r` (the fused path passes the window's first packed row, so any mix of windows fits N = the
-    decode-class rows).
+    beta_raw [S, T, heads]; gate, core and out [S, T, heads*dv]; norm_w [dv]. The rank's caches: conv_state
+    [slots, 3, channels of the rank] (shard s's columns start at chan_off + s x 3C); state [slots, rank heads, dk, dv]
+    fp32 (shard s's heads start at head_off + s x heads): a decode step's (`seqs.pending` < 0) move on in place.
+    Pending buffers (verify windows): pend_state [N, rank heads, dk, dv] fp32 and pend_conv [N, 3, channels of the
+    rank], a row each: a verify window's row r leaves its state and history at row `seqs.pending + r` (the fused
+    path passes the window's first packed row, so any mix of windows fits N = the decode-class rows).
     """
     if seqs.count == 0:
         return
@@ -183,13 +243,10 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
     if conv_w.shape[2] != CONV_TAPS or conv_state.shape[1] != CONV_TAPS - 1:
         raise ValueError(f"the fused KDA decode kernel handles a {CONV_TAPS}-tap conv only")
     c = heads * dk
-    for t in (mixed, g_raw, beta_raw, core):
+    for t in (mixed, g_raw, beta_raw, gate, core, out):
         if t.shape[0] != shards or t.stride(-1) != 1:
             raise ValueError(f"KDA decode operands need {shards} shards and unit stride along their last dim")
-    # Value blocks of a head read the q/k history that block 0 rewrites, so new history goes to a side buffer and
-    # is copied into the decode steps' slots once every program is done: by a second launch, as a grid has no
-    # barrier that could hold block 0's in-place writes until its head's other blocks have read the slot.
-    hist_out = torch.empty(seqs.count, *conv_state.shape[1:], dtype=conv_state.dtype, device=conv_state.device)
+    arrivals = _arrivals(mixed.device, seqs.count * shards * heads)
     ps = pend_state if pend_state is not None else state
     pc = pend_conv if pend_conv is not None else conv_state
     bv = min(32, dv)
@@ -197,42 +254,11 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
         mixed, mixed.stride(0), mixed.stride(1), conv_w.contiguous(), conv_state, conv_state.stride(0),
         conv_state.stride(1), chan_off, g_raw, g_raw.stride(0), g_raw.stride(1), dt_bias.contiguous(),
         a_log.contiguous(), beta_raw, beta_raw.stride(0), beta_raw.stride(1),
-        state, state.stride(0), head_off, core, core.stride(0), core.stride(1), hist_out, hist_out.stride(0),
-        seqs.row0, seqs.length, seqs.slot, seqs.fresh, seqs.pending,
-        ps, ps.stride(0), pc, pc.stride(0),
-        heads, c, float(lower_bound) if lower_bound is not None else 0.0,
-        HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, num_warps=4)
-    commit_history(hist_out, conv_state, seqs, chan_off, shards * 3 * c)
-
-
-@triton.jit(do_not_specialize_on_alignment=["commit_ptr", "slot_ptr"])
-def _commit_history_kernel(hist_ptr, s_hist_seq, s_hist_row, conv_ptr, s_conv_slot, s_conv_row, commit_ptr, slot_ptr,
-                           chan_off, width, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """One committing decode step, BLOCK channels: its ROWS history rows from `hist_out` into its slot."""
-    seq = tl.load(commit_ptr + tl.program_id(0))
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
-    ch = chan_off + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = ch < chan_off + width
-    src = hist_ptr + seq * s_hist_seq + ch
-    dst = conv_ptr + slot * s_conv_slot + ch
-    for j in tl.static_range(ROWS):
-        tl.store(dst + j * s_conv_row, tl.load(src + j * s_hist_row, mask=mask), mask=mask)
-
-
-def commit_history(hist_out: torch.Tensor, conv_state: torch.Tensor, seqs: DecodeSeqs, chan_off: int,
-                   width: int) -> None:
-    """conv_state[slot[i], :, chan_off : chan_off + width] = hist_out[i, :, same columns] for every sequence i in
-    `seqs.commit` (the decode steps; verify windows keep theirs in the pending buffers), in one launch.
-
-    hist_out [sequences, K-1, channels of the rank], conv_state [slots, K-1, same channels], both with unit last
-    stride. The grid comes from the index list's length alone (no host sync: it runs inside CUDA graphs)."""
-    n = seqs.commit.numel()
-    if n == 0:
-        return
-    block = min(1024, triton.next_power_of_2(width))
-    _commit_history_kernel[(n, triton.cdiv(width, block))](
-        hist_out, hist_out.stride(0), hist_out.stride(1), conv_state, conv_state.stride(0), conv_state.stride(1),
-        seqs.commit, seqs.slot, chan_off, width, ROWS=conv_state.shape[1], BLOCK=block, num_warps=4)
+        state, state.stride(0), head_off, core, core.stride(0), core.stride(1), gate, gate.stride(0), gate.stride(1),
+        norm_w, out, out.stride(0), out.stride(1), arrivals, conv_state,  # conv_state again: conv_dst_ptr
+        seqs.row0, seqs.length, seqs.slot, seqs.fresh, seqs.pending, ps, ps.stride(0), pc, pc.stride(0),
+        heads, c, float(lower_bound) if lower_bound is not None else 0.0, float(eps),
+        HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, HB=_heads_per_step(heads), num_warps=4)
 
 
 @triton.jit
@@ -242,33 +268,29 @@ def _gated_norm_kernel(core_ptr, s_core_shard, s_core, gate_ptr, s_gate_shard, s
     128 values each, ~3x the time of its bytes: docs/benchmarks.md, "Attention, KDA and mHC")."""
     row = tl.program_id(0).to(tl.int64)
     shard = tl.program_id(1).to(tl.int64)
-    c = tl.arange(0, DV)
-    w = tl.load(w_ptr + c).to(tl.float32)
+    w = tl.load(w_ptr + tl.arange(0, DV)).to(tl.float32)
     core_ptr += shard * s_core_shard + row * s_core
     gate_ptr += shard * s_gate_shard + row * s_gate
     out_ptr += shard * s_out_shard + row * s_out
     for h0 in range(0, heads, HB):
         h = h0 + tl.arange(0, HB)
-        ok = (h < heads)[:, None]
-        at = h[:, None] * DV + c[None, :]
-        x = tl.load(core_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        gate = tl.load(gate_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DV + eps))[:, None]
-        tl.store(out_ptr + at, (w[None, :] * x * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty), mask=ok)
+        _gated_norm_heads(core_ptr, gate_ptr, out_ptr, w, h, h < heads, eps, DV, "")
 
 
-def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """KDA's output norm per (row, head): RMSNorm over dv of the core output, times sigmoid(gate) (twin:
     kernels/norms.gated_rms_norm), every shard in one launch. core, gate [S, T, heads*dv] (any strides, unit last)
-    -> [S, T, heads*dv] contiguous."""
+    -> [S, T, heads*dv], written into `out` when given (any strides, unit last), else a new contiguous tensor."""
     shards, t, width = core.shape
     dv = weight.numel()
-    out = torch.empty(shards, t, width, dtype=core.dtype, device=core.device)
+    if out is None:
+        out = torch.empty(shards, t, width, dtype=core.dtype, device=core.device)
     if t:
         heads = width // dv
         _gated_norm_kernel[(t, shards)](core, core.stride(0), core.stride(1), gate, gate.stride(0), gate.stride(1),
                                         weight, out, out.stride(0), out.stride(1), float(eps), heads, DV=dv,
-                                        HB=min(16, triton.next_power_of_2(heads)), num_warps=4)
+                                        HB=_heads_per_step(heads), num_warps=4)
     return out
 
 

@@ -7,6 +7,16 @@ takes with weight 1, so it rides in the same grouped launches. Each row therefor
 pairs, its routed experts in ascending index order and the shared one last; padding rows (past `n_real`) get a
 sentinel expert id and are never routed (docs/design.md §5.1).
 
+Routing (`route`) reads the router's fp32 logits (its GEMM is a launch of its own: 288 x 4096 weights, which one
+program cannot stream fast) and gives each row its top-k and the shared expert's pair. A decode step (every row
+decode-class, up to moe_groups.FUSED_PAIRS pairs) also groups its pairs by expert in that same one-program launch,
+with the expert format's tables (EXL3's slot tables, the integer experts' humming tables; `grouping` says which),
+so before the experts a MoE layer's decode step is two launches, the router GEMM and the routing (before: the
+routing, the grouping and, for EXL3 or integer experts, their tables, a launch each). Prompt-sized steps route
+with a program per row and group per row class. A row's ids and weight bits are the same either way and in any
+company: the top-k is exact, and the weights add their normalising sum in pick order, never by a reduction tree
+(`_top_k`, `_weight`).
+
 Exactness: every (token, expert) product is one row of a tensor-core tile whose K order is fixed by the schedule,
 so it does not depend on which other tokens share the expert's tile; the combine adds a row's pair outputs in its
 own pair order (ascending expert, shared last) — the order of the torch twin. Nothing here syncs with the host:
@@ -31,7 +41,8 @@ from triton.language.extra import libdevice
 
 from kernels.gpu import arch as gpu_arch, exl3_cuda, hadamard, int_moe
 from kernels.gpu.int_moe import IntExperts
-from kernels.gpu.moe_groups import Groups, SlotTables, group_pairs, slot_tables
+from kernels.gpu.moe_groups import (FUSED_PAIRS, Groups, SlotTables, empty_groups, empty_slot_tables, group_pairs,
+                                    slot_rows, slot_tables)
 from kernels.gpu.swiglu import clamped_swiglu
 from kernels.gpu.gemm import RowClass
 from kernels.gpu.tile_order import launch_tile
@@ -63,60 +74,308 @@ def moe_schedule(rows: RowClass, arch: int = gpu_arch.HOPPER) -> MoeTile:
 
 
 @triton.jit
+def _top_k(logits_ptr, bias_ptr, rows, real, E, ROWS: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+           BLOCK_E: tl.constexpr):
+    """The choice of the rows `rows` ([ROWS]) whose `real` is set: sigmoid scores + correction bias, top-k, ties ->
+    lowest index. Returns the picked experts in pick order and each one's place among the row's in ascending expert
+    order ([ROWS, KP, 1]; KP >= TOP_K; the other rows' are not meant). Max and min are exact: the choice is the same
+    whatever the tile or the launch.
+
+    Why [ROWS, PARTS, LANES] tiles (expert part * LANES + lane): a warp's 32 lanes of 4-wide loads span 128
+    experts, so a [ROWS, BLOCK_E] tile of several warps spreads a row over BLOCK_E / 128 of them and every step would
+    meet at a barrier; with the experts' parts on an axis of their own, the warps split the rows and each row's
+    reductions stay in its warp (the picks share the tile's layout for the same reason)."""
+    LANES: tl.constexpr = BLOCK_E if BLOCK_E < 128 else 128
+    e = (tl.arange(0, BLOCK_E // LANES) * LANES)[None, :, None] + tl.arange(0, LANES)[None, None, :]
+    valid = real[:, None, None] & (e < E)
+    logit = tl.load(logits_ptr + rows[:, None, None] * E + e, mask=valid, other=0.0)
+    # (the bias loaded at the tile's shape: a [1, PARTS, LANES] load would take a layout that splits rows over warps)
+    bias = tl.load(bias_ptr + e + 0 * rows[:, None, None], mask=valid, other=0.0)
+    choice = tl.where(valid, tl.sigmoid(logit) + bias, float("-inf"))
+    j = tl.arange(0, KP)[None, :, None]
+    picks = tl.zeros((ROWS, KP, 1), dtype=tl.int32)
+    places = tl.zeros((ROWS, KP, 1), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        # (the parts first: they are a thread's own, so the lanes' exchanges then carry one value a row, not one a part)
+        best = tl.max(tl.max(choice, axis=1, keep_dims=True), axis=2, keep_dims=True)
+        # the lowest index among the maxima
+        first = tl.min(tl.min(tl.where(choice == best, e, BLOCK_E), axis=1, keep_dims=True), axis=2, keep_dims=True)
+        choice = tl.where(e == first, float("-inf"), choice)
+        earlier = j < k
+        places += (earlier & (picks > first)).to(tl.int32)
+        places = tl.where(j == k, tl.sum((earlier & (picks < first)).to(tl.int32), axis=1, keep_dims=True), places)
+        picks = tl.where(j == k, first, picks)
+    return picks, places
+
+
+@triton.jit
+def _pick_score(logits_ptr, rows, pick, mask, E):
+    """A pick's unbiased score, off the tile: the same elementwise sigmoid of the same logit, so the same bits."""
+    return tl.sigmoid(tl.load(logits_ptr + rows * E + pick, mask=mask, other=0.0))
+
+
+@triton.jit
+def _weight(score, total, scaling, NORM: tl.constexpr):
+    """A pick's routing weight from its score and its row's total: the picks' scores added one by one in pick order,
+    never by a reduction tree, whose order would follow the layout — so a row's weights are the same bits in every
+    launch, whatever its tiles."""
+    if NORM:
+        score = score / (total + 1e-20)
+    return score * scaling
+
+
+@triton.jit
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, E, scaling,
-                  TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr):
-    """Per row: sigmoid scores, + correction bias for the choice, top-k (ties -> lowest index), weights =
-    unbiased scores normalised over the chosen and scaled. Writes k pairs, routed ascending, then (SHARED) the
-    shared expert's pair."""
+                  TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr,
+                  KP: tl.constexpr):
+    """Per row: its top-k (`_top_k`) and weights (`_weight`); k pairs, routed ascending, then (SHARED) the shared
+    expert's pair; padding rows (from n_real on) get no pairs."""
     row = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    valid = e < E
-    out_ids = ids_ptr + row * (TOP_K + SHARED)
-    out_w = w_ptr + row * (TOP_K + SHARED)
     if row >= tl.load(n_real_ptr):  # padding row: no pairs at all
         for j in tl.static_range(TOP_K + SHARED):
-            tl.store(out_ids + j, E + 1)
-            tl.store(out_w + j, 0.0)
+            tl.store(ids_ptr + row * (TOP_K + SHARED) + j, E + 1)
+            tl.store(w_ptr + row * (TOP_K + SHARED) + j, 0.0)
         return
-    logit = tl.load(logits_ptr + row * E + e, mask=valid, other=0.0)
-    score = tl.sigmoid(logit)
-    choice = tl.where(valid, score + tl.load(bias_ptr + e, mask=valid, other=0.0), float("-inf"))
-    chosen = e < 0
-    for _ in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=0)
-        first = tl.min(tl.where(choice == best, e, BLOCK_E), axis=0)  # lowest index among the maxima
-        chosen = chosen | (e == first)
-        choice = tl.where(e == first, float("-inf"), choice)
-    weight = tl.where(chosen, score, 0.0)
-    if NORM:
-        weight = weight / (tl.sum(weight, axis=0) + 1e-20)
-    weight = weight * scaling
-    rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending expert order
-    tl.store(out_ids + rank, e.to(tl.int32), mask=chosen)
-    tl.store(out_w + rank, weight, mask=chosen)
+    rows = row + tl.arange(0, 1)
+    picks, places = _top_k(logits_ptr, bias_ptr, rows, rows >= 0, E, 1, TOP_K, KP, BLOCK_E)
+    j = tl.arange(0, KP)[None, :, None]
+    total = tl.zeros((1, 1, 1), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):  # (each pick taken out of the row exactly: a sum of it and zeros)
+        total += _pick_score(logits_ptr, row, tl.sum(tl.where(j == k, picks, 0), axis=1, keep_dims=True), True, E)
+    for k in tl.static_range(TOP_K):
+        pick = tl.sum(tl.where(j == k, picks, 0), axis=1, keep_dims=True)
+        out = row * (TOP_K + SHARED) + tl.sum(tl.where(j == k, places, 0), axis=1, keep_dims=True)
+        tl.store(ids_ptr + out, pick)
+        tl.store(w_ptr + out, _weight(_pick_score(logits_ptr, row, pick, True, E), total, scaling, NORM))
     if SHARED:
-        tl.store(out_ids + TOP_K, E)
-        tl.store(out_w + TOP_K, 1.0)
+        tl.store(ids_ptr + row * (TOP_K + SHARED) + TOP_K, E)
+        tl.store(w_ptr + row * (TOP_K + SHARED) + TOP_K, 1.0)
+
+
+@triton.jit
+def _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E, scaling,
+                 cap, blocks, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr,
+                 KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                 SEARCH: tl.constexpr, THREADS: tl.constexpr):
+    """One program: `_route_kernel`'s routing of every row, ROWS rows at a time, and the grouping of its pairs
+    (num_experts = E + SHARED) into exactly moe_groups.group_pairs' tables, then a barrier; returns the tiles used.
+    A pair's slot is its expert's first slot plus the earlier rows that chose that expert, counted by a scan over
+    each block's chosen masks (moe_groups._group_kernel compares every pair with every expert instead)."""
+    P: tl.constexpr = TOP_K + SHARED
+    LANES: tl.constexpr = BLOCK_E if BLOCK_E < 128 else 128
+    n_real = tl.minimum(tl.load(n_real_ptr), T)
+    start_ptr = scratch_ptr  # [BLOCK_E]: each expert's first slot
+    end_ptr = start_ptr + BLOCK_E  # [BLOCK_E]: the end of its run (padded to whole tiles)
+    picks_ptr = end_ptr + BLOCK_E  # [T, KP]: each row's picks, in pick order
+    places_ptr = picks_ptr + T * KP  # [T, KP]: their places among the row's pairs
+    before_ptr = places_ptr + T * KP  # [T, BLOCK_E]: at (row, e), the earlier rows that chose e
+    for s0 in range(0, cap, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        tl.store(pair_ptr + s, tl.full((CHUNK,), -1, tl.int32), mask=s < cap)
+    for q0 in range(n_real * P, T * P, CHUNK):  # padding rows: no pairs
+        q = q0 + tl.arange(0, CHUNK)
+        tl.store(ids_ptr + q, tl.full((CHUNK,), E + 1, tl.int32), mask=q < T * P)
+        tl.store(w_ptr + q, tl.zeros((CHUNK,), tl.float32), mask=q < T * P)
+    e3 = (tl.arange(0, BLOCK_E // LANES) * LANES)[None, :, None] + tl.arange(0, LANES)[None, None, :]
+    j3 = tl.arange(0, KP)[None, :, None]
+    seen = tl.zeros((1, BLOCK_E // LANES, LANES), dtype=tl.int32)  # pairs per expert so far
+    for r0 in range(0, n_real, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        real = rows < n_real
+        picks, places = _top_k(logits_ptr, bias_ptr, rows, real, E, ROWS, TOP_K, KP, BLOCK_E)
+        tl.store(picks_ptr + rows[:, None, None] * KP + j3, picks, mask=real[:, None, None])
+        tl.store(places_ptr + rows[:, None, None] * KP + j3, places, mask=real[:, None, None])
+        hit = tl.zeros((ROWS, BLOCK_E // LANES, LANES), dtype=tl.int32)  # the chosen, from the picks (a mask kept
+        for k in tl.static_range(TOP_K):  # through the top-k's steps would cost more)
+            hit += (e3 == tl.sum(tl.where(j3 == k, picks, 0), axis=1, keep_dims=True)).to(tl.int32)
+        hit = tl.where(real[:, None, None], hit, 0)
+        # stored for every expert, not just the chosen: a store masked like the logits' load keeps its layout, where
+        # a mask of the chosen would move the whole top-k into one that splits rows over warps
+        tl.store(before_ptr + rows[:, None, None] * BLOCK_E + e3, tl.cumsum(hit, axis=0) - hit + seen,
+                 mask=real[:, None, None] & (e3 < E))
+        seen += tl.sum(hit, axis=0)[None, :, :]
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.where(e < E, tl.reshape(seen, (BLOCK_E,)), 0)
+    if SHARED:
+        counts = tl.where(e == E, n_real, counts)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    tl.store(start_ptr + e, padded_end - padded)
+    tl.store(end_ptr + e, padded_end)
+    tl.debug_barrier()  # the picks, counts, runs and empty marks land before any pair is placed
+    # each real row's pairs: ids, weights (`_route_kernel`'s bits) and slots; a pick at a time, a row a thread, so
+    # that every operand is a vector of rows in one layout (none to exchange between warps)
+    for r0 in range(0, n_real, THREADS):
+        rows = r0 + tl.arange(0, THREADS)
+        real = rows < n_real
+        total = tl.zeros((THREADS,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            total += _pick_score(logits_ptr, rows, tl.load(picks_ptr + rows * KP + k, mask=real, other=0), real, E)
+        for k in tl.static_range(TOP_K):
+            pick = tl.load(picks_ptr + rows * KP + k, mask=real, other=0)
+            pair = rows * P + tl.load(places_ptr + rows * KP + k, mask=real, other=0)
+            tl.store(ids_ptr + pair, pick, mask=real)
+            tl.store(w_ptr + pair, _weight(_pick_score(logits_ptr, rows, pick, real, E), total, scaling, NORM),
+                     mask=real)
+            slot = tl.load(start_ptr + pick, mask=real, other=0) + \
+                tl.load(before_ptr + rows * BLOCK_E + pick, mask=real, other=0)
+            tl.store(pair_ptr + slot, pair, mask=real)
+        if SHARED:  # every real row's last pair; its rank in the shared expert's run is the row
+            tl.store(ids_ptr + rows * P + TOP_K, tl.full((THREADS,), E, tl.int32), mask=real)
+            tl.store(w_ptr + rows * P + TOP_K, tl.full((THREADS,), 1.0, tl.float32), mask=real)
+            tl.store(pair_ptr + tl.load(start_ptr + E) + rows, rows * P + TOP_K, mask=real)
+    # each tile's expert: how many experts' runs end at or before its first slot, by a binary search of the
+    # ascending run ends (moe_groups._group_kernel counts them against every expert)
+    for b0 in range(0, blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        lo = tl.zeros((CHUNK,), dtype=tl.int32)
+        hi = tl.zeros((CHUNK,), dtype=tl.int32) + E + SHARED
+        for _ in tl.static_range(SEARCH):
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            ended = tl.load(end_ptr + mid, mask=open_, other=0) <= b * BLOCK_M
+            lo = tl.where(open_ & ended, mid + 1, lo)
+            hi = tl.where(open_ & ~ended, mid, hi)
+        tl.store(expert_ptr + b, lo, mask=b < blocks)
+    tl.debug_barrier()  # the tables are whole before anything reads them
+    return tl.sum(padded, axis=0) // BLOCK_M
+
+
+# The grouping launches: one build whatever the row count (counts are not specialised on, docs/gpu-engine.md; the
+# row block is fixed by the shapes, so a row's arithmetic is too).
+@triton.jit(do_not_specialize=["T", "cap", "blocks"])
+def _route_group_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E,
+                        scaling, cap, blocks, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                        SHARED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        CHUNK: tl.constexpr, SEARCH: tl.constexpr, THREADS: tl.constexpr):
+    _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E, scaling,
+                 cap, blocks, TOP_K, NORM, BLOCK_E, SHARED, KP, ROWS, BLOCK_M, CHUNK, SEARCH, THREADS)
+
+
+@triton.jit(do_not_specialize=["T", "cap", "blocks"])
+def _route_group_slots_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr,
+                              pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, T, E, scaling,
+                              cap, blocks, shards, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                              SHARED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                              CHUNK: tl.constexpr, SEARCH: tl.constexpr, THREADS: tl.constexpr):
+    """`_route_group_kernel`, then the EXL3 experts' slot tables (moe_groups.slot_tables)."""
+    _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E, scaling,
+                 cap, blocks, TOP_K, NORM, BLOCK_E, SHARED, KP, ROWS, BLOCK_M, CHUNK, SEARCH, THREADS)
+    for r0 in range(0, shards * cap, CHUNK):
+        slot_rows(r0 + tl.arange(0, CHUNK), pair_ptr, expert_ptr, w_ptr, pairs_ptr, block_ptr, token_ptr, vec_ptr,
+                  weight_ptr, row_of_pair_ptr, cap, blocks, E + SHARED, T * (TOP_K + SHARED), shards,
+                  TOP_K + SHARED, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["T", "cap", "blocks"])
+def _route_group_int_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr,
+                            gu_ptr, dn_ptr, block_ptr, padded_ptr, T, E, scaling, cap, blocks, shards,
+                            TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr,
+                            KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                            SEARCH: tl.constexpr, THREADS: tl.constexpr):
+    """`_route_group_kernel`, then humming's row tables of the integer experts (int_moe.tables)."""
+    used = _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E,
+                        scaling, cap, blocks, TOP_K, NORM, BLOCK_E, SHARED, KP, ROWS, BLOCK_M, CHUNK, SEARCH,
+                        THREADS)
+    tl.store(padded_ptr, used * BLOCK_M)
+    tl.store(padded_ptr + 1, used * BLOCK_M * shards)
+    for r0 in range(0, shards * cap, CHUNK):
+        int_moe.table_rows(r0 + tl.arange(0, CHUNK), used, pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, blocks,
+                           T * (TOP_K + SHARED), E + SHARED, shards, BLOCK_M)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, norm_topk_prob: bool, scaling: float,
-          n_real: int | torch.Tensor, shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+          n_real: int | torch.Tensor, shared: bool = True, grouping: Grouping | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 -> (ids [T, k+1] int32, weights [T, k+1] fp32); id E = the shared expert, E+1 = none.
     Rows from n_real on are padding (an int, or an int32 device scalar a CUDA graph can refill). shared=False:
-    k pairs per row (the shared expert runs apart, e.g. when it is stored in another format than the routed)."""
+    k pairs per row (the shared expert runs apart, e.g. when it is stored in another format than the routed).
+    grouping (`grouping()`): where a decode-sized step's grouping and expert tables go when this launch builds them
+    too (up to moe_groups.FUSED_PAIRS pairs, stacks of E + shared experts); left unset otherwise, and `experts`
+    then groups the pairs itself. The ids and weights are the same bits either way."""
     t, e = logits.shape
     if not isinstance(n_real, torch.Tensor):
         n_real = torch.tensor([n_real], dtype=torch.int32, device=logits.device)
     pairs = top_k + int(shared)
     ids = torch.empty(t, pairs, dtype=torch.int32, device=logits.device)
     w = torch.empty(t, pairs, dtype=torch.float32, device=logits.device)
-    if t:
+    logits, bias = logits.contiguous(), bias.float().contiguous()
+    if grouping is not None and 0 < t * pairs <= FUSED_PAIRS and grouping.experts == e + int(shared):
+        _route_grouped(logits, bias, ids, w, n_real, grouping, top_k=top_k, norm=bool(norm_topk_prob),
+                       scaling=float(scaling), shared=int(shared))
+    elif t:
         # One warp a row: its top-k's reductions stay in the warp (bench.ptx_stats, sm_90: 52 bar.sync with the
         # default 4 warps, none with 1); a row is a few hundred scores.
-        _route_kernel[(t,)](logits.contiguous(), bias.float().contiguous(), ids, w, n_real, e, float(scaling),
-                            TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(e),
-                            SHARED=int(shared), num_warps=1)
+        _route_kernel[(t,)](logits, bias, ids, w, n_real, e, float(scaling), TOP_K=top_k, NORM=bool(norm_topk_prob),
+                            BLOCK_E=triton.next_power_of_2(e), SHARED=int(shared), KP=triton.next_power_of_2(top_k),
+                            num_warps=1)
     return ids, w
+
+
+@dataclass
+class Grouping:
+    """A decode step's grouping (and its experts' tables), built in the routing's launch: what `grouping()` says
+    the experts need, and (set by `route`) what it built. `experts` takes it for its decode-class rows."""
+    experts: int  # experts in a shard's stack, the shared one included
+    block_m: int  # the decode tile's slots
+    shards: int
+    tables: str  # "" (the grouping only), "slots" (EXL3: moe_groups.slot_tables) or "int" (int_moe.tables)
+    groups: Groups | None = None
+    slots: SlotTables | None = None
+    int_tables: int_moe.Tables | None = None
+
+
+def grouping(x: torch.Tensor, gate: torch.Tensor | WeightArgs | IntExperts, decode_rows: int, shards: int = 1
+             ) -> Grouping | None:
+    """What `route` may build for `experts`' decode tiles over these stacks (as `experts` reads them), or None when
+    rows of x are prompt rows (a prompt-sized step: its rows are grouped per class as before)."""
+    if decode_rows < x.shape[0]:
+        return None
+    arch = gpu_arch.row(x.device)
+    if isinstance(gate, IntExperts):
+        return Grouping(gate.gate_up.experts, int_moe.tile(RowClass.DECODE, arch).block_m, gate.shards, "int")
+    w = gate if isinstance(gate, WeightArgs) else dense(gate)
+    if w.fmt is Fmt.EXL3:
+        return Grouping(w.data.shape[0] // shards, _tile(RowClass.DECODE, x, w).block_m, shards, "slots")
+    return Grouping(w.data.shape[0], _tile(RowClass.DECODE, x, w).block_m, shards, "")
+
+
+# Rows a step of the grouping launch routes, and its warps: a row a warp. The launch's cost is the top-k's work on
+# every row of a block (a row's reductions inside its warp: no barrier in the top-k), so the block is the smallest
+# that keeps two warps on each of an SM's four schedulers, to hide the reductions' latency: a one-row step does no
+# more than one block, and from a few rows on the work is the same whatever the block. The warps also split the
+# placing and the tables' loops. Against the two launches it replaces, at 64 rows: `_route_kernel` spreads the same
+# top-k over 64 SMs, but moe_groups._group_kernel then compares every pair with every expert, a [32, experts]
+# one-hot per 32 pairs, more instructions a thread than this whole top-k (bench.ptx_stats' builds of both); here a
+# pair's slot comes from a scan over its block's choices instead.
+_ROUTE_ROWS, _ROUTE_WARPS = 8, 8
+
+
+def _route_grouped(logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                   n_real: torch.Tensor, g: Grouping, *, top_k: int, norm: bool, scaling: float, shared: int) -> None:
+    """`route` and the grouping of its pairs (+ g's tables) in one program (`_route_group`), into g."""
+    t, e = logits.shape
+    dev = logits.device
+    groups = empty_groups(ids.numel(), g.experts, g.block_m, dev)
+    cap, blocks = groups.pair_of_slot.shape[0], groups.blocks
+    block_e, kp = triton.next_power_of_2(g.experts), triton.next_power_of_2(top_k)
+    scratch = torch.empty((t + 2) * block_e + 2 * t * kp, dtype=torch.int32, device=dev)  # `_route_group`'s
+    head = (logits, bias, ids, w, n_real, scratch, groups.pair_of_slot, groups.expert_of_block)
+    meta = dict(TOP_K=top_k, NORM=norm, BLOCK_E=block_e, SHARED=shared, KP=kp, ROWS=_ROUTE_ROWS, BLOCK_M=g.block_m,
+                CHUNK=1024, SEARCH=block_e.bit_length(), THREADS=32 * _ROUTE_WARPS, num_warps=_ROUTE_WARPS)
+    if g.tables == "slots":
+        s = empty_slot_tables(groups, ids.numel(), g.shards)
+        _route_group_slots_kernel[(1,)](*head, s.grouped.pair_of_slot, s.grouped.expert_of_block, s.token, s.vec,
+                                        s.weight, s.row_of_pair, t, e, scaling, cap, blocks, g.shards, **meta)
+        g.slots = s
+    elif g.tables == "int":
+        tab = int_moe.empty_tables(groups, g.shards)
+        _route_group_int_kernel[(1,)](*head, tab.gate_up_rows, tab.down_rows, tab.down_experts, tab.padded, t, e,
+                                      scaling, cap, blocks, g.shards, **meta)
+        g.int_tables = tab
+    else:
+        _route_group_kernel[(1,)](*head, t, e, scaling, cap, blocks, **meta)
+    g.groups = groups
 
 
 @triton.jit
@@ -317,7 +576,8 @@ def _gate_up_exl3(x: torch.Tensor, gate: WeightArgs, up: WeightArgs, tables: Slo
 
 
 def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs, up: WeightArgs,
-                  down: WeightArgs, limit: float, tile: MoeTile, shards: int, out: torch.Tensor, row0: int) -> None:
+                  down: WeightArgs, limit: float, tile: MoeTile, shards: int, out: torch.Tensor, row0: int,
+                  built: Grouping | None = None) -> None:
     """EXL3 expert stacks, every local shard in one launch per step: per (shard, slot) row, rotate in (its token's
     row, its shard's expert's suh), grouped GEMM over the trellis tiles, rotate out (that expert's svh); gate and up
     then SwiGLU, down then the routing weight, by pair; into out[:, row0 : row0 + T].
@@ -325,13 +585,15 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     The stacks hold the shards' experts one block after another ([shards * (E+1), ...]: gate / up with the shard's
     I_local outputs, down with its I_local inputs). Shard s's rows are a copy of the slot grid whose tiles read
     expert block s * (E+1) + e, so each row's arithmetic is the one-shard launch's: the tiles and the grouping are
-    the same for every shard. Launches: grouping, its tables, gate and up rotated in together, their products
-    (one CUDA launch for both), their rotations out with the SwiGLU and down's rotation in, down's product, and the
-    combine with down's rotation out."""
+    the same for every shard. Launches: grouping, its tables (both in the routing's launch when `built` has them),
+    gate and up rotated in together, their products (one CUDA launch for both), their rotations out with the SwiGLU
+    and down's rotation in, down's product, and the combine with down's rotation out."""
     t, d = x.shape
     n_exp = gate.data.shape[0] // shards
-    groups = group_pairs(ids, n_exp, tile.block_m)
-    tables = slot_tables(groups, weights, n_exp, shards)
+    if built is not None and built.slots is not None:
+        tables = built.slots
+    else:
+        tables = slot_tables(group_pairs(ids, n_exp, tile.block_m), weights, n_exp, shards)
     # row (s, slot): SwiGLU of shard s's I_local columns of its slot, rotated in for down, in one launch. (Every
     # big temporary dies with the call that made it: at a prompt chunk each is gigabytes, and the largest moment of
     # a prompt chunk sizes the KV pool.)
@@ -347,15 +609,15 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
 
 def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,
                        up: WeightArgs, down: WeightArgs, limit: float, tile: MoeTile, shards: int,
-                       out: torch.Tensor, row0: int) -> None:
-    """One row class's rows (out[:, row0 : row0 + T])."""
+                       out: torch.Tensor, row0: int, built: Grouping | None = None) -> None:
+    """One row class's rows (out[:, row0 : row0 + T]); `built`: their grouping from the routing's launch."""
     t, d = x.shape
     n_exp, i_dim = gate.data.shape[0], gate.n
     pairs_per_row = ids.shape[1]
     for w in (gate, down):
         if w.max_block_k() % tile.block_k:
             raise ValueError(f"a {tile.block_k}-wide K step straddles the experts' {w.max_block_k()}-wide groups")
-    groups = group_pairs(ids, n_exp, tile.block_m)
+    groups = built.groups if built is not None else group_pairs(ids, n_exp, tile.block_m)
     h = torch.empty(groups.blocks * tile.block_m, i_dim, dtype=x.dtype, device=x.device)
     gs, us = gate.strides(), up.strides()
     if gs != us or gate.fmt != up.fmt:
@@ -390,7 +652,7 @@ def _tile(rows: RowClass, x: torch.Tensor, gate: WeightArgs) -> MoeTile:
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | WeightArgs | IntExperts,
             up: torch.Tensor | WeightArgs | None, down: torch.Tensor | WeightArgs | None, limit: float,
-            decode_rows: int, shards: int = 1) -> torch.Tensor:
+            decode_rows: int, shards: int = 1, grouping: Grouping | None = None) -> torch.Tensor:
     """Grouped experts: x [T, D]; ids, weights [T, P] from `route` (P = k + 1 pairs per row, or k); gate, up
     [E+1, I, D]; down [shards * (E+1), D, I / shards] (the shared expert last in each shard's block; dense, or
     quantized stacks as WeightArgs) -> [shards, T, D] fp32: each virtual shard's partial of the routed + shared
@@ -400,16 +662,20 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
     computed as a one-shard call on that shard's weights would compute it: the tiles are fixed per row class, never
     by how many shards share the launch. Rows [0, decode_rows) are decode-class and the rest prompt rows; each class
     is grouped and run with its own fixed schedule. Integer experts prepared for humming-kernels come as one
-    `IntExperts` in `gate` (up and down None; kernels/gpu/int_moe.py)."""
+    `IntExperts` in `gate` (up and down None; kernels/gpu/int_moe.py). grouping: what `route` was given, and built
+    when the step was decode-sized (then the decode rows are not grouped again)."""
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     t = x.shape[0]
     split = min(max(decode_rows, 0), t)
     classes = [(rows, part) for rows, part in ((RowClass.DECODE, slice(0, split)), (RowClass.PREFILL, slice(split, t)))
                if part.stop > part.start]
+    built = grouping if grouping is not None and grouping.groups is not None and split == t else None
     if isinstance(gate, IntExperts):
         out = torch.empty(gate.shards, t, x.shape[1], dtype=torch.float32, device=x.device)
         for rows, part in classes:
-            int_moe.experts(x[part], ids[part], weights[part], gate, limit, rows, out, part.start)
+            fits = built is not None and built.block_m == int_moe.tile(rows, gpu_arch.row(x.device)).block_m
+            int_moe.experts(x[part], ids[part], weights[part], gate, limit, rows, out, part.start,
+                            tab=built.int_tables if fits else None)
         return out
     gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in (gate, up, down))
     if (gate.fmt is Fmt.EXL3) != (down.fmt is Fmt.EXL3) or (gate.fmt is Fmt.EXL3) != (up.fmt is Fmt.EXL3):
@@ -422,6 +688,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
     out = torch.empty(shards, t, x.shape[1], dtype=torch.float32, device=x.device)
     one_class = _experts_exl3 if gate.fmt is Fmt.EXL3 else _experts_one_class
     for rows, part in classes:
-        one_class(x[part], ids[part], weights[part], gate, up, down, limit, _tile(rows, x, gate), shards, out,
-                  part.start)
+        tile = _tile(rows, x, gate)
+        one_class(x[part], ids[part], weights[part], gate, up, down, limit, tile, shards, out, part.start,
+                  built if built is not None and built.block_m == tile.block_m else None)
     return out

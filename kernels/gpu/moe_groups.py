@@ -4,11 +4,13 @@ empty tile for each expert that can be hit), so nothing here syncs with the host
 
 Two ways to the same tables: one Triton program for decode-sized steps (a handful of pairs: torch's sorts and scans
 would be about twenty launches per MoE layer, a real part of a one-row step), torch's for prompt-sized ones.
-`tests/kernels/test_gpu_moe_groups.py` checks they agree.
+`tests/kernels/test_gpu_moe_groups.py` checks they agree. A decode step of the model has its grouping built by
+the routing's own launch instead (kernels/gpu/moe.py `route` with a `grouping`: the same tables, checked in
+`tests/kernels/test_gpu_moe_route_group.py`); `group_pairs` serves the other steps and direct callers.
 
 `slot_tables` derives, in one more launch, the per-row tables of the EXL3 experts' rotations (kernels/gpu/moe.py):
 each slot of each virtual shard's copy of the grid, its token, its expert's vector row and its routing weight, and
-each pair's row (a dozen torch index ops otherwise).
+each pair's row (a dozen torch index ops otherwise); its body (`slot_rows`) runs in the routing's launch too.
 """
 
 from __future__ import annotations
@@ -37,10 +39,23 @@ def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Groups:
     Up to FUSED_PAIRS pairs (decode-sized batches) in one launch, more with torch's sorts and scans: the same
     tables either way."""
     pairs = ids.numel()
-    blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+    blocks = tiles(pairs, num_experts, block_m)
     if pairs <= FUSED_PAIRS:
         return _group_fused(ids, num_experts, block_m, blocks)
     return _group_torch(ids, num_experts, block_m, blocks)
+
+
+def tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """The tiles a grouping of `pairs` pairs has: every pair, plus a partly empty tile for each expert that can be
+    hit (an upper bound from the shapes alone)."""
+    return triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+
+
+def empty_groups(pairs: int, num_experts: int, block_m: int, device: torch.device) -> Groups:
+    """A grouping's tables, unset, sized for `pairs` pairs."""
+    blocks = tiles(pairs, num_experts, block_m)
+    return Groups(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
+                  torch.empty(blocks, dtype=torch.int32, device=device), blocks)
 
 
 def _group_torch(ids: torch.Tensor, num_experts: int, block_m: int, blocks: int) -> Groups:
@@ -104,12 +119,11 @@ def _group_kernel(ids_ptr, pair_ptr, expert_ptr, pairs, num_experts, cap, blocks
 
 
 def _group_fused(ids: torch.Tensor, num_experts: int, block_m: int, blocks: int) -> Groups:
-    pair_of_slot = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
-    expert_of_block = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    _group_kernel[(1,)](ids.reshape(-1).to(torch.int32), pair_of_slot, expert_of_block, ids.numel(), num_experts,
+    g = empty_groups(ids.numel(), num_experts, block_m, ids.device)
+    _group_kernel[(1,)](ids.reshape(-1).to(torch.int32), g.pair_of_slot, g.expert_of_block, ids.numel(), num_experts,
                         blocks * block_m, blocks, BLOCK_M=block_m, CHUNK=_CHUNK,
                         E_BLOCK=triton.next_power_of_2(num_experts + 1), num_warps=8)
-    return Groups(pair_of_slot, expert_of_block, blocks)
+    return g
 
 
 @dataclass
@@ -124,12 +138,11 @@ class SlotTables:
     # expert, which no reader asks for)
 
 
-# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
-@triton.jit(do_not_specialize=["cap", "blocks", "n_pairs"])
-def _slot_tables_kernel(pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr,
-                        row_of_pair_ptr, cap, blocks, experts, n_pairs, shards,
-                        PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit
+def slot_rows(r, pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr, row_of_pair_ptr,
+              cap, blocks, experts, n_pairs, shards, PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`SlotTables`' rows `r` (and tiles, for r < shards * blocks) from the grouping's tables: the body of
+    `_slot_tables_kernel`, and of the routing launch that builds them itself (kernels/gpu/moe.py)."""
     rows = r < shards * cap
     shard = r // cap
     slot = r % cap
@@ -146,21 +159,36 @@ def _slot_tables_kernel(pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, toke
     tl.store(block_ptr + r, tl.where(e < experts, e + (r // blocks) * experts, shards * experts), mask=tiles)
 
 
+# Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
+@triton.jit(do_not_specialize=["cap", "blocks", "n_pairs"])
+def _slot_tables_kernel(pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr,
+                        row_of_pair_ptr, cap, blocks, experts, n_pairs, shards,
+                        PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    slot_rows(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr,
+              token_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, cap, blocks, experts, n_pairs, shards, PAIRS_PER_ROW,
+              BLOCK_M)
+
+
 def slot_tables(groups: Groups, weights: torch.Tensor, experts: int, shards: int) -> SlotTables:
     """The rotations' tables for `shards` copies of `groups` (made for ids of weights' shape [T, P]: pair p =
     row * P + j) over stacks of `experts` experts per shard."""
     cap = groups.pair_of_slot.shape[0]
+    t = empty_slot_tables(groups, weights.numel(), shards)
+    block_rows = 1024
+    _slot_tables_kernel[(triton.cdiv(shards * cap, block_rows),)](
+        groups.pair_of_slot, groups.expert_of_block, weights.reshape(-1).float(), t.grouped.pair_of_slot,
+        t.grouped.expert_of_block, t.token, t.vec, t.weight, t.row_of_pair, cap, groups.blocks, experts,
+        weights.numel(), shards, PAIRS_PER_ROW=weights.shape[1], BLOCK_M=cap // groups.blocks, BLOCK=block_rows)
+    return t
+
+
+def empty_slot_tables(groups: Groups, n_pairs: int, shards: int) -> SlotTables:
+    """`SlotTables`' tensors, unset, for `shards` copies of `groups` (of n_pairs pairs)."""
+    rows = shards * groups.pair_of_slot.shape[0]
     dev = groups.pair_of_slot.device
-    rows = shards * cap
 
     def table(dtype: torch.dtype = torch.int32, n: int = rows) -> torch.Tensor:
         return torch.empty(n, dtype=dtype, device=dev)
 
     pairs, block, token, vec, weight = table(), table(n=shards * groups.blocks), table(), table(), table(torch.float32)
-    row_of_pair = table(n=shards * weights.numel())
-    block_rows = 1024
-    _slot_tables_kernel[(triton.cdiv(rows, block_rows),)](
-        groups.pair_of_slot, groups.expert_of_block, weights.reshape(-1).float(), pairs, block, token, vec, weight,
-        row_of_pair, cap, groups.blocks, experts, weights.numel(), shards,
-        PAIRS_PER_ROW=weights.shape[1], BLOCK_M=cap // groups.blocks, BLOCK=block_rows)
-    return SlotTables(token, vec, weight, Groups(pairs, block, groups.blocks * shards), row_of_pair)
+    return SlotTables(token, vec, weight, Groups(pairs, block, groups.blocks * shards), table(n=shards * n_pairs))

@@ -15,16 +15,13 @@ class DecodeSeqs:
     slot: torch.Tensor  # KDA state slot
     fresh: torch.Tensor  # 1 = starts at position 0 (zero state and history)
     pending: torch.Tensor  # a verify window's first row in the pending buffers, -1 = a decode step (into the slot)
-    commit: torch.Tensor  # int32 indices (into these sequences) of the decode steps, whose conv history moves on
 
     @classmethod
     def build(cls, row0: list[int], length: list[int], slot: list[int], fresh: list[bool], pending: list[int],
               device: torch.device | str) -> "DecodeSeqs":
         def vec(v: list) -> torch.Tensor:
             return torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)
-        commit = torch.tensor([i for i, p in enumerate(pending) if p < 0], dtype=torch.int32)
-        return cls(vec(row0), vec(length), vec(slot), vec([int(f) for f in fresh]), vec(pending),
-                   commit.to(device, non_blocking=True))
+        return cls(vec(row0), vec(length), vec(slot), vec([int(f) for f in fresh]), vec(pending))
 
     @property
     def count(self) -> int:

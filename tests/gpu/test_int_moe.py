@@ -6,6 +6,9 @@
 - a row alone = the same row among 2 .. 2,048 rows, bit for bit, for both row classes, on all 288 + 1 experts;
 - the two row classes' tiles give the same bits (the pinned configs differ only in their block rows / columns);
 - a CUDA graph's replay = the eager call;
+- a decode step's one routing launch that also groups and builds humming's tables (kernels/gpu/moe.py `route`
+  with a `grouping`) = routing, grouping and tables apart, bit for bit; a row alone through it = among 2 .. 2,048
+  rows; its graph replay = eager;
 - a model of two real-dim layers (KDA + dense FFN, MLA + MoE) with int3 experts: a decode row's logits alone =
   among 2,048 rows, and a graph replay = the eager step.
 Run with `-s` for the figures.
@@ -74,6 +77,18 @@ def _moe(x: torch.Tensor, w: dict, rows: int, n_real: int | torch.Tensor | None 
     return moe.experts(x, ids, rw, w["ie"], None, None, LIMIT, rows)
 
 
+def _moe_grouped(x: torch.Tensor, w: dict, n_real: int | torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step as ops/fused.py runs it: the routing's launch also groups the pairs and builds humming's
+    tables (kernels/gpu/moe.py `grouping`), when the step is decode-sized."""
+    from kernels.gpu import gemm, moe
+    rows = CLASSES["decode"]
+    logits = gemm.matmul(x, w["router"], rows, torch.float32)
+    g = moe.grouping(x, w["ie"], rows, SHARDS)
+    ids, rw = moe.route(logits, w["bias"], top_k=TOP_K, norm_topk_prob=True, scaling=2.5,
+                        n_real=x.shape[0] if n_real is None else n_real, grouping=g)
+    return moe.experts(x, ids, rw, w["ie"], None, None, LIMIT, rows, grouping=g)
+
+
 def _rows(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, D, generator=torch.Generator(device=DEV).manual_seed(seed), device=DEV).to(torch.bfloat16)
 
@@ -133,6 +148,58 @@ def test_row_alone_equals_row_among_2048(release: dict, rows: int) -> None:
     print(f"\nint3 MoE 288+1 experts {'decode' if rows else 'prefill'} rows: row alone vs among {COMPANY}: "
           f"{len(changed)} differ {changed}")
     assert not changed
+
+
+@pytest.mark.parametrize("rows,n_real", [(1, 1), (7, 5), (64, 64), (200, 171)])
+def test_the_routing_launchs_tables_give_the_same_bits(release: dict, rows: int, n_real: int) -> None:
+    """The decode step's one routing launch (ids, weights, grouping and humming's tables) = routing, grouping and
+    tables apart, bit for bit, padding rows included."""
+    from kernels.gpu import gemm, int_moe, moe
+    from kernels.gpu.moe_groups import group_pairs
+    x = _rows(rows, seed=9)
+    logits = gemm.matmul(x, release["router"], CLASSES["decode"], torch.float32)
+    g = moe.grouping(x, release["ie"], CLASSES["decode"], SHARDS)
+    ids, rw = moe.route(logits, release["bias"], top_k=TOP_K, norm_topk_prob=True, scaling=2.5, n_real=n_real,
+                        grouping=g)
+    want_ids, want_rw = moe.route(logits, release["bias"], top_k=TOP_K, norm_topk_prob=True, scaling=2.5,
+                                  n_real=n_real)
+    assert torch.equal(ids, want_ids) and torch.equal(rw.view(torch.int32), want_rw.view(torch.int32))
+    n_exp = release["ie"].gate_up.experts
+    groups = group_pairs(want_ids, n_exp, g.block_m)
+    tab = int_moe.tables(groups, want_ids.numel(), n_exp, SHARDS)
+    assert torch.equal(g.groups.pair_of_slot, groups.pair_of_slot)
+    assert torch.equal(g.groups.expert_of_block, groups.expert_of_block)
+    for name in ("gate_up_rows", "down_rows", "down_experts", "padded"):
+        assert torch.equal(getattr(g.int_tables, name), getattr(tab, name)), name
+    assert torch.equal(_moe_grouped(x, release, n_real), _moe(x, release, CLASSES["decode"], n_real))
+
+
+def test_grouped_row_alone_equals_row_among_2048(release: dict) -> None:
+    """A decode row through the routing's grouping launch alone = among 2 .. 2,048 rows (past
+    moe_groups.FUSED_PAIRS pairs the routing and the grouping run apart: the same bits must come out)."""
+    crowd, target = _rows(2048, seed=10), _rows(1, seed=11)
+    alone = _moe_grouped(target, release)[:, 0]
+    changed = []
+    for m in COMPANY:
+        batch, at = _placed(crowd, target, m)
+        row = _moe_grouped(batch, release)[:, at]
+        if not torch.equal(row, alone):
+            changed.append((m, (row - alone).abs().max().item()))
+    print(f"\nint3 MoE, the routing launch's grouping: row alone vs among {COMPANY}: {len(changed)} differ {changed}")
+    assert not changed
+
+
+def test_grouped_graph_replay_equals_eager(release: dict) -> None:
+    x = _rows(8, seed=12)
+    n_real = torch.tensor([6], dtype=torch.int32, device=DEV)
+    _moe_grouped(x, release, n_real)  # compiles every kernel before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _moe_grouped(x, release, n_real)
+    x.copy_(_rows(8, seed=13))
+    n_real.fill_(7)
+    graph.replay()
+    assert torch.equal(captured, _moe_grouped(x, release, n_real))
 
 
 def test_row_classes_give_the_same_bits(release: dict) -> None:

@@ -1,9 +1,11 @@
 """The fused KDA decode / verify kernel (kernels/gpu/kda.py) against the torch twin (conv + recurrent step + gated
 RMSNorm, as model/kda_attention.py composes them), its row invariance, and its virtual shards:
-S shards in one launch give each shard the bits of its own one-shard launch."""
+S shards in one launch give each shard the bits of its own one-shard launch. Its gated norm equals the norm
+kernel's over its core outputs bit for bit, and its history writes equal the commit's data movement."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.kernels.gpu_support import DEVICE, HALF, HALF_TOL, randn
@@ -19,19 +21,21 @@ CHAN_OFF = 8
 HEADS_RANK, HEAD_OFF = 3, 1  # the rank's state holds 3 heads; this shard's 2 start at head 1
 
 
-def make_params(seed: int = 0, shards: int = 1) -> dict[str, torch.Tensor]:
+def make_params(seed: int = 0, shards: int = 1, heads: int = H) -> dict[str, torch.Tensor]:
     """Per-shard parameters stacked over `shards` virtual shards (the kernels' [S, ...] operands)."""
-    return dict(conv_w=randn(shards, 3 * C, 4, dtype=torch.float32, seed=seed + 1, scale=0.5),
-                dt_bias=randn(shards, C, dtype=torch.float32, seed=seed + 2, scale=0.3),
-                a_log=randn(shards, H, dtype=torch.float32, seed=seed + 3, scale=0.3),
+    c = heads * DK
+    return dict(conv_w=randn(shards, 3 * c, 4, dtype=torch.float32, seed=seed + 1, scale=0.5),
+                dt_bias=randn(shards, c, dtype=torch.float32, seed=seed + 2, scale=0.3),
+                a_log=randn(shards, heads, dtype=torch.float32, seed=seed + 3, scale=0.3),
                 o_norm=1 + randn(DK, seed=seed + 4, scale=0.1))
 
 
-def make_inputs(t: int, seed: int, shards: int = 1) -> dict[str, torch.Tensor]:
+def make_inputs(t: int, seed: int, shards: int = 1, heads: int = H) -> dict[str, torch.Tensor]:
     # q|k|v and beta side by side in one tensor, as the model's fused projection leaves them
-    mixed_beta = randn(shards, t, 3 * C + H, seed=seed)
-    return dict(mixed=mixed_beta[..., : 3 * C], beta_raw=mixed_beta[..., 3 * C :],
-                g_raw=randn(shards, t, C, seed=seed + 10), gate=randn(shards, t, C, seed=seed + 30))
+    c = heads * DK
+    mixed_beta = randn(shards, t, 3 * c + heads, seed=seed)
+    return dict(mixed=mixed_beta[..., : 3 * c], beta_raw=mixed_beta[..., 3 * c :],
+                g_raw=randn(shards, t, c, seed=seed + 10), gate=randn(shards, t, c, seed=seed + 30))
 
 
 def make_cache(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,13 +50,17 @@ def seqs(rows: list[tuple[int, int, int, int, int]]) -> kda.DecodeSeqs:
 
 
 def run_kernel(p, x, conv, state, sq, pend_state=None, pend_conv=None, chan_off: int = CHAN_OFF,
-               head_off: int = HEAD_OFF) -> torch.Tensor:
-    """Decode + gated norm over the shards stacked in p and x -> [S, T, C]."""
-    core = torch.zeros(*x["mixed"].shape[:2], C, dtype=HALF, device=DEVICE)
+               head_off: int = HEAD_OFF, core: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused decode (recurrence + gated norm + history) over the shards stacked in p and x -> gated outputs
+    [S, T, heads*dk]; the core outputs go to `core` when given."""
+    if core is None:
+        core = torch.zeros_like(x["gate"])
+    out = torch.zeros_like(x["gate"])
     kda.decode(sq, mixed=x["mixed"], conv_w=p["conv_w"], conv_state=conv, chan_off=chan_off, g_raw=x["g_raw"],
                dt_bias=p["dt_bias"], a_log=p["a_log"], lower_bound=LB, beta_raw=x["beta_raw"], state=state,
-               head_off=head_off, core=core, pend_state=pend_state, pend_conv=pend_conv)
-    return kda.gated_norm(core, x["gate"], p["o_norm"], EPS)
+               head_off=head_off, gate=x["gate"], norm_w=p["o_norm"], eps=EPS, core=core, out=out,
+               pend_state=pend_state, pend_conv=pend_conv)
+    return out
 
 
 def twin_step(p, x, row: int, hist: torch.Tensor, state: torch.Tensor):
@@ -102,33 +110,89 @@ def test_decode_and_verify_rows_match_twin() -> None:
 
 
 def test_decode_row_alone_equals_row_in_company() -> None:
+    """A decode step's gated output, state and history, and a verify window's gated outputs and pending rows, alone
+    = among other sequences, bit for bit."""
     p, x = make_params(), make_inputs(6, seed=300)
     conv, state = make_cache(seed=400)
+
+    def pending() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(6, HEADS_RANK, DK, DK, device=DEVICE), torch.zeros(6, 3, CH, dtype=HALF, device=DEVICE))
+
     alone_conv, alone_state = conv.clone(), state.clone()
     alone = run_kernel(p, x, alone_conv, alone_state, seqs([(3, 1, 5, 0, -1)]))[0]
+    alone_pend = pending()
+    window = run_kernel(p, x, conv.clone(), state.clone(), seqs([(1, 2, 1, 0, 1)]), *alone_pend)[0]
+    crowd_pend = pending()
     crowd = run_kernel(p, x, conv, state, seqs([(0, 1, 0, 0, -1), (1, 2, 1, 0, 1), (3, 1, 5, 0, -1),
-                                                 (4, 2, 2, 0, 4)]),
-                       torch.zeros(6, HEADS_RANK, DK, DK, device=DEVICE),
-                       torch.zeros(6, 3, CH, dtype=HALF, device=DEVICE))[0]
+                                                 (4, 2, 2, 0, 4)]), *crowd_pend)[0]
     assert torch.equal(alone[3], crowd[3])
     assert torch.equal(alone_state[5], state[5]) and torch.equal(alone_conv[5], conv[5])
+    assert torch.equal(window[1:3], crowd[1:3])
+    assert torch.equal(alone_pend[0][1:3], crowd_pend[0][1:3]) and torch.equal(alone_pend[1][1:3], crowd_pend[1][1:3])
 
 
-def test_commit_history_equals_torch_indexing() -> None:
-    """The commit launch writes what `conv_state[slot[commit], :, chans] = hist_out[commit][:, :, chans]` did: the
-    decode steps' slots get their new history in this shard's columns only; verify windows' slots (not in `commit`,
-    whatever their hist_out rows hold) and every other column stay as they were."""
-    # decode in slot 2, verify window (slot 1), fresh decode in slot 4, verify window (slot 5), decode in slot 0
-    sq = seqs([(0, 1, 2, 0, -1), (1, 3, 1, 0, 1), (4, 1, 4, 1, -1), (5, 2, 5, 0, 5), (7, 1, 0, 0, -1)])
-    conv = randn(SLOTS, 3, CH, seed=800)
-    hist_out = randn(sq.count, 3, CH, seed=801)
-    want = conv.clone()
+# (row0, rows, slot, fresh, pending): a decode step (slot 2), a verify window of 3 (slot 1), a fresh decode step
+# (slot 4), a fresh verify window of 2 (slot 5), and as a CUDA graph's padding sequences, a decode sequence of 2
+# rows (slot 0) and a fresh one with no row (slot 3)
+MIXED = [(0, 1, 2, 0, -1), (1, 3, 1, 0, 1), (4, 1, 4, 1, -1), (5, 2, 5, 1, 5), (7, 2, 0, 0, -1), (9, 0, 3, 1, -1)]
+MIXED_ROWS = 9
+
+
+def rank_cache(seed: int, shards: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank's caches around `shards` shards of `heads` heads, at CHAN_OFF and HEAD_OFF (others own the rest)."""
+    conv = randn(SLOTS, 3, CHAN_OFF + shards * 3 * heads * DK, seed=seed)
+    state = randn(SLOTS, HEAD_OFF + shards * heads, DK, DK, dtype=torch.float32, seed=seed + 1, scale=0.2)
+    return conv, state
+
+
+@pytest.mark.parametrize("heads", [H, 20], ids=["2 heads", "20 heads"])
+def test_fused_norm_equals_the_norm_kernel_on_its_core(heads: int) -> None:
+    """The gated outputs of the fused launch equal `gated_norm` over the core outputs it wrote, bit for bit, for
+    every decode-class row of 2 shards: decode steps, verify windows, fresh sequences. 20 heads: the norm kernel's
+    tile holds 16 heads, the fused one norms a single head in a tile of that shape."""
+    p, x = make_params(seed=11, shards=2, heads=heads), make_inputs(MIXED_ROWS, seed=900, shards=2, heads=heads)
+    conv, state = rank_cache(901, 2, heads)
+    pend_state = torch.zeros(MIXED_ROWS, *state.shape[1:], device=DEVICE)
+    pend_conv = torch.zeros(MIXED_ROWS, *conv.shape[1:], dtype=HALF, device=DEVICE)
+    core = torch.zeros_like(x["gate"])
+    out = run_kernel(p, x, conv, state, seqs(MIXED), pend_state, pend_conv, core=core)
+    assert torch.equal(out, kda.gated_norm(core, x["gate"], p["o_norm"], EPS))
+    assert out.abs().sum(-1).ne(0).all()  # every row was normed
+
+
+def test_history_moves_on_as_the_commit_moved_it() -> None:
+    """What the separate commit launch did: a decode step's slot gets the last 3 inputs of its history and rows
+    in this shard's columns (zeros and its rows for a fresh one, zeros for a fresh one with no row), a verify
+    window's slot and every other column stay as they were (the window's rows are in the pending buffers)."""
+    p, x = make_params(seed=12), make_inputs(MIXED_ROWS, seed=910)
+    conv, state = make_cache(seed=911)
+    before, want = conv.clone(), conv.clone()
     mine = slice(CHAN_OFF, CHAN_OFF + 3 * C)
-    commit = sq.commit.long()
-    want[sq.slot.long()[commit], :, mine] = hist_out[commit][:, :, mine]
-    kda.commit_history(hist_out, conv, sq, CHAN_OFF, 3 * C)
+    for row0, n, slot, fresh, pending in MIXED:
+        if pending < 0:
+            hist = torch.zeros(3, 3 * C, dtype=HALF, device=DEVICE) if fresh else conv[slot, :, mine]
+            want[slot, :, mine] = ref.conv_history(x["mixed"][0, row0 : row0 + n], hist)
+    pend_state = torch.zeros(MIXED_ROWS, HEADS_RANK, DK, DK, device=DEVICE)
+    pend_conv = torch.zeros(MIXED_ROWS, 3, CH, dtype=HALF, device=DEVICE)
+    run_kernel(p, x, conv, state, seqs(MIXED), pend_state, pend_conv)
     assert torch.equal(conv, want)
-    assert torch.equal(conv[2, :, mine], hist_out[0, :, mine])  # the indexing itself moved a decode step's slot on
+    assert not torch.equal(conv[2], before[2])  # a decode step's history moved on
+
+
+def test_arrival_counters_are_left_at_zero_and_a_replay_gives_the_same_bits() -> None:
+    """The kernel puts every (sequence, head) counter back to zero, so the next launch (or a CUDA graph's replay,
+    which runs no memset) counts from zero again and gives the same bits."""
+    p, x = make_params(seed=13), make_inputs(MIXED_ROWS, seed=920)
+    conv, state = make_cache(seed=921)
+    runs = []
+    for _ in range(2):
+        c, st = conv.clone(), state.clone()
+        pend = (torch.zeros(MIXED_ROWS, HEADS_RANK, DK, DK, device=DEVICE),
+                torch.zeros(MIXED_ROWS, 3, CH, dtype=HALF, device=DEVICE))
+        runs.append((run_kernel(p, x, c, st, seqs(MIXED), *pend), c, st, *pend))
+        assert not kda._ARRIVALS[x["mixed"].device].any()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def prompt_rows(chunks: list[tuple[int, int, bool]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -236,6 +300,9 @@ def test_gated_norm_over_more_heads_than_a_program_step() -> None:
     core, gate = randn(2, rows, heads * DK, seed=60), randn(2, rows, heads * DK, seed=61)
     w = 1 + randn(DK, seed=62, scale=0.1)
     out = kda.gated_norm(core, gate, w, EPS)
+    into = torch.zeros(2, rows + 1, heads * DK, dtype=HALF, device=DEVICE)
+    kda.gated_norm(core, gate, w, EPS, out=into[:, 1:])  # into a view, as the fused ops pass the prompt rows'
+    assert torch.equal(into[:, 1:], out) and not into[:, 0].any()
     for s in range(2):
         want = gated_rms_norm(core[s].cpu().view(rows, heads, DK), gate[s].cpu().view(rows, heads, DK), w.cpu(), EPS)
         torch.testing.assert_close(out[s].cpu().float(), want.reshape(rows, -1).float(), **HALF_TOL)

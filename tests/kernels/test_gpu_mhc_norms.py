@@ -58,6 +58,73 @@ def test_post_matches_twin() -> None:
     torch.testing.assert_close(out.cpu().float(), want.float(), **HALF_TOL)
 
 
+# post_pre: D a multiple of the projection's 256-wide chunk (one chunk in each stream; 1,280: post's 1,024-wide
+# blocks and a partial one), and 96 (not a multiple: the two calls).
+BOUNDARY_D = (256, 1280, 96)
+
+
+def boundary(t: int, d: int, seed: int, dtype: torch.dtype = HALF, shards: int = 3) -> dict[str, torch.Tensor]:
+    """A block boundary's inputs: the block's partials, the streams, its post and comb, and the next block's mHC."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.rand(*shape, generator=g).to(DEVICE)  # noqa: E731
+    return dict(partials=randn(shards, t, d, dtype=torch.float32, seed=seed), residual=randn(t, HC, d, dtype=dtype,
+                seed=seed + 1), post_w=2 * rand(t, HC), comb=rand(t, HC, HC),
+                fn=randn(HC * (2 + HC), HC * d, dtype=dtype, seed=seed + 2, scale=0.05),
+                base=randn(HC * (2 + HC), dtype=torch.float32, seed=seed + 3, scale=0.1),
+                scale=randn(3, dtype=torch.float32, seed=seed + 4, scale=0.1) + 1,
+                norm=1 + randn(d, dtype=dtype, seed=seed + 5, scale=0.1))
+
+
+def rows(b: dict[str, torch.Tensor], picked: slice | list[int]) -> dict[str, torch.Tensor]:
+    """The boundary's inputs of some rows (the weights as they are)."""
+    out = dict(b, residual=b["residual"][picked], post_w=b["post_w"][picked], comb=b["comb"][picked])
+    out["partials"] = b["partials"][:, picked].contiguous()
+    return out
+
+
+def unfused(b: dict[str, torch.Tensor], decode_rows: int) -> tuple[torch.Tensor, ...]:
+    streams = mhc.post(b["partials"], b["residual"], b["post_w"], b["comb"])
+    return streams, *mhc.pre(streams, b["fn"], b["base"], b["scale"], b["norm"],
+                             **{**GPU_KW, "decode_rows": decode_rows})
+
+
+def fused(b: dict[str, torch.Tensor], decode_rows: int) -> tuple[torch.Tensor, ...]:
+    return mhc.post_pre(b["partials"], b["residual"], b["post_w"], b["comb"], b["fn"], b["base"], b["scale"],
+                        b["norm"], **{**GPU_KW, "decode_rows": decode_rows})
+
+
+@pytest.mark.parametrize("dtype", [HALF, torch.float32], ids=["half", "fp32"])
+@pytest.mark.parametrize("d", BOUNDARY_D[:2])
+def test_post_projection_equals_post_then_projection(d: int, dtype: torch.dtype) -> None:
+    """The fused launch's new streams are post's and its chunk partials _proj_kernel's on them, bit for bit (37
+    rows: three 16-row tiles, the last one partial)."""
+    b = boundary(37, d, seed=20, dtype=dtype)
+    streams = torch.empty_like(b["residual"])
+    ws = mhc._post_project(b["partials"], b["residual"], b["post_w"], b["comb"], b["fn"], streams)
+    want = mhc.post(b["partials"], b["residual"], b["post_w"], b["comb"])
+    assert torch.equal(streams, want)
+    assert torch.equal(ws, mhc._project(want, b["fn"]))
+
+
+@pytest.mark.parametrize("decode_rows", CLASSES.values(), ids=CLASSES.keys())
+@pytest.mark.parametrize("d", BOUNDARY_D)
+def test_post_pre_equals_post_then_pre(d: int, decode_rows: int) -> None:
+    b = boundary(T, d, seed=30)
+    assert all(torch.equal(f, u) for f, u in zip(fused(b, decode_rows), unfused(b, decode_rows), strict=True))
+
+
+@pytest.mark.parametrize("d", BOUNDARY_D[:2])
+def test_post_pre_row_alone_equals_row_in_company(d: int) -> None:
+    """A decode row's boundary alone and among 2..40 rows (in other 16-row tiles, at other places in its own)."""
+    b = boundary(41, d, seed=40)
+    alone = fused(rows(b, [20]), CLASSES["decode"])
+    for n in (2, 16, 17, 41):
+        picked = list(range(n)) if n > 20 else [*range(n - 1), 20]
+        at = picked.index(20)
+        together = fused(rows(b, picked), CLASSES["decode"])
+        assert all(torch.equal(a[0], t[at]) for a, t in zip(alone, together, strict=True)), n
+
+
 def test_norms_match_twin() -> None:
     x, w, b = randn(T, D, seed=8), 1 + randn(D, seed=9, scale=0.1), randn(D, seed=10, scale=0.1)
     torch.testing.assert_close(norms.rms_norm(x, w, 1e-5).cpu().float(), rms_norm(x.cpu(), w.cpu(), 1e-5).float(),

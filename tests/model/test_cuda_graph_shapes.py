@@ -33,7 +33,7 @@ def _batch(lengths: list[int], starts: list[int], verify: list[bool]):
 
 def _split(flat: list[int], seqs: int, rows: int) -> list[list[int]]:
     out, lo = [], 0
-    for size in (rows, rows, seqs, seqs, seqs, seqs, seqs, seqs, 1):
+    for size in (rows, rows, seqs, seqs, seqs, seqs, seqs, 1):
         out.append(flat[lo : lo + size])
         lo += size
     assert lo == len(flat)
@@ -42,18 +42,18 @@ def _split(flat: list[int], seqs: int, rows: int) -> list[list[int]]:
 
 def test_decode_graph_inputs_pad_with_one_scratch_sequence_a_row():
     flat = graph_inputs(_batch([1, 1, 1], [40, 0, 9], [False] * 3), seqs=4, rows=4, scratch_slot=8)
-    positions, row_seq, row0, length, slot, fresh, pending, commit, n_real = _split(flat, 4, 4)
+    positions, row_seq, row0, length, slot, fresh, pending, n_real = _split(flat, 4, 4)
     assert positions == [40, 0, 9, 0] and row_seq == row0 == [0, 1, 2, 3] and length == [1] * 4
     assert slot == [7, 3, 5, 8] and fresh == [0, 1, 0, 1] and pending == [-1] * 4
-    assert commit == [0, 1, 2, 3] and n_real == [3]  # every sequence moves its conv history on; 3 rows route
+    assert n_real == [3]  # 3 rows route
 
 
-def test_window_graph_inputs_keep_windows_in_their_rows_and_commit_a_fixed_count():
+def test_window_graph_inputs_keep_windows_in_their_rows():
     # a window of 3 at 20, a decode step at 0, a window of 2 at 8: 6 rows in a graph of 8 rows and 4 sequences
     flat = graph_inputs(_batch([3, 1, 2], [20, 0, 8], [True, False, True]), seqs=4, rows=8, scratch_slot=8)
-    positions, row_seq, row0, length, slot, fresh, pending, commit, n_real = _split(flat, 4, 8)
+    positions, row_seq, row0, length, slot, fresh, pending, n_real = _split(flat, 4, 8)
     assert positions == [20, 21, 22, 0, 8, 9, 0, 1]  # the padding sequence's two rows from position 0
     assert row_seq == [0, 0, 0, 1, 2, 2, 3, 3] and row0 == [0, 3, 4, 6] and length == [3, 1, 2, 2]
     assert slot == [7, 3, 5, 8] and fresh == [0, 1, 0, 1]
     assert pending == [0, -1, 4, -1]  # a window's states go to the pending rows of its own packed rows
-    assert commit == [1, 3, 3, 3] and n_real == [6]  # the decode step, then the padding sequence standing in
+    assert n_real == [6]

@@ -82,7 +82,7 @@ def test_graph_padding_rows_write_the_scratch_block(tiny_default, kv_dtype: torc
     tables = torch.tensor(TABLES[:2] + [[scratch] * 3] * 2, dtype=torch.int32)
     pos = torch.tensor([30, 17, 0, 0], dtype=torch.int32)
     seq = torch.arange(4, dtype=torch.int32)
-    kda = DecodeSeqs(row0=seq, length=torch.ones_like(seq), slot=seq, fresh=seq, pending=seq, commit=seq)
+    kda = DecodeSeqs(row0=seq, length=torch.ones_like(seq), slot=seq, fresh=seq, pending=seq)
     rows = GpuRows(n_rows=4, decode_rows=4, positions=pos, row_seq=seq, tables=tables, n_real=torch.tensor([2]),
                    kda=kda, verify=[], verify_rows=[], prompt=None, max_pools=0)
     batch = Batch(token_ids=torch.zeros(4, dtype=torch.long), starts=[0] * 4, lengths=[1] * 4, block_tables=tables,

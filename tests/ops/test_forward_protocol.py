@@ -37,7 +37,7 @@ def _set_in_init(cls: type) -> set[str]:
 
 
 def test_the_protocol_lists_the_ops():
-    assert {"linear", "shard_linear", "hc_pre", "write_rows", "kda_core", "dsa_select", "mla_attention",
+    assert {"linear", "shard_linear", "hc_pre", "write_rows", "kda_attention", "dsa_select", "mla_attention",
             "moe", "logits"} <= set(_ops())
 
 
