@@ -119,6 +119,14 @@ def graph_inputs(batch: Batch, seqs: int, rows: int, scratch_slot: int) -> list[
     return [x for v in vectors for x in v]
 
 
+def warmup_inputs(seqs: int, rows: int, window: bool, scratch_slot: int) -> list[int]:
+    """The host-filled inputs (`_layout`) a graph is warmed up and captured with: padding on the scratch slot, one
+    sequence holding every row (a window when `window`), the others empty, no row routed."""
+    vectors = [[0] * rows, [0] * rows, [0] * seqs, [rows] + [0] * (seqs - 1), [scratch_slot] * seqs, [1] * seqs,
+               [0 if window else -1] + [-1] * (seqs - 1), [0]]
+    return [x for v in vectors for x in v]
+
+
 class DecodeGraphs:
     def __init__(self, model: Glm5Model, cache: PagedCache, staging: int = 2, window_rows: int = WINDOW_ROWS
                  ) -> None:
@@ -261,11 +269,7 @@ class DecodeGraphs:
                       slots=[self.cache.scratch_slot] * rows, logit_rows=torch.arange(rows), prompt=[False] * rows)
         # Inputs as padding while warming up (Triton compiles, cuBLAS-free, allocator settles): scratch only, one
         # sequence of every row (a window), the others empty.
-        host = torch.tensor([x for v in ([0] * rows, [0] * rows, [0] * seqs, [rows] + [0] * (seqs - 1),
-                                         [self.cache.scratch_slot] * seqs, [1] * seqs,
-                                         [0 if window else -1] + [-1] * (seqs - 1), [seqs - 1] * seqs, [0])
-                             for x in v], dtype=torch.int32)
-        packed.copy_(host)
+        packed.copy_(torch.tensor(warmup_inputs(seqs, rows, window, self.cache.scratch_slot), dtype=torch.int32))
         tables.fill_(self.cache.scratch_block)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

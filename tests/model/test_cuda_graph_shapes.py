@@ -3,7 +3,7 @@ without a GPU; tests/gpu/test_fast_path.py checks on CUDA that a replay equals t
 
 from __future__ import annotations
 
-from model.cuda_graphs import BATCH_BUCKETS, graph_inputs, graph_width, start_buckets
+from model.cuda_graphs import BATCH_BUCKETS, graph_inputs, graph_width, start_buckets, warmup_inputs
 
 
 def test_width_is_a_power_of_two_between_the_floor_and_the_cache():
@@ -57,3 +57,11 @@ def test_window_graph_inputs_keep_windows_in_their_rows():
     assert slot == [7, 3, 5, 8] and fresh == [0, 1, 0, 1]
     assert pending == [0, -1, 4, -1]  # a window's states go to the pending rows of its own packed rows
     assert n_real == [6]
+
+
+def test_warmup_inputs_fill_the_layout_of_a_replay():
+    for window in (False, True):
+        flat = warmup_inputs(4, 8, window, scratch_slot=8)
+        assert len(flat) == len(graph_inputs(_batch([1], [3], [False]), seqs=4, rows=8, scratch_slot=8))
+        positions, row_seq, row0, length, slot, fresh, pending, n_real = _split(flat, 4, 8)
+        assert length == [8, 0, 0, 0] and slot == [8] * 4 and pending[0] == (0 if window else -1) and n_real == [0]
