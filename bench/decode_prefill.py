@@ -118,8 +118,8 @@ class Results(RunFiles):
                  f"dims, {m['layers']} layers `{m['layer_pattern']}` (K = KDA, M = MLA+DSA), FFNs "
                  f"`{m['mlp_pattern']}`, lm_head; {si(m['text_params'])} params stored "
                  f"({si(m['text_bytes'], 'B')}), built in {m.get('build_s', float('nan')):.1f} s"
-                 + (f"; quantize recipe {m['random_weights']} (packed linears drawn as such: the byte counts and "
-                    f"rooflines below still count them at {m['dtype']}, so they overstate the bytes read)"
+                 + (f"; quantize recipe {m['random_weights']} (packed linears drawn as such: the size above "
+                    f"counts them at {m['dtype']}, the decode rooflines below at the bytes they are held in)"
                     if m.get("random_weights") else ""),
                  f"- dims: hidden {m['dims']['hidden_size']}, inter {m['dims']['intermediate_size']}, moe_inter "
                  f"{m['dims']['moe_intermediate_size']}, {m['dims']['n_routed_experts']} experts top-"

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from bench import flags, kernels_formats, kernels_int, kernels_rest, roofline
 from bench.moe_layer import BF16, D, moe_exl3, moe_rows, moe_run, moe_setup, moe_sweep, moe_w4a16
 from bench.output import RESULTS, write_results
-from bench.timing import bench_ms, log
+from bench.timing import bench_ms, graph_ms, log
 # (name, N, K) of the dense weights a decode step reads (fused where the fast path fuses them)
 GEMMS = [("kda q|k|v", 3 * 8192, D), ("kda o_proj", D, 8192), ("mla q_a|kv_a", 1536 + 512, D),
          ("mla q_b", 16384, 1536), ("mla o_proj", D, 16384), ("dense gate|up", 2 * 12288, D),
@@ -321,18 +321,20 @@ def expanded_sweep() -> list[dict]:
 
 
 def mhc_rows() -> list[dict]:
+    """mHC's pre and post at decode and prompt row counts, each timed as a CUDA graph replays it (a decode step's
+    launches are graph-replayed: a host-timed call of a ~5 us kernel would time the launch)."""
     from kernels.gpu import mhc
     rows = []
     fn = torch.randn(24, 4 * D, device="cuda", dtype=BF16) * 0.01
     base, scale = torch.randn(24, device="cuda"), torch.ones(3, device="cuda")
     nw = torch.ones(D, device="cuda", dtype=BF16)
-    for t in (1, 64, 8192):
+    for t in (1, 8, 64, 8192):
         s = torch.randn(t, 4, D, device="cuda", dtype=BF16)
-        ms_pre = bench_ms(lambda: mhc.pre(s, fn, base, scale, nw, eps=1e-6, norm_eps=1e-5, rms_eps=1e-5, iters=20,
-                                          decode_rows=t if t <= 64 else 0))
         parts = torch.randn(1, t, D, device="cuda")
         post, comb = torch.rand(t, 4, device="cuda"), torch.rand(t, 4, 4, device="cuda")
-        ms_post = bench_ms(lambda: mhc.post(parts, s, post, comb))
+        ms_pre = graph_ms([lambda: mhc.pre(s, fn, base, scale, nw, eps=1e-6, norm_eps=1e-5, rms_eps=1e-5, iters=20,
+                                           decode_rows=t if t <= 64 else 0)])
+        ms_post = graph_ms([lambda: mhc.post(parts, s, post, comb)])
         rows.append(dict(kernel="mhc", tokens=t, pre_ms=ms_pre, post_ms=ms_post))
         log(f"mhc t={t}: pre {ms_pre * 1e3:7.1f} us, post {ms_post * 1e3:7.1f} us")
     return rows

@@ -3,14 +3,14 @@
     python -m bench.ptx_stats kernels.gpu.mhc:_pre_row_kernel --num-warps 16 \\
         --signature s_ptr=*bf16,ws_ptr=*fp32,base_ptr=*fp32,scale_ptr=*fp32,nw_ptr=*bf16,h_ptr=*bf16,\\
 post_ptr=*fp32,comb_ptr=*fp32,D=i32,hc_eps=fp32,norm_eps=fp32,rms_eps=fp32 \\
-        --constexprs CHUNKS=64,CHUNKS_P2=64,ITERS=20,HC=4,BLOCK_D=4096
-    -> kernels.gpu.mhc:_pre_row_kernel sm_90, 16 warps: bar_sync 80, shfl 116, ptx_lines 2714, cp_async 0, wgmma 0,
-       shared_bytes 8192, registers 90, spill_bytes 0
+        --constexprs CHUNKS=64,CHUNKS_P2=64,ITERS=20,HC=4,BLOCK_D=4096 --divisible D
+    -> kernels.gpu.mhc:_pre_row_kernel sm_90, 16 warps: bar_sync 17, shfl 156, ptx_lines 2311, cp_async 0, wgmma 0,
+       shared_bytes 256, registers 60, spill_bytes 0
 
 compiles the kernel with Triton's own compiler and ptxas for sm_90 (default) on any machine, no GPU needed, and
 prints the counts. Why: a decode step's small kernels are latency-bound, and what they wait on shows in the code
 before any timing — a reduction across a program's warps costs a `bar.sync` and a round trip through shared memory
-(the mHC decode kernel's Sinkhorn iterations were 57 of its 78 barriers). Device time is short; this narrows what
+(the mHC decode kernel's Sinkhorn iterations were 57 of its 78 barriers, before its sums were kept in a warp). Device time is short; this narrows what
 to time.
 
 It compiles what the runtime would: pointer arguments 16-byte aligned, as torch allocates them (unless named in

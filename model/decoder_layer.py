@@ -18,10 +18,6 @@ if TYPE_CHECKING:
     from model.forward import Forward, Selections
 
 
-# hc_pre's results for a block: (its normed input [T, D], post [T, hc], comb [T, hc, hc])
-BlockInput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
 def hyper_connection(cfg: ModelConfig, reader: WeightReader, prefix: str, which: str) -> HyperConnectionParams:
     """The mHC weights around the layer's `which` block ("attn" or "ffn")."""
     return HyperConnectionParams(reader.full(f"{prefix}hc_{which}_fn"), reader.full(f"{prefix}hc_{which}_base"),
@@ -46,26 +42,8 @@ class DecoderLayer:
 
     def forward(self, streams: torch.Tensor, fwd: "Forward", selections: "Selections", coll: Collective
                 ) -> torch.Tensor:
-        """streams [T, hc_mult, D] -> the streams after this layer (the layer on its own; the model chains its
-        layers with `chained`)."""
-        return self.chained(streams, self.attn_input(streams, fwd), fwd, selections, coll)[0]
-
-    def attn_input(self, streams: torch.Tensor, fwd: "Forward") -> BlockInput:
-        """The attention block's input, from the streams before this layer."""
-        return fwd.hc_pre(streams, self.attn_hc, self.attn_norm, self.eps)
-
-    def chained(self, streams: torch.Tensor, attn_in: BlockInput, fwd: "Forward", selections: "Selections",
-                coll: Collective, following: "DecoderLayer | None" = None
-                ) -> tuple[torch.Tensor, BlockInput | None]:
-        """This layer from its attention's input (`attn_input`, or what the layer before returned) -> the streams
-        after it and `following`'s attention input (None without a following layer). A block's post and the next
-        block's pre are one op (`hc_post_pre`): the fused one saves a launch at each such boundary."""
-        h, post, comb = attn_in
-        streams, h, post, comb = fwd.hc_post_pre(self.attn.forward(h, fwd, selections), streams, post, comb, coll,
-                                                 self.ffn_hc, self.ffn_norm, self.eps)
-        partials = self.ffn.forward(h, fwd)
-        if following is None:
-            return fwd.hc_post(partials, streams, post, comb, coll), None
-        out = fwd.hc_post_pre(partials, streams, post, comb, coll, following.attn_hc, following.attn_norm,
-                              following.eps)
-        return out[0], out[1:]
+        """streams [T, hc_mult, D] -> the streams after this layer."""
+        h, post, comb = fwd.hc_pre(streams, self.attn_hc, self.attn_norm, self.eps)
+        streams = fwd.hc_post(self.attn.forward(h, fwd, selections), streams, post, comb, coll)
+        h, post, comb = fwd.hc_pre(streams, self.ffn_hc, self.ffn_norm, self.eps)
+        return fwd.hc_post(self.ffn.forward(h, fwd), streams, post, comb, coll)

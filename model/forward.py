@@ -73,13 +73,6 @@ class Forward(Protocol):
         """The block's partials [S, T, D] reduced over the group and mixed back into the streams."""
         ...
 
-    def hc_post_pre(self, partials: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                    coll: Collective, next_hc: HyperConnectionParams, next_norm: torch.Tensor, eps: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`hc_post`, then the next block's `hc_pre` on the new streams -> (new streams, the next block's input,
-        post, comb): one op, so an implementation may fuse the two across the block boundary."""
-        ...
-
     def hc_final(self, streams: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
         """The streams' mean, normed: the final hidden state [T, D]."""
         ...

@@ -110,10 +110,8 @@ class Glm5Model:
         streams = self._inputs(fwd).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         selections: Selections = {}
         outputs: dict[int, torch.Tensor] = {}
-        # Each layer hands the next its attention input: a block boundary is one op (DecoderLayer.chained).
-        attn_in = self.layers[0].attn_input(streams, fwd)
-        for i, (layer, following) in enumerate(zip(self.layers, [*self.layers[1:], None])):
-            streams, attn_in = layer.chained(streams, attn_in, fwd, selections, self.coll, following)
+        for i, layer in enumerate(self.layers):
+            streams = layer.forward(streams, fwd, selections, self.coll)
             if i in layers:
                 outputs[i] = streams[: fwd.n_rows].mean(dim=1)
         hidden = fwd.hc_final(streams, self.norm, self.cfg.rms_norm_eps)

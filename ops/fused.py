@@ -87,15 +87,6 @@ class FusedForward:
                 coll: Collective) -> torch.Tensor:
         return gpu_mhc.post(coll.gather_partials(partials), streams, post, comb)
 
-    def hc_post_pre(self, partials: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                    coll: Collective, next_hc: HyperConnectionParams, next_norm: torch.Tensor, eps: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The decode-class rows' post and the next projection in one launch, then the row pass (kernels/gpu/mhc.py):
-        the bits of `hc_post` then `hc_pre`."""
-        return gpu_mhc.post_pre(coll.gather_partials(partials), streams, post, comb, next_hc.fn, next_hc.base,
-                                next_hc.scale, next_norm, rms_eps=eps, decode_rows=self.rows.decode_rows,
-                                eps=next_hc.eps, norm_eps=next_hc.norm_eps, iters=next_hc.iters)
-
     def hc_final(self, streams: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
         # The streams' mean as adds in stream order (a torch mean reduces in a shape-chosen order), then the norm.
         return gpu_norms.mean_rms_norm(streams, norm, eps)

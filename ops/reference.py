@@ -79,12 +79,6 @@ class ReferenceForward:
                 coll: Collective) -> torch.Tensor:
         return mhc.expand(coll.sum_partials(partials).to(streams.dtype), streams, post, comb)
 
-    def hc_post_pre(self, partials: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                    coll: Collective, next_hc: HyperConnectionParams, next_norm: torch.Tensor, eps: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        streams = self.hc_post(partials, streams, post, comb, coll)
-        return streams, *self.hc_pre(streams, next_hc, next_norm, eps)
-
     def hc_final(self, streams: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(streams.mean(dim=1), norm, eps)
 

@@ -101,11 +101,19 @@ def _top_k(logits_ptr, bias_ptr, rows, real, E, ROWS: tl.constexpr, TOP_K: tl.co
         # the lowest index among the maxima
         first = tl.min(tl.min(tl.where(choice == best, e, BLOCK_E), axis=1, keep_dims=True), axis=2, keep_dims=True)
         choice = tl.where(e == first, float("-inf"), choice)
-        earlier = j < k
-        places += (earlier & (picks > first)).to(tl.int32)
-        places = tl.where(j == k, tl.sum((earlier & (picks < first)).to(tl.int32), axis=1, keep_dims=True), places)
-        picks = tl.where(j == k, first, picks)
+        picks, places = _record_pick(picks, places, first, j, k, 1)
     return picks, places
+
+
+@triton.jit
+def _record_pick(picks, places, first, j, k, AXIS: tl.constexpr):
+    """Pick k of a row's top-k (`first`, along the picks' axis AXIS) recorded: its place among the row's pairs is
+    the number of earlier picks of a lower expert, and every earlier pick of a higher expert moves one place on (a
+    row's pairs lie in expert order)."""
+    earlier = j < k
+    places += (earlier & (picks > first)).to(tl.int32)
+    places = tl.where(j == k, tl.sum((earlier & (picks < first)).to(tl.int32), axis=AXIS, keep_dims=True), places)
+    return tl.where(j == k, first, picks), places
 
 
 @triton.jit
@@ -153,135 +161,228 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, E, scaling,
 
 
 @triton.jit
-def _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E, scaling,
-                 cap, blocks, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr,
-                 KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                 SEARCH: tl.constexpr, THREADS: tl.constexpr):
+def _route_group_top_k(choice, e, ROWS: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
+    """`_top_k`'s picks and places from `_route_group`'s [LANES, ROWS, PARTS] choice tile (a row's experts on its
+    warp's lanes, PARTS in each thread): picks and places [1, ROWS, KP], in every thread of the row's warp.
+
+    The same picks by integer keys: each score's bits mapped to an int32 in the floats' order, so that a warp's
+    max and its min index are one `redux.sync` each, where a float max is five shuffles and their latency. NaNs as
+    `_top_k` takes them: a NaN's key is below every number's (tl.max, a maxnum, passes NaNs over), and a step
+    whose best is a NaN picks BLOCK_E (`choice == best` matches nothing there). No score is -0 (no sigmoid is, so
+    neither is its sum with a bias): +0 and -0, one float but two keys, never meet."""
+    j = tl.arange(0, KP)[None, None, :]
+    bits = choice.to(tl.int32, bitcast=True)
+    nan_key = tl.full((1, 1, 1), -2147483648, tl.int32)
+    key = tl.where(choice == choice, bits ^ ((bits >> 31) & 0x7FFFFFFF), nan_key)
+    NO_KEY: tl.constexpr = -2139095041  # -inf's key (a pick's score leaves the choice as -inf)
+    picks = tl.zeros((1, ROWS, KP), dtype=tl.int32)
+    places = tl.zeros((1, ROWS, KP), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(tl.max(key, axis=2, keep_dims=True), axis=0, keep_dims=True)
+        first = tl.min(tl.min(tl.where(key == best, e, BLOCK_E), axis=2, keep_dims=True), axis=0, keep_dims=True)
+        first = tl.where(best == nan_key, BLOCK_E, first)
+        key = tl.where(e == first, NO_KEY, key)
+        picks, places = _record_pick(picks, places, first, j, k, 2)
+    return picks, places
+
+
+@triton.jit
+def _route_group_place(word, row, start, e, pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, used, n_pairs, experts,
+                       shards, P: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr, INT: tl.constexpr):
+    """The pairs of a block of rows, from their words (`_route_group`), scattered into the tables: a pair's slot is
+    its expert's first slot plus its rank; a tile's first slot names the tile's expert (runs start on whole tiles)."""
+    code = word % CODES
+    slot = start + word // CODES
+    chosen = code > 0
+    pair = row * P + code - 1
+    tl.store(pair_ptr + slot, pair, mask=chosen)
+    head = chosen & (slot % BLOCK_M == 0)
+    tile = slot // BLOCK_M
+    tl.store(expert_ptr + tile, e + 0 * row, mask=head)
+    if INT:  # humming's rows (int_moe.table_rows): gate|up's; down's, the shards' copies of the used tiles in a row
+        tl.store(gu_ptr + slot, pair, mask=chosen)
+        for s in range(shards):
+            tl.store(dn_ptr + s * used * BLOCK_M + slot, pair + s * n_pairs, mask=chosen)
+            tl.store(block_ptr + s * used + tile, e + s * experts + 0 * row, mask=head)
+
+
+@triton.jit
+def _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, gu_ptr, dn_ptr,
+                 block_ptr, padded_ptr, T, E, stride_e, scaling, cap, blocks, shards, TOP_K: tl.constexpr,
+                 NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr, KP: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, INT: tl.constexpr):
     """One program: `_route_kernel`'s routing of every row, ROWS rows at a time, and the grouping of its pairs
-    (num_experts = E + SHARED) into exactly moe_groups.group_pairs' tables, then a barrier; returns the tiles used.
-    A pair's slot is its expert's first slot plus the earlier rows that chose that expert, counted by a scan over
-    each block's chosen masks (moe_groups._group_kernel compares every pair with every expert instead)."""
+    (num_experts = E + SHARED) into exactly moe_groups.group_pairs' tables, and with INT humming's row tables
+    (int_moe.table_rows') and their padded counts; returns the tiles used.
+
+    A one-row step's launch is latency, so nothing here waits on more than it must: no chain of dependent loads
+    (the tables are scattered from registers, where a search of the runs in memory would be a load per step), the
+    reductions in a warp, and barriers only for the block's counts across its warps and the empty marks. Every
+    step works on [LANES, ROWS, PARTS] tiles, row r on warp r, expert e = lane * PARTS + part (a thread's experts
+    adjacent): the top-k's reductions are a thread's, then its warp's; the row's picks mark its chosen experts in a
+    word per (row, expert), rank * CODES + place + 1 (0: not chosen), whose rank, the earlier rows that chose the
+    expert, is a scan over the block's rows; after the last block each expert's first slot is a thread's prefix
+    plus one scan over the lanes, and every chosen word scatters its pair into the tables: slot, humming's rows
+    and, from a tile's first slot, the tile's expert (its run starts there; moe_groups._group_kernel counts the runs
+    that end before each tile instead). The earlier blocks' words go through scratch (each thread reads back what
+    it wrote), the last block's stay in registers.
+
+    The tiles' layout is the one Triton gives a load or store whose addresses it sees no order in (in this Triton:
+    lanes on the first axis, warps on the second, the rest in each thread). So the experts' stride in the logits
+    and the bias (1: both contiguous) is a runtime argument and the scratch is not specialised on alignment: a load
+    Triton could vectorise would take a layout of its own, and every tile would cross shared memory to meet it
+    (barriers each time)."""
     P: tl.constexpr = TOP_K + SHARED
-    LANES: tl.constexpr = BLOCK_E if BLOCK_E < 128 else 128
+    CODES: tl.constexpr = P + 1
+    WIDTH: tl.constexpr = BLOCK_E if BLOCK_E > 32 else 32  # the tile's experts: 32 lanes of PARTS
+    PARTS: tl.constexpr = WIDTH // 32
+    n_pairs = T * P
+    experts = E + SHARED
+    GROUPS: tl.constexpr = (PARTS + 15) // 16  # int64 words of 4-bit counts a thread (`hit` below)
+    tl.static_assert(ROWS < 16)
+    lane = tl.arange(0, 32)[:, None, None]
+    part = tl.arange(0, PARTS)[None, None, :]
+    e = lane * PARTS + part
+    at = part * 32 + lane  # a word's place in its row of scratch (the lanes adjacent)
+    j = tl.arange(0, KP)[None, None, :]
+    rows = tl.arange(0, ROWS)[None, :, None]
+    # the first block's logits (and the bias) in flight before the row count (a load of its own) arrives
+    here = (rows < T) & (e < E)
+    logit = tl.load(logits_ptr + rows * E + e * stride_e, mask=here, other=0.0)
+    bias = tl.load(bias_ptr + e * stride_e + 0 * rows, mask=here, other=0.0)
     n_real = tl.minimum(tl.load(n_real_ptr), T)
-    start_ptr = scratch_ptr  # [BLOCK_E]: each expert's first slot
-    end_ptr = start_ptr + BLOCK_E  # [BLOCK_E]: the end of its run (padded to whole tiles)
-    picks_ptr = end_ptr + BLOCK_E  # [T, KP]: each row's picks, in pick order
-    places_ptr = picks_ptr + T * KP  # [T, KP]: their places among the row's pairs
-    before_ptr = places_ptr + T * KP  # [T, BLOCK_E]: at (row, e), the earlier rows that chose e
+    # empty marks, which the placing overwrites after the barrier: slots, and humming's rows
     for s0 in range(0, cap, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
         tl.store(pair_ptr + s, tl.full((CHUNK,), -1, tl.int32), mask=s < cap)
-    for q0 in range(n_real * P, T * P, CHUNK):  # padding rows: no pairs
+        if INT:
+            tl.store(gu_ptr + s, tl.zeros((CHUNK,), tl.int32) + n_pairs, mask=s < cap)
+    if INT:
+        for r0 in range(0, shards * cap, CHUNK):
+            r = r0 + tl.arange(0, CHUNK)
+            tl.store(dn_ptr + r, tl.zeros((CHUNK,), tl.int32) + shards * n_pairs, mask=r < shards * cap)
+    for q0 in range(n_real * P, n_pairs, CHUNK):  # padding rows: no pairs
         q = q0 + tl.arange(0, CHUNK)
-        tl.store(ids_ptr + q, tl.full((CHUNK,), E + 1, tl.int32), mask=q < T * P)
-        tl.store(w_ptr + q, tl.zeros((CHUNK,), tl.float32), mask=q < T * P)
-    e3 = (tl.arange(0, BLOCK_E // LANES) * LANES)[None, :, None] + tl.arange(0, LANES)[None, None, :]
-    j3 = tl.arange(0, KP)[None, :, None]
-    seen = tl.zeros((1, BLOCK_E // LANES, LANES), dtype=tl.int32)  # pairs per expert so far
+        tl.store(ids_ptr + q, tl.full((CHUNK,), E + 1, tl.int32), mask=q < n_pairs)
+        tl.store(w_ptr + q, tl.zeros((CHUNK,), tl.float32), mask=q < n_pairs)
+    seen = tl.zeros((32, 1, PARTS), dtype=tl.int32)  # pairs per expert so far
+    word = tl.zeros((32, ROWS, PARTS), dtype=tl.int32)  # the last block's words
     for r0 in range(0, n_real, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        real = rows < n_real
-        picks, places = _top_k(logits_ptr, bias_ptr, rows, real, E, ROWS, TOP_K, KP, BLOCK_E)
-        tl.store(picks_ptr + rows[:, None, None] * KP + j3, picks, mask=real[:, None, None])
-        tl.store(places_ptr + rows[:, None, None] * KP + j3, places, mask=real[:, None, None])
-        hit = tl.zeros((ROWS, BLOCK_E // LANES, LANES), dtype=tl.int32)  # the chosen, from the picks (a mask kept
-        for k in tl.static_range(TOP_K):  # through the top-k's steps would cost more)
-            hit += (e3 == tl.sum(tl.where(j3 == k, picks, 0), axis=1, keep_dims=True)).to(tl.int32)
-        hit = tl.where(real[:, None, None], hit, 0)
-        # stored for every expert, not just the chosen: a store masked like the logits' load keeps its layout, where
-        # a mask of the chosen would move the whole top-k into one that splits rows over warps
-        tl.store(before_ptr + rows[:, None, None] * BLOCK_E + e3, tl.cumsum(hit, axis=0) - hit + seen,
-                 mask=real[:, None, None] & (e3 < E))
-        seen += tl.sum(hit, axis=0)[None, :, :]
-    e = tl.arange(0, BLOCK_E)
-    counts = tl.where(e < E, tl.reshape(seen, (BLOCK_E,)), 0)
-    if SHARED:
-        counts = tl.where(e == E, n_real, counts)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    tl.store(start_ptr + e, padded_end - padded)
-    tl.store(end_ptr + e, padded_end)
-    tl.debug_barrier()  # the picks, counts, runs and empty marks land before any pair is placed
-    # each real row's pairs: ids, weights (`_route_kernel`'s bits) and slots; a pick at a time, a row a thread, so
-    # that every operand is a vector of rows in one layout (none to exchange between warps)
-    for r0 in range(0, n_real, THREADS):
-        rows = r0 + tl.arange(0, THREADS)
-        real = rows < n_real
-        total = tl.zeros((THREADS,), dtype=tl.float32)
+        row = r0 + rows
+        real = row < n_real
+        following = row + ROWS  # the next block's logits, in flight during this block's top-k
+        logit_next = tl.load(logits_ptr + following * E + e * stride_e, mask=(following < n_real) & (e < E),
+                             other=0.0)
+        seen_before = seen
+        choice = tl.where(real & (e < E), tl.sigmoid(logit) + bias, float("-inf"))
+        picks, places = _route_group_top_k(choice, e, ROWS, TOP_K, KP, BLOCK_E)
+        # ids and weights, `_route_kernel`'s bits: every lane has the row's scores, added in pick order; lane k
+        # writes pair k (the shared expert's: lane TOP_K)
+        score = _pick_score(logits_ptr, row, picks + 0 * lane, real, E)
+        total = tl.zeros((32, ROWS, 1), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
-            total += _pick_score(logits_ptr, rows, tl.load(picks_ptr + rows * KP + k, mask=real, other=0), real, E)
+            total += tl.sum(tl.where(j == k, score, 0.0), axis=2, keep_dims=True)  # (a score and zeros: exact)
+        pick = tl.sum(tl.where(j == lane, picks, 0), axis=2, keep_dims=True)
+        place = tl.sum(tl.where(j == lane, places, 0), axis=2, keep_dims=True)
+        weight = _weight(tl.sum(tl.where(j == lane, score, 0.0), axis=2, keep_dims=True), total, scaling, NORM)
+        if SHARED:
+            pick = tl.where(lane == TOP_K, E, pick)
+            place = tl.where(lane == TOP_K, TOP_K, place)
+            weight = tl.where(lane == TOP_K, 1.0, weight)
+        tl.store(ids_ptr + row * P + place, pick, mask=real & (lane < P))
+        tl.store(w_ptr + row * P + place, weight, mask=real & (lane < P))
+        code = tl.zeros((32, ROWS, PARTS), dtype=tl.int32)
         for k in tl.static_range(TOP_K):
-            pick = tl.load(picks_ptr + rows * KP + k, mask=real, other=0)
-            pair = rows * P + tl.load(places_ptr + rows * KP + k, mask=real, other=0)
-            tl.store(ids_ptr + pair, pick, mask=real)
-            tl.store(w_ptr + pair, _weight(_pick_score(logits_ptr, rows, pick, real, E), total, scaling, NORM),
-                     mask=real)
-            slot = tl.load(start_ptr + pick, mask=real, other=0) + \
-                tl.load(before_ptr + rows * BLOCK_E + pick, mask=real, other=0)
-            tl.store(pair_ptr + slot, pair, mask=real)
-        if SHARED:  # every real row's last pair; its rank in the shared expert's run is the row
-            tl.store(ids_ptr + rows * P + TOP_K, tl.full((THREADS,), E, tl.int32), mask=real)
-            tl.store(w_ptr + rows * P + TOP_K, tl.full((THREADS,), 1.0, tl.float32), mask=real)
-            tl.store(pair_ptr + tl.load(start_ptr + E) + rows, rows * P + TOP_K, mask=real)
-    # each tile's expert: how many experts' runs end at or before its first slot, by a binary search of the
-    # ascending run ends (moe_groups._group_kernel counts them against every expert)
-    for b0 in range(0, blocks, CHUNK):
+            code += tl.where(e == tl.sum(tl.where(j == k, picks, 0), axis=2, keep_dims=True),
+                             tl.sum(tl.where(j == k, places, 0), axis=2, keep_dims=True) + 1, 0)
+        if SHARED:  # every real row's last pair: its rank in the shared expert's run is the row
+            code = tl.where(e == E, P, code)
+        code = tl.where(real & (e < experts), code, 0)
+        # each expert's rank in the block (the earlier rows that chose it) and the block's count: a scan and a sum
+        # over the warps, of a thread's experts packed 4 bits each in an int64 (a count of up to ROWS < 16 rows
+        # never carries into the next field), so each crosses shared memory as one word a thread, not PARTS
+        hit = (code > 0).to(tl.int64)
+        below = tl.zeros((32, ROWS, PARTS), dtype=tl.int32)
+        field = 4 * (part % 16)
+        for g in tl.static_range(GROUPS):
+            mine = (part // 16) == g
+            packed = tl.sum(tl.where(mine, hit << field, 0), axis=2, keep_dims=True)
+            below += tl.where(mine, ((tl.cumsum(packed, axis=1) - packed) >> field) & 15, 0).to(tl.int32)
+            seen += tl.where(mine, (tl.sum(packed, axis=1, keep_dims=True) >> field) & 15, 0).to(tl.int32)
+        word = (below + seen_before) * CODES + code
+        tl.store(scratch_ptr + row * WIDTH + at, word, mask=real & (r0 + ROWS < n_real))
+        logit = logit_next
+    tl.debug_barrier()  # the empty marks land before any pair is placed
+    # each expert's first slot: the runs padded to whole tiles, added up in expert order, a thread's own experts
+    # and one scan of the lanes' sums (at the tile's shape, each warp its own copy: Triton scans no tile that
+    # every warp holds whole)
+    runs = (seen + BLOCK_M - 1) // BLOCK_M  # each expert's tiles
+    used = tl.sum(tl.sum(tl.sum(runs, axis=2), axis=0), axis=0)
+    padded = (runs + 0 * rows) * BLOCK_M
+    lane_total = tl.sum(padded, axis=2, keep_dims=True)
+    start = tl.cumsum(lane_total, axis=0) - lane_total + tl.cumsum(padded, axis=2) - padded
+    last = tl.maximum(n_real - 1, 0) // ROWS * ROWS
+    for r0 in range(0, last, ROWS):
+        row = r0 + rows
+        _route_group_place(tl.load(scratch_ptr + row * WIDTH + at), row, start, e, pair_ptr, expert_ptr, gu_ptr,
+                           dn_ptr, block_ptr, used, n_pairs, experts, shards, P, CODES, BLOCK_M, INT)
+    _route_group_place(word, last + rows, start, e, pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, used, n_pairs,
+                       experts, shards, P, CODES, BLOCK_M, INT)
+    for b0 in range(used, blocks, CHUNK):  # the unused tiles
         b = b0 + tl.arange(0, CHUNK)
-        lo = tl.zeros((CHUNK,), dtype=tl.int32)
-        hi = tl.zeros((CHUNK,), dtype=tl.int32) + E + SHARED
-        for _ in tl.static_range(SEARCH):
-            open_ = lo < hi
-            mid = (lo + hi) // 2
-            ended = tl.load(end_ptr + mid, mask=open_, other=0) <= b * BLOCK_M
-            lo = tl.where(open_ & ended, mid + 1, lo)
-            hi = tl.where(open_ & ~ended, mid, hi)
-        tl.store(expert_ptr + b, lo, mask=b < blocks)
-    tl.debug_barrier()  # the tables are whole before anything reads them
-    return tl.sum(padded, axis=0) // BLOCK_M
+        tl.store(expert_ptr + b, tl.zeros((CHUNK,), tl.int32) + experts, mask=b < blocks)
+    if INT:
+        tl.store(padded_ptr, used * BLOCK_M)
+        tl.store(padded_ptr + 1, used * BLOCK_M * shards)
+        # the down grid's unused tiles (int_moe.table_rows' with no tile used: shard s's first, its "none" expert)
+        for r0 in range(shards * used, shards * blocks, CHUNK):
+            r = r0 + tl.arange(0, CHUNK)
+            tl.store(block_ptr + r, tl.where((used == 0) & (r < shards), (r + 1) * experts, 0),
+                     mask=r < shards * blocks)
+    return used
 
 
 # The grouping launches: one build whatever the row count (counts are not specialised on, docs/gpu-engine.md; the
-# row block is fixed by the shapes, so a row's arithmetic is too).
-@triton.jit(do_not_specialize=["T", "cap", "blocks"])
+# row block is fixed by the shapes, so a row's arithmetic is too); the experts' stride and the scratch's alignment
+# neither, for the tiles' layout (`_route_group`).
+@triton.jit(do_not_specialize=["T", "cap", "blocks", "stride_e"], do_not_specialize_on_alignment=["scratch_ptr"])
 def _route_group_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E,
-                        scaling, cap, blocks, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                        SHARED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        CHUNK: tl.constexpr, SEARCH: tl.constexpr, THREADS: tl.constexpr):
-    _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E, scaling,
-                 cap, blocks, TOP_K, NORM, BLOCK_E, SHARED, KP, ROWS, BLOCK_M, CHUNK, SEARCH, THREADS)
+                        stride_e, scaling, cap, blocks, TOP_K: tl.constexpr, NORM: tl.constexpr,
+                        BLOCK_E: tl.constexpr, SHARED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, pair_ptr,
+                 pair_ptr, pair_ptr, pair_ptr, T, E, stride_e, scaling, cap, blocks, 1, TOP_K, NORM, BLOCK_E, SHARED,
+                 KP, ROWS, BLOCK_M, CHUNK, False)
 
 
-@triton.jit(do_not_specialize=["T", "cap", "blocks"])
+@triton.jit(do_not_specialize=["T", "cap", "blocks", "stride_e"], do_not_specialize_on_alignment=["scratch_ptr"])
 def _route_group_slots_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr,
-                              pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, T, E, scaling,
-                              cap, blocks, shards, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                              SHARED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                              CHUNK: tl.constexpr, SEARCH: tl.constexpr, THREADS: tl.constexpr):
+                              pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, T, E, stride_e,
+                              scaling, cap, blocks, shards, TOP_K: tl.constexpr, NORM: tl.constexpr,
+                              BLOCK_E: tl.constexpr, SHARED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """`_route_group_kernel`, then the EXL3 experts' slot tables (moe_groups.slot_tables)."""
-    _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E, scaling,
-                 cap, blocks, TOP_K, NORM, BLOCK_E, SHARED, KP, ROWS, BLOCK_M, CHUNK, SEARCH, THREADS)
+    _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, pair_ptr,
+                 pair_ptr, pair_ptr, pair_ptr, T, E, stride_e, scaling, cap, blocks, shards, TOP_K, NORM, BLOCK_E,
+                 SHARED, KP, ROWS, BLOCK_M, CHUNK, False)
+    tl.debug_barrier()  # the grouping and the weights are whole before they are read
     for r0 in range(0, shards * cap, CHUNK):
         slot_rows(r0 + tl.arange(0, CHUNK), pair_ptr, expert_ptr, w_ptr, pairs_ptr, block_ptr, token_ptr, vec_ptr,
                   weight_ptr, row_of_pair_ptr, cap, blocks, E + SHARED, T * (TOP_K + SHARED), shards,
                   TOP_K + SHARED, BLOCK_M)
 
 
-@triton.jit(do_not_specialize=["T", "cap", "blocks"])
+@triton.jit(do_not_specialize=["T", "cap", "blocks", "stride_e"], do_not_specialize_on_alignment=["scratch_ptr"])
 def _route_group_int_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr,
-                            gu_ptr, dn_ptr, block_ptr, padded_ptr, T, E, scaling, cap, blocks, shards,
+                            gu_ptr, dn_ptr, block_ptr, padded_ptr, T, E, stride_e, scaling, cap, blocks, shards,
                             TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr,
-                            KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                            SEARCH: tl.constexpr, THREADS: tl.constexpr):
-    """`_route_group_kernel`, then humming's row tables of the integer experts (int_moe.tables)."""
-    used = _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E,
-                        scaling, cap, blocks, TOP_K, NORM, BLOCK_E, SHARED, KP, ROWS, BLOCK_M, CHUNK, SEARCH,
-                        THREADS)
-    tl.store(padded_ptr, used * BLOCK_M)
-    tl.store(padded_ptr + 1, used * BLOCK_M * shards)
-    for r0 in range(0, shards * cap, CHUNK):
-        int_moe.table_rows(r0 + tl.arange(0, CHUNK), used, pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, blocks,
-                           T * (TOP_K + SHARED), E + SHARED, shards, BLOCK_M)
+                            KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """`_route_group_kernel`, with humming's row tables of the integer experts (int_moe.tables) scattered from the
+    same pairs."""
+    _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, gu_ptr, dn_ptr,
+                 block_ptr, padded_ptr, T, E, stride_e, scaling, cap, blocks, shards, TOP_K, NORM, BLOCK_E, SHARED,
+                 KP, ROWS, BLOCK_M, CHUNK, True)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, norm_topk_prob: bool, scaling: float,
@@ -343,11 +444,12 @@ def grouping(x: torch.Tensor, gate: torch.Tensor | WeightArgs | IntExperts, deco
 # Rows a step of the grouping launch routes, and its warps: a row a warp. The launch's cost is the top-k's work on
 # every row of a block (a row's reductions inside its warp: no barrier in the top-k), so the block is the smallest
 # that keeps two warps on each of an SM's four schedulers, to hide the reductions' latency: a one-row step does no
-# more than one block, and from a few rows on the work is the same whatever the block. The warps also split the
-# placing and the tables' loops. Against the two launches it replaces, at 64 rows: `_route_kernel` spreads the same
-# top-k over 64 SMs, but moe_groups._group_kernel then compares every pair with every expert, a [32, experts]
-# one-hot per 32 pairs, more instructions a thread than this whole top-k (bench.ptx_stats' builds of both); here a
-# pair's slot comes from a scan over its block's choices instead.
+# more than one block, and from a few rows on the work is the same whatever the block (and under 16: a block's
+# counts go across the warps 4 bits an expert). The warps also split the empty marks' loops, and each places its
+# own rows' pairs. Against the two launches it replaces, at 64 rows: `_route_kernel` spreads the same top-k over 64
+# SMs, but moe_groups._group_kernel then compares every pair with every expert, a [32, experts] one-hot per 32
+# pairs, more instructions a thread than this whole top-k (bench.ptx_stats' builds of both); here a pair's slot
+# comes from a scan over its block's choices instead.
 _ROUTE_ROWS, _ROUTE_WARPS = 8, 8
 
 
@@ -359,22 +461,23 @@ def _route_grouped(logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, 
     groups = empty_groups(ids.numel(), g.experts, g.block_m, dev)
     cap, blocks = groups.pair_of_slot.shape[0], groups.blocks
     block_e, kp = triton.next_power_of_2(g.experts), triton.next_power_of_2(top_k)
-    scratch = torch.empty((t + 2) * block_e + 2 * t * kp, dtype=torch.int32, device=dev)  # `_route_group`'s
+    scratch = torch.empty(t * max(block_e, 32), dtype=torch.int32, device=dev)  # `_route_group`'s words
     head = (logits, bias, ids, w, n_real, scratch, groups.pair_of_slot, groups.expert_of_block)
     meta = dict(TOP_K=top_k, NORM=norm, BLOCK_E=block_e, SHARED=shared, KP=kp, ROWS=_ROUTE_ROWS, BLOCK_M=g.block_m,
-                CHUNK=1024, SEARCH=block_e.bit_length(), THREADS=32 * _ROUTE_WARPS, num_warps=_ROUTE_WARPS)
+                CHUNK=1024, num_warps=_ROUTE_WARPS)
     if g.tables == "slots":
         s = empty_slot_tables(groups, ids.numel(), g.shards)
         _route_group_slots_kernel[(1,)](*head, s.grouped.pair_of_slot, s.grouped.expert_of_block, s.token, s.vec,
-                                        s.weight, s.row_of_pair, t, e, scaling, cap, blocks, g.shards, **meta)
+                                        s.weight, s.row_of_pair, t, e, logits.stride(1), scaling, cap, blocks, g.shards,
+                                        **meta)
         g.slots = s
     elif g.tables == "int":
         tab = int_moe.empty_tables(groups, g.shards)
         _route_group_int_kernel[(1,)](*head, tab.gate_up_rows, tab.down_rows, tab.down_experts, tab.padded, t, e,
-                                      scaling, cap, blocks, g.shards, **meta)
+                                      logits.stride(1), scaling, cap, blocks, g.shards, **meta)
         g.int_tables = tab
     else:
-        _route_group_kernel[(1,)](*head, t, e, scaling, cap, blocks, **meta)
+        _route_group_kernel[(1,)](*head, t, e, logits.stride(1), scaling, cap, blocks, **meta)
     g.groups = groups
 
 

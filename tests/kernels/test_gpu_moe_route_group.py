@@ -5,6 +5,12 @@ weight bits are the same alone and among others; the experts give the same bits 
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,15 +46,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32))
 
 
-@pytest.mark.parametrize("rows,n_real", [(1, 1), (7, 5), (64, 64), (200, 171)])
-@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no-shared"])
-@pytest.mark.parametrize("tables,block_m,shards", [("", 16, 1), ("slots", 16, 2), ("slots", 16, 4), ("int", 8, 4),
-                                                   ("int", 16, 1), ("int", 8, 2)])
-def test_the_launch_equals_route_then_grouping_then_tables(rows: int, n_real: int, shared: bool, tables: str,
-                                                            block_m: int, shards: int) -> None:
-    ties = rows % 2 == 1
-    logits, bias = logits_of(rows, E, seed=rows, ties=ties), bias_of(E, seed=rows + 1, ties=ties)
-    experts = E + int(shared)
+def assert_the_launch_is_route_then_grouping_then_tables(logits: torch.Tensor, bias: torch.Tensor, n_real: int,
+                                                        shared: bool, tables: str, block_m: int, shards: int) -> None:
+    experts = logits.shape[1] + int(shared)
     g = moe.Grouping(experts, block_m, shards, tables)
     ids, w = route(logits, bias, n_real, shared, g)
     want_ids, want_w = route(logits, bias, n_real, shared)
@@ -72,6 +72,62 @@ def test_the_launch_equals_route_then_grouping_then_tables(rows: int, n_real: in
         assert torch.equal(g.slots.row_of_pair[real], s.row_of_pair[real])
     else:
         assert g.slots is None and g.int_tables is None
+
+
+@pytest.mark.parametrize("rows,n_real", [(1, 1), (7, 5), (64, 64), (200, 171)])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no-shared"])
+@pytest.mark.parametrize("tables,block_m,shards", [("", 16, 1), ("slots", 16, 2), ("slots", 16, 4), ("int", 8, 4),
+                                                   ("int", 16, 1), ("int", 8, 2)])
+def test_the_launch_equals_route_then_grouping_then_tables(rows: int, n_real: int, shared: bool, tables: str,
+                                                            block_m: int, shards: int) -> None:
+    ties = rows % 2 == 1
+    logits, bias = logits_of(rows, E, seed=rows, ties=ties), bias_of(E, seed=rows + 1, ties=ties)
+    assert_the_launch_is_route_then_grouping_then_tables(logits, bias, n_real, shared, tables, block_m, shards)
+
+
+@pytest.mark.parametrize("tables,block_m,shards", [("int", 8, 4), ("slots", 16, 2), ("", 16, 1)])
+def test_scores_at_the_edges_pick_as_the_float_top_k(tables: str, block_m: int, shards: int) -> None:
+    """The launch's top-k orders integer keys of the scores' bits: NaN passed over as tl.max passes it, +-inf,
+    saturated sigmoids (a row of ties), -0.0 biases, tiny and huge logits give `route`'s own picks and tables."""
+    logits = logits_of(12, E, seed=20, ties=False).cpu()
+    logits[0, 5] = float("nan")
+    logits[1, ::7] = float("nan")
+    logits[2, 100:] = float("inf")
+    logits[3, :] = 40.0  # every sigmoid 1.0: the lowest indices win
+    logits[4, :200] = float("-inf")
+    logits[5, 3::9] = -1e30
+    logits[6, :] = 0.0
+    logits[7, 1::2] = 1e-40  # subnormal logits
+    bias = bias_of(E, seed=21, ties=False).cpu()
+    bias[::5] = -0.0
+    bias[7] = float("-inf")
+    assert_the_launch_is_route_then_grouping_then_tables(logits.to(DEVICE), bias.to(DEVICE), 10, True, tables,
+                                                         block_m, shards)
+
+
+@pytest.mark.parametrize("tables,shards", [("int", 4), ("int", 1), ("slots", 2), ("", 1)])
+def test_a_step_with_no_real_row_has_no_pairs(tables: str, shards: int) -> None:
+    """Every row padding (n_real 0): no pair, no used tile, and the tables' empty marks as the grouping's own."""
+    logits, bias = logits_of(3, E, seed=22, ties=False), bias_of(E, seed=23, ties=False)
+    assert_the_launch_is_route_then_grouping_then_tables(logits, bias, 0, True, tables, 8, shards)
+
+
+def test_the_launch_compiles_to_one_layout() -> None:
+    """Compiled for sm_90 at the release's shapes (bench.ptx_stats, in a process of its own: the suite runs the
+    interpreter): every tile keeps one layout, so the barriers are the block's rank scan and count and the placing's
+    own (a tile crossing to another layout costs a barrier or two each, dozens in all), and nothing spills."""
+    sig = ("logits_ptr=*fp32,bias_ptr=*fp32,ids_ptr=*i32,w_ptr=*fp32,n_real_ptr=*i32,scratch_ptr=*i32,pair_ptr=*i32,"
+           "expert_ptr=*i32,gu_ptr=*i32,dn_ptr=*i32,block_ptr=*i32,padded_ptr=*i32,T=i32,E=i32,stride_e=i32,"
+           "scaling=fp32,cap=i32,blocks=i32,shards=i32")
+    consts = f"TOP_K={TOP_K},NORM=True,BLOCK_E=512,SHARED=1,KP=8,ROWS={moe._ROUTE_ROWS},BLOCK_M=8,CHUNK=1024"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "bench.ptx_stats", "kernels.gpu.moe:_route_group_int_kernel",
+                          "--signature", sig, "--constexprs", consts, "--num-warps", str(moe._ROUTE_WARPS),
+                          "--divisible", "E", "--unaligned", "scratch_ptr"], cwd=Path(__file__).resolve().parents[2],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", out.stdout.split(":", 2)[-1])}
+    assert got["bar_sync"] <= 8 and got["spill_bytes"] == 0, got
 
 
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
