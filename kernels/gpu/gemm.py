@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import arch as gpu_arch, exl3_cuda, hadamard
+from kernels.gpu import arch as gpu_arch, arrivals, exl3_cuda, hadamard
 from kernels.gpu.tile_order import grouped_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -156,20 +156,6 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per
             tl.atomic_xchg(tile, 0)
 
 
-# Arrival counters of split-K tiles, per device: zeroed once, and every launch leaves them zero again. Launches on
-# one device run one after another on the forward's stream (or in its CUDA graphs), so one table serves them all.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MAX_TILES = 1 << 20
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    if tiles > _MAX_TILES:
-        raise ValueError(f"a split-K launch of {tiles} tiles exceeds the {_MAX_TILES} arrival counters")
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
 def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> None:
     """x [B, M, K], w [B, N, K] (a stack of dense or quantized weights), out [B, M, N] (any strides)."""
     b, m, k = x.shape
@@ -188,7 +174,7 @@ def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> No
         # M is, so Triton builds one kernel for every row count and keeps its aligned partial-sum loads
         ws = torch.empty(tile.split_k, b, triton.cdiv(m, 16) * 16, triton.cdiv(n, 16) * 16, dtype=torch.float32,
                          device=x.device)
-        counts = _counters(x.device, grid[0] * b)
+        counts = arrivals.counters(x.device, grid[0] * b, "split-K tiles")
         ws_strides = ws.stride()[:3]
     _gemm_kernel[grid](x, w.data, w.scale, out, ws, counts, m, n, k, per_split,
                        x.stride(0), x.stride(1), x.stride(2), *w.strides(),

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import arrivals
 from kernels.gpu.seqs import DecodeSeqs
 
 CONV_TAPS = 4  # GLM-5.3-Flash's short conv; the fused kernel keeps the three previous inputs in registers
@@ -197,22 +198,6 @@ def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, 
         tl.atomic_xchg(arrival, 0)
 
 
-# Arrival counters of (sequence, head) pairs, per device: zeroed once, and every launch leaves them zero again.
-# Launches on one device run one after another on the forward's stream (or in its CUDA graphs), so one table serves
-# them all.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-_MAX_ARRIVALS = 1 << 20
-
-
-def _arrivals(device: torch.device, pairs: int) -> torch.Tensor:
-    if pairs > _MAX_ARRIVALS:
-        raise ValueError(f"a KDA decode launch of {pairs} (sequence, head) pairs exceeds the {_MAX_ARRIVALS} "
-                         "counters")
-    if device not in _ARRIVALS:
-        _ARRIVALS[device] = torch.zeros(_MAX_ARRIVALS, dtype=torch.int32, device=device)
-    return _ARRIVALS[device]
-
-
 def _heads_per_step(heads: int) -> int:
     """The heads a gated-norm tile holds (the fused decode norms its one head in a tile of the same shape)."""
     return min(16, triton.next_power_of_2(heads))
@@ -246,7 +231,7 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
     for t in (mixed, g_raw, beta_raw, gate, core, out):
         if t.shape[0] != shards or t.stride(-1) != 1:
             raise ValueError(f"KDA decode operands need {shards} shards and unit stride along their last dim")
-    arrivals = _arrivals(mixed.device, seqs.count * shards * heads)
+    counts = arrivals.counters(mixed.device, seqs.count * shards * heads, "KDA (sequence, head) pairs")
     ps = pend_state if pend_state is not None else state
     pc = pend_conv if pend_conv is not None else conv_state
     bv = min(32, dv)
@@ -255,7 +240,7 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
         conv_state.stride(1), chan_off, g_raw, g_raw.stride(0), g_raw.stride(1), dt_bias.contiguous(),
         a_log.contiguous(), beta_raw, beta_raw.stride(0), beta_raw.stride(1),
         state, state.stride(0), head_off, core, core.stride(0), core.stride(1), gate, gate.stride(0), gate.stride(1),
-        norm_w, out, out.stride(0), out.stride(1), arrivals, conv_state,  # conv_state again: conv_dst_ptr
+        norm_w, out, out.stride(0), out.stride(1), counts, conv_state,  # conv_state again: conv_dst_ptr
         seqs.row0, seqs.length, seqs.slot, seqs.fresh, seqs.pending, ps, ps.stride(0), pc, pc.stride(0),
         heads, c, float(lower_bound) if lower_bound is not None else 0.0, float(eps),
         HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, HB=_heads_per_step(heads), num_warps=4)

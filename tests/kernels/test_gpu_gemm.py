@@ -7,7 +7,7 @@ import torch
 
 from tests.kernels.gpu_support import DEVICE, HALF, randn
 
-from kernels.gpu import arch as gpu_arch, gemm  # noqa: E402  (after the importorskip in gpu_support)
+from kernels.gpu import arch as gpu_arch, arrivals, gemm  # noqa: E402  (after the importorskip in gpu_support)
 
 # decode_rows values that make every row decode-class, or every row a prompt row
 CLASSES = {"decode": 1 << 30, "prefill": 0}
@@ -55,7 +55,7 @@ def test_split_k_leaves_its_counters_zero_and_writes_strided_outputs() -> None:
     assert gemm.schedule(n, k, gemm.RowClass.DECODE).split_k > 1
     x, w = randn(5, k, seed=7).unsqueeze(0), randn(n, k, seed=8).unsqueeze(0)
     first = gemm.bmm(x, w, CLASSES["decode"], torch.float32)
-    assert int(gemm._COUNTERS[first.device].abs().sum()) == 0
+    assert int(arrivals._TABLES[first.device].abs().sum()) == 0
     wide = torch.full((1, 5, n + 64), -1.0, device=first.device)
     gemm.bmm(x, w, CLASSES["decode"], torch.float32, out=wide[:, :, 32 : 32 + n])
     assert torch.equal(wide[:, :, 32 : 32 + n], first)
