@@ -13,7 +13,9 @@ launch; `--virtual-shards 2` at TP 2: 1 of twice the width). Each launch goes th
 a stand-in driver for the architecture, so its specialization (integers equal to 1 or multiples of 16, pointer
 alignment, every constexpr) is the one a GPU launch would build; a compile hook records it and compiles nothing.
 Each distinct build is then compiled once per architecture with Triton's compiler (ptxas-blackwell for sm_12x,
-bench/triton_build.py): shared memory (what Triton checks against the device before a launch), registers and spills.
+bench/triton_build.py): shared memory (what Triton checks against the device before a launch), registers and spills,
+and that the build waits for the kernel before it before its first global memory access (the launches are recorded
+with programmatic dependent launch on, as a GPU of sm_90 or later makes them: kernels/gpu/pdl.py).
 
 Stand-ins, for what cannot run here: the peer rank of TP 2 (its partials are this rank's, copied), and the CUDA
 EXL3 product where the runtime would take it (its outputs are left empty; kernels/gpu/cuda/exl3_grouped.cu is
@@ -42,7 +44,7 @@ import torch
 
 from bench import flags
 from bench.triton_build import compiled_stats
-from kernels.gpu import arch as gpu_arch
+from kernels.gpu import arch as gpu_arch, pdl
 
 META = torch.device("meta")
 # Weight recipes (model/quantize/select.py): dense, fp8, W4A16, the int widths on the portable INT tile, and EXL3 at
@@ -116,15 +118,16 @@ def recording(arch: int) -> Iterator[set[Build]]:
                          compile["num_warps"], compile["num_stages"]))
         return True  # compiled: nothing to build, nothing to launch
 
-    previous = knobs.runtime.jit_cache_hook
+    previous, enabled = knobs.runtime.jit_cache_hook, pdl.enabled
     active = driver._active  # None without CUDA: reset_active() would look for a driver and find none
     driver.set_active(_Driver(arch))
     knobs.runtime.jit_cache_hook = hook
+    pdl.enabled = lambda: arch >= pdl.MIN_CAPABILITY  # the launches as a GPU makes them (programmatic launch on)
     try:
         with gpu_arch.assume(arch):
             yield builds
     finally:
-        knobs.runtime.jit_cache_hook = previous
+        knobs.runtime.jit_cache_hook, pdl.enabled = previous, enabled
         driver.set_active(active)
 
 
@@ -341,8 +344,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"(limit {gpu_arch.SHARED_PER_BLOCK[r.arch]}), registers {s['registers']}, spills "
                   f"{s['spill_bytes']}{'' if r.fits else '  OVER'}")
     over = [r for r in rows if not r.fits]
-    print(f"{len(rows)} builds, {len(over)} over their architecture's shared memory a block", file=sys.stderr)
-    return 1 if over else 0
+    early = [r for r in rows if r.stats["waits_first"] != 1]
+    for r in early:
+        print(f"sm_{r.arch} {r.build.kernel} [{r.build.label()}]: "
+              f"{'no programmatic-launch wait' if r.stats['waits_first'] < 0 else 'touches memory before its wait'}",
+              file=sys.stderr)
+    print(f"{len(rows)} builds, {len(over)} over their architecture's shared memory a block, {len(early)} touching "
+          f"memory before the wait for the kernel before them", file=sys.stderr)
+    return 1 if over or early else 0
 
 
 if __name__ == "__main__":

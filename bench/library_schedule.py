@@ -6,7 +6,7 @@ many rows share the call (docs/design.md §5.1), so a row's bits do not depend o
 the grouped-GEMM libraries choose their algorithm (tiles, split-K, stream-K) by M: faster where they guess well, and a
 row's bits then depend on the batch. `library_schedule()` patches the entry points the fused ops call
 (`kernels.gpu.gemm.bmm` / `matmul`, which every projection of `ops/fused.py` goes through, `kernels.gpu.moe.experts`,
-and for integer experts `kernels.gpu.int_moe.experts` / `kernels`) with their library twins and puts the originals
+and for integer experts `kernels.gpu.int_moe.experts` / `_product`) with their library twins and puts the originals
 back on exit. Bench-only: nothing under services/ can reach it, and under it nothing is row-invariant.
 
 What each twin runs, and what differs from ours:
@@ -446,8 +446,8 @@ def _experts_twin(original: Callable, record: SwapRecord) -> Callable:
 
 @dataclass(frozen=True)
 class HummingChoice:
-    """humming's own config for one call (hashable, so int_moe.kernels caches its build): `config()` as int_moe's
-    pinned Tile gives it, `block_m` for the grouping."""
+    """humming's own config for one call (hashable, so the twin caches its build): `config()` as int_moe's pinned
+    Tile gives it, `block_m` for the grouping."""
     block_m: int
     cfg: str  # JSON
 
@@ -464,9 +464,30 @@ def humming_choice(layer: str, rows: int, device: int) -> HummingChoice:
     return HummingChoice(int(cfg["block_shape"][0]), json.dumps(cfg, sort_keys=True))
 
 
-def _int_twins(experts: Callable, kernels: Callable, record: SwapRecord) -> tuple[Callable, Callable]:
-    """int_moe.experts' and int_moe.kernels' twins: humming's config for the call's rows, compiled without batch
-    invariance."""
+def stream_k_locks(cfg: dict, sms: int) -> int:
+    """How many int32 lock counters a launch of humming config `cfg` needs on a GPU of `sms` SMs: none without
+    stream-K, else humming's launcher's floor (`check_tensor_locks`, csrc/launcher/tensor.h): the resident CTAs
+    (`num_ctas_per_sm` x the config's `num_sms`, or the GPU's) in clusters, plus a tenth, times a tile's locks (one per
+    output warpgroup under wgmma, else one; the warpgroup count bounds both)."""
+    if not cfg.get("use_stream_k", True):  # (humming's default is on)
+        return 0
+    cluster = cfg.get("multi_cast_size_a", 1) * cfg.get("multi_cast_size_b", 1) * cfg.get("umma_cta_group_size", 1)
+    groups = cfg.get("num_ctas_per_sm", 1) * (cfg.get("num_sms") or sms) // cluster
+    (bm, bn, _), (wm, wn, _) = cfg["block_shape"], cfg["warp_shape"]
+    return (groups + groups // 10) * cluster * max(1, bm // wm * (bn // wn) // 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _locks(device: int, n: int) -> torch.Tensor:
+    """Stream-K's lock counters for one device: humming refuses a stream-K launch without them (our pinned configs
+    have no stream-K, so int_moe passes none). Zeroed once: every launch leaves them zero again (a tile's last slice
+    resets its lock), so gate|up's and down's launches, one after the other on the stream, share them."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def _int_twins(experts: Callable, product: Callable, record: SwapRecord) -> tuple[Callable, Callable]:
+    """int_moe.experts' and int_moe._product's twins: humming's config for the call's rows, compiled without batch
+    invariance, launched with stream-K's locks."""
     compute = json.dumps({"gemm_type": "indexed", "use_batch_invariant": False})
 
     @functools.lru_cache(maxsize=None)
@@ -474,8 +495,15 @@ def _int_twins(experts: Callable, kernels: Callable, record: SwapRecord) -> tupl
         from humming.kernel.humming import HummingKernel
         return HummingKernel.prepare_kernels(layer, compute, json.dumps([[0, 1 << 30, t.config()]]), device=device)
 
-    def kernels_twin(layer, t, device):
-        return build(layer, t, device) if isinstance(t, HummingChoice) else kernels(layer, t, device)
+    def product_twin(stack, x, out, sorted_ids, expert_ids, padded, top_k, t):
+        if not isinstance(t, HummingChoice):
+            return product(stack, x, out, sorted_ids, expert_ids, padded, top_k, t)
+        from humming.ops import launch_kernel
+        device = x.device.index or 0
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        launch_kernel(configs=build(stack.layer, t, device), inputs=x, weight=stack.weight, weight_scale=stack.scale,
+                      outputs=out, sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=padded,
+                      locks=_locks(device, stream_k_locks(t.config(), sms)), top_k=top_k)
 
     def experts_twin(x, ids, weights, ie, limit, rows, out, row0, pinned=None, tab=None):
         def library() -> torch.Tensor:  # (groups for its own tile: the routing's tables are for ours)
@@ -490,7 +518,7 @@ def _int_twins(experts: Callable, kernels: Callable, record: SwapRecord) -> tupl
         if _run(record, INT_EXPERTS, library, ours) is None:
             record.keep(INT_EXPERTS, record.refused[INT_EXPERTS])
             experts(x, ids, weights, ie, limit, rows, out, row0, pinned=pinned, tab=tab)
-    return experts_twin, kernels_twin
+    return experts_twin, product_twin
 
 
 @contextmanager
@@ -502,13 +530,13 @@ def library_schedule(record: SwapRecord | None = None) -> Iterator[SwapRecord]:
 
     record = record if record is not None else SwapRecord()
     saved = [(gemm, "bmm", gemm.bmm), (gemm, "matmul", gemm.matmul), (gpu_moe, "experts", gpu_moe.experts),
-             (int_moe, "experts", int_moe.experts), (int_moe, "kernels", int_moe.kernels)]
+             (int_moe, "experts", int_moe.experts), (int_moe, "_product", int_moe._product)]
     bmm = _bmm_twin(gemm.bmm, record)
-    int_experts, int_kernels = _int_twins(int_moe.experts, int_moe.kernels, record)
+    int_experts, int_product = _int_twins(int_moe.experts, int_moe._product, record)
     try:
         gemm.bmm, gemm.matmul = bmm, _matmul_twin(bmm)
         gpu_moe.experts = _experts_twin(gpu_moe.experts, record)
-        int_moe.experts, int_moe.kernels = int_experts, int_kernels
+        int_moe.experts, int_moe._product = int_experts, int_product
         yield record
     finally:
         for module, name, fn in saved:

@@ -18,7 +18,8 @@ def stats(kernel, signature: dict[str, str], constexprs: dict[str, int | float |
           ) -> dict[str, int]:
     """Compile `kernel` (a @triton.jit function) for sm_<arch>, its pointers 16-byte aligned but `unaligned`, the
     `divisible` integers multiples of 16: counts of bar.sync, shfl.sync, PTX lines, cp.async and wgmma, its shared
-    memory bytes, registers and spilled bytes per thread."""
+    memory bytes, registers and spilled bytes per thread, and whether it waits for the kernel before it first
+    (`waits_first`)."""
     sig = {**signature, **{name: "constexpr" for name in constexprs}}
     hinted = [n for n, t in signature.items() if (t.startswith("*") and n not in unaligned) or n in divisible]
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in hinted}
@@ -50,7 +51,19 @@ def compiled_stats(kernel, signature: dict[str, str], constexprs: Mapping, attrs
     return {"bar_sync": ptx.count("bar.sync"), "shfl": len(re.findall(r"\bshfl\.sync", ptx)),
             "ptx_lines": ptx.count("\n"), "cp_async": len(re.findall(r"\bcp\.async\.(?:ca|cg)", ptx)),
             "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)), "shared_bytes": int(compiled.metadata.shared),
+            "waits_first": waits_first(ptx),
             **_resources(log.getvalue() if "Used" in log.getvalue() else _assemble(ptx, arch))}
+
+
+def waits_first(ptx: str) -> int:
+    """1 when the build's first global memory access comes after its programmatic-launch wait
+    (`griddepcontrol.wait`, kernels/gpu/pdl.py: nothing of an earlier kernel's may be read or overwritten before
+    it), 0 when one comes before it, -1 when the build has no wait (launched without PDL)."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return -1
+    access = re.search(r"\b(?:ld|st|atom|red)\.global\b|\bcp\.async\S*\.global\b", ptx)
+    return int(access is None or access.start() > wait)
 
 
 def ptxas_for(arch: int) -> str:

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import arch as gpu_arch, arrivals, exl3_cuda, hadamard
+from kernels.gpu import arch as gpu_arch, arrivals, exl3_cuda, hadamard, pdl
+from kernels.gpu.pdl import wait_for_inputs
 from kernels.gpu.tile_order import grouped_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -111,7 +112,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per
                  sxb, sxm, sxk, swb, swn, swk, ssb, ssn, ssk, sob, som, son, wss, wsb, wsm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  SPLIT: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr,
-                 SB_K: tl.constexpr):
+                 SB_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     batch = tl.program_id(2)
@@ -181,7 +183,7 @@ def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> No
                        out.stride(0), out.stride(1), out.stride(2), *ws_strides,
                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                        SPLIT=tile.split_k, IEEE=x.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n,
-                       SB_K=w.block_k, num_warps=tile.warps, num_stages=tile.stages)
+                       SB_K=w.block_k, num_warps=tile.warps, num_stages=tile.stages, **pdl.options())
 
 
 def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dtype: torch.dtype | None = None,

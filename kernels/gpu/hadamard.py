@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.gpu import pdl
+from kernels.gpu.pdl import wait_for_inputs
 from kernels.gpu.swiglu import clamped_swiglu
 
 HAD = 128
@@ -79,9 +81,10 @@ def rotated_out(acc, vec, scale, R: tl.constexpr):
 @triton.jit(do_not_specialize=["R", "rows_per_vec"], do_not_specialize_on_alignment=["src_rows_ptr", "vec_rows_ptr"])
 def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_ptr, R, C, V, rows_per_vec, ssr, svr,
                    sor, scale, PRE: tl.constexpr, SRC_ROWS: tl.constexpr, VEC_ROWS: tl.constexpr,
-                   BLOCK_R: tl.constexpr, ROUNDED_MUL: tl.constexpr):
+                   BLOCK_R: tl.constexpr, ROUNDED_MUL: tl.constexpr, PDL: tl.constexpr = False):
     """Rows [R, C] in 128-blocks. Program axis 2 picks the vector stack (vec, or vec2 for a second output of the
     same rows written R rows further on: the MoE's gate and up rotate one gathered input in one launch)."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * 128 + tl.arange(0, 128)
     second = tl.program_id(2)
@@ -110,11 +113,12 @@ def _rotate_kernel(src_ptr, vec_ptr, vec2_ptr, out_ptr, src_rows_ptr, vec_rows_p
 @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=["vec_rows_ptr"])
 def _rotate_out_swiglu_kernel(g_ptr, u_ptr, gvec_ptr, uvec_ptr, nvec_ptr, vec_rows_ptr, h_ptr, act_ptr, R, C, V,
                               limit, out_scale, in_scale, NEXT: tl.constexpr, BLOCK_R: tl.constexpr,
-                              ROUNDED_MUL: tl.constexpr):
+                              ROUNDED_MUL: tl.constexpr, PDL: tl.constexpr = False):
     """h = SwiGLU(rotate_out(g), rotate_out(u)) per row: each projection rotated, scaled and rounded to the
     activation dtype exactly as `rotate_out` does, then `clamped_swiglu` (kernels/gpu/swiglu.py). NEXT:
     h then goes through `rotate_in` with the next product's suh (the same 128-column block, so the same program)
     and that operand is stored instead of h."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * 128 + tl.arange(0, 128)
     in_range = r < R
@@ -156,7 +160,7 @@ def _rows(src: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, pre: bool, sc
             src, vec2d, other, out, dummy if src_rows is None else src_rows, dummy if vec_rows is None else vec_rows,
             r, c, vec2d.shape[0], max(rows_per_vec, 1), src.stride(0), vec2d.stride(0), out.stride(0), float(scale),
             PRE=pre, SRC_ROWS=src_rows is not None, VEC_ROWS=vec_rows is not None, BLOCK_R=_BLOCK_R,
-            ROUNDED_MUL=not INTERPRETED)
+            ROUNDED_MUL=not INTERPRETED, **pdl.options())
     return out
 
 
@@ -205,5 +209,5 @@ def rotate_out_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_svh: torch.Tens
             gate.contiguous(), up.contiguous(), gate_svh.contiguous(), up_svh.contiguous(),
             next_suh.contiguous() if nxt else gate_svh, vec_rows, h, torch.empty(1, dtype=out_dtype, device=h.device),
             r, c, gate_svh.shape[0], float(limit), OUT_SCALE, IN_SCALE, NEXT=nxt, BLOCK_R=_BLOCK_R,
-            ROUNDED_MUL=not INTERPRETED)
+            ROUNDED_MUL=not INTERPRETED, **pdl.options())
     return h

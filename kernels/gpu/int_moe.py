@@ -38,9 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import arch as gpu_arch
+from kernels.gpu import arch as gpu_arch, pdl
 from kernels.gpu.gemm import RowClass
 from kernels.gpu.moe_groups import Groups, group_pairs
+from kernels.gpu.pdl import wait_for_inputs
 from kernels.gpu.swiglu import swiglu
 from kernels.gpu.wtiles import Fmt, WeightArgs
 
@@ -210,8 +211,9 @@ def table_rows(r, used, pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, blocks,
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["blocks", "n_pairs"])
 def _tables(pair_ptr, expert_ptr, gu_ptr, dn_ptr, block_ptr, padded_ptr, blocks, n_pairs, experts, shards,
-            BLOCK_M: tl.constexpr, BLOCKS_P2: tl.constexpr, CHUNK: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCKS_P2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """`table_rows` over the grid, a chunk per program; padded = [gate|up's used slots, shards times that]."""
+    wait_for_inputs(PDL)
     b = tl.arange(0, BLOCKS_P2)
     used = tl.sum((tl.load(expert_ptr + b, mask=b < blocks, other=experts) < experts).to(tl.int32), axis=0)
     if tl.program_id(0) == 0:
@@ -249,7 +251,7 @@ def tables(groups: Groups, n_pairs: int, experts: int, shards: int) -> Tables:
     _tables[(triton.cdiv(shards * cap, chunk),)](
         groups.pair_of_slot, groups.expert_of_block, tab.gate_up_rows, tab.down_rows, tab.down_experts, tab.padded,
         blocks, n_pairs, experts, shards, BLOCK_M=cap // blocks, BLOCKS_P2=triton.next_power_of_2(blocks),
-        CHUNK=chunk)
+        CHUNK=chunk, **pdl.options())
     return tab
 
 

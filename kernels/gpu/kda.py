@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import arrivals
+from kernels.gpu import arrivals, pdl
+from kernels.gpu.pdl import wait_for_inputs
 from kernels.gpu.seqs import DecodeSeqs
 
 CONV_TAPS = 4  # GLM-5.3-Flash's short conv; the fused kernel keeps the three previous inputs in registers
@@ -99,12 +100,13 @@ def _kda_decode_kernel(mixed_ptr, s_mixed_shard, s_mixed, conv_w_ptr, conv_ptr, 
                        row0_ptr, len_ptr, slot_ptr, fresh_ptr, pend_ptr, pstate_ptr, s_pstate_row, pconv_ptr,
                        s_pconv_row, H, C, lower_bound, eps,
                        HAS_LB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                       HB: tl.constexpr):
+                       HB: tl.constexpr, PDL: tl.constexpr = False):
     """One (sequence, head of one shard, block of BV value columns). q and k are recomputed by every value block of a
     head (cheap) so blocks never wait on each other. The block that finishes the sequence's head last (an arrival
     counter per (sequence, head)) norms the head's rows from the core values every block stored and, for a decode
     step, writes the head's q/k history. The shard only moves the pointers (H heads and C = H x DK channels per
     shard): the arithmetic is the head's own."""
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     shard = tl.program_id(1) // H
     head = tl.program_id(1) % H
@@ -243,14 +245,15 @@ def decode(seqs: DecodeSeqs, *, mixed: torch.Tensor, conv_w: torch.Tensor, conv_
         norm_w, out, out.stride(0), out.stride(1), counts, conv_state,  # conv_state again: conv_dst_ptr
         seqs.row0, seqs.length, seqs.slot, seqs.fresh, seqs.pending, ps, ps.stride(0), pc, pc.stride(0),
         heads, c, float(lower_bound) if lower_bound is not None else 0.0, float(eps),
-        HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, HB=_heads_per_step(heads), num_warps=4)
+        HAS_LB=lower_bound is not None, DK=dk, DV=dv, BV=bv, HB=_heads_per_step(heads), num_warps=4, **pdl.options())
 
 
 @triton.jit
 def _gated_norm_kernel(core_ptr, s_core_shard, s_core, gate_ptr, s_gate_shard, s_gate, w_ptr, out_ptr, s_out_shard,
-                       s_out, eps, heads, DV: tl.constexpr, HB: tl.constexpr):
+                       s_out, eps, heads, DV: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False):
     """One (row, shard): its heads HB at a time, each normed over its own DV values (a program per (row, head) moved
     128 values each, ~3x the time of its bytes: docs/benchmarks.md, "Attention, KDA and mHC")."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     shard = tl.program_id(1).to(tl.int64)
     w = tl.load(w_ptr + tl.arange(0, DV)).to(tl.float32)
@@ -275,14 +278,14 @@ def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
         heads = width // dv
         _gated_norm_kernel[(t, shards)](core, core.stride(0), core.stride(1), gate, gate.stride(0), gate.stride(1),
                                         weight, out, out.stride(0), out.stride(1), float(eps), heads, DV=dv,
-                                        HB=_heads_per_step(heads), num_warps=4)
+                                        HB=_heads_per_step(heads), num_warps=4, **pdl.options())
     return out
 
 
 @triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["first_ptr", "slot_ptr", "fresh_ptr"])
 def _prompt_conv_kernel(x_ptr, s_x_shard, s_x, w_ptr, hist_ptr, s_hist_slot, s_hist_row, chan_off, first_ptr,
                         slot_ptr, fresh_ptr, out_ptr, s_out_shard, s_out_plane, T, C, ROWS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """ROWS consecutive prompt rows, BLOCK channels of one of q / k / v of one shard: silu(sum_j w_j input[i-3+j])
     over the 4 taps oldest first, the inputs before a sequence's first row of this chunk from its conv history
     (zeros for a fresh sequence). The program walks its rows in order and keeps the three inputs before the current
@@ -290,6 +293,7 @@ def _prompt_conv_kernel(x_ptr, s_x_shard, s_x, w_ptr, hist_ptr, s_hist_slot, s_h
     weights once per row, over ten times its traffic's time: docs/benchmarks.md, "Attention, KDA and mHC").
     A row's arithmetic is the same whichever block, launch or company it is in: the taps are summed in a fixed
     order and a row takes a register only when it holds an input of its own sequence."""
+    wait_for_inputs(PDL)
     rb = tl.program_id(0) * ROWS
     blocks = tl.cdiv(C, BLOCK)
     plane = tl.program_id(1) // blocks  # 0 q, 1 k, 2 v
@@ -353,5 +357,5 @@ def prompt_conv(x: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor,
         _prompt_conv_kernel[(triton.cdiv(t, rows), 3 * triton.cdiv(c, block), shards)](
             x, x.stride(0), x.stride(1), conv_w.contiguous(), conv_state, conv_state.stride(0), conv_state.stride(1),
             chan_off, first, slot, fresh, out, out.stride(0), out.stride(1), t, c, ROWS=rows, BLOCK=block,
-            num_warps=4)
+            num_warps=4, **pdl.options())
     return out

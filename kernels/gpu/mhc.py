@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import gemm
+from kernels.gpu import gemm, pdl
+from kernels.gpu.pdl import wait_for_inputs
 
 # Decode projection: K elements per program (64 programs per 16 rows at K=16,384, each streaming a 12 KB slice of fn)
 # and rows per program (tl.dot's smallest M: fn is read once per 16 rows, and a tile's row never reads another row).
@@ -55,8 +56,9 @@ def _hc_weights(m_pre, m_post, m_comb, base_ptr, scale_ptr, hc_eps, ITERS: tl.co
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel (one arithmetic) for M = 1 and M > 1
 def _proj_kernel(x_ptr, fn_ptr, ws_ptr, M, K, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CHUNK: tl.constexpr, IEEE: tl.constexpr):
+                 CHUNK: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """ws[row, chunk, :] = x[row, chunk's K] @ fn[:, chunk's K]^T in fp32, for BLOCK_M rows and one chunk of K."""
+    wait_for_inputs(PDL)
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     chunk = tl.program_id(1)
     kk = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -75,10 +77,11 @@ def _proj_kernel(x_ptr, fn_ptr, ws_ptr, M, K, N, BLOCK_M: tl.constexpr, BLOCK_N:
 @triton.jit
 def _pre_row_kernel(s_ptr, ws_ptr, base_ptr, scale_ptr, nw_ptr, h_ptr, post_ptr, comb_ptr, D, hc_eps, norm_eps,
                     rms_eps, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """One row, its whole [HC, D] streams held in registers: the projection summed from CHUNKS partials (the decode
     rows' `_proj_kernel` chunks, or the prompt rows' GEMM output as one), the RMS, the weights, the collapse and the
     block's RMSNorm, with one read of the streams and one write of the output."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     act = h_ptr.dtype.element_ty
     st = tl.arange(0, HC)
@@ -137,7 +140,7 @@ def _decode_rows(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     ws = torch.empty(m, chunks, n_mix, dtype=torch.float32, device=streams.device)
     _proj_kernel[(triton.cdiv(m, _ROWS), chunks)](streams, fn, ws, m, k, n_mix, BLOCK_M=_ROWS,
                                                   BLOCK_N=max(16, triton.next_power_of_2(n_mix)), CHUNK=_CHUNK,
-                                                  IEEE=streams.dtype == torch.float32, num_warps=4)
+                                                  IEEE=streams.dtype == torch.float32, num_warps=4, **pdl.options())
     _row_pass(streams, ws, base, scale, norm_weight, h, post_w, comb, hc_eps, norm_eps, rms_eps, iters=iters)
 
 
@@ -153,7 +156,7 @@ def _row_pass(streams: torch.Tensor, ws: torch.Tensor, base: torch.Tensor, scale
     warps = min(16, max(4, hc * block_d // 1024))
     _pre_row_kernel[(m,)](streams, ws, base, scale, norm_weight, h, post_w, comb, d, hc_eps, norm_eps, rms_eps,
                           CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), ITERS=iters, HC=hc,
-                          BLOCK_D=block_d, num_warps=warps)
+                          BLOCK_D=block_d, num_warps=warps, **pdl.options())
 
 
 def pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor,
@@ -185,7 +188,8 @@ def pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["T"])
 def _post_kernel(parts_ptr, n_parts, T, res_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -211,5 +215,6 @@ def post(partials: torch.Tensor, residual: torch.Tensor, post_w: torch.Tensor, c
     if t:
         block = min(1024, triton.next_power_of_2(d))
         _post_kernel[(t, triton.cdiv(d, block))](partials.contiguous(), partials.shape[0], t, residual.contiguous(),
-                                                 post_w, comb, out, d, HC=hc, BLOCK_D=block, num_warps=4)
+                                                 post_w, comb, out, d, HC=hc, BLOCK_D=block,
+                                                 num_warps=4, **pdl.options())
     return out

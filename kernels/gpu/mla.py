@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import arch as gpu_arch
+from kernels.gpu import arch as gpu_arch, pdl
+from kernels.gpu.pdl import wait_for_inputs
 
 
 @triton.jit
@@ -44,9 +45,10 @@ def _load_rows(data_ptr, scale_ptr, rows, cols, row_ok, width, FP8: tl.constexpr
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["n_rows", "s_bt"], do_not_specialize_on_alignment=["pos_ptr", "seq_ptr"])
 def _pool_kernel(idx_ptr, idx_scale_ptr, pooled_ptr, ape_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, n_rows,
-                 DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr):
+                 DI: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
     """For each row that completes a pool (its position is the pool's last): the pool's compressed key =
     per-channel softmax over the pool's gate scores (+ ape) weighting its keys, stored in the pool store."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0)
     if r >= n_rows:
         return
@@ -85,7 +87,7 @@ def write_pools(index_store: torch.Tensor, index_scale: torch.Tensor | None, poo
     di = pooled.shape[-1]
     _pool_kernel[(t,)](index_store, index_scale if index_scale is not None else index_store, pooled, ape,
                        block_tables, block_tables.stride(0), positions, row_seq, t,
-                       DI=di, KP=kpool, BS=bs, FP8=index_scale is not None)
+                       DI=di, KP=kpool, BS=bs, FP8=index_scale is not None, **pdl.options())
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
@@ -93,11 +95,12 @@ def write_pools(index_store: torch.Tensor, index_scale: torch.Tensor | None, poo
             do_not_specialize_on_alignment=["pos_ptr", "seq_ptr", "blocks_ptr"])
 def _scores_kernel(q_ptr, s_q, w_ptr, s_w, pooled_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, blocks_ptr, out_ptr, s_out,
                    first, n_pools, n_heads, scale, NH: tl.constexpr, DI: tl.constexpr, KP: tl.constexpr,
-                   BS: tl.constexpr, BP: tl.constexpr, BT: tl.constexpr):
+                   BS: tl.constexpr, BP: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
     """score[t, p - first] = sum_h w[t, h] * relu(q[t, h] . pooled[p] * scale) for pools first <= p < n_pools
     visible at t; -inf past them. A program scores BT rows of one sequence (blocks_ptr: their row indices, -1 for
     none; BT == 1: row program_id(0)) against BP pools, so the pools' keys are read once for the BT rows and the
     product is one [BT x NH, DI] x [DI, BP] tile."""
+    wait_for_inputs(PDL)
     if BT == 1:
         rows = tl.program_id(0) + tl.arange(0, 1)
     else:
@@ -162,11 +165,11 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, b
     tail = (out, out.stride(0), first, n_pools, nh, di ** -0.5)
     pool_tiles = triton.cdiv(n_pools - first, bp)
     if d:
-        _scores_kernel[(d, pool_tiles)](*args, positions, *tail, BT=1, **common)
+        _scores_kernel[(d, pool_tiles)](*args, positions, *tail, BT=1, **common, **pdl.options())
     if d < t:
         if blocks is None or blocks.shape[1] != SCORE_ROWS:
             raise ValueError("index_scores: prompt rows need their score_blocks table")
-        _scores_kernel[(blocks.shape[0], pool_tiles)](*args, blocks, *tail, BT=SCORE_ROWS, **common)
+        _scores_kernel[(blocks.shape[0], pool_tiles)](*args, blocks, *tail, BT=SCORE_ROWS, **common, **pdl.options())
     return out
 
 
@@ -178,9 +181,10 @@ POOL_TILE = 16384
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["n_pools"], do_not_specialize_on_alignment=["pos_ptr"])
 def _count_kernel(pos_ptr, count_ptr, sel_ptr, n_pools, keep, KP: tl.constexpr, TAKE_ALL: tl.constexpr,
-                  BP: tl.constexpr):
+                  BP: tl.constexpr, PDL: tl.constexpr = False):
     """count[r] = how many pools row r selects: those ending at or before it, at most n_pools and keep. TAKE_ALL
     (n_pools <= keep: every row takes every pool it sees): also sel[r, :] = 0, 1, ..., n_pools - 1."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0)
     visible = tl.minimum((tl.load(pos_ptr + r) + 1) // KP, n_pools)
     tl.store(count_ptr + r, tl.minimum(visible, keep))
@@ -206,7 +210,7 @@ def select_pools(scores: torch.Tensor | Callable[[int, int], torch.Tensor] | Non
     sel = torch.empty(t, n_pools, dtype=torch.int32, device=dev) if take_all else None
     if t:  # one launch for what were a handful of torch index ops (a decode step's selection, when it takes all)
         out = sel if sel is not None and sel.numel() else count  # else a stand-in pointer, never written
-        _count_kernel[(t,)](positions, count, out, n_pools, keep, KP=kpool, TAKE_ALL=take_all, BP=256)
+        _count_kernel[(t,)](positions, count, out, n_pools, keep, KP=kpool, TAKE_ALL=take_all, BP=256, **pdl.options())
     if sel is not None:
         return sel, count
     scores_of = scores if callable(scores) else (lambda p0, p1: scores[:, p0:p1])
@@ -232,13 +236,14 @@ def select_pools(scores: torch.Tensor | Callable[[int, int], torch.Tensor] | Non
 def _attention_kernel(q_ptr, s_qt, s_qh, lat_ptr, lat_scale_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr, sel_ptr, s_sel,
                       count_ptr, out_ptr, s_ot, s_oh, m_ptr, l_ptr, n_heads, scale, split_len, max_splits,
                       R: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                      FP8: tl.constexpr, PARTIAL: tl.constexpr):
+                      FP8: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr = False):
     """One row, HB heads, one split of the row's attended positions.
 
     A row attends to a virtual list: its selected pools' positions in ascending pool order, then its tail (the
     incomplete pool it sits in). Split `sp` covers list entries [sp * split_len, (sp + 1) * split_len) with an fp32
     online softmax. PARTIAL: write the split's (max, sum, unnormalised output) for `_combine_kernel`; otherwise
     the row has one split and the normalised output is written directly."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     sp = tl.program_id(2)
@@ -289,8 +294,9 @@ def _attention_kernel(q_ptr, s_qt, s_qh, lat_ptr, lat_scale_ptr, bt_ptr, s_bt, p
 
 @triton.jit(do_not_specialize=["split_len", "max_splits"], do_not_specialize_on_alignment=["pos_ptr", "count_ptr"])
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, count_ptr, out_ptr, s_ot, s_oh, n_heads, split_len,
-                    max_splits, R: tl.constexpr, KP: tl.constexpr):
+                    max_splits, R: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr = False):
     """Merge one row's split partials for one head, in split order (a function of the row's own list length)."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + r)
@@ -355,9 +361,9 @@ def sparse_attention(q_lat: torch.Tensor, latent: torch.Tensor, latent_scale: to
         _attention_kernel[(split, triton.cdiv(h, hb), n_splits)](
             q_lat, q_lat.stride(0), q_lat.stride(1), latent, lat_scale, block_tables, block_tables.stride(0),
             positions, row_seq, sel, sel.stride(0), count, part, 0, 0, m, l, h, float(scale), decode_split,
-            n_splits, PARTIAL=True, num_warps=4, num_stages=2, **common)
+            n_splits, PARTIAL=True, num_warps=4, num_stages=2, **common, **pdl.options())
         _combine_kernel[(split, h)](m, l, part, positions, count, out, out.stride(0), out.stride(1), h, decode_split,
-                                    n_splits, R=r_dim, KP=kpool, num_warps=4)
+                                    n_splits, R=r_dim, KP=kpool, num_warps=4, **pdl.options())
     if split < t:
         rows = slice(split, t)
         tile = dict(prompt_tile(gpu_arch.row(q_lat.device)))
@@ -366,4 +372,4 @@ def sparse_attention(q_lat: torch.Tensor, latent: torch.Tensor, latent_scale: to
             q_lat[rows], q_lat.stride(0), q_lat.stride(1), latent, lat_scale, block_tables, block_tables.stride(0),
             positions[rows], row_seq[rows], sel[rows], sel.stride(0), count[rows], out[rows], out.stride(0),
             out.stride(1), out, out, h, float(scale), 1 << 30, 1, PARTIAL=False,
-            **{**common, "HB": hb_p, "BN": bn_p}, **tile)
+            **{**common, "HB": hb_p, "BN": bn_p}, **tile, **pdl.options())

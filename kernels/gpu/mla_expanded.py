@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu import arch as gpu_arch
+from kernels.gpu import arch as gpu_arch, pdl
+from kernels.gpu.pdl import wait_for_inputs
 
 # Rows per program (the M side of the tensor-core tiles), keys per step, warps, pipeline stages.
 # `python -m bench.kernels --only mlaxsweep` times the choices on an 8k prompt.
@@ -40,9 +41,10 @@ def tile_for(arch: int) -> dict[str, int]:
 # The tile table may sit anywhere in a shared host-to-device buffer: its alignment is not specialised on (one build).
 @triton.jit(do_not_specialize_on_alignment=["tiles_ptr"])
 def _expanded_kernel(q_ptr, s_qh, s_qt, kv_ptr, s_kh, s_kt, out_ptr, s_oh, s_ot, tiles_ptr, scale,
-                     DN: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                     DN: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
     """Tile `program_id(0)` = (first row, rows, the first row's position, the row of the sequence's position 0 in
     kv); head `program_id(1)`. Row i of the tile attends to its sequence's keys 0 .. position + i."""
+    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     row0 = tl.load(tiles_ptr + tile * 4)
@@ -96,4 +98,4 @@ def attend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, tiles: torch.Te
         return
     _expanded_kernel[(tiles.shape[0], heads)](q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), out,
                                                out.stride(0), out.stride(1), tiles, float(scale), DN=dn, DV=dv,
-                                               BM=bm, BN=bn, **cfg)
+                                               BM=bm, BN=bn, **cfg, **pdl.options())

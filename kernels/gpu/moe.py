@@ -39,12 +39,13 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.gpu import arch as gpu_arch, exl3_cuda, hadamard, int_moe
+from kernels.gpu import arch as gpu_arch, exl3_cuda, hadamard, int_moe, pdl
 from kernels.gpu.int_moe import IntExperts
 from kernels.gpu.moe_groups import (FUSED_PAIRS, Groups, SlotTables, empty_groups, empty_slot_tables, group_pairs,
                                     slot_rows, slot_tables)
 from kernels.gpu.swiglu import clamped_swiglu
 from kernels.gpu.gemm import RowClass
+from kernels.gpu.pdl import wait_for_inputs
 from kernels.gpu.tile_order import launch_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -135,9 +136,10 @@ def _weight(score, total, scaling, NORM: tl.constexpr):
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, E, scaling,
                   TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr,
-                  KP: tl.constexpr):
+                  KP: tl.constexpr, PDL: tl.constexpr = False):
     """Per row: its top-k (`_top_k`) and weights (`_weight`); k pairs, routed ascending, then (SHARED) the shared
     expert's pair; padding rows (from n_real on) get no pairs."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     if row >= tl.load(n_real_ptr):  # padding row: no pairs at all
         for j in tl.static_range(TOP_K + SHARED):
@@ -350,7 +352,8 @@ def _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, 
 def _route_group_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, T, E,
                         stride_e, scaling, cap, blocks, TOP_K: tl.constexpr, NORM: tl.constexpr,
                         BLOCK_E: tl.constexpr, SHARED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, pair_ptr,
                  pair_ptr, pair_ptr, pair_ptr, T, E, stride_e, scaling, cap, blocks, 1, TOP_K, NORM, BLOCK_E, SHARED,
                  KP, ROWS, BLOCK_M, CHUNK, False)
@@ -361,8 +364,9 @@ def _route_group_slots_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, 
                               pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, T, E, stride_e,
                               scaling, cap, blocks, shards, TOP_K: tl.constexpr, NORM: tl.constexpr,
                               BLOCK_E: tl.constexpr, SHARED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr,
-                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """`_route_group_kernel`, then the EXL3 experts' slot tables (moe_groups.slot_tables)."""
+    wait_for_inputs(PDL)
     _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, pair_ptr,
                  pair_ptr, pair_ptr, pair_ptr, T, E, stride_e, scaling, cap, blocks, shards, TOP_K, NORM, BLOCK_E,
                  SHARED, KP, ROWS, BLOCK_M, CHUNK, False)
@@ -377,9 +381,11 @@ def _route_group_slots_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, 
 def _route_group_int_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr,
                             gu_ptr, dn_ptr, block_ptr, padded_ptr, T, E, stride_e, scaling, cap, blocks, shards,
                             TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr,
-                            KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                            KP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """`_route_group_kernel`, with humming's row tables of the integer experts (int_moe.tables) scattered from the
     same pairs."""
+    wait_for_inputs(PDL)
     _route_group(logits_ptr, bias_ptr, ids_ptr, w_ptr, n_real_ptr, scratch_ptr, pair_ptr, expert_ptr, gu_ptr, dn_ptr,
                  block_ptr, padded_ptr, T, E, stride_e, scaling, cap, blocks, shards, TOP_K, NORM, BLOCK_E, SHARED,
                  KP, ROWS, BLOCK_M, CHUNK, True)
@@ -409,7 +415,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, norm_topk_pro
         # default 4 warps, none with 1); a row is a few hundred scores.
         _route_kernel[(t,)](logits, bias, ids, w, n_real, e, float(scaling), TOP_K=top_k, NORM=bool(norm_topk_prob),
                             BLOCK_E=triton.next_power_of_2(e), SHARED=int(shared), KP=triton.next_power_of_2(top_k),
-                            num_warps=1)
+                            num_warps=1, **pdl.options())
     return ids, w
 
 
@@ -469,15 +475,15 @@ def _route_grouped(logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, 
         s = empty_slot_tables(groups, ids.numel(), g.shards)
         _route_group_slots_kernel[(1,)](*head, s.grouped.pair_of_slot, s.grouped.expert_of_block, s.token, s.vec,
                                         s.weight, s.row_of_pair, t, e, logits.stride(1), scaling, cap, blocks, g.shards,
-                                        **meta)
+                                        **meta, **pdl.options())
         g.slots = s
     elif g.tables == "int":
         tab = int_moe.empty_tables(groups, g.shards)
         _route_group_int_kernel[(1,)](*head, tab.gate_up_rows, tab.down_rows, tab.down_experts, tab.padded, t, e,
-                                      logits.stride(1), scaling, cap, blocks, g.shards, **meta)
+                                      logits.stride(1), scaling, cap, blocks, g.shards, **meta, **pdl.options())
         g.int_tables = tab
     else:
-        _route_group_kernel[(1,)](*head, t, e, logits.stride(1), scaling, cap, blocks, **meta)
+        _route_group_kernel[(1,)](*head, t, e, logits.stride(1), scaling, cap, blocks, **meta, **pdl.options())
     g.groups = groups
 
 
@@ -485,8 +491,10 @@ def _route_grouped(logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, 
 def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_ptr, expert_ptr, num_experts, I, D,
                     limit, swe, swn, swk, sse, ssn, ssk,
                     PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
+                    GROUP_M: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """h[slot] = silu(min(x g^T, limit)) * clamp(x u^T, -limit, limit) for each slot of one expert tile."""
+    wait_for_inputs(PDL)
     blk, pid_n = launch_tile(I, BLOCK_N, GROUP_M)
     expert = tl.load(expert_ptr + blk)
     if expert >= num_experts:
@@ -520,9 +528,10 @@ def _gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, up_ptr, up_s_ptr, h_ptr, pair_p
 def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_ptr, num_experts, I, D, n_pairs,
                  swe, swn, swk, sse, ssn, ssk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
+                 FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr, PDL: tl.constexpr = False):
     """y[shard, pair] = (h[slot, shard's I columns] @ down[shard, expert]^T) * routing weight, in fp32, stored by
     pair (row-major per row). Shard s reads columns [s*I, (s+1)*I) of h and expert block s*num_experts + e."""
+    wait_for_inputs(PDL)
     blk, pid_n = launch_tile(D, BLOCK_N, GROUP_M)
     shard = tl.program_id(1)
     expert = tl.load(expert_ptr + blk)
@@ -554,11 +563,12 @@ def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_pt
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["T", "out_rows", "row0"])
 def _combine_kernel(y_ptr, ids_ptr, rw_ptr, out_ptr, num_experts, D, T, out_rows, row0, PAIRS_PER_ROW: tl.constexpr,
-                    BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, ROUNDED_MUL: tl.constexpr):
+                    BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, ROUNDED_MUL: tl.constexpr, PDL: tl.constexpr = False):
     """out[shard, row0 + row] = sum of the row's pair outputs in pair order (routed ascending, shared last); 0 for
     padding. (out has out_rows rows per shard: this call's T rows are one row class's run of them.) WEIGHTED: the
     pair outputs (any dtype) are not yet weighted: each is times its routing weight in fp32, rounded before the add
     (ROUNDED_MUL; an fma would round once fewer, other bits than the torch twin's product-then-sum)."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     shard = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -588,17 +598,18 @@ def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: 
         _combine_kernel[(t, triton.cdiv(d, block), shards)](
             y, ids, y if weights is None else weights, out, num_experts, d, t, out.shape[1], row0,
             PAIRS_PER_ROW=pairs_per_row, BLOCK=block, WEIGHTED=weights is not None,
-            ROUNDED_MUL=not hadamard.INTERPRETED)
+            ROUNDED_MUL=not hadamard.INTERPRETED, **pdl.options())
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["n_pairs", "out_rows", "row0"])
 def _combine_rotated_kernel(acc_ptr, svh_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, ids_ptr, out_ptr, num_experts,
                             D, n_pairs, out_rows, row0, scale, PAIRS_PER_ROW: tl.constexpr,
-                            ROUNDED_MUL: tl.constexpr):
+                            ROUNDED_MUL: tl.constexpr, PDL: tl.constexpr = False):
     """`_combine_kernel` over EXL3 down products still in their rotated basis: each pair's output is rotated out
     here (`hadamard.rotate_out`'s arithmetic: had(acc) * svh * scale, times the routing weight) as it is added, in
     the same pair order, so the rotated rows are never stored. One 128-column block of one row per program."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     shard = tl.program_id(2)
@@ -623,9 +634,11 @@ def _combine_rotated_kernel(acc_ptr, svh_ptr, vec_ptr, weight_ptr, row_of_pair_p
 def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, pair_ptr, expert_ptr, num_experts, N, K,
                     swe, swn, swk, sse, ssn, ssk,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr):
+                    IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr, SB_K: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """out[slot] = a[slot] @ w[expert of the slot's tile]^T in fp32, a [slots, K] already per slot (0 for empty
     slots; unused tiles are not written)."""
+    wait_for_inputs(PDL)
     blk, pid_n = launch_tile(N, BLOCK_N, GROUP_M)
     expert = tl.load(expert_ptr + blk)
     if expert >= num_experts:
@@ -658,7 +671,7 @@ def _grouped(a: torch.Tensor, w: WeightArgs, groups: Groups, tile: MoeTile) -> t
         a, w.data, w.scale, out, groups.pair_of_slot, groups.expert_of_block, w.data.shape[0], w.n, w.k,
         *w.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         IEEE=a.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n, SB_K=w.block_k, num_warps=tile.warps,
-        num_stages=tile.stages)
+        num_stages=tile.stages, **pdl.options())
     return out
 
 
@@ -707,7 +720,8 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     # bar.sync with the default 4 warps, none with 1). The arithmetic is elementwise, so the bits are the same.
     _combine_rotated_kernel[(t, d // hadamard.HAD, shards)](
         acc, down.svh, tables.vec, tables.weight, tables.row_of_pair, ids, out, n_exp, d, ids.numel(), out.shape[1],
-        row0, hadamard.OUT_SCALE, PAIRS_PER_ROW=ids.shape[1], ROUNDED_MUL=not hadamard.INTERPRETED, num_warps=1)
+        row0, hadamard.OUT_SCALE, PAIRS_PER_ROW=ids.shape[1], ROUNDED_MUL=not hadamard.INTERPRETED,
+        num_warps=1, **pdl.options())
 
 
 def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,
@@ -729,14 +743,14 @@ def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         x, gate.data, gate.scale, up.data, up.scale, h, groups.pair_of_slot, groups.expert_of_block, n_exp, i_dim, d,
         float(limit), *gs, PAIRS_PER_ROW=pairs_per_row, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_M=tile.group_m, FMT=int(gate.fmt), SB_N=gate.block_n, SB_K=gate.block_k,
-        num_warps=tile.warps, num_stages=tile.stages)
+        num_warps=tile.warps, num_stages=tile.stages, **pdl.options())
     n_pairs = t * pairs_per_row
     y = torch.empty(shards, n_pairs, d, dtype=torch.float32, device=x.device)
     _down_kernel[(groups.blocks * triton.cdiv(d, tile.block_n), shards)](
         h, down.data, down.scale, y, groups.pair_of_slot, groups.expert_of_block, weights, n_exp, i_dim // shards, d,
         n_pairs, *down.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, FMT=int(down.fmt), SB_N=down.block_n, SB_K=down.block_k, num_warps=tile.warps,
-        num_stages=tile.stages)
+        num_stages=tile.stages, **pdl.options())
     combine(y, ids, out, n_exp, row0)
 
 

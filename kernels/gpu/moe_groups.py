@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import pdl
+from kernels.gpu.pdl import wait_for_inputs
+
 FUSED_PAIRS = 4096  # pairs up to which one program groups them (decode steps: rows x (top-k + 1))
 _CHUNK = 32  # pairs per step of the program's loops (a [32, experts] one-hot per step)
 
@@ -85,9 +88,10 @@ def _group_torch(ids: torch.Tensor, num_experts: int, block_m: int, blocks: int)
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["pairs", "cap", "blocks"], do_not_specialize_on_alignment=["ids_ptr"])
 def _group_kernel(ids_ptr, pair_ptr, expert_ptr, pairs, num_experts, cap, blocks,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One program: per-expert counts, padded runs, each pair's slot (stable: ascending pair index within an
     expert), each tile's expert; the tables `_group_torch` builds."""
+    wait_for_inputs(PDL)
     e = tl.arange(0, E_BLOCK)
     expert_ok = e < num_experts
     counts = tl.zeros((E_BLOCK,), dtype=tl.int32)
@@ -122,7 +126,7 @@ def _group_fused(ids: torch.Tensor, num_experts: int, block_m: int, blocks: int)
     g = empty_groups(ids.numel(), num_experts, block_m, ids.device)
     _group_kernel[(1,)](ids.reshape(-1).to(torch.int32), g.pair_of_slot, g.expert_of_block, ids.numel(), num_experts,
                         blocks * block_m, blocks, BLOCK_M=block_m, CHUNK=_CHUNK,
-                        E_BLOCK=triton.next_power_of_2(num_experts + 1), num_warps=8)
+                        E_BLOCK=triton.next_power_of_2(num_experts + 1), num_warps=8, **pdl.options())
     return g
 
 
@@ -163,7 +167,9 @@ def slot_rows(r, pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, token_ptr, 
 @triton.jit(do_not_specialize=["cap", "blocks", "n_pairs"])
 def _slot_tables_kernel(pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr, token_ptr, vec_ptr, weight_ptr,
                         row_of_pair_ptr, cap, blocks, experts, n_pairs, shards,
-                        PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+                        PAIRS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     slot_rows(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), pair_ptr, expert_ptr, rw_ptr, pairs_ptr, block_ptr,
               token_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, cap, blocks, experts, n_pairs, shards, PAIRS_PER_ROW,
               BLOCK_M)
@@ -178,7 +184,8 @@ def slot_tables(groups: Groups, weights: torch.Tensor, experts: int, shards: int
     _slot_tables_kernel[(triton.cdiv(shards * cap, block_rows),)](
         groups.pair_of_slot, groups.expert_of_block, weights.reshape(-1).float(), t.grouped.pair_of_slot,
         t.grouped.expert_of_block, t.token, t.vec, t.weight, t.row_of_pair, cap, groups.blocks, experts,
-        weights.numel(), shards, PAIRS_PER_ROW=weights.shape[1], BLOCK_M=cap // groups.blocks, BLOCK=block_rows)
+        weights.numel(), shards, PAIRS_PER_ROW=weights.shape[1], BLOCK_M=cap // groups.blocks, BLOCK=block_rows,
+        **pdl.options())
     return t
 
 

@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import pdl
+from kernels.gpu.pdl import wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_row(x, w_ptr, c, mask, D, eps, act: tl.constexpr):
@@ -23,7 +26,8 @@ def _rms_norm_row(x, w_ptr, c, mask, D, eps, act: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, s_x, w_ptr, out_ptr, s_out, D, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, s_x, w_ptr, out_ptr, s_out, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < D
@@ -33,9 +37,10 @@ def _rms_norm_kernel(x_ptr, s_x, w_ptr, out_ptr, s_out, D, eps, BLOCK: tl.conste
 
 @triton.jit
 def _mean_rms_norm_kernel(x_ptr, s_x, s_n, inv_n, w_ptr, out_ptr, s_out, D, eps, N: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """RMSNorm of the mean of a row's N streams, as the torch ops it replaces: fp32 adds in stream order, times the
     fp32 reciprocal of N (torch on CUDA divides by a Python scalar that way), rounded to the activation dtype."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < D
@@ -48,7 +53,9 @@ def _mean_rms_norm_kernel(x_ptr, s_x, s_n, inv_n, w_ptr, out_ptr, s_out, D, eps,
 
 
 @triton.jit
-def _layer_norm_kernel(x_ptr, s_x, w_ptr, b_ptr, out_ptr, s_out, D, eps, BLOCK: tl.constexpr):
+def _layer_norm_kernel(x_ptr, s_x, w_ptr, b_ptr, out_ptr, s_out, D, eps, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < D
@@ -76,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         d = x2.shape[1]
         _rms_norm_kernel[(x2.shape[0],)](x2, x2.stride(0), weight, out, out.stride(0), d, float(eps),
-                                         BLOCK=triton.next_power_of_2(d), num_warps=_rms_warps(d))
+                                         BLOCK=triton.next_power_of_2(d), num_warps=_rms_warps(d), **pdl.options())
     return out.reshape(x.shape)
 
 
@@ -89,7 +96,8 @@ def mean_rms_norm(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     if t:
         inv_n = float(np.float32(1.0) / np.float32(n))  # fp32, as torch computes a Python divisor's reciprocal on CUDA
         _mean_rms_norm_kernel[(t,)](streams, streams.stride(0), streams.stride(1), inv_n, weight, out, out.stride(0),
-                                    d, float(eps), N=n, BLOCK=triton.next_power_of_2(d), num_warps=_rms_warps(d))
+                                    d, float(eps), N=n, BLOCK=triton.next_power_of_2(d),
+                                    num_warps=_rms_warps(d), **pdl.options())
     return out
 
 
@@ -99,5 +107,5 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     if x2.shape[0]:
         d = x2.shape[1]
         _layer_norm_kernel[(x2.shape[0],)](x2, x2.stride(0), weight, bias, out, out.stride(0), d, float(eps),
-                                           BLOCK=triton.next_power_of_2(d), num_warps=4)
+                                           BLOCK=triton.next_power_of_2(d), num_warps=4, **pdl.options())
     return out.reshape(x.shape)

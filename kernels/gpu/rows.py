@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import pdl
 from kernels.gpu.mla import _row_address
+from kernels.gpu.pdl import wait_for_inputs
 from kernels.kv_quant import FP8_MAX, INV_FP8_MAX
 
 _MAX = tl.constexpr(FP8_MAX)
@@ -37,8 +39,10 @@ def _round_e4m3(v):
 
 @triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=["pos_ptr", "seq_ptr"])
 def _write_kernel(a_ptr, s_a, b_ptr, s_b, data_ptr, scale_ptr, bt_ptr, s_bt, pos_ptr, seq_ptr,
-                  WA: tl.constexpr, W: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+                  WA: tl.constexpr, W: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Row r = columns [0, WA) of a's row r, then [WA, W) from b's, stored at its position's cache row."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     row = _row_address(bt_ptr, s_bt, tl.load(seq_ptr + r), tl.load(pos_ptr + r), BS)
     c = tl.arange(0, BLOCK)
@@ -70,4 +74,5 @@ def write(data: torch.Tensor, scale: torch.Tensor | None, block_tables: torch.Te
     assert b.stride(-1) == 1
     _write_kernel[(t,)](values, values.stride(0), b, b.stride(0), data, scale if scale is not None else data,
                         block_tables, block_tables.stride(0), positions, row_seq, WA=wa, W=width,
-                        BS=data.shape[1], BLOCK=triton.next_power_of_2(width), FP8=scale is not None, num_warps=4)
+                        BS=data.shape[1], BLOCK=triton.next_power_of_2(width), FP8=scale is not None,
+                        num_warps=4, **pdl.options())

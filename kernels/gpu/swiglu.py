@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import pdl
+from kernels.gpu.pdl import wait_for_inputs
+
 
 @triton.jit
 def clamped_swiglu(g, u, limit, act: tl.constexpr):
@@ -31,8 +34,9 @@ def clamped_swiglu(g, u, limit, act: tl.constexpr):
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["n_rows"])
 def _swiglu_kernel(g_ptr, s_g_shard, s_g, u_ptr, s_u_shard, s_u, h_ptr, n_rows, width, limit,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One (row, block of BLOCK columns, shard): element by element, so a row's bits never depend on its company."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     shard = tl.program_id(2).to(tl.int64)
@@ -54,5 +58,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(width))
         _swiglu_kernel[(t, triton.cdiv(width, block), shards)](
             gate, gate.stride(0), gate.stride(1), up, up.stride(0), up.stride(1), out, t, width, float(limit),
-            BLOCK=block, num_warps=4)
+            BLOCK=block, num_warps=4, **pdl.options())
     return out

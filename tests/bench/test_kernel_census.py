@@ -66,3 +66,11 @@ def test_gb10_builds_take_their_table_row(census) -> None:
             } == {16}
     assert picks(121, "_expanded_kernel") == {"8 warps, 1 stages"}
     assert all(r["wgmma"] == 0 for r in census if r["arch"] == 121)
+
+
+def test_every_build_waits_for_the_kernel_before_it_first(census) -> None:
+    """Programmatic dependent launch (kernels/gpu/pdl.py): every build, as compiled for a GPU, waits for the kernel
+    before it on the stream before its first global load or store, so no earlier kernel's output is read early and
+    nothing it still reads is overwritten."""
+    early = [f"sm_{r['arch']} {r['kernel']} [{r['label']}]" for r in census if r["waits_first"] != 1]
+    assert not early, "memory touched before the wait, or no wait: " + "; ".join(early)

@@ -27,7 +27,7 @@ E, TOPK, D, I, LIMIT = 4, 2, 64, 32, 10.0
 
 
 def entry_points() -> list:
-    return [gemm.bmm, gemm.matmul, gpu_moe.experts, int_moe.experts, int_moe.kernels]
+    return [gemm.bmm, gemm.matmul, gpu_moe.experts, int_moe.experts, int_moe._product]
 
 
 def test_the_swap_patches_and_restores_the_entry_points():
@@ -221,6 +221,17 @@ def test_a_twin_that_disagrees_with_ours_is_turned_off(monkeypatch):
         got = gemm.matmul(x, w, 4, torch.float32)
     assert torch.equal(got, gemm.matmul(x, w, 4, torch.float32))
     assert record.checks[lib.DENSE] == pytest.approx(1.0) and "differs from ours" in record.refused[lib.DENSE]
+
+
+def test_stream_k_locks_meet_humming_launchers_floor():
+    """humming's check_tensor_locks: (clusters of resident CTAs + a tenth) x cluster size x a tile's locks, on the
+    config's SM cap or the GPU's; none without stream-K (batch-invariant configs, ours)."""
+    cfg = {"block_shape": [64, 256, 64], "warp_shape": [64, 64, 64], "use_stream_k": True, "num_ctas_per_sm": 2}
+    assert lib.stream_k_locks(cfg, 132) == 264 + 26  # 4 warps: one output warpgroup, one lock a tile
+    assert lib.stream_k_locks(cfg | {"num_sms": 100}, 132) == 200 + 20
+    assert lib.stream_k_locks(cfg | {"block_shape": [128, 256, 64]}, 132) == 2 * (264 + 26)  # two warpgroups
+    assert lib.stream_k_locks(cfg | {"multi_cast_size_a": 2}, 132) == 2 * (132 + 13)  # the tenth is of clusters
+    assert lib.stream_k_locks(cfg | {"use_stream_k": False}, 132) == 0
 
 
 def test_schedule_flag():

@@ -6,7 +6,8 @@ indexer, KDA 64x128; two layers KM: a KDA layer with a dense FFN, an MLA layer w
 - a prompt prefilled whole = in chunks on the 64-token grid: bit-identical logits, and the decode step after it too
   (so the KDA state and the cache rows are identical);
 - a CUDA-graph replay of a decode round = the eager forward of the same round: bit-identical; likewise a round of
-  verify windows and decode steps, and the KDA states its commit keeps.
+  verify windows and decode steps, and the KDA states its commit keeps;
+- decode rounds with programmatic dependent launch (eager and replayed) = the same rounds with plain launches.
 """
 
 from __future__ import annotations
@@ -102,18 +103,41 @@ def test_prompt_whole_equals_grid_chunks(model):
     assert torch.equal(model.forward(_batch(step), whole_cache).logits, model.forward(_batch(step), chunk_cache).logits)
 
 
-def test_graph_replay_equals_eager(model):
+def _prefilled(model, seqs: int, length: int, grow: int, seed: int):
+    """A cache with `seqs` random prompts prefilled (sequence s: length + grow * s tokens), the prompts, and the
+    decode graphs over that cache."""
     from model.cuda_graphs import DecodeGraphs
     cache = _cache(model, 8)
-    prompts = [_ids(100 + 11 * s, seed=20 + s) for s in range(5)]
-    model.forward(_batch([(s, prompts[s], 0, True, False) for s in range(5)]), cache)
-    graphs = DecodeGraphs(model, cache)
+    prompts = [_ids(length + grow * s, seed=seed + s) for s in range(seqs)]
+    model.forward(_batch([(s, prompts[s], 0, True, False) for s in range(seqs)]), cache)
+    return cache, prompts, DecodeGraphs(model, cache)
+
+
+def test_graph_replay_equals_eager(model):
+    cache, prompts, graphs = _prefilled(model, 5, 100, 11, seed=20)
     for step in range(3):
         batch = _batch([(s, [3 + s + step], len(prompts[s]) + step, False, False) for s in range(5)])
         assert graphs.fits(batch)
         eager = model.forward(batch, copy.deepcopy(cache)).logits.clone()
         replay = graphs.run(batch).logits.clone()
         assert torch.equal(eager, replay)
+
+
+def test_programmatic_launch_equals_plain_launches(model, monkeypatch):
+    """kernels/gpu/pdl.py: decode rounds run with programmatic dependent launch, eagerly and as a graph replay, give
+    the logits the same rounds give with plain launches (TWINSPARK_PDL=0), bit for bit."""
+    from kernels.gpu import pdl
+    if not pdl.enabled():
+        pytest.skip("programmatic dependent launch needs sm_90 or later (or TWINSPARK_PDL=0 is set)")
+    cache, prompts, graphs = _prefilled(model, 6, 120, 7, seed=60)
+    for step in range(4):
+        batch = _batch([(s, [9 + s + step], len(prompts[s]) + step, False, False) for s in range(6)])
+        monkeypatch.setenv(pdl.ENV, "0")
+        plain = model.forward(batch, copy.deepcopy(cache)).logits.clone()
+        monkeypatch.delenv(pdl.ENV)
+        eager = model.forward(batch, copy.deepcopy(cache)).logits.clone()
+        replay = graphs.run(batch).logits.clone()
+        assert torch.equal(plain, eager) and torch.equal(plain, replay)
 
 
 def test_window_graph_replay_equals_eager(model):

@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL): each Triton kernel's programs are placed on the GPU while the kernel before
+it on the stream is still finishing, and wait there for its results.
+
+A decode step is about a hundred launches, most of them a few microseconds long (docs/gpu-engine.md, "Launches
+per decode step"). Even inside a CUDA graph a kernel's programs are only placed once the last program of the kernel
+before it has exited, and then ramp up (index arithmetic, the first loads): a microsecond or two a launch in which
+the memory idles. Hopper and later (sm_90+) let a launch marked `launch_pdl` start as soon as every program of the
+kernel before it has called `griddepcontrol.launch_dependents`; its own programs then block in `griddepcontrol.wait`
+until that kernel has finished and its writes are visible. CUDA graphs keep the relation when a stream is captured.
+
+The one rule every kernel of kernels/gpu keeps, so that a step computes exactly what serial launches compute:
+`wait_for_inputs(PDL)` is its first statement, before any load or store. A kernel reads what earlier kernels wrote
+and may overwrite what they still read; the wait covers both. It signals its own dependents only after that wait,
+so a launch never runs more than one kernel ahead, and each wait covers every kernel before it on the stream (the
+one it waits for had itself waited for its predecessor). Kernels of other libraries (humming-kernels, torch's own)
+never signal: a kernel after one of them starts as it always did. tests/kernels/test_pdl.py checks the rule in the
+source of every launched kernel.
+
+`TWINSPARK_PDL=0` turns it off (the launches are then plain ones; bench.decode_prefill times a step both ways).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels.gpu import INTERPRET
+
+ENV = "TWINSPARK_PDL"
+MIN_CAPABILITY = 90  # griddepcontrol: sm_90 (Hopper) and later
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """The first statement of every kernel: with PDL, wait until the kernel before this one has finished (its
+    writes visible), then let the next one be placed."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def enabled() -> bool:
+    """Whether launches on the current CUDA device use PDL: not under Triton's interpreter, not with
+    TWINSPARK_PDL=0, and only on sm_90+."""
+    if INTERPRET or os.environ.get(ENV, "1") == "0" or not torch.cuda.is_available():
+        return False
+    return _capability(torch.cuda.current_device()) >= MIN_CAPABILITY
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+def options() -> dict[str, bool]:
+    """The keyword arguments of a kernel launch: the kernel's PDL switch and Triton's `launch_pdl` launch option
+    when `enabled()`, nothing otherwise (the kernels' PDL defaults to off)."""
+    return {"PDL": True, "launch_pdl": True} if enabled() else {}
