@@ -69,12 +69,13 @@
 #   bash bench/gpu_check.sh kernels [SECTIONS]
 #                                      # only bench/kernels.py (default: the MoE in bf16 and W4A16, its tile
 #                                      # sweeps and the invariance checks: what chooses `moe_schedule`)
-#   bash bench/gpu_check.sh quality [FORMATS] [EXPERTS]
+#   bash bench/gpu_check.sh quality [FORMATS] [EXPERTS] [VIRTUAL]
 #                                      # only bench/quality_formats.py: 4 layers at the release's dims (EXPERTS
 #                                      # routed experts, default 16) written dense in bf16, quantized to each
 #                                      # format (default fp8,w4a16,int4,int3,int2,exl3:2.5,exl3:3.0,exl3:4.0) on
 #                                      # the GPU, each served: KL vs bf16 and top-1 agreement through the API,
-#                                      # decode tok/s.
+#                                      # decode tok/s. VIRTUAL: the virtual shards (default 4; 2 for an fp8
+#                                      # lm_head: quality int3+fp8,int3+fp8+fp8 16 2).
 #                                      # Past the call's time limit, split FORMATS over two calls.
 #
 # What the machine lacks comes along in git-ignored folders named in the call's `carry`:
@@ -224,7 +225,8 @@ if [ "${1:-}" = "rest" ]; then
 fi
 if [ "${1:-}" = "quality" ]; then
     python3 -m bench.quality_formats --device cuda --dims release --layers 4 --experts "${3:-16}" \
-        ${2:+--formats "$2"} --work /tmp/quality-formats --out "$OUT" > "$OUT/quality_formats.log" 2>&1
+        ${2:+--formats "$2"} ${4:+--virtual-shards "$4"} --work /tmp/quality-formats --out "$OUT" \
+        > "$OUT/quality_formats.log" 2>&1
     tail -14 "$OUT/quality_formats.log"
     copy_stack_logs
     exit 0

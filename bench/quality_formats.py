@@ -19,6 +19,11 @@ a format's error, is the release's). The reference is the dense base served the 
 bench/data/eval_text.txt are scored on each stack. On the CPU, `--exact` also computes the full-vocabulary KL
 offline (both models loaded here, `offline.prompt_log_softmax`), next to the API's top-k estimate.
 
+--formats takes `twinspark quantize` recipes too, written in one quantize run each: `--formats int3+fp8,int3+fp8+fp8`
+measures lm_head in fp8 (the recipe's third term) beside int3+fp8. At the release's vocabulary (154,880 rows) an fp8
+lm_head in 128 x 128 blocks divides into 1 or 2 virtual shards, not the default 4: give `--virtual-shards 2`, which
+plans every checkpoint and serves every stack (the dense reference's too) at that count.
+
 Writes quality_formats-<time>.json and .md under --out.
 """
 
@@ -38,6 +43,7 @@ from bench import flags
 from bench.output import args_record, stamp, write_results
 from bench.served_load import level, summarize, warm_up
 from bench.stack import attach_or_start, machine_load, twinspark_command
+from model.quantize.select import VIRTUAL_SHARDS
 from services.common import shared_flags as shared
 from services.evaluate.client import ModelClient
 from services.evaluate.runner import Settings, compare, score_windows, text_windows
@@ -75,10 +81,10 @@ def write_base(out: Path, *, dims: str, layers: int, experts: int) -> Path:
     return out
 
 
-def quantize(base: Path, out: Path, fmt: str, device: str) -> dict[str, Any]:
+def quantize(base: Path, out: Path, fmt: str, device: str, virtual: int) -> dict[str, Any]:
     t0 = time.monotonic()
     proc = subprocess.run([twinspark_command(), "quantize", "--model", str(base), "--out", str(out), "--format", fmt,
-                           "--device", device], capture_output=True, text=True)
+                           "--device", device, "--virtual-shards", str(virtual)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"quantize {fmt} failed:\n{proc.stderr[-2000:]}")
     return {"quantize_s": round(time.monotonic() - t0, 1), "bytes": _weight_bytes(out)}
@@ -100,7 +106,8 @@ def decode_rate(url: str, output_len: int) -> float:
 
 def serve_and_score(ckpt: Path, args: argparse.Namespace, windows: list | None) -> tuple[Any, list, float]:
     """Start a stack of `ckpt`, score the text's windows with top-k, time its decode, stop it."""
-    env = {"TWINSPARK_DEVICE": args.device, "TWINSPARK_DRAFTER": "none"}
+    env = {"TWINSPARK_DEVICE": args.device, "TWINSPARK_DRAFTER": "none",
+           "TWINSPARK_VIRTUAL_SHARDS": str(args.virtual_shards)}
     stack = attach_or_start(None, tp=args.tp, model=str(ckpt), env=env)
     try:
         s = Settings(file=args.file, window=args.window, max_windows=args.max_windows, top_k=args.top_k,
@@ -141,10 +148,11 @@ def markdown(data: dict[str, Any]) -> str:
     a = data["args"]
     lines = [f"# Quality per weight format — {data['date']}", "",
              f"Base: {data['base']} ({data['base_bytes'] / 2**20:.1f} MiB of weights), served with `twinspark up "
-             f"--device {a['device']} --tp {a['tp']}` (drafter off) per format. Text: `{Path(a['file']).name}`, "
-             f"{data['windows']} windows of {a['window']} tokens, {data['positions']} scored positions. KL(base ‖ "
-             f"format) in nats per position over the top-{a['top_k']} buckets (docs/evaluation.md: never above the "
-             f"full KL){'; exact: full vocabulary, offline' if a['exact'] else ''}. Decode: batch-1 streamed greedy, "
+             f"--device {a['device']} --tp {a['tp']}` (drafter off, {a['virtual_shards']} virtual shards) per "
+             f"format. Text: `{Path(a['file']).name}`, {data['windows']} windows of {a['window']} tokens, "
+             f"{data['positions']} scored positions. KL(base ‖ format) in nats per position over the "
+             f"top-{a['top_k']} buckets (docs/evaluation.md: never above the full KL)"
+             f"{'; exact: full vocabulary, offline' if a['exact'] else ''}. Decode: batch-1 streamed greedy, "
              f"median inter-token latency, {a['output_len']} tokens after a 64-token prompt.", "",
              "| format | weight MiB | × base | KL mean | KL p99 | KL exact | top-1 agreement | perplexity "
              "| decode tok/s | quantize s |",
@@ -168,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dims", choices=("tiny", "release"), default="tiny")
     flags.add(ap, flags.LAYERS, "text layers of the base (default 4)")
     ap.add_argument("--experts", type=int, default=16, help="--dims release: routed experts per MoE layer")
-    ap.add_argument("--formats", default=FORMATS, help="comma-separated `twinspark quantize --format` values")
+    ap.add_argument("--formats", default=FORMATS, help="comma-separated `twinspark quantize --format` values (formats "
+                    "or recipes, e.g. int3+fp8,int3+fp8+fp8)")
+    ap.add_argument("--virtual-shards", type=int, default=VIRTUAL_SHARDS, help="the virtual shards every checkpoint is "
+                    "planned for and every stack served at (2 for an fp8 lm_head at the release's vocabulary)")
     flags.add(ap, flags.RANKS_DEVICE, "where the formats are quantized and served (default cpu)", default="cpu")
     flags.add(ap, shared.TP)
     ap.add_argument("--work", type=Path, default=None, help="where the checkpoints go (default: a temporary dir)")
@@ -204,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"format": fmt}
         try:
             ckpt = work / fmt.replace(":", "_")
-            row.update(quantize(base, ckpt, fmt, args.device))
+            row.update(quantize(base, ckpt, fmt, args.device, args.virtual_shards))
             _, scored, row["decode_tok_s"] = serve_and_score(ckpt, args, windows)
             row.update(compare(windows, ref, scored))
             if args.exact:

@@ -67,6 +67,18 @@ def tiny_fp8(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="session")
+def tiny_fp8_head(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The recipe int4+fp8+fp8 in one quantize run: int4 experts, fp8 for the rest and for lm_head (8 x 8 blocks:
+    the tiny vocabulary's 272 rows a virtual shard are whole blocks of 8)."""
+    from model.quantize.convert import quantize_checkpoint
+    from model.quantize.select import Recipe
+
+    out = tmp_path_factory.mktemp("tiny_fp8_head") / "ckpt"
+    quantize_checkpoint(tiny_default, out, Recipe.parse("int4+fp8+fp8", block=QUANT_BLOCK), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_w4a16(tiny_default: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from model.quantize.convert import quantize_checkpoint
     from model.quantize.select import Recipe

@@ -18,17 +18,18 @@ import torch
 from tokenizers import Tokenizer
 
 from model.quantize import exl3_config
+from model.quantize.select import Recipe
 
 from .config_builder import generation_config, model_config, preprocessor_config, processor_config, round_up
 from .presets import PRESETS
-from .quantized import FORMATS, Packing, dims_for, make_tensors
+from .quantized import Packing, dims_for, make_tensors
 from .shards import INDEX_NAME, plan_shards, write_shards
 from .spec import TinySpec, default_layer_pattern
 from .tensor_spec import TensorSpec
 from .tokenizer_builder import PAD_TOKEN, STOP_TOKENS, build_tokenizer, token_ids, write_tokenizer
 from .weights import TEXT, all_tensors
 
-__all__ = ["DTYPES", "FORMATS", "PRESETS", "TinyCheckpoint", "TinySpec", "default_layer_pattern", "make_tiny",
+__all__ = ["DTYPES", "PRESETS", "TinyCheckpoint", "TinySpec", "default_layer_pattern", "make_tiny",
            "write_tiny"]
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -46,7 +47,7 @@ class TinyCheckpoint:
     num_params: int  # every stored tensor, vision tower and MTP block included
     num_text_params: int  # the text model without MTP and vision (what a forward pass uses)
     dtype: str
-    format: str = "dense"
+    format: str = "dense"  # or the quantize recipe it was written in
     preset: str = "default"
     group: int | None = None  # the int formats' group size
 
@@ -59,25 +60,26 @@ def write_tiny(out_dir: str | Path, *, seed: int = 0, layers: int = 8, experts: 
     """Write a tiny checkpoint into `out_dir` (created if missing) and describe what was written.
 
     format: "dense" (every tensor in `dtype`), "exl3" (wider MLPs stored as random EXL3 trellises at an average of
-    `exl3_bits` bits per weight, each linear's rate by quantize/bits.py, with codebook `exl3_codebook`) or an int
+    `exl3_bits` bits per weight, each linear's rate by quantize/bits.py, with codebook `exl3_codebook`), an int
     format, "int2" / "int3" / "int4" / "int8" (wider experts, every linear that fits stored as random codes in
-    groups of `int_group`, None: quantize's choice); see quantized.py. preset: a named set of dimensions
-    (presets.py), e.g. "exllamav3" for the smallest model exllamav3 runs whole."""
+    groups of `int_group`, None: quantize's choice), or any quantize recipe of them and fp8 / w4a16 ("int3+fp8+fp8");
+    see quantized.py. preset: a named set of dimensions (presets.py), e.g. "exllamav3" for the smallest model
+    exllamav3 runs whole."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    recipe = None if format == "dense" else Recipe.parse(format, exl3_bits=exl3_bits, exl3_codebook=exl3_codebook,
+                                                         group=int_group)
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     torch_dtype = DTYPES[dtype]
     # Validate the options (TinySpec and the packing plan raise ValueError) before touching the output folder.
     spec = TinySpec.tiny(num_hidden_layers=layers, n_routed_experts=experts, index_topk=index_topk,
                     layer_pattern=layer_pattern or "", indexer_pattern=indexer_pattern or "",
-                    **{**dims_for(format), **PRESETS[preset]})
+                    **{**dims_for(recipe), **PRESETS[preset]})
     tok = build_tokenizer()
     spec = dataclasses.replace(spec, vocab_size=round_up(tok.get_vocab_size(), VOCAB_MULTIPLE))
     specs = all_tensors(spec)
-    packing = Packing.plan(format, specs, exl3_bits_target=exl3_bits, exl3_codebook=exl3_codebook, group=int_group)
+    packing = Packing.plan(recipe, specs) if recipe is not None else None
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="storage dtype; the router bias, KDA convs and gate params and mHC base/scale stay float32 "
                         "(default: bfloat16)")
-    p.add_argument("--format", default="dense", metavar="dense|exl3[:BITS]|intN[:gGROUP]",
+    p.add_argument("--format", default="dense", metavar="dense|RECIPE",
                    help="dense: every tensor in --dtype; exl3[:BITS]: hidden 128 and MLPs 512 wide, every MLP linear "
                         "that is whole 128 x 128 tiles on each of 4 virtual shards (dense MLP, shared and routed "
                         "experts, MTP eh_proj) stored as random EXL3 trellises in exllamav3's names and dtypes at an "
@@ -46,7 +46,9 @@ def register(subparsers: Any) -> None:
                         "preset int: every MLP linear is then whole groups of 32 on each of 4 virtual shards), every "
                         "linear `quantize` would pack stored as random codes of that many bits with bfloat16 scales "
                         "in groups of GROUP (default: the group `quantize` picks for these dims, 32 for int3 and 16 "
-                        "for the others, so attention's o_proj fits too except at int3) (default: dense)")
+                        "for the others, so attention's o_proj fits too except at int3); or a quantize recipe, "
+                        "EXPERTS+OTHER[+HEAD] (e.g. int3:g32+fp8+fp8: int3 experts, fp8 for the rest and lm_head), "
+                        "each part drawn at random in its format (default: dense)")
     p.add_argument("--bits", type=float, default=None, help="exl3: the same as --format exl3:BITS")
     p.add_argument("--codebook", choices=("mul1", "mcg", "3inst"), default="mul1",
                    help="exl3: trellis codebook (exllamav3's default: mul1)")
@@ -66,31 +68,31 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `twinspark --help` and other subcommands do not pay for torch/tokenizers imports.
-    from model.quantize.select import EXL3_DEFAULT_BITS, INT_FORMATS, FormatSpec, format_and_bits
+    from model.quantize.select import EXL3_DEFAULT_BITS, INT_FORMATS, recipe_and_bits
 
-    from . import FORMATS, write_tiny
+    from . import write_tiny
 
     try:
-        spec = FormatSpec("dense", args.bits) if args.format == "dense" else format_and_bits(args.format, args.bits)
-        fmt, bits = spec.name, spec.exl3_bits
-        if fmt not in FORMATS or (fmt == "dense" and bits is not None):
-            raise ValueError(f"--format {args.format}{'' if bits is None else f' --bits {bits:g}'}: make-tiny "
-                             f"writes dense, exl3[:BITS] or {'/'.join(INT_FORMATS)}[:gGROUP]")
-        bits = EXL3_DEFAULT_BITS if bits is None else bits
+        if args.format == "dense" and args.bits is not None:
+            raise ValueError(f"--bits {args.bits:g} is EXL3's bits per weight; --format is dense")
+        recipe = None if args.format == "dense" else recipe_and_bits(args.format, args.bits)
         ckpt = write_tiny(args.out, seed=args.seed, layers=args.layers, experts=args.experts,
                           index_topk=args.index_topk, layer_pattern=args.layer_pattern,
                           indexer_pattern=args.indexer_pattern, dtype=args.dtype, progress=True,
-                          format=fmt, exl3_bits=bits, exl3_codebook=args.codebook, int_group=spec.group,
-                          preset=args.preset)
-    except ValueError as e:  # bad pattern / sizes / bitrate: a one-line message, not a traceback
+                          format=args.format, exl3_bits=recipe.exl3_bits if recipe else EXL3_DEFAULT_BITS,
+                          exl3_codebook=args.codebook, preset=args.preset)
+    except ValueError as e:  # bad pattern / sizes / recipe / bitrate: a one-line message, not a traceback
         print(f"make-tiny: {e}", file=sys.stderr)
         return 2
+    formats = recipe.formats if recipe else ()
+    ints = "/".join(f for f in formats if f in INT_FORMATS)
     s = ckpt.spec
     print(f"wrote tiny GLM-5.3-Flash checkpoint to {ckpt.path.resolve()}")
     print(f"  params: {ckpt.num_params:,} stored ({ckpt.num_text_params:,} text model, rest MTP block + vision tower), "
           f"dtype {ckpt.dtype}, seed {args.seed}"
-          + (f", EXL3 {bits:g} bits ({args.codebook}) MLPs" if ckpt.format == "exl3" else "")
-          + (f", {ckpt.format} linears in groups of {ckpt.group}" if ckpt.group else ""))
+          + (f", EXL3 {recipe.exl3_bits:g} bits ({args.codebook}) MLPs" if "exl3" in formats else "")
+          + (f", {ints} linears in groups of {ckpt.group}" if ckpt.group else "")
+          + (f", lm_head {recipe.head}" if recipe and recipe.head else ""))
     print(f"  layers: {s.layer_pattern} (K=KDA, M=MLA+DSA)  indexer: {s.indexer_pattern}  "
           f"experts: {s.n_routed_experts} top-{s.num_experts_per_tok}  index_topk: {s.index_topk}  vocab: {s.vocab_size}")
     print(f"  preset: {ckpt.preset}  hidden: {s.hidden_size}  KDA heads: {s.linear_num_heads} x {s.linear_head_dim}  "

@@ -4,13 +4,14 @@ chosen bitrate), or run exllamav3's own EXL3 converter (calibrated, CUDA GPU) wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from model.quantize.select import EXL3_DEFAULT_BITS, VIRTUAL_SHARDS, format_and_bits
+from model.quantize.select import EXL3_DEFAULT_BITS, RECIPE_HELP, VIRTUAL_SHARDS, Recipe, recipe_and_bits
 
 EXL3_NEEDS = ("exllamav3's converter is a trellis search with calibration that runs in its CUDA extension: "
               "`twinspark quantize --exllamav3` needs a CUDA GPU and exllamav3 (pip install -e \".[gpu]\")")
@@ -21,19 +22,21 @@ def register(subparsers: Any) -> None:
         "quantize", help="write a quantized copy of a checkpoint (fp8, w4a16, int2/int3/int4/int8, exl3[:BITS])",
         description="Quantize a checkpoint shard by shard (one output shard in memory at a time): the same shard "
                     "files and key names, each quantized linear stored as its format's tensors, quantization_config "
-                    "in config.json, the index rewritten, tokenizer files copied. Kept dense: embeddings, lm_head, "
-                    "the MoE router, KDA gate projections, the indexer's key head and weights, the vision tower, and "
-                    "every linear that is not whole blocks / groups / 128-wide EXL3 tiles on each virtual shard the "
-                    "loader cuts it into, so the output loads in `generate`, `up` and `serve-rank` at every TP size "
-                    "that divides --virtual-shards (the plan is printed first). The int formats round to nearest "
-                    "here; a second int run quantizes what the first left (e.g. int3 --experts-only, then int4) in "
-                    "the first run's group size. EXL3 is encoded here, on --device, by twinspark's beam search "
+                    "in config.json, the index rewritten, tokenizer files copied. Kept dense: embeddings, lm_head "
+                    "(unless the recipe's HEAD is fp8), the MoE router, KDA gate projections, the indexer's key head "
+                    "and weights, the vision tower, and every linear that is not whole blocks / groups / 128-wide "
+                    "EXL3 tiles on each virtual shard the loader cuts it into, so the output loads in `generate`, "
+                    "`up` and `serve-rank` at every TP size that divides --virtual-shards (the plan is printed "
+                    "first). One run writes a whole recipe (int3+fp8: int3 experts, fp8 for the rest), or one "
+                    "format on top of an earlier run's. The int formats round to nearest here; a second int run "
+                    "quantizes what the first left (e.g. int3 --experts-only, then int4) in the first run's group "
+                    "size. EXL3 is encoded here, on --device, by twinspark's beam search "
                     "without calibration; --exllamav3 runs exllamav3's own converter.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, metavar="IN", help="input checkpoint directory (bf16 / fp32, or one "
                    "already quantized in another format: its quantized modules are copied as they are)")
     p.add_argument("--out", required=True, metavar="OUT", help="output directory (created if missing)")
-    p.add_argument("--format", required=True, metavar="FORMAT",
+    p.add_argument("--format", required=True, metavar="RECIPE",
                    help="fp8: e4m3 weights with block (or per-channel) float32 scales; w4a16: symmetric int4 in "
                         "groups along the input dim with float16 scales; int2, int3, int4, int8 [:gGROUP]: "
                         "symmetric integers of that many bits in groups along the input dim with signed bfloat16 "
@@ -43,7 +46,9 @@ def register(subparsers: Any) -> None:
                         f"(default {EXL3_DEFAULT_BITS:g}; e.g. exl3:2.0, exl3:2.5, exl3:3.0): each linear gets a "
                         "whole or half rate (half rates need the mul1 codebook) so the average lands on BITS, "
                         "attention first, routed experts last; what each got is in the output's "
-                        "quantization_config.json")
+                        "quantization_config.json. One format, or a recipe in one run: " + RECIPE_HELP +
+                        " (lm_head fp8 at the release's vocabulary needs --virtual-shards 2 or 1, and serve-rank "
+                        "the same: its 128-row blocks do not divide into 4 shards)")
     p.add_argument("--experts-only", action="store_true",
                    help="quantize only the routed experts (what the fused MoE kernel reads); other linears stay as "
                         "they are")
@@ -80,39 +85,29 @@ def run(args: argparse.Namespace) -> int:
     if not (src / "config.json").is_file():
         return _fail(f"--model {args.model}: no config.json there")
     try:
-        spec = format_and_bits(args.format, args.bits)
-    except ValueError as e:
+        recipe = _recipe(args)
+    except ValueError as e:  # a bad term, bitrate, or an int group that is not whole words
         return _fail(f"--format {e}")
-    fmt, bits = spec.name, spec.exl3_bits
-    if fmt == "bf16":
-        return _fail("--format bf16 quantizes nothing (bf16 is a recipe's 'keep dense')")
+    if not recipe.formats:
+        return _fail(f"--format {args.format} quantizes nothing (bf16 is a recipe's 'keep dense')")
     if args.exllamav3:
-        if fmt != "exl3" or args.experts_only:
+        if recipe.formats != ("exl3",) or recipe.other is None:
             return _fail("--exllamav3 runs exllamav3's converter: --format exl3[:BITS], no --experts-only (its "
                          "converter takes a per-tensor --recipe)")
-        return _run_exllamav3(args, EXL3_DEFAULT_BITS if bits is None else bits)
-    if args.block_size is not None and (args.block_size < 1 or (fmt == "w4a16" and args.block_size % 8)):
+        return _run_exllamav3(args, recipe.exl3_bits)
+    if args.block_size is not None and (args.block_size < 1 or ("w4a16" in recipe.formats and args.block_size % 8)):
         return _fail(f"--block-size {args.block_size}: must be positive (and a multiple of 8 for w4a16)")
-    if args.per_channel and fmt != "fp8":
+    if args.per_channel and recipe.formats != ("fp8",):
         return _fail("--per-channel is an fp8 option")
-    if spec.group and args.block_size and spec.group != args.block_size:
+    if recipe.group and args.block_size and recipe.group != args.block_size:
         return _fail(f"--format {args.format} and --block-size {args.block_size} disagree (give one)")
-    block = spec.group or args.block_size  # an int format's :gGROUP is its --block-size
     if args.virtual_shards < 1:
         return _fail(f"--virtual-shards {args.virtual_shards}: must be positive")
 
     from model.quantize.convert import quantize_checkpoint
-    from model.quantize.select import Recipe
 
     try:
-        recipe = Recipe(experts=fmt, other=None if args.experts_only else fmt,
-                        block=None if args.per_channel else block or 128,
-                        exl3_bits=EXL3_DEFAULT_BITS if bits is None else bits, exl3_codebook=args.codebook,
-                        virtual=args.virtual_shards)
-    except ValueError as e:  # an int group that is not whole words
-        return _fail(f"--block-size / --format {e}")
-    try:
-        s = quantize_checkpoint(src, args.out, recipe, device=args.device, choose_block=block is None,
+        s = quantize_checkpoint(src, args.out, recipe, device=args.device, choose_block=args.block_size is None,
                                 log=lambda line: print(line, flush=True))
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
@@ -120,6 +115,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {Path(args.out).resolve()}: {done}; {s.kept} tensors kept dense, {s.already} modules already "
           f"quantized; {s.bytes_in / 2**20:.1f} MiB -> {s.bytes_out / 2**20:.1f} MiB")
     return 0
+
+
+def _recipe(args: argparse.Namespace) -> Recipe:
+    """--format's recipe with --bits, --experts-only, --block-size, --per-channel, --codebook and --virtual-shards."""
+    if args.experts_only and "+" in args.format:
+        raise ValueError(f"{args.format}: --experts-only takes one FORMAT (a recipe says it as EXPERTS+bf16)")
+    recipe = recipe_and_bits(args.format, args.bits, block=None if args.per_channel else args.block_size or 128,
+                             exl3_codebook=args.codebook, virtual=args.virtual_shards)
+    return dataclasses.replace(recipe, other=None) if args.experts_only else recipe
 
 
 def _run_exllamav3(args: argparse.Namespace, bits: float) -> int:

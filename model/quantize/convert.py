@@ -5,9 +5,10 @@ Same shard files and key names as the input; a quantized linear `X.weight` becom
 `X.suh` / `X.svh` / marker for EXL3), everything else is copied byte for byte, modules already quantized included (so
 fp8 on top of a `--experts-only` w4a16 checkpoint gives W4A16 experts + FP8 attention, and int4 on top of
 `--experts-only` int3 gives int3 experts + int4 for the rest: the int formats may run twice on one checkpoint, with
-the group size of the first run). config.json gets the `quantization_config` (an earlier one is kept nested), the
-index is rewritten, and the other files (tokenizer, chat template, generation config) are copied; an EXL3 output
-also gets exllamav3's quantization_config.json.
+the group size of the first run). One run may also write a whole recipe (int3+fp8+fp8: int3 experts, fp8 for the
+rest and lm_head). config.json gets the `quantization_config` (one per format, nested; an earlier one is kept
+nested too), the index is rewritten, and the other files (tokenizer, chat template, generation config) are copied;
+an EXL3 output also gets exllamav3's quantization_config.json.
 
 Everything is planned from the shard headers before a tensor is read: which linears the recipe packs (each one
 whole tiles on every virtual shard, select.py), the fp8 block / w4a16 or int group when it is chosen from that
@@ -21,7 +22,7 @@ import hashlib
 import json
 import shutil
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,19 @@ def quant_config(fmt: str, block: int | None) -> dict[str, Any]:
     raise ValueError(f"no quantization_config of its own for {fmt!r} (EXL3's: exl3_config.py)")
 
 
+def recipe_quant_config(recipe: Recipe, formats: Iterable[str], exl3: exl3_bits.BitPlan | None,
+                        old: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The `quantization_config` of a checkpoint whose linears `recipe` stores in `formats`: each format's own,
+    nested in recipe order around `old` (an earlier run's); EXL3's from its bit plan."""
+    qcfg = old
+    for fmt in reversed(recipe.formats):
+        if fmt in formats:
+            own = exl3_config.quant_config(exl3, recipe.exl3_codebook) if fmt == "exl3" else \
+                quant_config(fmt, recipe.block_for(fmt))
+            qcfg = nest(own, qcfg)
+    return qcfg
+
+
 def _source_files(src: Path) -> dict[str, list[str]]:
     """Shard file -> its tensor keys, in the index's order."""
     index = src / INDEX
@@ -99,7 +113,8 @@ class Plan:
         tps = ", ".join(str(t) for t in range(1, r.virtual + 1) if r.virtual % t == 0)
         out = [f"planned for {r.virtual} virtual shards: every packed linear is whole tiles on each, so the output "
                f"loads at TP {tps}"]
-        if block_chosen and {"fp8", "w4a16", INT_CODEC} & {codec_format(f)[0] for f in self.targets.values()}:
+        # (an int format with its own group, int3:g64 or an earlier run's, is not stored in the chosen block)
+        if block_chosen and any(f != "exl3" and r.block_for(f) == r.block for f in self.targets.values()):
             tried = r.blocks_to_try(BLOCKS)
             out.append(f"block size {r.block}, from that plan: the largest of {'/'.join(map(str, tried))} that "
                        f"leaves no linear dense that {tried[-1]} would pack")
@@ -145,42 +160,45 @@ def _generator(key: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _first_runs_group(src: Path, recipe: Recipe, fmt: str, group: int, choose_block: bool) -> Recipe:
-    """`recipe` with the group size of the int linears `src` already has (a checkpoint has one), e.g. int4 for the
-    rest of an `--experts-only` int3 checkpoint; a different group asked for is refused."""
-    if not choose_block and recipe.block_for(fmt) != group:
+def _earlier_runs(src: Path, recipe: Recipe, old: dict[str, Any] | None, group_fixed: bool) -> tuple[Recipe, bool]:
+    """`recipe` against the formats `src` already stores (its quantization_config `old`): one it has is refused, but
+    for the int formats, which take the group size of the int linears `src` has (a checkpoint has one), e.g. int4 for
+    the rest of an `--experts-only` int3 checkpoint (a different group asked for, `group_fixed`, is refused). Also
+    whether that group was taken."""
+    earlier = by_method(old)
+    ints = [f for f in recipe.formats if codec_format(f)[0] == INT_CODEC]
+    for fmt in recipe.formats:
+        if fmt not in ints and CODECS[codec_format(fmt)[0]].quant_method in earlier:
+            raise ValueError(f"{src} is already {fmt}; quantize its dense original instead")
+    int_config = earlier.get(CODECS[INT_CODEC].quant_method)
+    if not ints or int_config is None:
+        return recipe, False
+    group = int(int_config["group_size"])
+    if group_fixed and recipe.block_for(ints[0]) != group:
         raise ValueError(f"{src} stores its int linears in groups of {group}, and a checkpoint has one group size: "
-                         f"quantize with --block-size {group} (or --format {fmt}:g{group}), or give neither and its "
-                         f"group is used")
-    return dataclasses.replace(recipe, group=group)
+                         f"quantize with --block-size {group} (or --format {ints[0]}:g{group}), or give neither and "
+                         f"its group is used")
+    return dataclasses.replace(recipe, group=group), True
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, device: str = "cpu",
                         progress: bool = True, choose_block: bool = False,
                         log: Callable[[str], None] | None = None) -> Summary:
-    """choose_block: the fp8 block / w4a16 or int group from the shard plan (select.auto_block) instead of
-    recipe.block (an input that has int linears already sets the int group). log: gets the plan's lines before any
-    tensor is quantized."""
+    """Store `src`'s linears in `recipe`'s formats (one or several: a recipe in one run) into `dst`. choose_block:
+    the fp8 block / w4a16 or int group from the shard plan (select.auto_block) instead of recipe.block (an input that
+    has int linears already sets the int group). log: gets the plan's lines before any tensor is quantized."""
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise ValueError("--out must differ from --model (the input is read while the output is written)")
-    if len(recipe.formats) != 1:
-        raise ValueError("one format per run: quantize the experts and the rest in two runs")
-    fmt = recipe.formats[0]
     config = json.loads((src / "config.json").read_text())
     old = config.get("quantization_config")
-    codec, int_bits = codec_format(fmt)
-    earlier = by_method(old).get(CODECS[codec].quant_method)
-    if earlier is not None:
-        if codec != INT_CODEC:
-            raise ValueError(f"{src} is already {fmt}; quantize its dense original instead")
-        recipe, choose_block = _first_runs_group(src, recipe, fmt, int(earlier["group_size"]), choose_block), False
+    recipe, int_earlier = _earlier_runs(src, recipe, old, recipe.group is not None or not choose_block)
     files = _source_files(src)
     plan = plan_checkpoint(files, src, recipe, choose_block=choose_block)
     recipe = plan.recipe
     for line in plan.lines(choose_block) if log else ():
         log(line)
-    if earlier is not None and log:
+    if int_earlier and log:
         log(f"groups of {recipe.group}: the group size of the int linears {src} already has (one per checkpoint)")
     dst.mkdir(parents=True, exist_ok=True)
     for stale in [*dst.glob("*.safetensors"), dst / INDEX, dst / exl3_config.STORAGE_FILE]:
@@ -188,8 +206,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, dev
 
     summary = Summary(already=len(plan.done))
     weight_map: dict[str, str] = {}
-    bar = tqdm(total=sum(len(k) for k in files.values()), desc=f"quantizing to {fmt}", unit="tensor",
-               disable=not progress)
+    bar = tqdm(total=sum(len(k) for k in files.values()), desc=f"quantizing to {'+'.join(recipe.formats)}",
+               unit="tensor", disable=not progress)
     try:
         for name, keys in files.items():
             out: dict[str, torch.Tensor] = {}
@@ -202,7 +220,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, dev
                         out[key] = t
                         summary.kept += key.rpartition(".")[0] not in plan.done
                     else:
-                        q = quantize(t.to(device), codec, block=recipe.block_for(fmt), codebook=recipe.exl3_codebook,
+                        codec, int_bits = codec_format(target)
+                        q = quantize(t.to(device), codec, block=recipe.block_for(target),
+                                     codebook=recipe.exl3_codebook,
                                      bits=plan.exl3.bits[key] if codec == "exl3" else int_bits,
                                      generator=_generator(key))
                         module = key.removesuffix(".weight")
@@ -219,11 +239,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: Recipe, *, dev
         index = {"metadata": {"total_size": summary.bytes_out}, "weight_map": dict(sorted(weight_map.items()))}
         (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     if plan.exl3 is not None:
-        qcfg = exl3_config.quant_config(plan.exl3, recipe.exl3_codebook)
-        exl3_config.write_storage(dst, qcfg, exl3_config.tensor_storage(plan.exl3, plan.shapes, recipe.exl3_codebook))
-    else:
-        qcfg = quant_config(fmt, recipe.block_for(fmt))
-    config["quantization_config"] = nest(qcfg, old)
+        exl3_config.write_storage(dst, exl3_config.quant_config(plan.exl3, recipe.exl3_codebook),
+                                  exl3_config.tensor_storage(plan.exl3, plan.shapes, recipe.exl3_codebook))
+    config["quantization_config"] = recipe_quant_config(recipe, set(plan.targets.values()), plan.exl3, old)
     (dst / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     for p in src.iterdir():  # tokenizer, chat template, generation config, ...
         if p.is_file() and p.name not in ("config.json", INDEX) and p.suffix != ".safetensors":

@@ -110,11 +110,14 @@ COLLECTIVE = Flag("collective", "how the tensor-parallel ranks exchange partial 
 ENFORCE_EAGER = Flag("enforce-eager", "on a GPU, run decode rounds eagerly instead of replaying CUDA graphs (vLLM's "
                      "flag; the same bits either way, graphs only save launch time)", switch=True)
 RANDOM_WEIGHTS = Flag("random-weights", "draw random weights on the device instead of reading shards (--model still "
-                      "gives the config and the tokenizer): FORMAT for every eligible linear, or EXPERTS+OTHER, from "
-                      "fp8, w4a16, exl3[:BITS], int2, int3, int4, int8 (each with an optional :gGROUP), bf16 (e.g. "
-                      "bf16, fp8, w4a16+fp8, exl3:3.0+fp8, int3+fp8, int3:g64+int4); BITS is EXL3's average bits per "
-                      "weight, 1-8 in half steps (default 4); GROUP is the int formats' group size, one per recipe "
-                      "(default: --random-block-size); quantized linears are drawn packed", metavar="FORMAT")
+                      "gives the config and the tokenizer): FORMAT for every eligible linear, or EXPERTS+OTHER[+HEAD], "
+                      "from fp8, w4a16, exl3[:BITS], int2, int3, int4, int8 (each with an optional :gGROUP), bf16 "
+                      "(e.g. bf16, fp8, w4a16+fp8, exl3:3.0+fp8, int3+fp8, int3:g64+int4, int3+fp8+fp8); BITS is "
+                      "EXL3's average bits per weight, 1-8 in half steps (default 4); GROUP is the int formats' group "
+                      "size, one per recipe (default: --random-block-size); HEAD is lm_head's, bf16 (default) or fp8 "
+                      "(at the release's vocabulary 128-row blocks need 2 or 1 virtual shards: serve-rank's "
+                      "--virtual-shards, TWINSPARK_VIRTUAL_SHARDS); quantized linears are drawn packed",
+                      metavar="FORMAT")
 RANDOM_BLOCK_SIZE = Flag("random-block-size", "with --random-weights: fp8 block edge, w4a16 group size and the int "
                          "formats' group size (unless the recipe gives one, int3:g64)", default="128", type=int,
                          metavar="N")

@@ -5,6 +5,7 @@ import torch
 
 from bench import roofline
 from bench.random_weights import bench_spec, build_model, text_tensors
+from model.quantize.select import Recipe
 
 
 def test_the_reader_records_every_key_as_drawn_and_dense_counts_agree() -> None:
@@ -25,3 +26,13 @@ def test_stored_bytes_replace_the_dtype_bytes() -> None:
     hits = [2] * dense.moe_layers
     ideal = roofline.decode_bytes(spec, torch.float32, [16], hits, stored=dict.fromkeys(keys, 7))
     assert ideal["weight_bytes"] < roofline.decode_bytes(spec, torch.float32, [16], hits)["weight_bytes"]
+
+
+def test_an_fp8_lm_head_counts_at_its_stored_bytes() -> None:
+    spec = bench_spec(tiny=True)
+    _, reader = build_model(spec, device="cpu", dtype=torch.float32, recipe=Recipe.parse("bf16+bf16+fp8", block=8))
+    head = roofline.param_counts(spec, torch.float32, reader.stored_bytes)
+    dense = roofline.param_counts(spec, torch.float32)
+    scales = -(-spec.vocab_size // 8) * (spec.hidden_size // 8) * 4  # an fp32 scale per 8 x 8 block
+    assert head.lm_head_bytes == head.lm_head + scales  # a byte per weight
+    assert dense.always_bytes - head.always_bytes == dense.lm_head_bytes - head.lm_head_bytes  # nothing else packed

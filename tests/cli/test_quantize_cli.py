@@ -1,5 +1,6 @@
 """Quantized checkpoints as a user makes them: make-tiny, quantize (fp8, w4a16, int2 / int3 / int4, exl3:BITS) or
-make-tiny --format exl3 / int3, then generate (the default flags end to end: test_quantized_defaults.py)."""
+make-tiny --format exl3 / int3 / a recipe (int3:g32+fp8+fp8), then generate (the default flags end to end:
+test_quantized_defaults.py)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,13 @@ def test_int_runs_twice_in_one_group_size(tiny_dir, tmp_path):
     assert f"--block-size {group}" in bad.stderr and not (tmp_path / "x").exists()
 
 
-def test_make_tiny_int3_then_generate(tmp_path):
+@pytest.mark.parametrize("recipe, said", [("int3", "int3 linears in groups of 32"),
+                                          ("int3:g32+fp8+fp8", "int3 linears in groups of 32, lm_head fp8")])
+def test_make_tiny_int3_then_generate(tmp_path, recipe, said):
     out = tmp_path / "int3"
-    proc = _run("make-tiny", "--out", str(out), "--format", "int3", "--layers", "2", "--experts", "4")
+    proc = _run("make-tiny", "--out", str(out), "--format", recipe, "--layers", "2", "--experts", "4")
     assert proc.returncode == 0, proc.stderr
-    assert "int3 linears in groups of 32" in proc.stdout
+    assert said in proc.stdout
     assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 32
     assert len(_generate(out)) == 6
 
@@ -118,7 +121,11 @@ def test_bad_options(tiny_dir, tmp_path):
              (["--format", "int3", "--block-size", "16"], "the group size times the bits must be a multiple of 32"),
              (["--format", "int3:g64", "--block-size", "32"], "disagree"),
              (["--format", "int3:64"], "group size as :gGROUP"),
-             (["--format", "int3", "--bits", "3"], "--bits is EXL3's bits per weight")]
+             (["--format", "int3", "--bits", "3"], "--bits is EXL3's bits per weight"),
+             (["--format", "int3+fp8+int4"], "HEAD int4: lm_head is kept bf16 or stored in fp8"),
+             (["--format", "int3+fp8+fp8"], "lm_head [1088, 64] is not whole fp8 blocks of 32 x 32"),
+             (["--format", "int3+fp8", "--experts-only"], "--experts-only takes one FORMAT"),
+             (["--format", "bf16+bf16"], "quantizes nothing")]
     for flags, message in cases:
         proc = _run("quantize", "--model", str(tiny_dir), "--out", str(tmp_path / "x"), *flags)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
@@ -143,3 +150,4 @@ def test_help_gives_the_bitrate_and_group_syntax(cmd):
     proc = _run(*cmd, "--help")
     text = " ".join(proc.stdout.split())
     assert proc.returncode == 0 and "exl3:3.0" in text and "int3" in text and ":gGROUP" in text, proc.stdout
+    assert "[+HEAD]" in text and "+fp8+fp8" in text, proc.stdout  # the recipe's lm_head term

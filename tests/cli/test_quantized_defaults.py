@@ -1,6 +1,6 @@
 """The quantized defaults fit together, as a user types the commands: make-tiny, then `quantize --format fp8 |
-w4a16 | int4 | int3 | int2 | exl3:3.0` with no other flag, then `generate` with default flags — the same token ids
-at TP 1, 2 and 4.
+w4a16 | int4 | int3 | int2 | exl3:3.0` (or the recipe int4+fp8+fp8: lm_head in fp8 too) with no other flag, then
+`generate` with default flags — the same token ids at TP 1, 2 and 4.
 
 quantize plans for the rank worker's 4 virtual shards: every packed linear is whole tiles on each shard, with the
 fp8 block / w4a16 or int group chosen from that plan (8 for the 64-wide tiny model; int3 and int2 only try groups
@@ -41,6 +41,7 @@ def made(tmp_path_factory) -> dict[str, Path]:
     ("fp8", "tiny", "block size 8, from that plan"),
     ("w4a16", "tiny", "block size 8, from that plan"),
     ("int4", "tiny", "block size 8, from that plan"),
+    ("int4+fp8+fp8", "tiny", "block size 8, from that plan"),  # a recipe in one run, lm_head in fp8 too
     ("int3", "tiny", "block size 32, from that plan: the largest of 128/64/32 that leaves no linear dense that 32"),
     ("int2", "tiny", "block size 16, from that plan: the largest of 128/64/32/16 "),
     ("exl3:3.0", "wide", "EXL3 at 3 bits per weight (mul1): 22 linears at 3: 3.00 bits per weight on average")])
@@ -52,6 +53,8 @@ def test_quantize_then_generate_with_default_flags_at_tp_1_2_4(made, tmp_path, f
     assert plan_line in proc.stdout
     method = json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"]
     assert method == {"fp8": "fp8", "w4a16": "twinspark_w4a16", "exl3:3.0": "exl3"}.get(fmt, "twinspark_int")
+    stored = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert ("lm_head.weight_scale_inv" in stored) == fmt.endswith("+fp8+fp8")  # lm_head stays bf16 unless HEAD is fp8
     ids = []
     for tp in ("1", "2", "4"):
         gen = _run("generate", "--model", str(out), "--prompt", "hello", "--json", "--tp", tp)

@@ -31,8 +31,10 @@ def test_methods_without_their_folders_refuse_clearly():
         build("mtp", None)
 
 
-def test_mtp_drafts_are_forward_mtp_argmax(tiny_default):
-    d = MtpDrafter(tiny_default, threshold=0.0, history=8)
+@pytest.mark.parametrize("ckpt", ["tiny_default", "tiny_fp8_head"])  # the MTP block scores with the target's lm_head
+def test_mtp_drafts_are_forward_mtp_argmax(ckpt, request):
+    path = request.getfixturevalue(ckpt)
+    d = MtpDrafter(path, threshold=0.0, history=8)
     dim = d.model.cfg.hidden_size
     h = torch.randn(dim, generator=torch.Generator().manual_seed(0))
     drafts = d.propose("r", [5, 6, 7], 3, h)
@@ -44,7 +46,7 @@ def test_mtp_drafts_are_forward_mtp_argmax(tiny_default):
                                     hidden=h[None]), cache)
     assert drafts[0] == int(out.logits[0].argmax())
     assert d.propose("r", [5, 6, 7], 3, None) == []  # no hidden state, no MTP drafts
-    assert MtpDrafter(tiny_default, threshold=1.1).propose("r", [5, 6, 7], 3, h) == []  # threshold stops the chain
+    assert MtpDrafter(path, threshold=1.1).propose("r", [5, 6, 7], 3, h) == []  # threshold stops the chain
 
 
 def test_propose_over_grpc():

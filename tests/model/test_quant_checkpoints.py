@@ -8,6 +8,8 @@
   (2% random noise on any one group of weights moves some logit by 3 standard deviations somewhere in 48 rows), so
   the distance is the median over rows of the logits' cosine similarity, which is stable. For scale, the same model
   with relative noise of 2% / 5% on its MLP and attention weights measured 0.9983-0.9987 / 0.9873-0.9898;
+- lm_head in fp8 (the recipe int4+fp8+fp8, written in one run) the same: the model, and the DFlash trainer's dense
+  read of the target's lm_head, see its dequantized weights;
 - TP = 2 bit-identical to TP = 1 (each rank cuts its shards from the stored tensors on the format's tile grid), on
   mixed checkpoints that hold every format between them: EXL3 MLPs + fp8 attention (fp8 quantized on top of the
   EXL3 tiny model), W4A16 experts + fp8 for the rest (`quantize --experts-only` w4a16, then fp8), and int3 experts +
@@ -16,12 +18,14 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
+from model.dflash.train.traces import target_embed_head
 from model.model import Glm5Model
 from model.quantize.convert import quantize_checkpoint
 from model.quantize.select import Recipe
@@ -32,7 +36,7 @@ from tests.model.reference import random_ids
 from tests.model.tp_jobs import logits_and_greedy
 
 IDS = random_ids(48, seed=5)
-FORMATS = ["tiny_fp8", "tiny_w4a16", "tiny_int3", "tiny_exl3"]
+FORMATS = ["tiny_fp8", "tiny_w4a16", "tiny_int3", "tiny_exl3", "tiny_fp8_head"]
 # Against the unquantized 2-layer model, over the 48 rows of IDS: (median cosine similarity of the logits, share of
 # rows with the same top-1 token) at least. Measured: fp8 (8x8 blocks) 0.9985 / 0.896, w4a16 (groups of 8) 0.9879 /
 # 0.646 — fp8 as close as 2% noise, w4a16 as 5%; int4 (groups of 8, all 16 levels with its signed scales) 0.9898 /
@@ -54,6 +58,14 @@ def test_logits_equal_the_dense_checkpoint_of_its_dequantized_weights(ckpt, requ
     dense = write_dequantized(path, tmp_path / "dense")
     got, want = prompt_logits(_load(path), IDS[:40]), prompt_logits(_load(dense), IDS[:40])
     assert torch.equal(got, want), f"max |d| {(got - want).abs().max():.3e}"
+
+
+def test_the_dflash_trainer_reads_an_fp8_lm_head_dequantized(tiny_fp8_head, tmp_path):
+    stored = json.loads((tiny_fp8_head / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight_scale_inv" in stored  # lm_head is stored in fp8 blocks
+    dense = write_dequantized(tiny_fp8_head, tmp_path / "dense")
+    head = target_embed_head(tiny_fp8_head)[1]
+    assert head.dtype == torch.float32 and torch.equal(head, target_embed_head(dense)[1])
 
 
 @pytest.fixture(scope="module")

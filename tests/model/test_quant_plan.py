@@ -11,8 +11,8 @@ from kernels.quant import intn
 from model.checkpoint.spec import TinySpec
 from model.checkpoint.weights import all_tensors
 from model.quantize.bits import plan, rates
-from model.quantize.select import (FORMATS, INT_FORMATS, FormatSpec, Recipe, auto_block, codec_format, cut_dims, fits,
-                                   format_and_bits, parse_format)
+from model.quantize.select import (FORMATS, INT_FORMATS, RECIPE_HELP, FormatSpec, Recipe, auto_block, codec_format,
+                                   cut_dims, fits, format_and_bits, parse_format, recipe_and_bits)
 from services.common import shared_flags
 
 L = "model.language_model.layers."
@@ -37,6 +37,28 @@ def test_recipes_take_the_int_formats_with_one_group(spec, experts, other, group
     assert r.block_for("int3") == (group or r.block) and r.block_for("fp8") == r.block
 
 
+@pytest.mark.parametrize("spec, experts, other, head", [
+    ("int3+fp8+fp8", "int3", "fp8", "fp8"), ("exl3:2.5+fp8+fp8", "exl3", "fp8", "fp8"),
+    ("int3+bf16+fp8", "int3", None, "fp8"), ("int3+fp8+bf16", "int3", "fp8", None), ("int3+fp8", "int3", "fp8", None),
+    ("fp8", "fp8", "fp8", None)])
+def test_a_third_term_gives_lm_heads_format(spec, experts, other, head):
+    r = Recipe.parse(spec, virtual=2)
+    assert (r.experts, r.other, r.head) == (experts, other, head)
+    assert r.format_for("lm_head.weight", (154880, 4096)) == head  # the release's: 605 blocks of 128 rows a shard
+    assert r.formats == tuple(dict.fromkeys(f for f in (experts, other, head) if f))
+
+
+def test_lm_head_in_fp8_fits_the_virtual_shards_or_is_refused():
+    real = dict((t.key, t.shape) for t in all_tensors(bench_spec(layers=4)))
+    head = real["lm_head.weight"]  # [154880, 4096]: 1,210 blocks of 128 rows
+    assert Recipe.parse("int3+fp8+fp8", virtual=2).format_for("lm_head.weight", head) == "fp8"
+    with pytest.raises(ValueError, match=r"not whole fp8 blocks of 128 x 128 on each of 4 virtual shards \(38720"):
+        Recipe.parse("int3+fp8+fp8").format_for("lm_head.weight", head)
+    assert Recipe.parse("int3+fp8").format_for("lm_head.weight", head) is None  # bf16 by default, as before
+    # the head takes the block the rest chose: at 4 shards it would fit 64-row blocks, and must not pull fp8 off 128
+    assert auto_block(Recipe.parse("int3+fp8+fp8"), list(real.items())) == 128
+
+
 def test_an_int_format_name_is_the_int_codec_at_its_bits():
     assert [codec_format(f) for f in INT_FORMATS] == [("int", b) for b in intn.BITS]  # select names intn's widths
     assert codec_format("fp8") == ("fp8", None) and codec_format("exl3") == ("exl3", None)
@@ -45,6 +67,8 @@ def test_an_int_format_name_is_the_int_codec_at_its_bits():
 
 def test_the_random_weights_flag_names_every_format():
     assert all(f in shared_flags.RANDOM_WEIGHTS.help for f in FORMATS)
+    assert all("EXPERTS+OTHER[+HEAD]" in text and "int3+fp8+fp8" in text
+               for text in (shared_flags.RANDOM_WEIGHTS.help, RECIPE_HELP))
 
 
 @pytest.mark.parametrize("spec, message", [("exl3:9", "from 1 to 8"), ("exl3:abc", "from 1 to 8"),
@@ -52,7 +76,9 @@ def test_the_random_weights_flag_names_every_format():
                                            ("fp8:3", "only exl3 takes a bitrate"),
                                            ("exl3:2+exl3:3", "one EXL3 bitrate per recipe"),
                                            ("int5", "fp8, w4a16, exl3, int2, int3, int4, int8, bf16"),
-                                           ("fp8+fp8+fp8", r"or EXPERTS\+OTHER"),
+                                           ("fp8+fp8+fp8+fp8", r"or EXPERTS\+OTHER\[\+HEAD\]"),
+                                           ("int3+fp8+int4", "HEAD int4: lm_head is kept bf16 or stored in fp8"),
+                                           ("fp8+fp8+exl3", "the one format with a fast product"),
                                            ("int3:g64+int4:g128", "one int group size per recipe"),
                                            ("int3:64", r"group size as :gGROUP"), ("int3:g", r"group size as :gGROUP"),
                                            ("fp8:g64", "only the int formats a group size"),
@@ -68,6 +94,9 @@ def test_bits_flag_and_format_must_agree():
         format_and_bits("exl3:3", 2.0)
     with pytest.raises(ValueError, match="EXL3's bits per weight"):
         format_and_bits("fp8", 2.0)
+    assert recipe_and_bits("exl3+fp8+fp8", 2.5) == Recipe.parse("exl3:2.5+fp8+fp8")  # --bits folded into a recipe
+    with pytest.raises(ValueError, match="EXL3's bits per weight"):
+        recipe_and_bits("int3+fp8+fp8", 2.5)
 
 
 def test_each_linear_is_cut_along_the_dims_the_model_splits():

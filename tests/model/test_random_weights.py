@@ -43,11 +43,13 @@ def test_tensors_are_the_checkpoints(ckpt, request):
 
 
 # (int3 groups are whole words, 32 at the least: a recipe's :g32 overrides the block of 8 the fp8 linears take)
-@pytest.mark.parametrize("spec, expert_fmt, attn_fmt", [("w4a16+fp8", "w4a16", "fp8"), ("fp8", "fp8", "fp8"),
-                                                        ("w4a16+bf16", "w4a16", None), ("int3:g32+fp8", "int", "fp8")])
-def test_quantized_linears_are_drawn_packed(tiny_default, spec, expert_fmt, attn_fmt):
+@pytest.mark.parametrize("spec, expert_fmt, attn_fmt, head_fmt", [
+    ("w4a16+fp8", "w4a16", "fp8", None), ("fp8", "fp8", "fp8", None), ("w4a16+bf16", "w4a16", None, None),
+    ("int3:g32+fp8", "int", "fp8", None), ("int3:g32+fp8+fp8", "int", "fp8", "fp8"),
+    ("w4a16+bf16+fp8", "w4a16", None, "fp8")])
+def test_quantized_linears_are_drawn_packed(tiny_default, spec, expert_fmt, attn_fmt, head_fmt):
     reader = _reader(tiny_default, spec)
-    for key, dim, fmt in ((EXPERT, 0, expert_fmt), (ATTN, 1, attn_fmt)):
+    for key, dim, fmt in ((EXPERT, 0, expert_fmt), (ATTN, 1, attn_fmt), ("lm_head.weight", 0, head_fmt)):
         packed = reader.split_packed(key, dim)
         if fmt is None:
             assert all(isinstance(p, torch.Tensor) for p in packed)
@@ -69,7 +71,7 @@ def test_each_rank_cuts_its_shards_from_the_same_draw(tiny_exl3):
 
 
 @pytest.mark.parametrize("ckpt, spec", [("tiny_default", "w4a16+fp8"), ("tiny_exl3", "exl3+bf16"),
-                                        ("tiny_default", "int3:g32+fp8")])
+                                        ("tiny_default", "int3:g32+fp8"), ("tiny_default", "int3:g32+fp8+fp8")])
 def test_model_runs_on_random_quantized_weights(ckpt, spec, request):
     path = request.getfixturevalue(ckpt)
     cfg = ModelConfig.from_pretrained(path)
