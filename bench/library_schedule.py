@@ -499,8 +499,10 @@ def _int_twins(experts: Callable, product: Callable, record: SwapRecord) -> tupl
         if not isinstance(t, HummingChoice):
             return product(stack, x, out, sorted_ids, expert_ids, padded, top_k, t)
         from humming.ops import launch_kernel
+
+        from kernels.gpu import arch as gpu_arch
         device = x.device.index or 0
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = gpu_arch.facts(device).sms
         launch_kernel(configs=build(stack.layer, t, device), inputs=x, weight=stack.weight, weight_scale=stack.scale,
                       outputs=out, sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=padded,
                       locks=_locks(device, stream_k_locks(t.config(), sms)), top_k=top_k)

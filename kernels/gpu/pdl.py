@@ -16,7 +16,8 @@ one it waits for had itself waited for its predecessor). Kernels of other librar
 never signal: a kernel after one of them starts as it always did. tests/kernels/test_pdl.py checks the rule in the
 source of every launched kernel.
 
-`TWINSPARK_PDL=0` turns it off (the launches are then plain ones; bench.decode_prefill times a step both ways).
+`TWINSPARK_PDL=0`, set before the process starts, turns it off (the launches are then plain ones: bench.decode_prefill
+run with and without it compares the two).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.gpu import INTERPRET
+from kernels.gpu import INTERPRET, arch as gpu_arch
 
 ENV = "TWINSPARK_PDL"
 MIN_CAPABILITY = 90  # griddepcontrol: sm_90 (Hopper) and later
@@ -44,21 +45,20 @@ def wait_for_inputs(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@lru_cache(maxsize=None)
 def enabled() -> bool:
-    """Whether launches on the current CUDA device use PDL: not under Triton's interpreter, not with
-    TWINSPARK_PDL=0, and only on sm_90+."""
+    """Whether launches use PDL: not under Triton's interpreter, not with TWINSPARK_PDL=0, and only on sm_90+.
+    Decided once, at the process's first launch (a rank drives one GPU): `options()` runs before every launch of an
+    eager round, so it reads no environment and asks no driver."""
     if INTERPRET or os.environ.get(ENV, "1") == "0" or not torch.cuda.is_available():
         return False
-    return _capability(torch.cuda.current_device()) >= MIN_CAPABILITY
+    return gpu_arch.facts(torch.cuda.current_device()).capability >= MIN_CAPABILITY
 
 
-@lru_cache(maxsize=None)
-def _capability(index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(index)
-    return major * 10 + minor
+_ON = {"PDL": True, "launch_pdl": True}
 
 
 def options() -> dict[str, bool]:
     """The keyword arguments of a kernel launch: the kernel's PDL switch and Triton's `launch_pdl` launch option
     when `enabled()`, nothing otherwise (the kernels' PDL defaults to off)."""
-    return {"PDL": True, "launch_pdl": True} if enabled() else {}
+    return _ON if enabled() else {}

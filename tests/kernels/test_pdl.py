@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,15 +70,23 @@ def test_options_are_off_in_the_interpreter() -> None:
 
 def test_options_with_a_mocked_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mocked GPU (none here): with CUDA available and not interpreting, sm_90 takes PDL, sm_80 does not, and
-    TWINSPARK_PDL=0 turns it off."""
+    TWINSPARK_PDL=0 turns it off (each decided once per process: the cache is cleared between the cases)."""
     monkeypatch.setattr(pdl, "INTERPRET", False)
     monkeypatch.setattr(pdl.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(pdl.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(pdl, "_capability", lambda index: 90)
+    monkeypatch.setattr(pdl.gpu_arch, "facts", lambda index: SimpleNamespace(capability=90))
     monkeypatch.delenv(pdl.ENV, raising=False)
-    assert pdl.options() == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setenv(pdl.ENV, "0")
-    assert pdl.options() == {}
-    monkeypatch.delenv(pdl.ENV)
-    monkeypatch.setattr(pdl, "_capability", lambda index: 80)
-    assert pdl.options() == {}
+
+    def options() -> dict[str, bool]:
+        pdl.enabled.cache_clear()
+        return pdl.options()
+
+    try:
+        assert options() == {"PDL": True, "launch_pdl": True}
+        monkeypatch.setenv(pdl.ENV, "0")
+        assert options() == {}
+        monkeypatch.delenv(pdl.ENV)
+        monkeypatch.setattr(pdl.gpu_arch, "facts", lambda index: SimpleNamespace(capability=80))
+        assert options() == {}
+    finally:
+        pdl.enabled.cache_clear()
