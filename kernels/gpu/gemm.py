@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.gpu import arch as gpu_arch, arrivals, exl3_cuda, hadamard, pdl
-from kernels.gpu.pdl import wait_for_inputs
+from kernels.gpu.pdl import prefetch_l2, wait_for_inputs
 from kernels.gpu.tile_order import grouped_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -112,24 +112,30 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per
                  sxb, sxm, sxk, swb, swn, swk, ssb, ssn, ssk, sob, som, son, wss, wsb, wsm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  SPLIT: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr,
-                 SB_K: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                 SB_K: tl.constexpr, PF_LINES: tl.constexpr = 0, PF_STEP: tl.constexpr = 1,
+                 PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     batch = tl.program_id(2)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)  # GROUP_M row tiles sweep the N tiles together
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_b = w_ptr + batch * swb
+    k_lo = split * k_per_split
+    if PF_LINES > 0:
+        # The weight is constant through a step: its first PF_LINES lines of each of this program's rows (PF_STEP
+        # elements a line) may stream into L2 while the kernel before still runs (kernels/gpu/pdl.py).
+        pf_k = tl.minimum(k_lo + tl.arange(0, PF_LINES) * PF_STEP, K - 1)
+        prefetch_l2(w_b + tl.minimum(rn, N - 1)[:, None] * swn + pf_k[None, :] * swk)
+    wait_for_inputs(PDL)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     x_base = x_ptr + batch * sxb + rm[:, None] * sxm
-    w_b = w_ptr + batch * swb
     s_b = s_ptr + batch * ssb
     act = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = split * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         kk = k0 + rk
         a = tl.load(x_base + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
@@ -158,8 +164,27 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per
             tl.atomic_xchg(tile, 0)
 
 
-def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> None:
-    """x [B, M, K], w [B, N, K] (a stack of dense or quantized weights), out [B, M, N] (any strides)."""
+# Formats whose rows are plain elements along K: a line of a row is `pdl.LINE_BYTES / element size` elements.
+_ROW_FORMATS = (Fmt.DENSE, Fmt.FP8_BLOCK, Fmt.FP8_CHANNEL)
+
+
+def prefetch_lines(w: WeightArgs, tile: Tile, per_split: int, programs: int) -> tuple[int, int]:
+    """(lines of each weight row a program prefetches before its wait, elements a line) for a decode-class launch:
+    the launch's prefetch budget (pdl.prefetch_bytes) spread over its programs' rows, at most the program's own K
+    span, a power of two (a Triton range); (0, 1) without PDL, for other formats or K-strided weights. Prefetching
+    returns nothing to a program, so this never changes a bit of the product, only when its bytes arrive."""
+    budget = pdl.prefetch_bytes()
+    if not budget or w.fmt not in _ROW_FORMATS or w.data.stride(2) != 1:
+        return 0, 1
+    step = pdl.LINE_BYTES // w.data.element_size()
+    lines = min(triton.cdiv(per_split, step), budget // (programs * tile.block_n * pdl.LINE_BYTES))
+    return (1 << (lines.bit_length() - 1), step) if lines else (0, 1)
+
+
+def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile, prefetch: bool = False) -> None:
+    """x [B, M, K], w [B, N, K] (a stack of dense or quantized weights), out [B, M, N] (any strides); `prefetch`:
+    warm L2 with the first lines of each program's weight slice before waiting for the kernel before (decode-class
+    launches, whose weight is streamed once)."""
     b, m, k = x.shape
     n = w.n
     if m == 0:
@@ -168,6 +193,7 @@ def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> No
         raise ValueError(f"a {tile.block_k}-wide K step straddles the weight's {w.max_block_k()}-wide scale groups")
     per_split = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), tile.split_k, b)
+    pf_lines, pf_step = prefetch_lines(w, tile, per_split, grid[0] * grid[1] * grid[2]) if prefetch else (0, 1)
     if tile.split_k == 1:
         ws = counts = out  # unused
         ws_strides = (0, 0, 0)
@@ -183,7 +209,8 @@ def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile) -> No
                        out.stride(0), out.stride(1), out.stride(2), *ws_strides,
                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                        SPLIT=tile.split_k, IEEE=x.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n,
-                       SB_K=w.block_k, num_warps=tile.warps, num_stages=tile.stages, **pdl.options())
+                       SB_K=w.block_k, PF_LINES=pf_lines, PF_STEP=pf_step, num_warps=tile.warps,
+                       num_stages=tile.stages, **pdl.options())
 
 
 def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dtype: torch.dtype | None = None,
@@ -221,7 +248,7 @@ def _by_class(x: torch.Tensor, w: WeightArgs, decode_rows: int, out_dtype: torch
         if exl3_cuda.covers(x, w, tile.block_m):
             out[:, :split] = exl3_cuda.dense(x[:, :split].contiguous(), w)
         else:
-            _launch(x[:, :split], w, out[:, :split], tile)
+            _launch(x[:, :split], w, out[:, :split], tile, prefetch=True)
     if split < m:
         _launch(x[:, split:], w, out[:, split:], schedule(n, k, RowClass.PREFILL, arch))
     return out

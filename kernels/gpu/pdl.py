@@ -18,6 +18,12 @@ source of every launched kernel.
 
 `TWINSPARK_PDL=0`, set before the process starts, turns it off (the launches are then plain ones: bench.decode_prefill
 run with and without it compares the two).
+
+What a kernel may do before its wait: index arithmetic, and `prefetch_l2` of data no kernel of the step writes (its
+weights). A prefetch is a hint to the memory system and returns nothing to the program, so no value can depend on
+it; it lets a product's first weight lines stream into L2 while the kernel before it (often a few microseconds of
+small, latency-bound work) still runs. `TWINSPARK_PREFETCH_MIB` bounds the bytes one launch prefetches (default
+`PREFETCH_MIB`; 0 = none); nothing is prefetched without PDL, where no program runs before the previous kernel ends.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ from kernels.gpu import INTERPRET, arch as gpu_arch
 
 ENV = "TWINSPARK_PDL"
 MIN_CAPABILITY = 90  # griddepcontrol: sm_90 (Hopper) and later
+PREFETCH_ENV = "TWINSPARK_PREFETCH_MIB"
+# A third of an H100's / H200's 50 MB L2: what HBM delivers in ~5 us, about the small kernel a product follows,
+# and little enough that the lines are read before the product's own stream evicts them (docs/gpu-engine.md).
+PREFETCH_MIB = 16
+LINE_BYTES = 128  # the L2 line a prefetch fills
 
 
 @triton.jit
@@ -53,6 +64,24 @@ def enabled() -> bool:
     if INTERPRET or os.environ.get(ENV, "1") == "0" or not torch.cuda.is_available():
         return False
     return gpu_arch.facts(torch.cuda.current_device()).capability >= MIN_CAPABILITY
+
+
+@lru_cache(maxsize=None)
+def _prefetch_budget() -> int:
+    return int(float(os.environ.get(PREFETCH_ENV, PREFETCH_MIB)) * 2**20)
+
+
+def prefetch_bytes() -> int:
+    """Bytes one launch may prefetch into L2 before its wait: 0 without PDL or with TWINSPARK_PREFETCH_MIB=0 (read
+    once per process, as `enabled`)."""
+    return _prefetch_budget() if enabled() else 0
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines holding `ptrs` (any shape of pointers; every address inside its tensor). Inline PTX
+    because Triton's language has no prefetch; `is_pure=False` keeps the unused result from being dropped."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 _ON = {"PDL": True, "launch_pdl": True}

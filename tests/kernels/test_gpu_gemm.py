@@ -201,3 +201,31 @@ def test_quantized_weights_equal_their_dequantized_twin(rows: int) -> None:
     int3, deq3 = _int3(w)
     _same(gemm.matmul(x, int3, rows, torch.float32), gemm.matmul(x, deq3, rows, torch.float32))
 
+
+
+def test_prefetch_lines_spread_the_launch_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mocked budget (Triton's interpreter has no programmatic launch, so nothing is prefetched in this suite;
+    tests/gpu/test_gemm_prefetch.py runs the prefetching builds): a decode launch's programs share the budget, each
+    prefetching a power of two of lines of its rows, never past its own K span; formats whose rows are not plain
+    elements, K-strided weights and a zero budget prefetch nothing."""
+    from kernels.gpu import wtiles
+    budget = 16 << 20
+    monkeypatch.setattr(gemm.pdl, "prefetch_bytes", lambda: budget)
+    n, k = 24576, 4096
+    tile = gemm.schedule(n, k, gemm.RowClass.DECODE)
+    programs = (n // tile.block_n) * tile.split_k
+    per_split = k // tile.split_k
+    w8 = wtiles.WeightArgs(wtiles.Fmt.FP8_BLOCK, torch.empty(1, n, k, dtype=torch.float8_e4m3fn), torch.empty(1),
+                           128, 128)
+    lines, step = gemm.prefetch_lines(w8, tile, per_split, programs)
+    assert step == 128 and lines > 0 and lines & (lines - 1) == 0
+    assert lines * programs * tile.block_n * 128 <= budget < 2 * lines * programs * tile.block_n * 128
+    bf16 = gemm.dense(torch.empty(n, k, dtype=torch.bfloat16))
+    assert gemm.prefetch_lines(bf16, tile, per_split, programs) == (lines, 64)  # the same bytes: half the K
+    monkeypatch.setattr(gemm.pdl, "prefetch_bytes", lambda: 1 << 40)  # more than the weight: its own K span
+    assert gemm.prefetch_lines(bf16, tile, per_split, programs) == (per_split // 64, 64)
+    assert gemm.prefetch_lines(gemm.dense(torch.empty(k, n, dtype=torch.bfloat16).T), tile, per_split, programs)[0] == 0
+    int4 = wtiles.WeightArgs(wtiles.Fmt.INT4, torch.empty(1, n, k // 8, dtype=torch.int32), torch.empty(1), 1, 128)
+    assert gemm.prefetch_lines(int4, tile, per_split, programs)[0] == 0
+    monkeypatch.setattr(gemm.pdl, "prefetch_bytes", lambda: 0)
+    assert gemm.prefetch_lines(w8, tile, per_split, programs) == (0, 1)

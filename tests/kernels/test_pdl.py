@@ -41,6 +41,10 @@ def _launched_kernels() -> list[tuple[str, ast.FunctionDef, list[ast.Call]]]:
 
 
 LAUNCHED = _launched_kernels()
+# What a kernel may call before its wait: index arithmetic and L2 prefetches of its weights (kernels/gpu/pdl.py),
+# nothing that reads or writes memory. bench.kernel_census checks the same of every build's PTX.
+BEFORE_THE_WAIT = {"tl.program_id", "tl.num_programs", "tl.cdiv", "tl.arange", "tl.minimum", "grouped_tile",
+                   "prefetch_l2"}
 
 
 def test_the_census_finds_the_kernels() -> None:
@@ -57,15 +61,28 @@ def test_every_launched_kernel_waits_first_and_every_launch_passes_the_options(n
     assert last.arg == "PDL" and ast.unparse(last.annotation) == "tl.constexpr", f"{name}: PDL is not its last arg"
     assert ast.unparse(fn.args.defaults[-1]) == "False", f"{name}: PDL must default to off"
     body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
-    assert ast.unparse(body[0]) == "wait_for_inputs(PDL)", f"{name}: its first statement must wait for its inputs"
+    waits = [i for i, stmt in enumerate(body) if ast.unparse(stmt) == "wait_for_inputs(PDL)"]
+    assert waits, f"{name}: it must wait for its inputs at its top level"
+    before = {ast.unparse(c.func) for stmt in body[:waits[0]] for c in ast.walk(stmt) if isinstance(c, ast.Call)}
+    assert before <= BEFORE_THE_WAIT, f"{name}: {sorted(before - BEFORE_THE_WAIT)} before waiting for its inputs"
     for call in calls:
         assert any(k.arg is None and ast.unparse(k.value) == "pdl.options()" for k in call.keywords), (
             f"{name}: a launch at line {call.lineno} does not pass **pdl.options()")
 
 
 def test_options_are_off_in_the_interpreter() -> None:
-    # The CPU suite runs the kernels under TRITON_INTERPRET=1 (tests/conftest.py): no PDL there.
+    # The CPU suite runs the kernels under TRITON_INTERPRET=1 (tests/conftest.py): no PDL there, so no prefetch.
     assert pdl.options() == {}
+    assert pdl.prefetch_bytes() == 0
+
+
+def test_prefetch_helper_only_prefetches() -> None:
+    """`prefetch_l2`, the one call before a wait that touches memory, issues PTX prefetches and nothing else."""
+    src = (GPU_DIR / "pdl.py").read_text()
+    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "prefetch_l2")
+    calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
+    assert [ast.unparse(c.func) for c in calls] == ["tl.inline_asm_elementwise"]
+    assert ast.literal_eval(calls[0].args[0]).strip() == "prefetch.global.L2 [$1];"
 
 
 def test_options_with_a_mocked_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
