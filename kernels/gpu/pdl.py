@@ -41,9 +41,9 @@ from kernels.gpu import INTERPRET, arch as gpu_arch
 ENV = "TWINSPARK_PDL"
 MIN_CAPABILITY = 90  # griddepcontrol: sm_90 (Hopper) and later
 PREFETCH_ENV = "TWINSPARK_PREFETCH_MIB"
-# A third of an H100's / H200's 50 MB L2: what HBM delivers in ~5 us, about the small kernel a product follows,
-# and little enough that the lines are read before the product's own stream evicts them (docs/gpu-engine.md).
-PREFETCH_MIB = 16
+# The best of 0 / 16 / 64 / 256 MiB on the 4-layer slice (docs/benchmarks.md, "Prefetch before the wait"). More than
+# the 50 MB L2 is fine: each program prefetches only the first lines of its own slice, which it reads first.
+PREFETCH_MIB = 64
 LINE_BYTES = 128  # the L2 line a prefetch fills
 
 
