@@ -351,9 +351,17 @@ def bench_decode(res: Results, model, spec, device: torch.device, dtype: torch.d
             log(f"decode batch {b}: median {med:.2f} ms ({b / (med / 1e3):.1f} tok/s), ideal {ideal_ms:.3f} ms -> "
                 f"{ideal_ms / med:.2%} of roofline; experts hit {experts_hit}")
             if args.profile and device.type == "cuda":
-                res.data.setdefault("profile", {})[f"decode {b}"] = profile_kernels(
+                profiles = res.data.setdefault("profile", {})
+                profiles[f"decode {b}"] = profile_kernels(
                     lambda: model.forward(make(0), cache), sequence=res.sibling(f"profile-decode{b}.tsv"))
                 advance(1)
+                if graphs is not None:
+                    # The same step replayed from its CUDA graph, as timed: kernels back to back, each placed
+                    # while the one before drains (programmatic launch), so a kernel's own cost is its end minus
+                    # the previous kernel's end, not its duration (which includes its wait).
+                    profiles[f"decode {b} graph"] = profile_kernels(
+                        lambda: step(make(0)), sequence=res.sibling(f"profile-decode{b}-graph.tsv"))
+                    advance(1)
             if res.record is not None:
                 row["library"] = library_pass(
                     res.record, f"decode batch {b}", med, device, args,
@@ -530,9 +538,11 @@ def profile_kernels(fn, top: int = 25, sequence: Path | None = None) -> dict:
     rows = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
     total_ms = sum(e.device_time_total for e in kernels) / 1e3
     launches = len(kernels)
-    out = {"kernels": launches, "gpu_ms": total_ms,
+    span_ms = (max(e.time_range.end for e in kernels) - kernels[0].time_range.start) / 1e3 if kernels else 0.0
+    out = {"kernels": launches, "gpu_ms": total_ms, "span_ms": span_ms,
            "top": [{"kernel": e.key[:120], "calls": e.count, "gpu_ms": e.device_time_total / 1e3} for e in rows[:top]]}
-    log(f"  profile: {launches} kernel launches, {total_ms:.3f} ms of GPU time")
+    log(f"  profile: {launches} kernel launches, {total_ms:.3f} ms of GPU time, {span_ms:.3f} ms first start to "
+        "last end")
     for r in out["top"]:
         log(f"  profile: {r['gpu_ms']:9.3f} ms  x{r['calls']:<4d} {r['kernel']}")
     if sequence is not None:
