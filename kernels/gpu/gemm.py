@@ -168,16 +168,17 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per
 _ROW_FORMATS = (Fmt.DENSE, Fmt.FP8_BLOCK, Fmt.FP8_CHANNEL)
 
 
-def prefetch_lines(w: WeightArgs, tile: Tile, per_split: int, programs: int) -> tuple[int, int]:
+def prefetch_lines(w: WeightArgs, tile: Tile, per_split: int, slices: int) -> tuple[int, int]:
     """(lines of each weight row a program prefetches before its wait, elements a line) for a decode-class launch:
-    the launch's prefetch budget (pdl.prefetch_bytes) spread over its programs' rows, at most the program's own K
-    span, a power of two (a Triton range); (0, 1) without PDL, for other formats or K-strided weights. Prefetching
-    returns nothing to a program, so this never changes a bit of the product, only when its bytes arrive."""
+    the launch's prefetch budget (pdl.prefetch_bytes) spread over the `slices` (block_n rows x one split's K) its
+    programs read, at most a slice's K span, a power of two (a Triton range); (0, 1) without PDL, for other formats
+    or K-strided weights. Prefetching returns nothing to a program, so this never changes a bit of the product,
+    only when its bytes arrive."""
     budget = pdl.prefetch_bytes()
     if not budget or w.fmt not in _ROW_FORMATS or w.data.stride(2) != 1:
         return 0, 1
     step = pdl.LINE_BYTES // w.data.element_size()
-    lines = min(triton.cdiv(per_split, step), budget // (programs * tile.block_n * pdl.LINE_BYTES))
+    lines = min(triton.cdiv(per_split, step), budget // (slices * tile.block_n * pdl.LINE_BYTES))
     return (1 << (lines.bit_length() - 1), step) if lines else (0, 1)
 
 
@@ -193,7 +194,10 @@ def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile, prefe
         raise ValueError(f"a {tile.block_k}-wide K step straddles the weight's {w.max_block_k()}-wide scale groups")
     per_split = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), tile.split_k, b)
-    pf_lines, pf_step = prefetch_lines(w, tile, per_split, grid[0] * grid[1] * grid[2]) if prefetch else (0, 1)
+    # Budget over the weight's distinct slices (N tiles x splits x batch): programs of other row tiles prefetch the
+    # same lines, and the build stays one whatever the rows (a row count never compiles another kernel).
+    slices = triton.cdiv(n, tile.block_n) * tile.split_k * b
+    pf_lines, pf_step = prefetch_lines(w, tile, per_split, slices) if prefetch else (0, 1)
     if tile.split_k == 1:
         ws = counts = out  # unused
         ws_strides = (0, 0, 0)

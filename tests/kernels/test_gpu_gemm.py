@@ -205,9 +205,10 @@ def test_quantized_weights_equal_their_dequantized_twin(rows: int) -> None:
 
 def test_prefetch_lines_spread_the_launch_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mocked budget (Triton's interpreter has no programmatic launch, so nothing is prefetched in this suite;
-    tests/gpu/test_gemm_prefetch.py runs the prefetching builds): a decode launch's programs share the budget, each
-    prefetching a power of two of lines of its rows, never past its own K span; formats whose rows are not plain
-    elements, K-strided weights and a zero budget prefetch nothing."""
+    tests/gpu/test_gemm_prefetch.py runs the prefetching builds): the weight slices of a decode launch share the
+    budget, each prefetching a power of two of lines of its rows, never past its own K span, whatever the rows (one
+    build for every row count); formats whose rows are not plain elements, K-strided weights and a zero budget
+    prefetch nothing."""
     from kernels.gpu import wtiles
     budget = 16 << 20
     monkeypatch.setattr(gemm.pdl, "prefetch_bytes", lambda: budget)
