@@ -54,7 +54,7 @@ class Moe:
         packed = not isinstance(routed[0][0][0], torch.Tensor)
         shards = len(shared[0])
         # The shared expert runs as a dense MLP beside the routed ones when it is not stored like them (packed
-        # experts only); its partial is added after the routed sum.
+        # experts only); its partial is added after the routed sum, in the experts' combine launch.
         self.shared_apart: DenseMlp | None = None
         if not packed:
             gate, up, down = _dense_stacks(routed, shared, shards)
@@ -72,10 +72,8 @@ class Moe:
 
     def forward(self, x: torch.Tensor, fwd: "Forward") -> torch.Tensor:
         """x [T, D] -> every local shard's partial [S, T, D] fp32."""
-        out = fwd.moe(self.params, x)
-        if self.shared_apart is not None:
-            out = out + self.shared_apart.forward(x, fwd)
-        return out
+        shared = self.shared_apart.forward(x, fwd) if self.shared_apart is not None else None
+        return fwd.moe(self.params, x, add=shared)
 
 
 # Experts are stored for one launch over every local virtual shard (kernels/gpu/moe.experts): gate / up [E+1, I_local,

@@ -111,7 +111,8 @@ class Forward(Protocol):
 
     # ----- MoE -----
 
-    def moe(self, m: MoeParams, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, m: MoeParams, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] -> every local shard's partial [S, T, D] fp32 of the routed experts, with the shared expert
-        when it is in their stack (m.shared_in_stack)."""
+        when it is in their stack (m.shared_in_stack); plus `add` ([S, T, D] fp32: the shared expert's partial when
+        it runs apart) after their sum."""
         ...

@@ -272,9 +272,10 @@ class FusedForward:
 
     # ----- MoE -----
 
-    def moe(self, m: MoeParams, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, m: MoeParams, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """Every local shard's partial [S, T, D] fp32: routing and the grouped experts (the shared expert as one more
-        expert when it is stored like them: m.shared_in_stack; else the block adds it after the routed sum)."""
+        expert when it is stored like them: m.shared_in_stack; else the block computes it first and hands it in as
+        `add`, which the experts' combine adds after the routed sum)."""
         d = self.rows.decode_rows
         if m.n_group > 1:  # grouped routing has no fused kernel (GLM-5.3-Flash routes with one group)
             raise NotImplementedError("the fused MoE routes with n_group == 1 only")
@@ -284,7 +285,7 @@ class FusedForward:
                                scaling=m.routed_scaling_factor, n_real=self.rows.n_real, shared=m.shared_in_stack,
                                grouping=grouping)
         return gpu_moe.experts(x, ids, w, m.gate, m.up, m.down, m.swiglu_limit, d, shards=m.shards,
-                               grouping=grouping)
+                               grouping=grouping, add=add)
 
 
 def project(x: torch.Tensor, p: Projection, decode_rows: int, out_dtype: torch.dtype | None) -> torch.Tensor:

@@ -235,8 +235,9 @@ class ReferenceForward:
 
     # ----- MoE -----
 
-    def moe(self, m: MoeParams, x: torch.Tensor) -> torch.Tensor:
-        """Routed experts (summed in expert-index order) + the shared expert, per local shard -> [S, T, D] fp32."""
+    def moe(self, m: MoeParams, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts (summed in expert-index order) + the shared expert, per local shard -> [S, T, D] fp32;
+        plus `add` after the sum."""
         e = m.n_routed_experts
         if m.packed:
             raise RuntimeError("packed (quantized) experts run through the fused kernels only")
@@ -251,7 +252,7 @@ class ReferenceForward:
             # the shared expert: dense experts always hold it last in each shard's stack (m.shared_in_stack)
             shared = linear(moe.swiglu(linear(x, g[e]), linear(x, u[e]), m.swiglu_limit), d[e]).float()
             out.append(routed + shared)
-        return torch.stack(out)
+        return torch.stack(out) if add is None else torch.stack(out) + add
 
 
 def _per_linear(x: torch.Tensor, w: torch.Tensor, outputs: list[int]) -> torch.Tensor:

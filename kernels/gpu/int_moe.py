@@ -256,12 +256,12 @@ def tables(groups: Groups, n_pairs: int, experts: int, shards: int) -> Tables:
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ie: IntExperts, limit: float,
-            rows: RowClass, out: torch.Tensor, row0: int, pinned: Tile | None = None, tab: Tables | None = None
-            ) -> None:
+            rows: RowClass, out: torch.Tensor, row0: int, pinned: Tile | None = None, tab: Tables | None = None,
+            add: torch.Tensor | None = None) -> None:
     """One row class's rows x [T, D] (ids, weights [T, P] from moe.route) -> out[:, row0 : row0 + T] (every local
     shard's fp32 partial). pinned: another tile than the class's (bench.kernels' sweeps only). tab: these ids'
     tables for the class's tile, when the routing launch built them (moe.route's `grouping`); ignored with
-    `pinned`, whose tile may group otherwise."""
+    `pinned`, whose tile may group otherwise. add: what the combine adds after the experts' sum (moe.experts)."""
     from kernels.gpu.moe import combine
 
     t = pinned or tile(rows, gpu_arch.row(x.device))
@@ -280,4 +280,4 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ie: IntEx
     h = swiglu(per_shard(gu[:, :i_local]), per_shard(gu[:, i_local:]), limit)
     y = torch.empty(ie.shards * n_pairs, ie.down.n, dtype=x.dtype, device=x.device)
     _product(ie.down, h.view(ie.shards * n_pairs, width), y, tab.down_rows, tab.down_experts, tab.padded[1:], 1, t)
-    combine(y, ids, out, n_exp, row0, weights=weights)
+    combine(y, ids, out, n_exp, row0, weights=weights, add=add)

@@ -562,12 +562,14 @@ def _down_kernel(h_ptr, down_ptr, down_s_ptr, y_ptr, pair_ptr, expert_ptr, rw_pt
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["T", "out_rows", "row0"])
-def _combine_kernel(y_ptr, ids_ptr, rw_ptr, out_ptr, num_experts, D, T, out_rows, row0, PAIRS_PER_ROW: tl.constexpr,
-                    BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, ROUNDED_MUL: tl.constexpr, PDL: tl.constexpr = False):
+def _combine_kernel(y_ptr, ids_ptr, rw_ptr, add_ptr, out_ptr, num_experts, D, T, out_rows, row0,
+                    PAIRS_PER_ROW: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
+                    ROUNDED_MUL: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False):
     """out[shard, row0 + row] = sum of the row's pair outputs in pair order (routed ascending, shared last); 0 for
     padding. (out has out_rows rows per shard: this call's T rows are one row class's run of them.) WEIGHTED: the
     pair outputs (any dtype) are not yet weighted: each is times its routing weight in fp32, rounded before the add
-    (ROUNDED_MUL; an fma would round once fewer, other bits than the torch twin's product-then-sum)."""
+    (ROUNDED_MUL; an fma would round once fewer, other bits than the torch twin's product-then-sum). ADD: plus
+    add[shard, row0 + row] (laid out as out) after the sum, one fp32 add: the bits of adding it afterwards."""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     shard = tl.program_id(2).to(tl.int64)
@@ -583,32 +585,48 @@ def _combine_kernel(y_ptr, ids_ptr, rw_ptr, out_ptr, num_experts, D, T, out_rows
             w = tl.load(rw_ptr + row * PAIRS_PER_ROW + j, mask=expert < num_experts, other=0.0)
             part = libdevice.mul_rn(part, w) if ROUNDED_MUL else part * w
         acc += part
-    tl.store(out_ptr + (shard * out_rows + row0 + row) * D + cols, acc, mask=mask)
+    at = (shard * out_rows + row0 + row) * D + cols
+    if ADD:
+        acc += tl.load(add_ptr + at, mask=mask, other=0.0)
+    tl.store(out_ptr + at, acc, mask=mask)
 
 
 def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int, row0: int,
-            weights: torch.Tensor | None = None) -> None:
+            weights: torch.Tensor | None = None, add: torch.Tensor | None = None) -> None:
     """out[s, row0 + row] (fp32) = the row's pair outputs y[s, row * P + j] added in pair order; y [shards x T x P,
-    D] (or [shards, T x P, D]), times `weights` [T, P] first when given (else y is already weighted)."""
+    D] (or [shards, T x P, D]), times `weights` [T, P] first when given (else y is already weighted); then plus
+    add[s, row0 + row] when given (`_addend`)."""
     t, pairs_per_row = ids.shape
     d = out.shape[-1]
     shards = y.numel() // (t * pairs_per_row * d) if t else 0
     block = 1024
     if t:
         _combine_kernel[(t, triton.cdiv(d, block), shards)](
-            y, ids, y if weights is None else weights, out, num_experts, d, t, out.shape[1], row0,
+            y, ids, y if weights is None else weights, _addend(add, out), out, num_experts, d, t, out.shape[1], row0,
             PAIRS_PER_ROW=pairs_per_row, BLOCK=block, WEIGHTED=weights is not None,
-            ROUNDED_MUL=not hadamard.INTERPRETED, **pdl.options())
+            ROUNDED_MUL=not hadamard.INTERPRETED, ADD=add is not None, **pdl.options())
+
+
+def _addend(add: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """What a combine adds after the experts' sum (the shared expert's partial when it runs apart, model/ffn.py),
+    laid out as `out`; `out` itself as the unread pointer when there is none."""
+    if add is None:
+        return out
+    if add.shape != out.shape or add.dtype != out.dtype or not add.is_contiguous():
+        raise ValueError(f"the addend must be laid out as the output: {list(add.shape)} {add.dtype}, "
+                         f"{list(out.shape)} {out.dtype} contiguous")
+    return add
 
 
 # Counts that change from round to round are not specialised on: one build whatever they are (docs/gpu-engine.md).
 @triton.jit(do_not_specialize=["n_pairs", "out_rows", "row0"])
-def _combine_rotated_kernel(acc_ptr, svh_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, ids_ptr, out_ptr, num_experts,
-                            D, n_pairs, out_rows, row0, scale, PAIRS_PER_ROW: tl.constexpr,
-                            ROUNDED_MUL: tl.constexpr, PDL: tl.constexpr = False):
+def _combine_rotated_kernel(acc_ptr, svh_ptr, vec_ptr, weight_ptr, row_of_pair_ptr, ids_ptr, add_ptr, out_ptr,
+                            num_experts, D, n_pairs, out_rows, row0, scale, PAIRS_PER_ROW: tl.constexpr,
+                            ROUNDED_MUL: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False):
     """`_combine_kernel` over EXL3 down products still in their rotated basis: each pair's output is rotated out
     here (`hadamard.rotate_out`'s arithmetic: had(acc) * svh * scale, times the routing weight) as it is added, in
-    the same pair order, so the rotated rows are never stored. One 128-column block of one row per program."""
+    the same pair order, so the rotated rows are never stored; ADD as there. One 128-column block of one row per
+    program."""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -626,8 +644,10 @@ def _combine_rotated_kernel(acc_ptr, svh_ptr, vec_ptr, weight_ptr, row_of_pair_p
         # The weighted output rounded on its own before the add (an fma would round once fewer: other bits than
         # adding stored pair outputs, as `_combine_kernel` does)
         total += libdevice.mul_rn(y, w) if ROUNDED_MUL else y * w
-    out = out_ptr + (shard.to(tl.int64) * out_rows + row0 + row) * D + cols[None, :]
-    tl.store(out, total)
+    at = (shard.to(tl.int64) * out_rows + row0 + row) * D + cols[None, :]
+    if ADD:
+        total += tl.load(add_ptr + at)
+    tl.store(out_ptr + at, total)
 
 
 @triton.jit
@@ -693,7 +713,7 @@ def _gate_up_exl3(x: torch.Tensor, gate: WeightArgs, up: WeightArgs, tables: Slo
 
 def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs, up: WeightArgs,
                   down: WeightArgs, limit: float, tile: MoeTile, shards: int, out: torch.Tensor, row0: int,
-                  built: Grouping | None = None) -> None:
+                  built: Grouping | None = None, add: torch.Tensor | None = None) -> None:
     """EXL3 expert stacks, every local shard in one launch per step: per (shard, slot) row, rotate in (its token's
     row, its shard's expert's suh), grouped GEMM over the trellis tiles, rotate out (that expert's svh); gate and up
     then SwiGLU, down then the routing weight, by pair; into out[:, row0 : row0 + T].
@@ -719,15 +739,17 @@ def _experts_exl3(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     # One warp a 128-column block: the Hadamard butterflies' exchanges stay in the warp (bench.ptx_stats, sm_90: 53
     # bar.sync with the default 4 warps, none with 1). The arithmetic is elementwise, so the bits are the same.
     _combine_rotated_kernel[(t, d // hadamard.HAD, shards)](
-        acc, down.svh, tables.vec, tables.weight, tables.row_of_pair, ids, out, n_exp, d, ids.numel(), out.shape[1],
-        row0, hadamard.OUT_SCALE, PAIRS_PER_ROW=ids.shape[1], ROUNDED_MUL=not hadamard.INTERPRETED,
-        num_warps=1, **pdl.options())
+        acc, down.svh, tables.vec, tables.weight, tables.row_of_pair, ids, _addend(add, out), out, n_exp, d,
+        ids.numel(), out.shape[1], row0, hadamard.OUT_SCALE, PAIRS_PER_ROW=ids.shape[1],
+        ROUNDED_MUL=not hadamard.INTERPRETED, ADD=add is not None, num_warps=1, **pdl.options())
 
 
 def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: WeightArgs,
                        up: WeightArgs, down: WeightArgs, limit: float, tile: MoeTile, shards: int,
-                       out: torch.Tensor, row0: int, built: Grouping | None = None) -> None:
-    """One row class's rows (out[:, row0 : row0 + T]); `built`: their grouping from the routing's launch."""
+                       out: torch.Tensor, row0: int, built: Grouping | None = None,
+                       add: torch.Tensor | None = None) -> None:
+    """One row class's rows (out[:, row0 : row0 + T]); `built`: their grouping from the routing's launch; `add`:
+    what `combine` adds after the experts' sum."""
     t, d = x.shape
     n_exp, i_dim = gate.data.shape[0], gate.n
     pairs_per_row = ids.shape[1]
@@ -751,7 +773,7 @@ def _experts_one_class(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         n_pairs, *down.strides(), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, FMT=int(down.fmt), SB_N=down.block_n, SB_K=down.block_k, num_warps=tile.warps,
         num_stages=tile.stages, **pdl.options())
-    combine(y, ids, out, n_exp, row0)
+    combine(y, ids, out, n_exp, row0, add=add)
 
 
 def _tile(rows: RowClass, x: torch.Tensor, gate: WeightArgs) -> MoeTile:
@@ -769,7 +791,8 @@ def _tile(rows: RowClass, x: torch.Tensor, gate: WeightArgs) -> MoeTile:
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | WeightArgs | IntExperts,
             up: torch.Tensor | WeightArgs | None, down: torch.Tensor | WeightArgs | None, limit: float,
-            decode_rows: int, shards: int = 1, grouping: Grouping | None = None) -> torch.Tensor:
+            decode_rows: int, shards: int = 1, grouping: Grouping | None = None, add: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """Grouped experts: x [T, D]; ids, weights [T, P] from `route` (P = k + 1 pairs per row, or k); gate, up
     [E+1, I, D]; down [shards * (E+1), D, I / shards] (the shared expert last in each shard's block; dense, or
     quantized stacks as WeightArgs) -> [shards, T, D] fp32: each virtual shard's partial of the routed + shared
@@ -780,7 +803,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
     by how many shards share the launch. Rows [0, decode_rows) are decode-class and the rest prompt rows; each class
     is grouped and run with its own fixed schedule. Integer experts prepared for humming-kernels come as one
     `IntExperts` in `gate` (up and down None; kernels/gpu/int_moe.py). grouping: what `route` was given, and built
-    when the step was decode-sized (then the decode rows are not grouped again)."""
+    when the step was decode-sized (then the decode rows are not grouped again). add: [shards, T, D] fp32 added to
+    each row after its experts' sum, in the combine's launch (the shared expert's partial when it runs apart: the
+    bits of adding it afterwards, one launch fewer)."""
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     t = x.shape[0]
     split = min(max(decode_rows, 0), t)
@@ -792,7 +817,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
         for rows, part in classes:
             fits = built is not None and built.block_m == int_moe.tile(rows, gpu_arch.row(x.device)).block_m
             int_moe.experts(x[part], ids[part], weights[part], gate, limit, rows, out, part.start,
-                            tab=built.int_tables if fits else None)
+                            tab=built.int_tables if fits else None, add=add)
         return out
     gate, up, down = (w if isinstance(w, WeightArgs) else dense(w) for w in (gate, up, down))
     if (gate.fmt is Fmt.EXL3) != (down.fmt is Fmt.EXL3) or (gate.fmt is Fmt.EXL3) != (up.fmt is Fmt.EXL3):
@@ -807,5 +832,5 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: tor
     for rows, part in classes:
         tile = _tile(rows, x, gate)
         one_class(x[part], ids[part], weights[part], gate, up, down, limit, tile, shards, out, part.start,
-                  built if built is not None and built.block_m == tile.block_m else None)
+                  built if built is not None and built.block_m == tile.block_m else None, add)
     return out

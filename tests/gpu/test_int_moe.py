@@ -5,7 +5,7 @@
   bf16 where the kernels round, SwiGLU, routing weights, the sum in pair order) on 32 + 1 experts;
 - a row alone = the same row among 2 .. 2,048 rows, bit for bit, for both row classes, on all 288 + 1 experts;
 - the two row classes' tiles give the same bits (the pinned configs differ only in their block rows / columns);
-- a CUDA graph's replay = the eager call;
+- a CUDA graph's replay = the eager call; an addend in the combine = added afterwards;
 - a decode step's one routing launch that also groups and builds humming's tables (kernels/gpu/moe.py `route`
   with a `grouping`) = routing, grouping and tables apart, bit for bit; a row alone through it = among 2 .. 2,048
   rows; its graph replay = eager;
@@ -133,6 +133,18 @@ def test_moe_matches_twin(small: dict) -> None:
         norm, mx = (d.norm() / want.double().norm()).item(), (d.abs().max() / want.double().abs().max()).item()
         print(f"\nint3 MoE {name}: vs twin normwise {norm:.2e}, max {mx:.2e}")
         assert norm <= 1e-2 and mx <= 3e-2
+
+
+def test_the_combine_adds_an_addend_after_the_sum(small: dict) -> None:
+    """`add` (the shared expert's partial when it runs apart, model/ffn.py) in the combine's launch: the bits of
+    adding it to the experts' output afterwards, in both row classes."""
+    from kernels.gpu import moe
+    x = _rows(40, seed=6)
+    add = torch.randn(SHARDS, 40, D, device=DEV)
+    for rows in CLASSES.values():
+        ids, rw = _route(x, small, rows)
+        args = (x, ids, rw, small["ie"], None, None, LIMIT, rows)
+        assert torch.equal(moe.experts(*args, add=add), moe.experts(*args) + add)
 
 
 @pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())

@@ -100,8 +100,8 @@ def test_the_rotated_combine_equals_rotating_out_then_combining() -> None:
     svh = randn(shards * experts, d, dtype=torch.float16, seed=22)
     out = torch.full((shards, 4, d), -1.0, device=DEVICE)
     moe._combine_rotated_kernel[(3, d // 128, shards)](
-        acc, svh, tables.vec, tables.weight, tables.row_of_pair, ids, out, experts, d, ids.numel(), 4, 1,
-        hadamard.OUT_SCALE, PAIRS_PER_ROW=per_row, ROUNDED_MUL=not hadamard.INTERPRETED)
+        acc, svh, tables.vec, tables.weight, tables.row_of_pair, ids, out, out, experts, d, ids.numel(), 4, 1,
+        hadamard.OUT_SCALE, PAIRS_PER_ROW=per_row, ROUNDED_MUL=not hadamard.INTERPRETED, ADD=False)
     rotated = hadamard.rotate_out(acc, svh, torch.float32, vec_rows=tables.vec) * tables.weight[:, None]
     for s in range(shards):
         for row in range(3):
@@ -212,6 +212,15 @@ def test_experts_row_alone_equals_row_in_company(experts: dict, rows: int) -> No
         batch = crowd[:m] if m > 12 else torch.cat([crowd[:m - 1], crowd[12:13]])
         row = gpu_moe(batch, experts, rows)[12 if m > 12 else m - 1]
         assert torch.equal(row, alone), f"row changed beside {m - 1} others"
+
+
+def test_experts_add_an_addend_after_the_rotated_sum(experts: dict) -> None:
+    """The rotated combine's `add` (moe.experts): the bits of adding it to the experts' output afterwards."""
+    x = randn(5, D, seed=18)
+    ids, rw = gpu_route(x, experts, 1 << 30)
+    args = (x, ids, rw, experts["gate"], experts["up"], experts["down"], LIMIT, 1 << 30)
+    add = randn(1, 5, D, dtype=torch.float32, seed=19)
+    assert torch.equal(moe.experts(*args, add=add), moe.experts(*args) + add)
 
 
 def test_mixed_formats_are_refused(experts: dict) -> None:

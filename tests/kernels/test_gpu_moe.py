@@ -183,3 +183,17 @@ def test_tile_order_changes_no_bit(weights: dict[str, torch.Tensor]) -> None:
         outs.append(out[0])
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     torch.testing.assert_close(outs[0].cpu(), torch_moe(x, weights), **HALF_TOL)
+
+
+@pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
+def test_an_addend_is_added_after_the_sum_in_the_combine(weights: dict[str, torch.Tensor], rows: int) -> None:
+    """`add` (the shared expert's partial when it runs apart, model/ffn.py) in the combine's launch: the bits of
+    adding it to the experts' output afterwards, in both row classes; one laid out otherwise is refused."""
+    x = randn(23, D, seed=31)
+    logits = gemm.matmul(x, weights["router"], rows, torch.float32)
+    ids, rw = moe.route(logits, weights["bias"], top_k=K, norm_topk_prob=True, scaling=2.5, n_real=23)
+    args = (x, ids, rw, weights["gate"], weights["up"], weights["down"], LIMIT, rows)
+    add = randn(1, 23, D, dtype=torch.float32, seed=32)
+    assert torch.equal(moe.experts(*args, add=add), moe.experts(*args) + add)
+    with pytest.raises(ValueError, match="laid out as the output"):
+        moe.experts(*args, add=add[:, :, : D // 2])
