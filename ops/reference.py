@@ -252,7 +252,8 @@ class ReferenceForward:
             # the shared expert: dense experts always hold it last in each shard's stack (m.shared_in_stack)
             shared = linear(moe.swiglu(linear(x, g[e]), linear(x, u[e]), m.swiglu_limit), d[e]).float()
             out.append(routed + shared)
-        return torch.stack(out) if add is None else torch.stack(out) + add
+        stacked = torch.stack(out)
+        return stacked if add is None else stacked + add
 
 
 def _per_linear(x: torch.Tensor, w: torch.Tensor, outputs: list[int]) -> torch.Tensor:

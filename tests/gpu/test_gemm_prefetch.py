@@ -25,13 +25,12 @@ def _needs_pdl():
 
 def _weight(n: int, k: int, fmt: str, seed: int):
     from kernels.gpu import gemm, wtiles
+    from kernels.quant import fp8
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
     if fmt == "bf16":
         return gemm.dense(w.to(torch.bfloat16))
-    s = w.abs().view(n // 128, 128, k // 128, 128).amax(dim=(1, 3)).clamp_min(1e-8) / 448
-    q = (w / s.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.float8_e4m3fn)
-    return wtiles.quantized("fp8", {"weight": q, "weight_scale_inv": s}, {"block": (128, 128)})
+    return wtiles.quantized("fp8", fp8.quantize_blocks(w), {"block": fp8.DEFAULT_BLOCK})
 
 
 BUDGETS = {"off": 0, "default": None, "whole span": 1 << 40}
