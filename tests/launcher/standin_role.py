@@ -28,6 +28,14 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 
+
+def _write_pid(piddir: str, filename: str, pid: int) -> None:
+    """Write-then-rename, so a test polling the folder never reads a half-written (empty) pid file."""
+    tmp = os.path.join(piddir, f".{filename}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(pid))
+    os.replace(tmp, os.path.join(piddir, filename))
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="standin_role")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -87,11 +95,9 @@ def main() -> None:
                                                   os._exit(0)))
     piddir = os.environ.get("STANDIN_PIDDIR")
     if piddir:
-        with open(os.path.join(piddir, f"{name}.pid"), "w") as f:
-            f.write(str(os.getpid()))
+        _write_pid(piddir, f"{name}.pid", os.getpid())
         gc = subprocess.Popen(["sleep", "600"])
-        with open(os.path.join(piddir, f"{name}.grandchild"), "w") as f:
-            f.write(str(gc.pid))
+        _write_pid(piddir, f"{name}.grandchild", gc.pid)
     fail = _for_me("STANDIN_FAIL_AT_START", name)
     if fail:
         print(f"stand-in {name}: boom, failing at start on purpose", flush=True)

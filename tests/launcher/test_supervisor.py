@@ -42,7 +42,8 @@ def _alive(pid: int) -> bool:
 
 
 def _pids(piddir: Path) -> dict[str, int]:
-    return {p.name: int(p.read_text()) for p in piddir.iterdir()}
+    # the stand-ins write ".<name>.tmp" and rename it into place: only whole pid files are read
+    return {p.name: int(p.read_text()) for p in piddir.iterdir() if not p.name.startswith(".")}
 
 
 def _env(**standin: str) -> dict[str, str]:
