@@ -16,10 +16,12 @@
 #                                      # bf16 in one run) and intsweep sections (the CUDA EXL3 product builds
 #                                      # in the background meanwhile)
 #   bash bench/gpu_check.sh rest [FORMAT]
-#                                      # issue 50's wide fp8 rest on humming-kernels: its GPU tests, then
-#                                      # bench/decode_prefill.py on the 4-layer slice of random FORMAT weights
-#                                      # (default exl3:2.5+fp8) at batch 1 and 8, once with --rest-fp8-kernel
-#                                      # triton and once humming (decode-prefill-rest-{triton,humming}.json)
+#                                      # issue 50's rest: the GPU tests of its GEMM paths (humming's fp8 rest,
+#                                      # prefetch, grouped and SwiGLU inputs, the experts' addend), then
+#                                      # bench/decode_prefill.py --profile on the 4-layer slice of random FORMAT
+#                                      # weights (default int3+fp8) at batch 1 and 8, once with --rest-fp8-kernel
+#                                      # triton and once humming (decode-prefill-rest-{triton,humming}.json and
+#                                      # their profiles, the graph-replayed step's own times among them)
 #   bash bench/gpu_check.sh profile [LAYERS] [FORMAT] [TP]
 #                                      # the whole-model bench at batch 1 (default 22 layers, w4a16+fp8, TP 1) with
 #                                      # the rank profiler over rounds 401-440 (PROFILE_ROUNDS=SKIP:COUNT to move
@@ -212,11 +214,12 @@ if [ "${1:-}" = "int" ]; then
     exit 0
 fi
 if [ "${1:-}" = "rest" ]; then
-    python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_dense_humming.py > "$OUT/gpu_tests_rest.log" 2>&1
+    python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_dense_humming.py tests/gpu/test_gemm_prefetch.py \
+        tests/gpu/test_gemm_inputs.py tests/gpu/test_int_moe.py > "$OUT/gpu_tests_rest.log" 2>&1
     grep -E "fp8 dense|passed|failed" "$OUT/gpu_tests_rest.log" | tail -6
     for kernel in triton humming; do
-        python3 -m bench.decode_prefill --batches 1,8 --prefill 2048 --peer none --random-weights "${2:-exl3:2.5+fp8}" \
-            --rest-fp8-kernel "$kernel" --name "decode_prefill-rest-$kernel" --out "$OUT" \
+        python3 -m bench.decode_prefill --batches 1,8 --prefill 2048 --peer none --random-weights "${2:-int3+fp8}" \
+            --rest-fp8-kernel "$kernel" --name "decode_prefill-rest-$kernel" --profile --out "$OUT" \
             > "$OUT/decode_prefill-rest-$kernel.log" 2>&1
         echo "rest fp8 kernel $kernel:"
         grep -E "rest fp8 kernel|median" "$OUT/decode_prefill-rest-$kernel.log" | tail -6

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 class DenseMlp:
     def __init__(self, gate_up: projection.Projection, down: projection.Projection, limit: float) -> None:
+        if len(gate_up.outputs) != 2 or gate_up.outputs[0] != gate_up.outputs[1]:
+            raise ValueError(f"a SwiGLU MLP's gate|up projection of {gate_up.outputs} outputs")
         self.gate_up, self.down, self.limit = gate_up, down, limit
 
     @classmethod
@@ -37,8 +39,7 @@ class DenseMlp:
 
     def forward(self, x: torch.Tensor, fwd: "Forward") -> torch.Tensor:
         """x [T, D] -> every local shard's partial [S, T, D] fp32."""
-        gate, up = fwd.shard_linear(x, self.gate_up).split(self.gate_up.outputs, dim=-1)
-        return fwd.shard_linear(fwd.swiglu(gate, up, self.limit), self.down, torch.float32)
+        return fwd.swiglu_linear(fwd.shard_linear(x, self.gate_up), self.down, self.limit, torch.float32)
 
 
 class Moe:

@@ -52,14 +52,19 @@ class Forward(Protocol):
         ...
 
     def shard_linear(self, x: torch.Tensor, p: Projection, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [T, K] (every shard's input) or [S, T, K] (each shard's own) -> [S, T, N]."""
+        """x [T, K] (every shard's input), [S, T, K] (each shard's own) or [G, T, K] (input i for shards
+        [i S / G, (i + 1) S / G): a stacked projection's linears, model/projection.py `load_stacked`) -> [S, T, N]."""
         ...
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor: ...
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor: ...
+    def swiglu_linear(self, gate_up: torch.Tensor, p: Projection, limit: float,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """gate_up [S, T, 2I] (each shard's gate | up) -> the clamped SwiGLU of its halves [S, T, I] through the
+        sharded projection p -> [S, T, N]."""
+        ...
 
     # ----- hyper-connections -----
 

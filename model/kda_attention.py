@@ -5,10 +5,15 @@ recurrence (chunked for prefill rows, one step for decode rows) -> gated RMSNorm
 Heads are split over virtual shards; each shard's heads run independently until o_proj, whose per-shard partial
 sums the caller reduces.
 
-Weights are stacked over the rank's local virtual shards ([S, ...]), per shard q|k|v|b as one projection and the
-low-rank gate inputs f_a|g_a as one replicated projection, so the fused path reads each input once per projection
-for every local shard. The recurrence and the gated norm are the ops layer's (`kda_attention`): the reference runs
-them row class by row class (kernels/kda.py), the fused path through the recurrent kernel, which norms decode-class
+Weights are stacked over the rank's local virtual shards ([S, ...]): per shard q|k|v as one projection. The
+narrow products of the layer input join one replicated projection, f_a | g_a | b with b over every head (a rank
+takes its own heads' columns): at every TP size one product of one shape, so its bits do not depend on the rank
+count, and a quantized q|k|v beside a dense b costs no second product over the input. f_b and g_b, one shape
+with inputs of their own, are stacked along the shard dim and run as one product (model/projection.py
+`load_stacked`). So the fused path reads each input once per projection for every local shard.
+
+The recurrence and the gated norm are the ops layer's (`kda_attention`): the reference runs them row class by
+row class (kernels/kda.py), the fused path through the recurrent kernel, which norms decode-class
 rows in the same launch (kernels/gpu/kda.py), and fla-core's `chunk_kda` — chunk-grid and batch invariant and close
 to the reference on a GPU (docs/benchmarks.md, "Kernels on one H200").
 """
@@ -35,31 +40,38 @@ class KdaAttention:
         self.layer = layer
         self.eps = cfg.rms_norm_eps
         p = prefix + "self_attn."
-        self.qkvb = projection.load(reader, [p + f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "b_proj")],
-                                    COLUMNS)
+        self.qkv = projection.load(reader, [p + f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj")], COLUMNS)
         q_c, k_c, v_c = (reader.split(p + f"{n}_conv1d.weight", 0) for n in "qkv")
         # [S, 3C, K]: per shard (q, k, v) channels — the layout of the shard's slice of the conv state.
         conv_w = torch.stack([torch.cat([a, b, c]).squeeze(1) for a, b, c in zip(q_c, k_c, v_c)])
-        self.fg_a = projection.load(reader, [p + "f_a_proj.weight", p + "g_a_proj.weight"])
-        self.f_b = projection.load(reader, [p + "f_b_proj.weight"], COLUMNS)  # [S, heads * dk, f rank]
+        # f_a | g_a | b (every head's beta), replicated; this rank's heads are the columns `self.beta` of b
+        self.narrow = projection.load(reader, [p + f"{n}.weight" for n in ("f_a_proj", "g_a_proj", "b_proj")])
+        rank_f, rank_g, all_heads = self.narrow.outputs
+        if rank_f != rank_g:
+            raise ValueError(f"{p}: f_a and g_a of {rank_f} and {rank_g} outputs (KDA's gates share one rank)")
+        local = reader.sharding.split(all_heads, p + "b_proj.weight")
+        self.beta = slice(2 * rank_f + local[0].start, 2 * rank_f + local[-1].stop)
+        self.rank = rank_f
+        # f_b then g_b, each [S, heads * d, rank]: one product over f_a's and g_a's outputs
+        self.fg_b = projection.load_stacked(reader, [p + "f_b_proj.weight", p + "g_b_proj.weight"])
         dt_bias = torch.stack(reader.split(p + "dt_bias", 0))  # [S, heads * dk]
         a_log = torch.stack(reader.split(p + "A_log", 0))  # [S, heads]
-        self.g_b = projection.load(reader, [p + "g_b_proj.weight"], COLUMNS)  # [S, heads * dv, g rank]
         self.o_norm = reader.full(p + "o_norm.weight")
         self.o_w = projection.load(reader, [p + "o_proj.weight"], ROWS)  # [S, D, heads * dv] (row-parallel)
         shards, heads = a_log.shape  # local virtual shards, heads per shard
         self.params = KdaParams(layer=layer, shards=shards, heads=heads, dl=cfg.linear_head_dim,
-                                width=sum(self.qkvb.outputs[:3]), conv_w=conv_w, dt_bias=dt_bias, a_log=a_log,
+                                width=self.qkv.n, conv_w=conv_w, dt_bias=dt_bias, a_log=a_log,
                                 lower_bound=cfg.linear_lower_bound)
 
     def forward(self, x: torch.Tensor, fwd: "Forward", selections: "Selections") -> torch.Tensor:
         """x [T, D] -> this rank's row-parallel partials [S, T, D] fp32."""
         k = self.params
-        fa, ga = fwd.linear(x, self.fg_a).split(self.fg_a.outputs, dim=-1)
-        xb = fwd.shard_linear(x, self.qkvb)  # [S, T, 3C + heads]
-        mixed, beta_raw = xb[..., : k.width], xb[..., k.width :]
-        g_raw = fwd.shard_linear(fa, self.f_b)
-        gate = fwd.shard_linear(ga, self.g_b)
+        t, r = x.shape[0], self.rank
+        narrow = fwd.linear(x, self.narrow)  # [T, f rank + g rank + every head]
+        low = narrow[:, : 2 * r].view(t, 2, r).transpose(0, 1)  # f_a's and g_a's outputs, [2, T, rank] (a view)
+        g_raw, gate = fwd.shard_linear(low, self.fg_b).split(k.shards)
+        beta_raw = narrow[:, self.beta].view(t, k.shards, k.heads).transpose(0, 1)  # this rank's heads, [S, T, H]
+        mixed = fwd.shard_linear(x, self.qkv)  # [S, T, 3C]
         out = fwd.kda_attention(k, mixed, g_raw, beta_raw, gate, self.o_norm, self.eps)
         return fwd.shard_linear(out, self.o_w, torch.float32)
 

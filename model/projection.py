@@ -31,6 +31,7 @@ class Projection:
     widths: list[int]  # output rows of each part (per shard)
     outputs: list[int]  # output rows of each linear joined here (per shard), to split the result by
     cut: int | None  # COLUMNS / ROWS: stacked over local virtual shards ([S, N, K]); None: replicated ([N, K])
+    stacked: int = 1  # linears stacked along the shard dim, each with its own input (`load_stacked`)
 
     @property
     def sharded(self) -> bool:
@@ -62,6 +63,31 @@ def load(reader: WeightReader, keys: list[str], dim: int | None = None) -> Proje
     else:
         stored = [reader.split_packed(k, dim) if packed else reader.split(k, dim) for k in keys]
     return join(stored, cut=dim)
+
+
+def load_stacked(reader: WeightReader, keys: list[str]) -> Projection:
+    """Column-parallel linears of one shape that each take an input of their own (KDA's f_b and g_b), stacked along
+    the shard dim: [len(keys) x S, N, K], linear i's shards after linear i-1's, so one product runs them all
+    (`Forward.shard_linear` with one input per linear). Linears stored in different formats are read dense: one
+    operand holds a single format."""
+    packed = reader.device.type == "cuda"
+    stored = [reader.split_packed(k, COLUMNS) if packed else reader.split(k, COLUMNS) for k in keys]
+    shapes = {tuple(w.shape) for linear in stored for w in linear}
+    if len(shapes) != 1:
+        raise ValueError(f"{', '.join(keys)}: stacked linears need one shape, not {sorted(shapes)}")
+    firsts = [linear[0] for linear in stored]
+    if not all(_joinable(firsts[0], w) for w in firsts[1:]):
+        stored = [[w if isinstance(w, torch.Tensor) else w.dequantize(reader.dtype).to(reader.device) for w in linear]
+                  for linear in stored]
+    shards = [w for linear in stored for w in linear]
+    if isinstance(shards[0], torch.Tensor):
+        part = torch.stack(shards)
+    else:
+        from kernels.gpu import wtiles  # packed operands exist on CUDA only
+
+        part = wtiles.stack_quantized(shards)
+    width = shards[0].shape[0]
+    return Projection([part], [width], [width], COLUMNS, stacked=len(keys))
 
 
 def join(stored: list[list[Any]], *, cut: int | None) -> Projection:

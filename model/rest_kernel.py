@@ -4,7 +4,7 @@ the weights are loaded and before CUDA graphs are captured or the rank warms up,
 
 The shape the choice reads is the whole linear's, over every virtual shard: the same at every TP size, so TP = 1, 2
 and 4 run one kernel per linear and keep their bits (docs/design.md §5.3). Row-parallel projections take another
-input per shard and their outputs are the model's width: they always stay on ours.
+input per shard and their outputs are the model's width, stacked ones an input per linear: they always stay on ours.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def prepare(model: object, setting: str, virtual: int, dtype: torch.dtype) -> st
 
     count = nbytes = 0
     for p in projections(model):
-        if p.cut == ROWS:
+        if p.cut == ROWS or p.stacked > 1:  # an input per shard (or per stacked linear): never humming's broadcast
             continue
         for i, part in enumerate(p.parts):
             if not isinstance(part, WeightArgs) or isinstance(part, fp8_dense.Fp8Dense):

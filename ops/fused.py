@@ -62,7 +62,8 @@ class FusedForward:
         return project(x.unsqueeze(0), p, self.rows.decode_rows, out_dtype)[0]
 
     def shard_linear(self, x: torch.Tensor, p: Projection, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [T, K] (broadcast to every shard) or [S, T, K] -> [S, T, N]."""
+        """x [T, K] (broadcast to every shard), [S, T, K] or [G, T, K] (one input per G-th of the shards: a stacked
+        projection) -> [S, T, N]."""
         return project(_per_shard(x, p), p, self.rows.decode_rows, out_dtype)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,9 +72,15 @@ class FusedForward:
     def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
         return gpu_norms.layer_norm(x, w, b, eps)
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-        """gate, up: the two halves of the gate|up projection's [S, T, 2I] output -> [S, T, I], in one launch."""
-        return gpu_swiglu.swiglu(gate, up, limit)
+    def swiglu_linear(self, gate_up: torch.Tensor, p: Projection, limit: float,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The SwiGLU applied as the product loads its input (gemm.bmm's `swiglu`: no launch of its own, the bits of
+        the SwiGLU kernel's output) when p is one operand our GEMM reads; else the SwiGLU kernel, then p."""
+        part = p.parts[0]
+        if len(p.parts) == 1 and gemm.reads_swiglu(part):
+            return gemm.bmm(gate_up, part, self.rows.decode_rows, out_dtype, swiglu=limit)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.shard_linear(gpu_swiglu.swiglu(gate, up, limit), p, out_dtype)
 
     # ----- hyper-connections -----
 
@@ -289,12 +296,13 @@ class FusedForward:
 
 
 def project(x: torch.Tensor, p: Projection, decode_rows: int, out_dtype: torch.dtype | None) -> torch.Tensor:
-    """x [B, M, K] through every part of `p` ([B, N_i, K] each) -> [B, M, N], each part's columns written in place;
-    rows [0, decode_rows) with the decode schedule, the rest with the prompt one (kernels/gpu/gemm.py; a run
-    repacked for humming, model/rest_kernel.py: kernels/gpu/fp8_dense.py)."""
+    """x [B / G, M, K] (each input feeding G consecutive shards: gemm.bmm) through every part of `p` ([B, N_i, K]
+    each) -> [B, M, N], each part's columns written in place; rows [0, decode_rows) with the decode schedule, the
+    rest with the prompt one (kernels/gpu/gemm.py; a run repacked for humming, model/rest_kernel.py:
+    kernels/gpu/fp8_dense.py)."""
     if len(p.parts) == 1:
         return _bmm(p.parts[0])(x, p.parts[0], decode_rows, out_dtype)
-    out = torch.empty(*x.shape[:2], p.n, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(p.shards, x.shape[1], p.n, dtype=out_dtype or x.dtype, device=x.device)
     lo = 0
     for part, width in zip(p.parts, p.widths):
         _bmm(part)(x, part, decode_rows, out_dtype, out=out[..., lo : lo + width])

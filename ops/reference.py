@@ -51,9 +51,13 @@ class ReferenceForward:
         return y if out_dtype is None else y.to(out_dtype)
 
     def shard_linear(self, x: torch.Tensor, p: Projection, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [T, K] (every shard's input) or [S, T, K] (each shard's own) -> [S, T, N]."""
+        """x [T, K] (every shard's input), [S, T, K] (each shard's own) or [G, T, K] (input i for shards
+        [i S / G, (i + 1) S / G)) -> [S, T, N]."""
         w = p.dense
-        xs = [x[j] if x.dim() == 3 else x for j in range(w.shape[0])]
+        s = w.shape[0]
+        if x.dim() == 3 and s % x.shape[0]:
+            raise ValueError(f"{x.shape[0]} inputs for {s} shards")
+        xs = [x[j * x.shape[0] // s] if x.dim() == 3 else x for j in range(s)]
         out = torch.stack([_per_linear(xj.contiguous(), w[j], p.outputs) for j, xj in enumerate(xs)])
         return out if out_dtype is None else out.to(out_dtype)
 
@@ -63,8 +67,10 @@ class ReferenceForward:
     def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
         return layer_norm(x.contiguous(), w, b, eps)
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-        return moe.swiglu(gate.contiguous(), up.contiguous(), limit)
+    def swiglu_linear(self, gate_up: torch.Tensor, p: Projection, limit: float,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.shard_linear(moe.swiglu(gate.contiguous(), up.contiguous(), limit), p, out_dtype)
 
     # ----- hyper-connections -----
 

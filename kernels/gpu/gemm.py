@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernels.gpu import arch as gpu_arch, arrivals, exl3_cuda, hadamard, pdl
 from kernels.gpu.pdl import prefetch_l2, wait_for_inputs
+from kernels.gpu.swiglu import clamped_swiglu, swiglu as swiglu_kernel
 from kernels.gpu.tile_order import grouped_tile
 from kernels.gpu.wtiles import Fmt, WeightArgs, dense, weight_tile
 
@@ -109,11 +110,11 @@ def decode_split(n: int, k: int, block_n: int, block_k: int, programs: int = _DE
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per_split,
-                 sxb, sxm, sxk, swb, swn, swk, ssb, ssn, ssk, sob, som, son, wss, wsb, wsm,
+                 sxb, sxm, sxk, swb, swn, swk, ssb, ssn, ssk, sob, som, son, wss, wsb, wsm, sxu, limit,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  SPLIT: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr, SB_N: tl.constexpr,
-                 SB_K: tl.constexpr, PF_LINES: tl.constexpr = 0, PF_STEP: tl.constexpr = 1,
-                 PDL: tl.constexpr = False):
+                 SB_K: tl.constexpr, X_GROUP: tl.constexpr = 1, SWIGLU: tl.constexpr = False,
+                 PF_LINES: tl.constexpr = 0, PF_STEP: tl.constexpr = 1, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     batch = tl.program_id(2)
@@ -132,13 +133,17 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    x_base = x_ptr + batch * sxb + rm[:, None] * sxm
+    # X_GROUP consecutive weights of the stack share one input (`bmm`'s grouped input)
+    x_base = x_ptr + (batch // X_GROUP) * sxb + rm[:, None] * sxm
     s_b = s_ptr + batch * ssb
     act = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         kk = k0 + rk
         a = tl.load(x_base + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        if SWIGLU:  # x holds gate | up: the product's input is their clamped SwiGLU, element by element
+            u = tl.load(x_base + sxu + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            a = clamped_swiglu(a.to(tl.float32), u.to(tl.float32), limit, act)
         b = weight_tile(w_b, s_b, rn, k0, N, K, swn, swk, ssn, ssk, FMT, BLOCK_N, BLOCK_K, SB_N, SB_K, act)
         if IEEE:  # fp32 operands: true fp32 products (tl.dot would round them to tf32)
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -182,11 +187,13 @@ def prefetch_lines(w: WeightArgs, tile: Tile, per_split: int, slices: int) -> tu
     return (1 << (lines.bit_length() - 1), step) if lines else (0, 1)
 
 
-def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile, prefetch: bool = False) -> None:
-    """x [B, M, K], w [B, N, K] (a stack of dense or quantized weights), out [B, M, N] (any strides); `prefetch`:
-    warm L2 with the first lines of each program's weight slice before waiting for the kernel before (decode-class
-    launches, whose weight is streamed once)."""
-    b, m, k = x.shape
+def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile, prefetch: bool = False,
+            swiglu: float | None = None) -> None:
+    """x [B / G, M, K] (each input shared by G consecutive weights; [.., 2K]: gate | up with `swiglu`), w [B, N, K]
+    (a stack of dense or quantized weights), out [B, M, N] (any strides); `prefetch`: warm L2 with the first lines
+    of each program's weight slice before waiting for the kernel before (decode-class launches, whose weight is
+    streamed once); `swiglu`: the clamp limit when the product's input is the clamped SwiGLU of x's halves."""
+    b, m, k = w.data.shape[0], x.shape[1], w.k
     n = w.n
     if m == 0:
         return
@@ -210,38 +217,57 @@ def _launch(x: torch.Tensor, w: WeightArgs, out: torch.Tensor, tile: Tile, prefe
         ws_strides = ws.stride()[:3]
     _gemm_kernel[grid](x, w.data, w.scale, out, ws, counts, m, n, k, per_split,
                        x.stride(0), x.stride(1), x.stride(2), *w.strides(),
-                       out.stride(0), out.stride(1), out.stride(2), *ws_strides,
-                       BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                       SPLIT=tile.split_k, IEEE=x.dtype == torch.float32, FMT=int(w.fmt), SB_N=w.block_n,
-                       SB_K=w.block_k, PF_LINES=pf_lines, PF_STEP=pf_step, num_warps=tile.warps,
-                       num_stages=tile.stages, **pdl.options())
+                       out.stride(0), out.stride(1), out.stride(2), *ws_strides, k * x.stride(2),
+                       float(swiglu or 0.0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                       GROUP_M=tile.group_m, SPLIT=tile.split_k, IEEE=x.dtype == torch.float32, FMT=int(w.fmt),
+                       SB_N=w.block_n, SB_K=w.block_k, X_GROUP=b // x.shape[0], SWIGLU=swiglu is not None,
+                       PF_LINES=pf_lines, PF_STEP=pf_step, num_warps=tile.warps, num_stages=tile.stages,
+                       **pdl.options())
+
+
+def reads_swiglu(w: object) -> bool:
+    """Whether `bmm` takes a gate | up input for weight `w` (a dense tensor or our GEMM's WeightArgs, not EXL3: its
+    rotation reads the input before the product; not a prepared operand of another kernel)."""
+    return isinstance(w, torch.Tensor) or (type(w) is WeightArgs and w.fmt is not Fmt.EXL3)
 
 
 def bmm(x: torch.Tensor, w: torch.Tensor | WeightArgs, decode_rows: int, out_dtype: torch.dtype | None = None,
-        out: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor | None = None, swiglu: float | None = None) -> torch.Tensor:
     """Batched `x[b] @ w[b].T`: x [B, M, K], w [B, N, K] (views with any strides, or quantized: WeightArgs)
     -> [B, M, N] in `out_dtype`, written into `out` when given (a view of a wider output: a projection whose
     linears are stored in several formats writes each run's columns in place).
+
+    x may hold fewer inputs than w weights, [B / G, M, K]: input i then goes through weights [i G, (i + 1) G) (two
+    low-rank projections of KDA, each over every local shard, as one launch). `swiglu` (a clamp limit): x is
+    [B, M, 2K], gate | up, and the product's input is their clamped SwiGLU (kernels/gpu/swiglu.py's element
+    formula, applied as decode-class rows' activations load: the down projection without a launch of its own;
+    prompt rows run the SwiGLU kernel first). Neither changes a bit of any product: each output element is reduced
+    as in a plain call.
 
     Rows [0, decode_rows) are decode-class, the rest prompt rows: one launch per class present, each with its own
     fixed schedule (0 = all prompt rows; >= M = all decode rows)."""
     w = w if isinstance(w, WeightArgs) else dense(w)
     b, m, k = x.shape
     n = w.n
-    if w.data.shape[0] != b or w.k != k:
-        raise ValueError(f"bmm: x {list(x.shape)} and a [{w.data.shape[0]}, {n}, {w.k}] weight do not fit")
+    if w.data.shape[0] % b or w.k * (2 if swiglu is not None else 1) != k:
+        raise ValueError(f"bmm: x {list(x.shape)} and a [{w.data.shape[0]}, {n}, {w.k}] weight do not fit"
+                         + (" (swiglu: x is gate | up)" if swiglu is not None else ""))
     if w.fmt is Fmt.EXL3:  # y = had(had(x * suh) @ T) * svh / 128, T the trellis tiles as stored
+        if swiglu is not None:
+            raise ValueError("bmm: EXL3 weights take no SwiGLU input (their rotation reads the input first)")
+        x = x.repeat_interleave(w.data.shape[0] // b, dim=0)  # each weight rotates its input by its own signs
+        b = x.shape[0]
         u = hadamard.rotate_in(x.reshape(b * m, k).contiguous(), w.suh, rows_per_vec=m).view(b, m, k)
         acc = _by_class(u, w, decode_rows, torch.float32)
         y = hadamard.rotate_out(acc.view(b * m, n), w.svh, out_dtype or x.dtype, rows_per_vec=m).view(b, m, n)
         return y if out is None else out.copy_(y)
-    return _by_class(x, w, decode_rows, out_dtype or x.dtype, out)
+    return _by_class(x, w, decode_rows, out_dtype or x.dtype, out, swiglu)
 
 
 def _by_class(x: torch.Tensor, w: WeightArgs, decode_rows: int, out_dtype: torch.dtype,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, swiglu: float | None = None) -> torch.Tensor:
     """One launch per row class present, each with its class's schedule (see `bmm`)."""
-    b, m, k = x.shape
+    b, m, k = w.data.shape[0], x.shape[1], w.k
     n = w.n
     if out is None:
         out = torch.empty(b, m, n, dtype=out_dtype, device=x.device)
@@ -252,9 +278,15 @@ def _by_class(x: torch.Tensor, w: WeightArgs, decode_rows: int, out_dtype: torch
         if exl3_cuda.covers(x, w, tile.block_m):
             out[:, :split] = exl3_cuda.dense(x[:, :split].contiguous(), w)
         else:
-            _launch(x[:, :split], w, out[:, :split], tile, prefetch=True)
+            _launch(x[:, :split], w, out[:, :split], tile, prefetch=True, swiglu=swiglu)
     if split < m:
-        _launch(x[:, split:], w, out[:, split:], schedule(n, k, RowClass.PREFILL, arch))
+        prompt = x[:, split:]
+        if swiglu is not None:
+            # Prompt rows take the SwiGLU kernel's launch first: they are compute-bound, so the launch it saves is
+            # worth little, and the prompt tile's gate and up steps in flight together would pass GB10's 99 KiB
+            # of shared memory a block (bench.kernel_census). One element formula: the input's bits are the same.
+            prompt = swiglu_kernel(prompt[..., :k], prompt[..., k:], swiglu)
+        _launch(prompt, w, out[:, split:], schedule(n, k, RowClass.PREFILL, arch))
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -126,10 +127,16 @@ def test_bad_options(tiny_dir, tmp_path):
              (["--format", "int3+fp8+fp8"], "lm_head [1088, 64] is not whole fp8 blocks of 32 x 32"),
              (["--format", "int3+fp8", "--experts-only"], "--experts-only takes one FORMAT"),
              (["--format", "bf16+bf16"], "quantizes nothing")]
-    for flags, message in cases:
-        proc = _run("quantize", "--model", str(tiny_dir), "--out", str(tmp_path / "x"), *flags)
+
+    def quantize(i: int, flags: list[str]) -> subprocess.CompletedProcess:
+        return _run("quantize", "--model", str(tiny_dir), "--out", str(tmp_path / f"x{i}"), *flags)
+
+    # Each case is a process of its own that mostly imports: four at a time (a case a time took ~70 s of the suite)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        procs = list(pool.map(quantize, range(len(cases)), [flags for flags, _ in cases]))
+    for i, ((flags, message), proc) in enumerate(zip(cases, procs)):
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
-        assert not (tmp_path / "x").exists(), flags
+        assert not (tmp_path / f"x{i}").exists(), flags
     same = _run("quantize", "--model", str(tiny_dir), "--out", str(tiny_dir), "--format", "fp8")
     assert same.returncode == 2 and "--out must differ from --model" in same.stderr
     missing = _run("quantize", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "y"), "--format", "fp8")

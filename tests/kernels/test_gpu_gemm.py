@@ -130,6 +130,46 @@ def test_stacked_shards_equal_one_product_per_shard(rows: int) -> None:
         assert torch.equal(row[j], gemm.matmul(xs[j], w[j], rows, out_dtype=torch.float32)), f"row shard {j}"
 
 
+@pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
+def test_grouped_inputs_equal_each_input_repeated(rows: int) -> None:
+    """Two stacked linears of S shards each with an input of their own (KDA's f_b over f_a's output, g_b over g_a's):
+    x [2, T, K] for a [2S, N, K] stack, here as strided halves of one [T, 2K] output (the model's view) — every
+    shard's output is the bits of the same product with the input repeated per shard."""
+    s, t, n, k = 2, 5, 256, 512
+    joined = randn(t, 2 * k, seed=40)
+    pair = joined.view(t, 2, k).transpose(0, 1)  # [2, T, K], strides (K, 2K, 1)
+    w = randn(2 * s, n, k, seed=41)
+    out = gemm.bmm(pair, w, rows, torch.float32)
+    want = gemm.bmm(pair.repeat_interleave(s, dim=0).contiguous(), w, rows, torch.float32)
+    assert out.shape == (2 * s, t, n) and torch.equal(out, want)
+    with pytest.raises(ValueError, match="do not fit"):
+        gemm.bmm(randn(3, t, k, seed=42), w, rows)
+
+
+@pytest.mark.parametrize("rows", CLASSES.values(), ids=CLASSES.keys())
+def test_swiglu_input_equals_the_swiglu_kernel_then_the_product(rows: int) -> None:
+    """The down projection reading gate | up through the clamped SwiGLU as it loads them: the SwiGLU kernel's
+    output through the same product (bit for bit in the interpreter; on a GPU within fp32 rounding, `_same`: the
+    activation tile is built in registers instead of loaded), for dense and fp8 weights, per shard (row-parallel:
+    each shard's own input); a row alone = in company, bit for bit everywhere. Values past the clamp limit are in
+    the inputs."""
+    from kernels.gpu import swiglu, wtiles
+    s, t, i, n, limit = 2, 9, 512, 256, 3.0
+    gate_up = randn(s, t, 2 * i, seed=43, scale=2.0)
+    dense = randn(s, n, i, seed=44, scale=0.05)
+    q8, s8 = zip(*(_fp8_block(dense[j].float().cpu()) for j in range(s)))
+    fp8 = wtiles.quantized("fp8", {"weight": torch.stack(q8).to(DEVICE),
+                                   "weight_scale_inv": torch.stack(s8).to(DEVICE)}, {"block": (128, 128)})
+    h = swiglu.swiglu(gate_up[..., :i], gate_up[..., i:], limit)
+    for w in (dense, fp8):
+        fused = gemm.bmm(gate_up, w, rows, torch.float32, swiglu=limit)
+        _same(fused, gemm.bmm(h, w, rows, torch.float32))
+        assert torch.equal(gemm.bmm(gate_up[:, 4:5], w, rows, torch.float32, swiglu=limit), fused[:, 4:5])
+    assert gemm.reads_swiglu(dense) and gemm.reads_swiglu(fp8)
+    with pytest.raises(ValueError, match="gate | up"):
+        gemm.bmm(h, dense, rows, swiglu=limit)
+
+
 def test_output_dtype_follows_input_by_default() -> None:
     out = gemm.matmul(randn(2, 256, seed=11), randn(32, 256, seed=12), 0)
     assert out.dtype == HALF and out.device.type == DEVICE

@@ -74,10 +74,16 @@ def assert_the_launch_is_route_then_grouping_then_tables(logits: torch.Tensor, b
         assert g.slots is None and g.int_tables is None
 
 
-@pytest.mark.parametrize("rows,n_real", [(1, 1), (7, 5), (64, 64), (200, 171)])
-@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no-shared"])
-@pytest.mark.parametrize("tables,block_m,shards", [("", 16, 1), ("slots", 16, 2), ("slots", 16, 4), ("int", 8, 4),
-                                                   ("int", 16, 1), ("int", 8, 2)])
+_TABLES = [("", 16, 1), ("slots", 16, 2), ("slots", 16, 4), ("int", 8, 4), ("int", 16, 1), ("int", 8, 2)]
+# Steps of 1, 7 and 64 rows cross every table layout with and without the shared expert; the 200-row step (several
+# row blocks, ~12 s a case in the interpreter) runs each layout once, with and without the shared expert in turn.
+_CASES = [(rows, n_real, shared, *t) for rows, n_real in ((1, 1), (7, 5), (64, 64)) for shared in (True, False)
+          for t in _TABLES] + [(200, 171, i % 2 == 0, *t) for i, t in enumerate(_TABLES)]
+
+
+@pytest.mark.parametrize("rows,n_real,shared,tables,block_m,shards", [
+    pytest.param(*case, id=f"{case[3]}-{case[4]}-{case[5]}-{'shared' if case[2] else 'no-shared'}-{case[0]}-{case[1]}")
+    for case in _CASES])
 def test_the_launch_equals_route_then_grouping_then_tables(rows: int, n_real: int, shared: bool, tables: str,
                                                             block_m: int, shards: int) -> None:
     ties = rows % 2 == 1

@@ -53,18 +53,21 @@ def models(tmp_path_factory) -> tuple[Glm5Model, Glm5Model]:
 
 
 def test_every_quantized_linear_stays_packed(models) -> None:
-    """Every projection part is packed exactly when its linears are stored quantized; KDA's beta and the indexer's
-    key / head weights stay dense (the recipe keeps them), so those joined projections run as two products written
-    into one output."""
+    """Every projection part is packed exactly when its linears are stored quantized; the indexer's key / head
+    weights stay dense (the recipe keeps them), so that joined projection runs as two products written into one
+    output. KDA's narrow products (f_a | g_a | b, and f_b with g_b stacked) stay dense, each one operand."""
     _, packed = models
     kda = next(layer for layer in packed.layers if layer.is_kda)
     mla = next(layer for layer in packed.layers if not layer.is_kda)
-    for proj in (kda.attn.qkvb, kda.attn.o_w, mla.attn.x_proj, mla.attn.q_b, mla.attn.o_w, mla.attn.indexer.wq_b,
+    for proj in (kda.attn.qkv, kda.attn.o_w, mla.attn.x_proj, mla.attn.q_b, mla.attn.o_w, mla.attn.indexer.wq_b,
                  packed.layers[0].ffn.gate_up, packed.layers[0].ffn.down):
         assert isinstance(proj.parts[0], WeightArgs) and proj.parts[0].fmt is Fmt.FP8_CHANNEL
-    assert [type(p).__name__ for p in kda.attn.qkvb.parts] == ["WeightArgs", "Tensor"]
+    assert len(kda.attn.qkv.parts) == 1
     assert [type(p).__name__ for p in mla.attn.x_proj.parts] == ["WeightArgs", "Tensor"]
-    assert isinstance(packed.lm_head.parts[0], torch.Tensor) and isinstance(kda.attn.fg_a.parts[0], torch.Tensor)
+    assert isinstance(packed.lm_head.parts[0], torch.Tensor)
+    for proj in (kda.attn.narrow, kda.attn.fg_b):
+        assert [type(p).__name__ for p in proj.parts] == ["Tensor"]
+    assert kda.attn.fg_b.stacked == 2 and kda.attn.fg_b.shards == 2 * kda.attn.params.shards
 
 
 def test_packed_fused_forward_equals_dequantized_fused_forward(models) -> None:
