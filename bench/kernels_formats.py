@@ -121,7 +121,7 @@ _SWEEP_TILES = [(bm, bn, bk, w, 4) for bm in (16, 64) for bn, bk in ((64, 128), 
                 for w in (4, 8)]
 _SWEEP_SHAPES = [("4096x12288", 12288, 4096), ("dense down", 4096, 12288)]
 # (name, N, K, format) of one layer's decode products at TP 1 (dense ones are the linears quantize keeps dense)
-_SPLIT_SHAPES = [("router", 288, 4096, "bf16"), ("kda f_a|g_a", 256, 4096, "bf16"), ("kda b", 64, 4096, "bf16"),
+_SPLIT_SHAPES = [("router", 288, 4096, "bf16"), ("kda f_a|g_a|b", 320, 4096, "bf16"),
                  ("mla q_a", 1536, 4096, "fp8"), ("shared gate|up", 4096, 4096, "fp8"),
                  ("shared down", 4096, 2048, "fp8"), ("kda o", 4096, 8192, "fp8"), ("kda q|k|v", 24576, 4096, "fp8")]
 
