@@ -50,13 +50,15 @@ def launch_key(fn: InterpretedFunction, args: tuple, kwargs: dict) -> tuple[str,
 
 
 class KeyLog:
-    """Every (kernel, key) launched while recording."""
+    """Every (kernel, key) launched while recording, and the launches in order."""
 
     def __init__(self) -> None:
         self.keys: dict[str, set[Key]] = defaultdict(set)
+        self.order: list[str] = []  # every launch's kernel name, in launch order
 
     def add(self, name: str, key: Key) -> None:
         self.keys[name].add(key)
+        self.order.append(name)
 
     def new_since(self, before: "KeyLog") -> dict[str, list[str]]:
         """Per kernel: for each key not in `before`, the arguments whose specialization differs from the nearest
