@@ -57,12 +57,15 @@ class Projection:
 def load(reader: WeightReader, keys: list[str], dim: int | None = None) -> Projection:
     """The linears `keys` joined along their outputs. dim None: replicated; COLUMNS / ROWS: this rank's virtual
     shards cut along that dim. On CUDA quantized linears stay packed; elsewhere every linear is read dense."""
+    return join(_read(reader, keys, dim), cut=dim)
+
+
+def _read(reader: WeightReader, keys: list[str], dim: int | None) -> list[list[Any]]:
+    """Each linear's local shards (one entry when replicated): packed on CUDA, dense elsewhere."""
     packed = reader.device.type == "cuda"
     if dim is None:
-        stored = [[reader.full_packed(k) if packed else reader.full(k)] for k in keys]
-    else:
-        stored = [reader.split_packed(k, dim) if packed else reader.split(k, dim) for k in keys]
-    return join(stored, cut=dim)
+        return [[reader.full_packed(k) if packed else reader.full(k)] for k in keys]
+    return [reader.split_packed(k, dim) if packed else reader.split(k, dim) for k in keys]
 
 
 def load_stacked(reader: WeightReader, keys: list[str]) -> Projection:
@@ -70,8 +73,7 @@ def load_stacked(reader: WeightReader, keys: list[str]) -> Projection:
     the shard dim: [len(keys) x S, N, K], linear i's shards after linear i-1's, so one product runs them all
     (`Forward.shard_linear` with one input per linear). Linears stored in different formats are read dense: one
     operand holds a single format."""
-    packed = reader.device.type == "cuda"
-    stored = [reader.split_packed(k, COLUMNS) if packed else reader.split(k, COLUMNS) for k in keys]
+    stored = _read(reader, keys, COLUMNS)
     shapes = {tuple(w.shape) for linear in stored for w in linear}
     if len(shapes) != 1:
         raise ValueError(f"{', '.join(keys)}: stacked linears need one shape, not {sorted(shapes)}")

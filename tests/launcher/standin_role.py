@@ -28,13 +28,13 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 
-
 def _write_pid(piddir: str, filename: str, pid: int) -> None:
     """Write-then-rename, so a test polling the folder never reads a half-written (empty) pid file."""
     tmp = os.path.join(piddir, f".{filename}.tmp")
     with open(tmp, "w") as f:
         f.write(str(pid))
     os.replace(tmp, os.path.join(piddir, filename))
+
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="standin_role")
